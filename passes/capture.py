@@ -1,0 +1,419 @@
+"""Capture a model with torch.export (training IR) into one FX graph.
+
+The model runs inside a thin wrapper that takes only the tensor leaves of ``(args, kwargs)``
+and returns only the tensor leaves of the output; non-tensor inputs are baked in (a new value
+re-captures) and the output's structure (dicts, dataclasses, Hugging Face ``ModelOutput``,
+``None`` fields) is recorded on the Python side and rebuilt around the tensors at run time.
+
+The graph executed is the training IR (``torch.export.export(..., strict=False)``): it keeps
+``torch.no_grad()`` regions (as ``wrap_with_set_grad_enabled``) and the model's in-place
+buffer updates. A functionalized copy (``run_decompositions({})``) is made once for analysis
+only: it names the buffers the forward mutates (BatchNorm statistics) and any inputs or
+parameters mutated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "CaptureError",
+    "Captured",
+    "Placeholder",
+    "OutputStructure",
+    "capture_model",
+    "flatten_inputs",
+    "InputSignature",
+]
+
+_WRAPPED = "m"  # attribute name of the user's model inside the capture wrapper
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as one graph; the message names the construct and a fix."""
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """One input of the captured graph.
+
+    ``kind`` is ``"param"``, ``"buffer"``, ``"constant"`` or ``"input"``; ``key`` is the
+    canonical name (the model's own parameter/buffer name; a tied parameter has one key) or,
+    for user inputs, ``"input:<i>"`` with ``index`` the position among tensor inputs.
+    """
+
+    name: str  # the graph placeholder's name
+    kind: str
+    key: str
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What a capture is specialised to: the training flag, the input tree structure, and
+    per leaf either (shape, dtype, requires_grad) for tensors or the value itself."""
+
+    training: bool
+    tree: str
+    leaves: tuple
+
+    def describe(self) -> str:
+        parts = []
+        for leaf in self.leaves:
+            if leaf[0] == "T":
+                parts.append(f"tensor{list(leaf[1])}:{str(leaf[2]).replace('torch.', '')}" + ("(grad)" if leaf[3] else ""))
+            else:
+                parts.append(repr(leaf[1]))
+        return f"{'train' if self.training else 'eval'}({', '.join(parts)})"
+
+
+def flatten_inputs(args: tuple, kwargs: dict, training: bool) -> tuple[list[torch.Tensor], InputSignature, Callable]:
+    """Split ``(args, kwargs)`` into tensor leaves, a hashable signature and a rebuild function."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensors: list[torch.Tensor] = []
+    sig: list[tuple] = []
+    positions: list[int] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            positions.append(i)
+            sig.append(("T", tuple(leaf.shape), leaf.dtype, bool(leaf.requires_grad)))
+        else:
+            try:
+                hash(leaf)
+                sig.append(("C", leaf))
+            except TypeError:
+                sig.append(("C", repr(leaf)))
+
+    def rebuild(new_tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
+        out = list(leaves)
+        for pos, t in zip(positions, new_tensors):
+            out[pos] = t
+        a, k = pytree.tree_unflatten(out, spec)
+        return a, k
+
+    return tensors, InputSignature(bool(training), str(spec), tuple(sig)), rebuild
+
+
+# ---- output structure ----------------------------------------------------------------------
+
+
+class OutputStructure:
+    """Records the structure of a model's output and rebuilds it around new tensors.
+
+    Handles tensors, tuples, lists, namedtuples, dicts (incl. OrderedDict and Hugging Face
+    ``ModelOutput``), dataclasses and constant leaves (None, ints, strings).
+    """
+
+    def __init__(self, obj: Any):
+        self.tensors: list[torch.Tensor] = []
+        self.spec = self._flatten(obj)
+
+    def _flatten(self, obj: Any) -> tuple:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return ("T", len(self.tensors) - 1)
+        if isinstance(obj, dict):
+            keys = list(obj.keys())
+            return ("dict", type(obj), keys, [self._flatten(obj[k]) for k in keys])
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            names = [f.name for f in dataclasses.fields(obj)]
+            return ("dc", type(obj), names, [self._flatten(getattr(obj, n)) for n in names])
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return ("nt", type(obj), [self._flatten(v) for v in obj])
+        if isinstance(obj, (tuple, list)):
+            return ("seq", type(obj), [self._flatten(v) for v in obj])
+        return ("C", obj)
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        return self._build(self.spec, tensors)
+
+    def _build(self, spec: tuple, t: list[torch.Tensor]) -> Any:
+        kind = spec[0]
+        if kind == "T":
+            return t[spec[1]]
+        if kind == "C":
+            return spec[1]
+        if kind == "seq":
+            return spec[1](self._build(s, t) for s in spec[2])
+        if kind == "nt":
+            return spec[1](*(self._build(s, t) for s in spec[2]))
+        if kind == "dict":
+            cls, keys, subs = spec[1], spec[2], spec[3]
+            values = {k: self._build(s, t) for k, s in zip(keys, subs)}
+            if cls is dict:
+                return values
+            try:
+                return cls(**values) if dataclasses.is_dataclass(cls) else cls(values)
+            except TypeError:
+                return cls(values)
+        if kind == "dc":
+            cls, names, subs = spec[1], spec[2], spec[3]
+            values = {n: self._build(s, t) for n, s in zip(names, subs)}
+            init = {f.name for f in dataclasses.fields(cls) if f.init}
+            obj = cls(**{k: v for k, v in values.items() if k in init})
+            for k, v in values.items():
+                if k not in init:
+                    object.__setattr__(obj, k, v)
+            return obj
+        raise AssertionError(f"unknown output spec {kind}")
+
+
+class _CaptureWrapper(nn.Module):
+    def __init__(self, model: nn.Module, rebuild: Callable):
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+        self._rebuild = rebuild
+        # NOTE: recorded through a closure, not a module attribute: export may trace a copy
+        # of the module and restores attributes assigned during tracing; a function is shared
+        # by reference even when the module is copied.
+        seen: list[OutputStructure] = []
+        self._record = seen.append
+        self._seen_ref = lambda: seen
+
+    @property
+    def structure(self) -> OutputStructure | None:
+        seen = self._seen_ref()
+        return seen[-1] if seen else None
+
+    def forward(self, *tensors: torch.Tensor):
+        args, kwargs = self._rebuild(list(tensors))
+        out = getattr(self, _WRAPPED)(*args, **kwargs)
+        st = OutputStructure(out)
+        self._record(st)
+        return tuple(st.tensors)
+
+
+# ---- the captured program -------------------------------------------------------------------
+
+
+@dataclass
+class Captured:
+    """A model captured as one FX graph (training IR) plus what the passes need to know.
+
+    Attributes:
+        gm: the graph module; placeholders in ``placeholders`` order.
+        placeholders: one per graph placeholder.
+        outputs: the graph's output nodes (tensors only; structure in ``structure``).
+        structure: rebuilds the model's output object around the output tensors.
+        params / buffers / constants: canonical key -> the tensor (the model's own objects).
+        trainable: canonical keys of parameters with ``requires_grad``.
+        mutated_buffers: canonical keys of buffers the forward updates in place.
+        signature: what this capture is specialised to.
+    """
+
+    gm: fx.GraphModule
+    placeholders: list[Placeholder]
+    outputs: list[fx.Node]
+    structure: OutputStructure
+    params: dict[str, nn.Parameter]
+    buffers: dict[str, torch.Tensor]
+    constants: dict[str, torch.Tensor]
+    trainable: frozenset[str]
+    mutated_buffers: frozenset[str]
+    signature: InputSignature
+    module_prefix: str = _WRAPPED + "."
+    model_name: str = ""
+    persistent: dict[str, bool] = field(default_factory=dict)
+
+    def placeholder_of(self, name: str) -> Placeholder:
+        for p in self.placeholders:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def _strip(name: str) -> str:
+    pre = _WRAPPED + "."
+    return name[len(pre) :] if name.startswith(pre) else name
+
+
+def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    """Capture ``model(*args, **kwargs)`` with torch.export (training IR, non-strict).
+
+    Inputs are moved to the CPU for tracing (the parameters live on the host); the graph is
+    retargeted later if the compute device differs. Raises :class:`CaptureError` with the
+    construct, the model's source line, and a suggested fix when export fails.
+    """
+    kwargs = dict(kwargs or {})
+    tensors, signature, rebuild = flatten_inputs(args, kwargs, model.training)
+    example = tuple(t.detach().to("cpu").requires_grad_(t.requires_grad) for t in tensors)
+    wrapper = _CaptureWrapper(model, rebuild)
+    wrapper.train(model.training)
+    try:
+        ep = torch.export.export(wrapper, example, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise _capture_error(model, e) from e
+    finally:
+        wrapper.train(model.training)
+    try:
+        analysis = ep.run_decompositions({}).graph_signature
+        mutated_targets = set(analysis.buffers_to_mutate.values())
+        mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
+        mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})
+    except Exception as e:  # noqa: BLE001
+        raise CaptureError(
+            f"shfx captured {type(model).__name__} but could not analyse which buffers its forward "
+            f"mutates (functionalization failed: {_first_line(e)}). Please report this model."
+        ) from e
+    if mutated_params:
+        names = ", ".join(sorted(_strip(t) for t in mutated_params.values()))
+        raise CaptureError(
+            f"{type(model).__name__}'s forward modifies parameters in place ({names}). shfx keeps "
+            "parameters on the host and updates them only in the optimizer step; move the in-place "
+            "change out of forward (e.g. into a hook after cm.step())."
+        )
+    if mutated_inputs:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward modifies its input tensors in place "
+            f"({', '.join(sorted(mutated_inputs.values()))}). shfx recomputes stages from their inputs, "
+            "so inputs must not change; clone the input inside forward (x = x.clone()) before changing it."
+        )
+
+    gm = ep.graph_module
+    canon_param = {id(p): n for n, p in model.named_parameters()}
+    canon_buffer = {id(b): n for n, b in model.named_buffers()}
+    persistent = {}
+    for mname, mod in model.named_modules():
+        for bname in mod._buffers:
+            persistent[f"{mname}.{bname}" if mname else bname] = bname not in mod._non_persistent_buffers_set
+    params: dict[str, nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
+    placeholders: list[Placeholder] = []
+    mutated: set[str] = set()
+    n_inputs = 0
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    specs = ep.graph_signature.input_specs
+    if len(phs) != len(specs):  # pragma: no cover - export invariant
+        raise CaptureError("torch.export returned a graph whose placeholders do not match its signature")
+    for node, spec in zip(phs, specs):
+        kind = spec.kind.name
+        if kind == "PARAMETER":
+            obj = wrapper.get_parameter(spec.target)
+            key = canon_param.get(id(obj), _strip(spec.target))
+            params[key] = obj
+            placeholders.append(Placeholder(node.name, "param", key))
+        elif kind == "BUFFER":
+            obj = wrapper.get_buffer(spec.target)
+            key = canon_buffer.get(id(obj), _strip(spec.target))
+            buffers[key] = obj
+            if spec.target in mutated_targets:
+                mutated.add(key)
+            placeholders.append(Placeholder(node.name, "buffer", key))
+        elif kind == "CONSTANT_TENSOR":
+            key = f"<constant>{_strip(spec.target)}"
+            constants[key] = ep.constants[spec.target]
+            placeholders.append(Placeholder(node.name, "constant", key))
+        elif kind == "USER_INPUT":
+            placeholders.append(Placeholder(node.name, "input", f"input:{n_inputs}", n_inputs))
+            n_inputs += 1
+        else:
+            raise CaptureError(
+                f"{type(model).__name__} captured with an input of kind {kind} ({spec.target}); shfx "
+                "supports parameters, buffers, tensor constants and tensor inputs"
+            )
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = list(out_node.args[0])
+    for o in outputs:
+        if not isinstance(o, fx.Node):  # pragma: no cover - wrapper returns tensors only
+            raise CaptureError(f"{type(model).__name__} returned a non-tensor where a tensor was expected: {o!r}")
+    structure = wrapper.structure
+    assert structure is not None
+    return Captured(
+        gm=gm,
+        placeholders=placeholders,
+        outputs=outputs,
+        structure=structure,
+        params=params,
+        buffers=buffers,
+        constants=constants,
+        trainable=frozenset(k for k, p in params.items() if p.requires_grad),
+        mutated_buffers=frozenset(mutated),
+        signature=signature,
+        model_name=type(model).__name__,
+        persistent=persistent,
+    )
+
+
+# ---- error messages ---------------------------------------------------------------------------
+
+_HINTS: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("past_key_values", "DynamicCache", "Cache", "use_cache"),
+        "the model builds a key/value cache during forward; pass use_cache=False (e.g. "
+        "model.config.use_cache = False) for training",
+    ),
+    (
+        (
+            "data-dependent",
+            "data dependent",
+            "GuardOnDataDependentSymNode",
+            "Could not guard on data-dependent",
+            "Could not extract specialized integer",
+            ".item()",
+            "nonzero",
+        ),
+        "control flow or a shape depends on tensor values (e.g. `if x.sum() > 0:`, `x.item()`, "
+        "`torch.nonzero`); compute it outside the model and pass it in, or use torch.cond",
+    ),
+    (
+        ("Unsupported", "graph break", "not supported"),
+        "the construct is not supported by torch.export; rewrite it with tensor operations, or move "
+        "it outside the model's forward",
+    ),
+]
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"
+
+
+def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = traceback.extract_tb(e.__traceback__)
+    cur: BaseException | None = e
+    while cur is not None:  # follow the chain: the user's frame is often in the cause
+        frames += traceback.extract_tb(cur.__traceback__)
+        cur = cur.__cause__ or cur.__context__
+    user = [
+        f
+        for f in frames
+        if not f.filename.startswith(torch_dir)
+        and not f.filename.startswith(here)
+        and "site-packages/torch" not in f.filename
+        and not f.filename.startswith("<")
+    ]
+    return user[-1] if user else None
+
+
+def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
+    text = f"{type(e).__name__}: {e}"
+    hint = None
+    for needles, h in _HINTS:
+        if any(n in text for n in needles):
+            hint = h
+            break
+    frame = _user_frame(e)
+    where = (
+        f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else ""
+    )
+    hint = hint or "check that forward runs with plain tensor operations and no Python-side state changes"
+    return CaptureError(
+        f"shfx could not capture {type(model).__name__} with torch.export: {_first_line(e)}{where}\n"
+        f"  what to change: {hint}.\n"
+        "  (shfx needs the whole forward as one graph; see the torch.export error above for details)"
+    )

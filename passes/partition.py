@@ -1,0 +1,618 @@
+"""The partition pass: split a captured graph into stages.
+
+``partition_stages(captured, model)`` labels every node with a stage and extracts one
+GraphModule per stage, a pure function ``f(*params, *buffers, *inputs) -> (*outputs)``
+(buffers the forward mutates are updated in place; the runtime hands a stage copies of them
+when it recomputes). Stages are:
+
+- **blocks** (default): the repeated blocks, auto-detected as the ModuleList/Sequential of
+  same-type modules holding the most parameters (at least half of the model's), or named with
+  ``blocks="transformer.h"``; everything before the first block is the *head* stage,
+  everything after the last the *tail*; code between blocks joins the block before it.
+- **by bytes** (fallback, or ``blocks=False``): cuts between top-level modules so stages hold
+  about equal parameter bytes (``num_stages``, default up to 8) - for models without repeated
+  blocks, e.g. a CNN with skip connections.
+
+Stages without parameters or buffers are merged into a neighbour. A tensor used by several
+stages (a tied embedding and head) is owned by the first and borrowed by the others.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .capture import Captured
+from .layout import Group, SlotPlan, TensorInfo, plan_groups, plan_slot
+from .stages import StageSpec
+from .units import format_bytes
+
+__all__ = ["Stage", "StageGraph", "ValueInfo", "PartitionError", "partition_stages", "find_blocks"]
+
+
+class PartitionError(ValueError):
+    """The model cannot be split as asked; the message names the module or node and a fix."""
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """A tensor that crosses a stage boundary (or a user input/output)."""
+
+    name: str
+    producer: int  # stage index; -1 for a user input
+    consumers: tuple[int, ...]  # stages reading it (besides the producer)
+    differentiable: bool
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    input_index: int = -1  # position among the user's tensor inputs when producer == -1
+
+
+@dataclass
+class Stage:
+    """One stage: its graph and everything the runtime needs to run it from a slot."""
+
+    index: int
+    name: str
+    gm: fx.GraphModule
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    mutated_buffers: tuple[str, ...]
+    trainable: tuple[str, ...]
+    slot: SlotPlan
+    spec: StageSpec
+    num_ops: int
+
+
+@dataclass
+class StageGraph:
+    """The partitioned model: stages, the values between them, and the host layout."""
+
+    stages: list[Stage]
+    values: dict[str, ValueInfo]
+    inputs: list[str]  # value name of each user tensor input
+    outputs: list[str]  # value name of each output tensor
+    groups: list[Group]
+    tensors: dict[str, TensorInfo]
+    owner: dict[str, int]
+    method: str  # "blocks:<path>" or "bytes"
+
+    @property
+    def specs(self) -> list[StageSpec]:
+        return [s.spec for s in self.stages]
+
+    @property
+    def slot_bytes(self) -> int:
+        return max(s.slot.nbytes for s in self.stages)
+
+    def describe(self) -> str:
+        rows = [
+            f"{len(self.stages)} stages ({self.method}); slot size {format_bytes(self.slot_bytes)}",
+            f"  {'#':>3}  {'name':<24} {'ops':>5} {'params':>7} {'prefetch':>11} {'grads':>11} {'act out':>11}",
+        ]
+        for s in self.stages:
+            out_bytes = sum(self.values[v].nbytes for v in s.outputs)
+            rows.append(
+                f"  {s.index:>3}  {s.name[:24]:<24} {s.num_ops:>5} {len(s.params):>7} {format_bytes(s.spec.prefetch_bytes):>11} "
+                f"{format_bytes(s.spec.grad_bytes):>11} {format_bytes(out_bytes):>11}"
+            )
+        return "\n".join(rows)
+
+
+# ---- block detection ---------------------------------------------------------------------
+
+
+def _numel(m: nn.Module) -> int:
+    seen: set[int] = set()
+    n = 0
+    for p in m.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def find_blocks(model: nn.Module, min_fraction: float = 0.5) -> str | None:
+    """The path of the ModuleList/Sequential of same-type modules with the most parameters,
+    if it holds at least ``min_fraction`` of the model's; else None."""
+    total = _numel(model)
+    best: tuple[int, int, str] | None = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+            continue
+        types = {type(c) for c in mod.children()}
+        if len(types) != 1:
+            continue
+        n = _numel(mod)
+        cand = (n, len(mod), name)
+        if best is None or cand[:2] > best[:2]:
+            best = cand
+    if best is None or total == 0 or best[0] < min_fraction * total:
+        return None
+    return best[2]
+
+
+def _resolve_blocks(model: nn.Module, blocks: Any) -> str | None:
+    if blocks is None:
+        return find_blocks(model)
+    if blocks is False:
+        return None
+    if isinstance(blocks, nn.Module):
+        for name, mod in model.named_modules():
+            if mod is blocks:
+                return name
+        raise PartitionError("blocks= names a module that is not part of the model")
+    if isinstance(blocks, str):
+        try:
+            mod = model.get_submodule(blocks)
+        except AttributeError:
+            lists = [n for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+            raise PartitionError(
+                f"blocks={blocks!r}: the model has no submodule of that name. Containers it has: "
+                f"{', '.join(lists[:12]) or 'none'}"
+            ) from None
+        if len(list(mod.children())) < 1:
+            raise PartitionError(f"blocks={blocks!r} names a module with no children")
+        return blocks
+    raise PartitionError(f"blocks= must be a module path (str), the container module, None (auto) or False, got {blocks!r}")
+
+
+# ---- node labelling ------------------------------------------------------------------------
+
+
+def _module_paths(node: fx.Node, prefix: str) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for v in stack.values():
+        path = v[0] if isinstance(v, tuple) else str(v)
+        if path.startswith(prefix):
+            out.append(path[len(prefix) :])
+        elif path + "." == prefix:
+            out.append("")
+    return out
+
+
+def _block_of(node: fx.Node, prefix: str, container: str) -> str | None:
+    head = container + "."
+    for p in _module_paths(node, prefix):
+        if p.startswith(head):
+            return p[len(head) :].split(".")[0]
+    return None
+
+
+def _top_module(node: fx.Node, prefix: str) -> str | None:
+    tops = [p.split(".")[0] for p in _module_paths(node, prefix) if p]
+    return tops[0] if tops else None
+
+
+def _label_blocks(nodes: list[fx.Node], prefix: str, container: str) -> tuple[dict[fx.Node, int], list[str]]:
+    blocks = [_block_of(n, prefix, container) for n in nodes]
+    positions = [i for i, b in enumerate(blocks) if b is not None]
+    if not positions:
+        raise PartitionError(
+            f"no operation of the graph runs inside {container!r}; pass blocks= with the path of the "
+            "repeated blocks (e.g. blocks='transformer.h'), or blocks=False to split by parameter bytes"
+        )
+    order: list[str] = []
+    for b in blocks:
+        if b is not None and b not in order:
+            order.append(b)
+    stage_of_block = {b: i + 1 for i, b in enumerate(order)}
+    first, last = positions[0], positions[-1]
+    labels: dict[fx.Node, int] = {}
+    cur = 0
+    tail = len(order) + 1
+    for i, (n, b) in enumerate(zip(nodes, blocks)):
+        if b is not None:
+            s = stage_of_block[b]
+            if s < cur:
+                raise PartitionError(
+                    f"operation {n.name!r} of block {container}.{b} runs after block {order[cur - 1]}: "
+                    f"shfx needs each block to run once, in order. Pass blocks= naming other modules, "
+                    "or blocks=False to split by parameter bytes."
+                )
+            cur = s
+        elif i < first:
+            s = 0
+        elif i > last:
+            s = tail
+        else:
+            s = cur
+        labels[n] = s
+    names = ["head"] + [f"{container}.{b}" for b in order] + ["tail"]
+    return labels, names
+
+
+def _label_bytes(
+    nodes: list[fx.Node], prefix: str, first_use_bytes: dict[fx.Node, int], num_stages: int | None
+) -> tuple[dict[fx.Node, int], list[str]]:
+    tops = [_top_module(n, prefix) for n in nodes]
+    cuts: list[int] = []  # node positions where a new top-level module starts
+    prev = None
+    for i, t in enumerate(tops):
+        if t is not None and prev is not None and t != prev:
+            cuts.append(i)
+        if t is not None:
+            prev = t
+    want = num_stages if num_stages is not None else min(8, len(cuts) + 1)
+    want = max(1, min(want, len(cuts) + 1))
+    total = sum(first_use_bytes.values())
+    chosen: list[int] = []
+    acc = 0
+    cut_set = set(cuts)
+    for i, n in enumerate(nodes):
+        if i in cut_set and len(chosen) < want - 1 and acc >= total / want * (len(chosen) + 1) - 1e-9 and acc > 0:
+            chosen.append(i)
+        acc += first_use_bytes.get(n, 0)
+    labels: dict[fx.Node, int] = {}
+    s = 0
+    bounds = set(chosen)
+    for i, n in enumerate(nodes):
+        if i in bounds:
+            s += 1
+        labels[n] = s
+    names = []
+    starts = [0] + chosen
+    ends = chosen + [len(nodes)]
+    for a, b in zip(starts, ends):
+        mods = [t for t in tops[a:b] if t is not None]
+        names.append(mods[0] if mods and mods[0] == mods[-1] else (f"{mods[0]}..{mods[-1]}" if mods else f"ops{a}"))
+    return labels, names
+
+
+# ---- helpers over the FX graph ------------------------------------------------------------
+
+
+def _inputs_of(n: fx.Node) -> list[fx.Node]:
+    return list(n.all_input_nodes)
+
+
+def _written_args(n: fx.Node) -> list[fx.Node]:
+    """Argument nodes an op writes to in place (from its schema)."""
+    t = n.target
+    schema = getattr(t, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if isinstance(v, fx.Node):
+                out.append(v)
+    return out
+
+
+def _alias_base(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and getattr(n.target, "is_view", False) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _is_float_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+
+
+_NONDIFF_TARGETS = {torch.ops.aten.detach.default}
+
+
+def partition_stages(
+    captured: Captured,
+    *,
+    blocks: Any = None,
+    num_stages: int | None = None,
+    groups: Sequence[Group] | None = None,
+    model: nn.Module | None = None,
+) -> StageGraph:
+    """Split ``captured`` into stages (see the module docstring).
+
+    ``groups`` is the host layout of an earlier capture of the same model; when given, tensors
+    keep their owners from it (the host store is shared by every capture) and slots borrow
+    what does not match. ``model`` is needed for block detection.
+    """
+    gm = captured.gm
+    prefix = captured.module_prefix
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr", "call_module", "call_method")]
+    ph_info = {p.name: p for p in captured.placeholders}
+    ph_nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+
+    # first use of each tensor placeholder, for byte-balanced cuts
+    first_use_bytes: dict[fx.Node, int] = {}
+    tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
+    seen_keys: set[str] = set()
+    for n in nodes:
+        for a in _inputs_of(n):
+            if a.op == "placeholder" and ph_info[a.name].kind != "input":
+                key = ph_info[a.name].key
+                if key not in seen_keys:
+                    seen_keys.add(key)
+                    t = tensor_obj[key]
+                    first_use_bytes[n] = first_use_bytes.get(n, 0) + t.numel() * t.element_size()
+
+    container = _resolve_blocks(model, blocks) if model is not None else (blocks if isinstance(blocks, str) else None)
+    if container is not None:
+        labels, names = _label_blocks(nodes, prefix, container)
+        method = f"blocks:{container}"
+    else:
+        if blocks is None and num_stages is None and model is not None and len(list(model.children())) == 0:
+            num_stages = 1
+        labels, names = _label_bytes(nodes, prefix, first_use_bytes, num_stages)
+        method = "bytes"
+
+    # getitem follows its source; get_attr (HOP bodies) follows its first user
+    for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in labels:
+            labels[n] = labels[n.args[0]]
+    for n in nodes:
+        if n.op == "get_attr" and n.users:
+            labels[n] = min(labels[u] for u in n.users if u in labels)
+
+    # stage -> tensor keys used
+    def keys_of(stage_nodes: list[fx.Node]) -> list[str]:
+        out: list[str] = []
+        for n in stage_nodes:
+            for a in _inputs_of(n):
+                if a.op == "placeholder" and ph_info[a.name].kind != "input":
+                    k = ph_info[a.name].key
+                    if k not in out:
+                        out.append(k)
+        return out
+
+    # merge stages without tensors into a neighbour, drop empty ones
+    nstage = len(names)
+    members: list[list[fx.Node]] = [[] for _ in range(nstage)]
+    for n in nodes:
+        members[labels[n]].append(n)
+    keep = [i for i in range(nstage) if members[i]]
+    with_tensors = [i for i in keep if keys_of(members[i])]
+    if not with_tensors:
+        with_tensors = keep[:1]
+    remap: dict[int, int] = {}
+    for i in keep:
+        if i in with_tensors:
+            remap[i] = i
+        else:
+            later = [j for j in with_tensors if j > i]
+            remap[i] = later[0] if later else max(j for j in with_tensors if j < i)
+    final = sorted(set(remap.values()))
+    new_index = {old: new for new, old in enumerate(final)}
+    merged_names: dict[int, list[str]] = {}
+    for i in keep:
+        merged_names.setdefault(new_index[remap[i]], []).append(names[i])
+    for n in nodes:
+        labels[n] = new_index[remap[labels[n]]]
+    stage_names = ["+".join(merged_names[i]) for i in range(len(final))]
+    n_stages = len(final)
+    members = [[] for _ in range(n_stages)]
+    for n in nodes:
+        members[labels[n]].append(n)
+
+    # ownership of tensors
+    stage_keys = [keys_of(m) for m in members]
+    tensors: dict[str, TensorInfo] = {}
+    for p in captured.placeholders:
+        if p.kind == "input":
+            continue
+        t = tensor_obj[p.key]
+        kind = p.kind if p.kind != "constant" else "constant"
+        tensors[p.key] = TensorInfo.of(
+            p.key, kind, t, trainable=p.key in captured.trainable, mutable=p.key in captured.mutated_buffers
+        )
+    if groups is None:
+        owned: list[list[TensorInfo]] = [[] for _ in range(n_stages)]
+        owner: dict[str, int] = {}
+        for s, ks in enumerate(stage_keys):
+            for k in ks:
+                if k not in owner:
+                    owner[k] = s
+                    owned[s].append(tensors[k])
+        groups = plan_groups(owned)
+    else:
+        groups = list(groups)
+        owner = {k: g.index for g in groups for k in g.keys}
+        for ks in stage_keys:
+            for k in ks:
+                if k not in owner:
+                    raise PartitionError(
+                        f"{k!r} is used by this capture but was not used when the model was first captured; "
+                        "shfx lays out host memory once per compiled model. Compile again (shfx.compile) for this use."
+                    )
+
+    # mutated buffers belong to one stage
+    mutated_by: dict[str, int] = {}
+    for s, m in enumerate(members):
+        for n in m:
+            for a in _inputs_of(n):
+                if a.op == "placeholder" and ph_info[a.name].key in captured.mutated_buffers:
+                    k = ph_info[a.name].key
+                    if mutated_by.setdefault(k, s) != s:
+                        raise PartitionError(
+                            f"buffer {k!r} is updated in place by the forward and used by stages "
+                            f"{stage_names[mutated_by[k]]!r} and {stage_names[s]!r}; a mutated buffer must stay "
+                            "in one stage. Pass blocks= so both uses fall into one stage."
+                        )
+
+    # differentiability
+    input_grad = {i: leaf[3] for i, leaf in enumerate(l for l in captured.signature.leaves if l[0] == "T")}
+    needs_grad: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            p = ph_info[n.name]
+            needs_grad[n] = (p.kind == "param" and p.key in captured.trainable) or (p.kind == "input" and input_grad.get(p.index, False))
+        elif n.op == "output":
+            continue
+        else:
+            val = n.meta.get("val")
+            src = any(needs_grad.get(a, False) for a in _inputs_of(n))
+            if n.target in _NONDIFF_TARGETS:
+                src = False
+            if n.op == "call_function" and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled" and n.args and n.args[0] is False:
+                src = False
+            if n.op == "call_function" and n.target is operator.getitem:
+                src = needs_grad.get(n.args[0], False)
+            needs_grad[n] = bool(src) and (_is_float_tensor(val) or isinstance(val, (tuple, list)))
+
+    # values crossing stages
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    consumers: dict[fx.Node, set[int]] = {}
+    for s, m in enumerate(members):
+        for n in m:
+            for a in _inputs_of(n):
+                if a.op == "placeholder":
+                    if ph_info[a.name].kind == "input":
+                        consumers.setdefault(a, set()).add(s)
+                elif labels[a] != s:
+                    if labels[a] > s:  # pragma: no cover - labels are monotone in graph order
+                        raise PartitionError(f"node {n.name!r} in stage {s} reads {a.name!r} from a later stage")
+                    consumers.setdefault(a, set()).add(s)
+    for o in captured.outputs:
+        if o.op == "placeholder" and ph_info[o.name].kind != "input":
+            raise PartitionError(
+                f"{captured.model_name} returns the {ph_info[o.name].kind} {ph_info[o.name].key!r} itself; shfx keeps "
+                "parameters and buffers on the host. Return a copy (e.g. weight.clone()) or read it from the model."
+            )
+        consumers.setdefault(o, set())
+
+    values: dict[str, ValueInfo] = {}
+    for v, cons in consumers.items():
+        val = v.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise PartitionError(
+                f"value {v.name!r} crosses from stage {labels.get(v, -1)} to {sorted(cons)} but is not a tensor "
+                f"({type(val).__name__}); choose other stage boundaries with blocks="
+            )
+        producer = -1 if v.op == "placeholder" else labels[v]
+        values[v.name] = ValueInfo(
+            name=v.name,
+            producer=producer,
+            consumers=tuple(sorted(c for c in cons if c != producer)),
+            differentiable=bool(needs_grad.get(v, False)) and _is_float_tensor(val),
+            nbytes=val.numel() * val.element_size(),
+            shape=tuple(val.shape),
+            dtype=val.dtype,
+            input_index=ph_info[v.name].index if v.op == "placeholder" else -1,
+        )
+
+    # stage inputs must not be modified in place (they are recomputed from)
+    for s, m in enumerate(members):
+        for n in m:
+            for w in _written_args(n):
+                base = _alias_base(w)
+                if base.op == "placeholder" and ph_info[base.name].kind == "input" or (
+                    base.op != "placeholder" and labels.get(base, s) != s
+                ):
+                    raise PartitionError(
+                        f"stage {stage_names[s]!r} modifies its input {base.name!r} in place ({n.name}: {n.target}); "
+                        "shfx recomputes stages from their inputs, so they must not change. Make the operation "
+                        "out of place (x = x + y rather than x += y)."
+                    )
+
+    # build stage graph modules
+    stages: list[Stage] = []
+    out_values = {o.name for o in captured.outputs}
+    for s, m in enumerate(members):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        keys = stage_keys[s]
+        params = [k for k in keys if tensors[k].kind == "param"]
+        bufs = [k for k in keys if tensors[k].kind != "param"]
+        ins: list[str] = []
+        for n in m:
+            for a in _inputs_of(n):
+                if (a.op == "placeholder" and ph_info[a.name].kind == "input") or (a.op != "placeholder" and labels[a] != s):
+                    if a.name not in ins:
+                        ins.append(a.name)
+        key_ph: dict[str, fx.Node] = {}
+        for k in params + bufs:
+            key_ph[k] = g.placeholder(_safe(k))
+        for v in ins:
+            env[ph_nodes[v] if v in ph_nodes else next(x for x in gm.graph.nodes if x.name == v)] = g.placeholder("in_" + v)
+        for p in captured.placeholders:
+            if p.kind != "input" and p.key in key_ph:
+                env[ph_nodes[p.name]] = key_ph[p.key]
+        for n in m:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        outs = [n.name for n in m if n in consumers and (values[n.name].consumers or n.name in out_values)]
+        g.output(tuple(env[next(x for x in m if x.name == o)] for o in outs))
+        sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
+        trainable = tuple(k for k in params if k in captured.trainable)
+        slot = plan_slot(s, keys, mutated, trainable, groups, owner)
+        grad_groups = frozenset(c.group for c in slot.grads)
+        update_group = s if (groups[s].trainable_bytes > 0 if s < len(groups) else False) and owner_stage_is(groups, s, owner, stage_keys) else None
+        spec = StageSpec(
+            index=s,
+            name=stage_names[s],
+            producers=frozenset(values[v].producer for v in ins if values[v].producer >= 0),
+            prefetch_bytes=SlotPlan.total(slot.prefetch),
+            grad_bytes=SlotPlan.total(slot.grads),
+            buffer_out_bytes=SlotPlan.total(slot.buffers_out),
+            grad_groups=grad_groups,
+            update_group=update_group,
+        )
+        stages.append(
+            Stage(
+                index=s,
+                name=stage_names[s],
+                gm=sgm,
+                params=tuple(params),
+                buffers=tuple(bufs),
+                inputs=tuple(ins),
+                outputs=tuple(outs),
+                mutated_buffers=mutated,
+                trainable=trainable,
+                slot=slot,
+                spec=spec,
+                num_ops=sum(1 for n in m if n.op == "call_function"),
+            )
+        )
+    # every group with trainable bytes must be updated by exactly one stage's U
+    claimed = {st.spec.update_group for st in stages if st.spec.update_group is not None}
+    for grp in groups:
+        if grp.trainable_bytes and grp.index not in claimed:
+            users = [st for st in stages if grp.index in st.spec.grad_groups]
+            if users:
+                st = users[0]
+                stages[st.index].spec = _replace_spec(st.spec, update_group=grp.index) if st.spec.update_group is None else st.spec
+    input_names = [None] * sum(1 for p in captured.placeholders if p.kind == "input")
+    for p in captured.placeholders:
+        if p.kind == "input":
+            input_names[p.index] = p.name
+            if p.name not in values:
+                val = ph_nodes[p.name].meta.get("val")
+                values[p.name] = ValueInfo(
+                    p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index
+                )
+    return StageGraph(
+        stages=stages,
+        values=values,
+        inputs=input_names,
+        outputs=[o.name for o in captured.outputs],
+        groups=list(groups),
+        tensors=tensors,
+        owner=owner,
+        method=method,
+    )
+
+
+def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: list[list[str]]) -> bool:
+    """True when stage ``s`` uses group ``s``'s tensors (so it can own the group's update)."""
+    return any(owner.get(k) == s for k in stage_keys[s])
+
+
+def _replace_spec(spec: StageSpec, **kw: Any) -> StageSpec:
+    from dataclasses import replace
+
+    return replace(spec, **kw)
+
+
+def _safe(key: str) -> str:
+    out = "".join(c if c.isalnum() else "_" for c in key)
+    return out if out and not out[0].isdigit() else "t_" + out

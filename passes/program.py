@@ -1,0 +1,432 @@
+"""The step program: the IR every schedule is written in.
+
+A step program is a :class:`torch.fx.Graph` whose nodes call a small set of action ops
+(:mod:`passes.ops`). Each node's ``meta["shfx"]`` holds an :class:`ActionMeta`; a node's
+arguments after the stage index are the nodes it must wait for (tokens), so the dependency
+DAG *is* the FX graph. Node order is issue order.
+
+The compact string form follows torch.distributed.pipelining (``PF3``, ``F3``, ``B3``, ...):
+:meth:`Program.actions` gives it and :func:`lower_actions` builds a program back from it,
+adding the dependency edges and slot assignments, so a schedule can be written by hand.
+
+>>> from passes.stages import chain
+>>> p = lower_actions(["PF0", "F0", "PF1", "F1", "B1", "OG1", "U1", "R1", "B0", "OG0", "U0", "R0"],
+...                   chain(2), num_slots=2)
+>>> p.actions()[:4]
+['PF0', 'F0', 'PF1', 'F1']
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
+
+from . import ops
+from .meta import get_meta, has_meta, set_meta
+from .stages import StageSpec, consumers_of
+from .units import format_bytes
+
+__all__ = [
+    "ActionKind",
+    "Action",
+    "ActionMeta",
+    "Program",
+    "ScheduleError",
+    "lower_actions",
+    "STREAMS",
+]
+
+
+class ScheduleError(ValueError):
+    """A step program that cannot be built or that breaks an invariant."""
+
+
+class ActionKind(str, enum.Enum):
+    """The kinds of step-program actions; the value is the short string prefix."""
+
+    PREFETCH = "PF"  # copy a stage's params/buffers host -> a device slot
+    FORWARD = "F"  # run a stage, keep its boundary outputs
+    OFFLOAD_BUFFERS = "OB"  # copy buffers the forward mutated (BatchNorm stats) device -> host
+    RELEASE = "R"  # the stage's slot may be reused (a pure join of the slot's readers)
+    BACKWARD = "B"  # recompute the stage, then grads of its inputs and params
+    OFFLOAD_GRAD = "OG"  # copy a stage's param grads device -> host, accumulate in fp32
+    CPU_STEP = "U"  # host optimizer update of one parameter group
+
+    @property
+    def stream(self) -> str:
+        return _STREAM[self]
+
+
+STREAMS = ("compute", "h2d", "d2h", "cpu", "none")
+_STREAM = {
+    ActionKind.PREFETCH: "h2d",
+    ActionKind.FORWARD: "compute",
+    ActionKind.OFFLOAD_BUFFERS: "d2h",
+    ActionKind.RELEASE: "none",
+    ActionKind.BACKWARD: "compute",
+    ActionKind.OFFLOAD_GRAD: "d2h",
+    ActionKind.CPU_STEP: "cpu",
+}
+_OP = {
+    ActionKind.PREFETCH: ops.prefetch,
+    ActionKind.FORWARD: ops.forward,
+    ActionKind.OFFLOAD_BUFFERS: ops.offload_buffers,
+    ActionKind.RELEASE: ops.release,
+    ActionKind.BACKWARD: ops.backward,
+    ActionKind.OFFLOAD_GRAD: ops.offload_grad,
+    ActionKind.CPU_STEP: ops.cpu_step,
+}
+# Longest prefixes first so "PF3" is not read as "P" + "F3".
+_ACTION_RE = re.compile(r"^(PF|OB|OG|F|R|B|U)(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One action on one stage (or, for ``U``, one host parameter group).
+
+    >>> str(Action(ActionKind.PREFETCH, 3))
+    'PF3'
+    >>> Action.from_str("OG12")
+    Action(kind=<ActionKind.OFFLOAD_GRAD: 'OG'>, stage=12)
+    """
+
+    kind: ActionKind
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}"
+
+    @classmethod
+    def from_str(cls, s: str) -> Action:
+        m = _ACTION_RE.match(s.strip())
+        if not m:
+            raise ValueError(
+                f"cannot read action {s!r}: expected a kind ({', '.join(k.value for k in ActionKind)}) "
+                "followed by a stage number, e.g. 'PF3'"
+            )
+        return cls(ActionKind(m.group(1)), int(m.group(2)))
+
+
+@dataclass(frozen=True)
+class ActionMeta:
+    """What ``node.meta["shfx"]`` holds for a step-program node.
+
+    Attributes:
+        action: the action.
+        phase: ``"forward"`` (runs inside the model call) or ``"backward"`` (inside
+            ``loss.backward()``; ``U`` nodes may be deferred to ``step()``).
+        slot: the device slot the action uses (PF/F/OB/R/B/OG), None for ``U``.
+        bytes: bytes the action moves over the link (PF: h2d, OG/OB: d2h), else 0.
+        keep_graph: FORWARD only: keep the stage's autograd graph so its BACKWARD does not
+            recompute (set when the stage's backward is the very next compute action).
+        cost_s: predicted duration, filled by the cost model (None until annotated).
+    """
+
+    action: Action
+    phase: str
+    slot: int | None = None
+    bytes: int = 0
+    keep_graph: bool = False
+    cost_s: float | None = None
+
+    @property
+    def kind(self) -> ActionKind:
+        return self.action.kind
+
+    @property
+    def stage(self) -> int:
+        return self.action.stage
+
+    @property
+    def stream(self) -> str:
+        return self.action.kind.stream
+
+
+class Program:
+    """A step program: an FX graph of actions plus the facts it was built for.
+
+    Attributes:
+        graph: the FX graph (node order = issue order; args[1:] = dependencies).
+        stages: the :class:`StageSpec` of every stage.
+        num_slots: device slots the program may use (the window W).
+        name: the policy that produced it.
+    """
+
+    def __init__(self, graph: fx.Graph, stages: Sequence[StageSpec], num_slots: int, name: str = "custom"):
+        self.graph = graph
+        self.stages = tuple(stages)
+        self.num_slots = num_slots
+        self.name = name
+
+    # ---- reading -------------------------------------------------------------------------
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if has_meta(n)]
+
+    def actions(self, phase: str | None = None) -> list[str]:
+        """The flat string form in issue order, e.g. ``["PF0", "PF1", "F0", ...]``."""
+        return [str(get_meta(n).action) for n in self.nodes if phase is None or get_meta(n).phase == phase]
+
+    def phase_nodes(self, phase: str) -> list[fx.Node]:
+        return [n for n in self.nodes if get_meta(n).phase == phase]
+
+    @staticmethod
+    def deps(node: fx.Node) -> list[fx.Node]:
+        """The nodes ``node`` waits for."""
+        return [a for a in node.args[1:] if isinstance(a, fx.Node)]
+
+    def find(self, action: str | Action, phase: str | None = None) -> fx.Node:
+        """The first node with this action (optionally in one phase)."""
+        action = Action.from_str(action) if isinstance(action, str) else action
+        for n in self.nodes:
+            m = get_meta(n)
+            if m.action == action and (phase is None or m.phase == phase):
+                return n
+        raise KeyError(f"{action} is not in program {self.name!r}")
+
+    def bytes_moved(self, phase: str | None = None) -> dict[str, int]:
+        """Bytes the program moves per direction: ``{"h2d": ..., "d2h": ...}``."""
+        out = {"h2d": 0, "d2h": 0}
+        for n in self.nodes:
+            m = get_meta(n)
+            if phase is not None and m.phase != phase:
+                continue
+            if m.stream in out:
+                out[m.stream] += m.bytes
+        return out
+
+    def count(self, kind: ActionKind, phase: str | None = None) -> int:
+        return sum(1 for n in self.nodes if get_meta(n).kind == kind and (phase is None or get_meta(n).phase == phase))
+
+    @property
+    def window(self) -> int:
+        return self.num_slots
+
+    def to_networkx(self):
+        """The dependency DAG as a ``networkx.DiGraph`` (edge u -> v: v waits for u)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for n in self.nodes:
+            g.add_node(n.name, node=n, action=str(get_meta(n).action))
+            for d in self.deps(n):
+                g.add_edge(d.name, n.name)
+        return g
+
+    def with_costs(self, cost_of) -> Program:
+        """A copy whose nodes carry ``cost_s = cost_of(meta)``."""
+        new = self.copy()
+        for n in new.nodes:
+            m = get_meta(n)
+            set_meta(n, replace(m, cost_s=float(cost_of(m))))
+        return new
+
+    def copy(self) -> Program:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in self.graph.nodes:
+            env[n] = g.node_copy(n, lambda a: env[a])
+            env[n].meta = dict(n.meta)
+        return Program(g, self.stages, self.num_slots, self.name)
+
+    # ---- printing ------------------------------------------------------------------------
+    def format(self, mark: fx.Node | None = None) -> str:
+        """A table of the program, one action per row; ``mark`` gets an arrow (used on failure)."""
+        rows = [
+            f"program {self.name!r}: {len(self.stages)} stages, {self.num_slots} slots, "
+            f"{len(self.nodes)} actions; moves {format_bytes(self.bytes_moved()['h2d'])} h2d, "
+            f"{format_bytes(self.bytes_moved()['d2h'])} d2h per step",
+            f"  {'#':>4}  {'action':<7} {'phase':<9} {'stream':<8} {'slot':>4} {'bytes':>11}  waits for",
+        ]
+        for i, n in enumerate(self.nodes):
+            m = get_meta(n)
+            deps = ", ".join(str(get_meta(d).action) for d in self.deps(n)) or "-"
+            slot = "" if m.slot is None else str(m.slot)
+            nbytes = format_bytes(m.bytes) if m.bytes else ""
+            arrow = "->" if n is mark else "  "
+            flag = "  (keeps graph)" if m.keep_graph else ""
+            rows.append(f"{arrow}{i:>4}  {str(m.action):<7} {m.phase:<9} {m.stream:<8} {slot:>4} {nbytes:>11}  {deps}{flag}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def __repr__(self) -> str:
+        return f"Program({self.name!r}, stages={len(self.stages)}, slots={self.num_slots}, actions={self.actions()})"
+
+
+def _parse(a: str | Action) -> Action:
+    return a if isinstance(a, Action) else Action.from_str(a)
+
+
+def lower_actions(
+    actions: Iterable[str | Action],
+    stages: Sequence[StageSpec],
+    num_slots: int,
+    *,
+    name: str = "custom",
+    keep_graph: bool = True,
+) -> Program:
+    """Given actions in issue order, add dependency edges and slot assignments.
+
+    Rules (each edge is a wait):
+      - ``PF s`` takes the lowest free slot and waits for the ``R`` that last freed it; it also
+        waits for earlier ``OB s`` (host buffers written) and ``U g`` of groups the stage reads.
+      - ``F s`` waits for its ``PF`` and for ``F p`` of every producer ``p``.
+      - ``OB s`` waits for ``F s``; ``OG s`` waits for ``B s``.
+      - ``B s`` waits for its ``PF``, for ``F s`` (when in this program) and for ``B c`` of every
+        consumer ``c`` (its output gradients).
+      - ``R s`` waits for every action that read the slot since its ``PF``; it frees the slot.
+      - ``U g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``.
+    The phase is ``"forward"`` up to the first ``B`` and ``"backward"`` after it.
+    With ``keep_graph``, a FORWARD whose stage's BACKWARD is the next compute action keeps its
+    autograd graph instead of being recomputed.
+
+    Raises :class:`ScheduleError` naming the action when the sequence cannot be built (a slot
+    needed but none free, a stage used while not resident, a dependency that comes later).
+    """
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ScheduleError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    by_index = {s.index: s for s in stages}
+    consumers = consumers_of(list(stages))
+    graph = fx.Graph()
+    free = list(range(num_slots))  # free slots, lowest first
+    last_release: dict[int, fx.Node] = {}  # slot -> R that freed it
+    resident: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # stage -> (slot, PF, readers)
+    last: dict[Action, fx.Node] = {}  # most recent node of each action
+    phase = "forward"
+    seq = [_parse(a) for a in actions]
+
+    def fail(pos: int, act: Action, msg: str) -> ScheduleError:
+        around = " ".join(str(a) for a in seq[max(0, pos - 4) : pos]) + f" [{act}] " + " ".join(
+            str(a) for a in seq[pos + 1 : pos + 4]
+        )
+        return ScheduleError(f"cannot lower action #{pos} {act} ({around.strip()}): {msg}")
+
+    def need_stage(pos: int, act: Action) -> StageSpec:
+        if act.stage not in by_index:
+            raise fail(pos, act, f"there is no stage {act.stage} (stages are 0..{len(stages) - 1})")
+        return by_index[act.stage]
+
+    def need_resident(pos: int, act: Action) -> tuple[int, fx.Node, list[fx.Node]]:
+        if act.stage not in resident:
+            raise fail(pos, act, f"stage {act.stage} is not resident; prefetch it first (PF{act.stage})")
+        return resident[act.stage]
+
+    def need(pos: int, act: Action, dep: Action, why: str) -> fx.Node:
+        if dep not in last:
+            raise fail(pos, act, f"it needs {dep} ({why}) earlier in the program")
+        return last[dep]
+
+    for pos, act in enumerate(seq):
+        k, s = act.kind, act.stage
+        deps: list[fx.Node] = []
+        slot: int | None = None
+        nbytes = 0
+        if k == ActionKind.BACKWARD:
+            phase = "backward"
+        elif k == ActionKind.FORWARD and phase == "backward":
+            raise fail(pos, act, "a FORWARD cannot come after the first BACKWARD of a step")
+
+        if k == ActionKind.CPU_STEP:
+            contributors = [st.index for st in stages if s in st.grad_groups]
+            if not any(st.update_group == s for st in stages):
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            for j in contributors:
+                deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
+        else:
+            spec = need_stage(pos, act)
+            if k == ActionKind.PREFETCH:
+                if s in resident:
+                    raise fail(pos, act, f"stage {s} is already resident in slot {resident[s][0]}")
+                if not free:
+                    held = ", ".join(f"slot {sl}: stage {st}" for st, (sl, _, _) in sorted(resident.items()))
+                    raise fail(pos, act, f"all {num_slots} slots are in use ({held}); release one first")
+                slot = free.pop(0)
+                if slot in last_release:
+                    deps.append(last_release[slot])
+                ob = last.get(Action(ActionKind.OFFLOAD_BUFFERS, s))
+                if ob is not None:
+                    deps.append(ob)
+                for g in sorted(spec.grad_groups | ({spec.update_group} if spec.update_group is not None else set())):
+                    u = last.get(Action(ActionKind.CPU_STEP, g))
+                    if u is not None:
+                        deps.append(u)
+                nbytes = spec.prefetch_bytes
+            elif k == ActionKind.FORWARD:
+                slot, pf, _ = need_resident(pos, act)
+                deps.append(pf)
+                for p in sorted(spec.producers):
+                    deps.append(need(pos, act, Action(ActionKind.FORWARD, p), f"stage {s} reads stage {p}'s output"))
+            elif k == ActionKind.OFFLOAD_BUFFERS:
+                slot, _, _ = need_resident(pos, act)
+                if not spec.mutates_buffers:
+                    raise fail(pos, act, f"stage {s} mutates no buffers")
+                deps.append(need(pos, act, Action(ActionKind.FORWARD, s), "the buffers it copies"))
+                nbytes = spec.buffer_out_bytes
+            elif k == ActionKind.BACKWARD:
+                slot, pf, _ = need_resident(pos, act)
+                deps.append(pf)
+                f = last.get(Action(ActionKind.FORWARD, s))
+                if f is not None:
+                    deps.append(f)
+                for c in sorted(consumers[s]):
+                    deps.append(need(pos, act, Action(ActionKind.BACKWARD, c), f"the gradient of stage {s}'s output flows back from stage {c}"))
+            elif k == ActionKind.OFFLOAD_GRAD:
+                slot, _, _ = need_resident(pos, act)
+                if not spec.has_grads:
+                    raise fail(pos, act, f"stage {s} has no trainable parameters")
+                deps.append(need(pos, act, Action(ActionKind.BACKWARD, s), "the gradients it copies"))
+                nbytes = spec.grad_bytes
+            elif k == ActionKind.RELEASE:
+                slot, pf, readers = need_resident(pos, act)
+                deps.extend(readers or [pf])
+            else:  # pragma: no cover - enum is closed
+                raise fail(pos, act, f"unknown action kind {k}")
+
+        node = graph.create_node("call_function", _OP[k], (s, *_dedupe(deps)), {}, name=str(act).lower())
+        set_meta(node, ActionMeta(action=act, phase=phase, slot=slot, bytes=nbytes))
+        last[act] = node
+        if k == ActionKind.PREFETCH:
+            resident[s] = (slot, node, [])
+        elif k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.OFFLOAD_GRAD, ActionKind.OFFLOAD_BUFFERS):
+            resident[s][2].append(node)
+        elif k == ActionKind.RELEASE:
+            sl = resident.pop(s)[0]
+            last_release[sl] = node
+            free.append(sl)
+            free.sort()
+
+    if keep_graph:
+        _mark_keep_graph(graph)
+    graph.output(None)
+    return Program(graph, stages, num_slots, name)
+
+
+def _dedupe(nodes: list[fx.Node]) -> list[fx.Node]:
+    seen: set[fx.Node] = set()
+    out = []
+    for n in nodes:
+        if n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+def _mark_keep_graph(graph: fx.Graph) -> None:
+    """Set ``keep_graph`` on a FORWARD whose stage's BACKWARD is the next compute action
+    on the same residency: recomputing it would redo work that nothing else can use the
+    slot for in between."""
+    nodes = [n for n in graph.nodes if has_meta(n)]
+    compute = [n for n in nodes if get_meta(n).stream == "compute"]
+    for a, b in zip(compute, compute[1:]):
+        ma, mb = get_meta(a), get_meta(b)
+        if ma.kind == ActionKind.FORWARD and mb.kind == ActionKind.BACKWARD and ma.stage == mb.stage:
+            # same residency: no RELEASE of the stage between them
+            i, j = nodes.index(a), nodes.index(b)
+            if not any(get_meta(n).kind == ActionKind.RELEASE and get_meta(n).stage == ma.stage for n in nodes[i:j]):
+                set_meta(a, replace(ma, keep_graph=True))

@@ -1,0 +1,103 @@
+"""What a schedule needs to know about each stage, independent of its graph.
+
+A :class:`StageSpec` is the summary that policies, the lowering pass, the verifier and the
+simulator read: which stages feed which, how many bytes each transfer moves, which host
+parameter groups a stage's gradients land in. :func:`passes.partition.partition_stages`
+produces them from a captured model; tests and the simulator can also build synthetic ones
+with :func:`chain`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["StageSpec", "chain", "consumers_of"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Schedule-relevant facts about one stage.
+
+    Attributes:
+        index: position of the stage in execution order (0 = head).
+        name: human name, e.g. ``"head"``, ``"blocks.3"``, ``"tail"``.
+        producers: stages whose outputs this stage reads (user inputs are not a stage).
+        prefetch_bytes: bytes one PREFETCH of this stage moves host -> device (its slot usage).
+        grad_bytes: bytes one OFFLOAD_GRAD of this stage moves device -> host (0: no trainable params).
+        buffer_out_bytes: bytes of buffers the forward mutates (BatchNorm stats), copied back by
+            OFFLOAD_BUFFERS; 0 when the stage mutates none.
+        grad_groups: host parameter groups that receive gradients from this stage (its own and
+            the owners of parameters it shares with other stages, e.g. a tied embedding).
+        update_group: the host group this stage owns and whose CPU_STEP exists, or None when the
+            stage owns no trainable parameters.
+    """
+
+    index: int
+    name: str = ""
+    producers: frozenset[int] = field(default_factory=frozenset)
+    prefetch_bytes: int = 0
+    grad_bytes: int = 0
+    buffer_out_bytes: int = 0
+    grad_groups: frozenset[int] = field(default_factory=frozenset)
+    update_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if any(p >= self.index for p in self.producers):
+            raise ValueError(
+                f"stage {self.index} ({self.name!r}) reads from stages {sorted(self.producers)}; "
+                "a stage may only read from earlier stages"
+            )
+
+    @property
+    def has_grads(self) -> bool:
+        return self.grad_bytes > 0
+
+    @property
+    def mutates_buffers(self) -> bool:
+        return self.buffer_out_bytes > 0
+
+
+def chain(
+    n: int,
+    *,
+    prefetch_bytes: int = 1 << 20,
+    grad_bytes: int | None = None,
+    mutating: tuple[int, ...] = (),
+    tied: tuple[int, int] | None = None,
+) -> list[StageSpec]:
+    """``n`` stages in a chain (stage i reads stage i-1), for tests and what-if studies.
+
+    ``tied=(a, b)`` makes stage ``b`` also send gradients to group ``a`` (a shared parameter
+    owned by stage ``a``, like a tied embedding and head).
+
+    >>> [s.name for s in chain(3)]
+    ['s0', 's1', 's2']
+    """
+    grad_bytes = prefetch_bytes if grad_bytes is None else grad_bytes
+    specs = []
+    for i in range(n):
+        groups = {i} if grad_bytes else set()
+        if tied is not None and i == tied[1]:
+            groups.add(tied[0])
+        specs.append(
+            StageSpec(
+                index=i,
+                name=f"s{i}",
+                producers=frozenset({i - 1}) if i else frozenset(),
+                prefetch_bytes=prefetch_bytes,
+                grad_bytes=grad_bytes,
+                buffer_out_bytes=64 if i in mutating else 0,
+                grad_groups=frozenset(groups),
+                update_group=i if grad_bytes else None,
+            )
+        )
+    return specs
+
+
+def consumers_of(stages: list[StageSpec]) -> dict[int, frozenset[int]]:
+    """Stage index -> the stages that read its outputs."""
+    out: dict[int, set[int]] = {s.index: set() for s in stages}
+    for s in stages:
+        for p in s.producers:
+            out[p].add(s.index)
+    return {k: frozenset(v) for k, v in out.items()}

@@ -1,0 +1,193 @@
+"""The verify pass: invariants every step program must satisfy before it runs.
+
+``verify_program(program)`` raises :class:`VerificationError` listing each broken invariant
+with the offending action. It checks the program as a graph (it does not trust the policy or
+the lowering that built it):
+
+1. **order**: every dependency is issued before its dependent (a CUDA stream cannot wait
+   for an event that is not recorded yet) and the dependency graph is acyclic.
+2. **residency**: every compute/copy action on a stage runs while the stage holds a slot,
+   waits (transitively) for the PREFETCH that filled the slot, and slots stay in
+   ``0..num_slots-1``; at most ``num_slots`` stages are resident at any point.
+3. **slot reuse**: a RELEASE waits for every reader of its slot, and a PREFETCH into a slot
+   waits for the RELEASE that freed it.
+4. **data flow**: F waits for its producers' F; B waits for its consumers' B.
+5. **grads before update**: a CPU_STEP waits for the OFFLOAD_GRAD of every stage that sends
+   gradients to its group.
+6. **completeness**: train programs run F and B of every stage once, OG once per stage with
+   grads, U once per trainable group, and end with every slot released.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.fx as fx
+
+from .meta import get_meta
+from .program import ActionKind, Program, ScheduleError
+from .stages import consumers_of
+
+__all__ = ["verify_program", "VerificationError"]
+
+PF, F, OB, R, B, OG, U = (
+    ActionKind.PREFETCH,
+    ActionKind.FORWARD,
+    ActionKind.OFFLOAD_BUFFERS,
+    ActionKind.RELEASE,
+    ActionKind.BACKWARD,
+    ActionKind.OFFLOAD_GRAD,
+    ActionKind.CPU_STEP,
+)
+_SLOTTED = {PF, F, OB, R, B, OG}
+_READERS = {F, OB, B, OG}
+
+
+class VerificationError(ScheduleError):
+    """A step program broke one or more invariants; ``.violations`` lists them."""
+
+    def __init__(self, program: Program, violations: list[tuple[fx.Node | None, str]]):
+        self.violations = [msg for _, msg in violations]
+        first = next((n for n, _ in violations if n is not None), None)
+        listed = "\n".join(f"  - {m}" for m in self.violations[:12])
+        more = f"\n  ... and {len(self.violations) - 12} more" if len(self.violations) > 12 else ""
+        super().__init__(
+            f"step program {program.name!r} breaks {len(self.violations)} invariant(s):\n{listed}{more}\n\n"
+            + program.format(mark=first)
+        )
+
+
+def verify_program(program: Program, expect: Literal["auto", "train", "eval", "backward"] = "auto") -> Program:
+    """Check ``program``'s invariants; return it unchanged or raise :class:`VerificationError`.
+
+    ``expect`` selects the completeness rules: ``"train"`` (forward and backward of every
+    stage), ``"eval"`` (forward only), ``"backward"`` (backward only, e.g. the cold
+    backward), ``"auto"`` (guess from the actions present).
+    """
+    nodes = program.nodes
+    index = {n: i for i, n in enumerate(nodes)}
+    stages = {s.index: s for s in program.stages}
+    consumers = consumers_of(list(program.stages))
+    bad: list[tuple[fx.Node | None, str]] = []
+
+    def act(n: fx.Node) -> str:
+        return f"{get_meta(n).action} (#{index[n]})"
+
+    # 1. order and acyclicity; ancestors as bitsets in issue order
+    anc: dict[fx.Node, int] = {}
+    for n in nodes:
+        a = 0
+        for d in program.deps(n):
+            if d not in index:
+                bad.append((n, f"{act(n)} waits for {d.name!r}, which is not an action of this program"))
+                continue
+            if index[d] >= index[n]:
+                bad.append((n, f"{act(n)} waits for {act(d)}, which is issued later (deadlock or cycle)"))
+                continue
+            a |= anc[d] | (1 << index[d])
+        anc[n] = a
+
+    def waits(n: fx.Node, d: fx.Node) -> bool:
+        return bool(anc[n] >> index[d] & 1)
+
+    # 2./3. residency and slot reuse, walking in issue order
+    resident: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # stage -> (slot, PF, readers)
+    slot_holder: dict[int, int] = {}  # slot -> stage
+    last_release: dict[int, fx.Node] = {}
+    last: dict[tuple[ActionKind, int], fx.Node] = {}
+    for n in nodes:
+        m = get_meta(n)
+        k, s = m.kind, m.stage
+        if k in _SLOTTED:
+            if s not in stages:
+                bad.append((n, f"{act(n)} names stage {s}, but the program has stages 0..{len(stages) - 1}"))
+                continue
+            if m.slot is None or not (0 <= m.slot < program.num_slots):
+                bad.append((n, f"{act(n)} uses slot {m.slot}, outside 0..{program.num_slots - 1}"))
+                continue
+        if k == PF:
+            if s in resident:
+                bad.append((n, f"{act(n)} prefetches stage {s}, which is already resident in slot {resident[s][0]}"))
+                continue
+            if m.slot in slot_holder:
+                bad.append((n, f"{act(n)} fills slot {m.slot} while stage {slot_holder[m.slot]} still holds it"))
+            if m.slot in last_release and not waits(n, last_release[m.slot]):
+                bad.append((n, f"{act(n)} reuses slot {m.slot} without waiting for {act(last_release[m.slot])}, which freed it"))
+            resident[s] = (m.slot, n, [])
+            slot_holder[m.slot] = s
+            if len(resident) > program.num_slots:
+                bad.append((n, f"{act(n)} makes {len(resident)} stages resident; the window allows {program.num_slots}"))
+        elif k in _READERS or k == R:
+            if s not in resident:
+                bad.append((n, f"{act(n)} runs while stage {s} is not resident"))
+                continue
+            slot, pf, readers = resident[s]
+            if m.slot != slot:
+                bad.append((n, f"{act(n)} uses slot {m.slot}, but stage {s} is in slot {slot}"))
+            if not waits(n, pf):
+                bad.append((n, f"{act(n)} does not wait for {act(pf)}, which fills stage {s}'s slot"))
+            if k == R:
+                for r in readers:
+                    if not waits(n, r):
+                        bad.append((n, f"{act(n)} frees slot {slot} before its reader {act(r)} is done"))
+                del resident[s]
+                slot_holder.pop(slot, None)
+                last_release[slot] = n
+            else:
+                readers.append(n)
+        # 4. data flow
+        if k == F:
+            for p in stages[s].producers:
+                fp = last.get((F, p))
+                if fp is None or not waits(n, fp):
+                    bad.append((n, f"{act(n)} reads stage {p}'s output but does not wait for F{p}"))
+        elif k == B:
+            for c in consumers[s]:
+                bc = last.get((B, c))
+                if bc is None or not waits(n, bc):
+                    bad.append((n, f"{act(n)} needs the output gradient from stage {c} but does not wait for B{c}"))
+        elif k == OG:
+            bs = last.get((B, s))
+            if bs is None or not waits(n, bs):
+                bad.append((n, f"{act(n)} copies stage {s}'s gradients but does not wait for B{s}"))
+        elif k == OB:
+            fs = last.get((F, s))
+            if fs is None or not waits(n, fs):
+                bad.append((n, f"{act(n)} copies stage {s}'s mutated buffers but does not wait for F{s}"))
+        # 5. grads on the host before the update reads them
+        elif k == U:
+            owners = [st.index for st in program.stages if st.update_group == s]
+            if not owners:
+                bad.append((n, f"{act(n)} updates group {s}, which no stage owns"))
+            for st in program.stages:
+                if s in st.grad_groups:
+                    og = last.get((OG, st.index))
+                    if og is None or not waits(n, og):
+                        bad.append((n, f"{act(n)} reads group {s}'s gradients before OG{st.index} has put stage {st.index}'s on the host"))
+        last[(k, s)] = n
+
+    # 6. completeness
+    kinds = {get_meta(n).kind for n in nodes}
+    if expect == "auto":
+        expect = "train" if (F in kinds and B in kinds) else ("backward" if B in kinds else "eval")
+    counts: dict[tuple[ActionKind, int], int] = {}
+    for n in nodes:
+        m = get_meta(n)
+        counts[(m.kind, m.stage)] = counts.get((m.kind, m.stage), 0) + 1
+    need: list[tuple[ActionKind, int]] = []
+    if expect in ("train", "eval"):
+        need += [(F, s) for s in stages]
+    if expect in ("train", "backward"):
+        need += [(B, s) for s in stages]
+        need += [(OG, s) for s, st in stages.items() if st.has_grads]
+        need += [(U, st.update_group) for st in stages.values() if st.update_group is not None]
+    for key in need:
+        c = counts.get(key, 0)
+        if c != 1:
+            bad.append((None, f"{key[0].value}{key[1]} appears {c} times; a {expect} program needs it exactly once"))
+    if expect in ("train", "eval", "backward") and resident:
+        held = ", ".join(f"stage {s} (slot {sl})" for s, (sl, _, _) in sorted(resident.items()))
+        bad.append((None, f"the program ends with {held} still resident; release every slot"))
+    if bad:
+        raise VerificationError(program, bad)
+    return program

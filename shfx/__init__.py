@@ -1,0 +1,42 @@
+"""shfx: train models larger than accelerator memory on one accelerator.
+
+A re-implementation of STRONGHOLD (SC22) as a compiler over torch.fx::
+
+    import shfx
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="512MiB"), window=2,
+                      optimizer=shfx.optim.AdamW(lr=1e-3))
+    loss = cm(x, y); loss.backward(); cm.step(); cm.zero_grad()
+    print(cm.program)        # the step program
+"""
+
+from . import optim
+from .api import CompiledModel, compile
+from .devices import CudaDevice, EmulatedDevice
+from .errors import (
+    ActionError,
+    CaptureError,
+    OutOfDeviceMemory,
+    PartitionError,
+    ScheduleError,
+    ShfxError,
+    UsageError,
+    VerificationError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compile",
+    "CompiledModel",
+    "optim",
+    "EmulatedDevice",
+    "CudaDevice",
+    "ShfxError",
+    "CaptureError",
+    "PartitionError",
+    "ScheduleError",
+    "VerificationError",
+    "OutOfDeviceMemory",
+    "ActionError",
+    "UsageError",
+]

@@ -1,0 +1,387 @@
+"""``shfx.compile`` and the compiled model it returns."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+
+from passes.capture import capture_model, flatten_inputs
+from passes.partition import partition_stages
+from passes.program import Program
+from passes.retarget import retarget_device
+from passes.schedule import check_window, cold_backward_program, eval_program, schedule_window
+from passes.units import format_bytes
+from passes.verify import verify_program
+
+from .devices import CudaDevice, EmulatedDevice
+from .errors import OutOfDeviceMemory, UsageError
+from .optim import AdamW
+from .runtime.backend import Backend
+from .runtime.engine import Engine, StepContext, Variant
+from .runtime.host_optim import HostAdamW
+from .runtime.host_store import HostStore
+
+__all__ = ["compile", "CompiledModel"]
+
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
+
+
+def _make_backend(device: Any, optimizer_workers: int) -> Backend:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else EmulatedDevice()
+    if isinstance(device, EmulatedDevice):
+        from .runtime.emulated import EmulatedBackend
+
+        return EmulatedBackend(device, optimizer_workers)
+    if isinstance(device, str) and device == "emulated":
+        from .runtime.emulated import EmulatedBackend
+
+        return EmulatedBackend(EmulatedDevice(), optimizer_workers)
+    if isinstance(device, (str, torch.device)):
+        d = torch.device(device)
+        if d.type == "cuda":
+            device = CudaDevice(index=d.index or 0)
+        else:
+            raise ValueError(
+                f"device={device!r} is not supported: use 'cuda', 'cuda:N', shfx.CudaDevice(...), "
+                "or shfx.EmulatedDevice(memory=..., h2d=..., d2h=...) to emulate an accelerator on the CPU"
+            )
+    if isinstance(device, CudaDevice):
+        from .runtime.cuda import CudaBackend
+
+        return CudaBackend(device, optimizer_workers)
+    raise TypeError(f"device must be 'cuda', a CudaDevice or an EmulatedDevice, got {device!r}")
+
+
+class _OffloadFunction(torch.autograd.Function):
+    """Runs the forward program in forward and the backward program in backward, so
+    ``loss.backward()`` drives the offloaded backward, whatever the loss is computed from."""
+
+    @staticmethod
+    def forward(ctx, cm: CompiledModel, variant: Variant, dummy: torch.Tensor, *inputs: torch.Tensor):  # type: ignore[override]
+        outs, sctx = cm._engine.forward(variant, list(inputs), grad=True)
+        ctx.sctx = sctx
+        ctx.engine = cm._engine
+        ctx.n_inputs = len(inputs)
+        ctx.set_materialize_grads(False)
+        values = variant.graph.values
+        outs = list(outs)
+        seen: set[int] = set()
+        for i, (o, v) in enumerate(zip(outs, variant.graph.outputs)):
+            if id(o) in seen or any(o is x for x in inputs):
+                outs[i] = o.clone()  # autograd needs distinct outputs
+            seen.add(id(outs[i]))
+        nondiff = [o for o, v in zip(outs, variant.graph.outputs) if not values[v].differentiable]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        sctx: StepContext = ctx.sctx
+        ctx.sctx = None
+        in_grads = ctx.engine.backward(sctx, list(grads))
+        return (None, None, None, *in_grads)
+
+
+class CompiledModel:
+    """A model compiled by :func:`shfx.compile`: call it like the model, then
+    ``loss.backward()``, ``cm.step()``, ``cm.zero_grad()``.
+
+    Attributes:
+        module: the original model; its parameters and buffers now live in shfx's host store
+            (``module.state_dict()`` reads the current weights).
+        optimizer: the optimizer configuration (change ``cm.optimizer.lr`` between steps).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: Any = None,
+        window: int = 2,
+        optimizer: AdamW | None = None,
+        blocks: Any = None,
+        num_stages: int | None = None,
+        grad_accum_steps: int = 1,
+        overlap_update: bool = True,
+        pin_memory: bool = True,
+        optimizer_workers: int = 1,
+        verify: bool = True,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
+        if model in _COMPILED:
+            raise UsageError(
+                f"this {type(model).__name__} is already compiled by shfx; use that compiled model, or call its "
+                ".close() first (its parameters live in that model's host store)"
+            )
+        bad = [(n, p.device) for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type != "cpu"]
+        if bad:
+            n, d = bad[0]
+            raise ValueError(
+                f"shfx.compile expects the model on the CPU (its weights live in host memory and stream to the "
+                f"device); {n!r} is on {d}. Build the model on the CPU or call model.cpu() first."
+            )
+        if isinstance(window, str):
+            if window == "auto":
+                raise NotImplementedError("window='auto' needs the cost model; pass an int window for now")
+            raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
+        check_window(window, 1 << 30)
+        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+        if optimizer is not None and not isinstance(optimizer, AdamW):
+            raise TypeError(
+                f"optimizer must be shfx.optim.AdamW(...) (it runs on the host next to the master weights), "
+                f"got {type(optimizer).__name__}"
+            )
+        self.module = model
+        self.optimizer = optimizer
+        self.window = window
+        self.blocks = blocks
+        self.num_stages = num_stages
+        self.pin_memory = pin_memory
+        self.verify = verify
+        self._backend = _make_backend(device, optimizer_workers)
+        self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update)
+        self._engine: Engine | None = None
+        self._store: HostStore | None = None
+        self._variants: dict[Any, Variant] = {}
+        self._last: Variant | None = None
+        self._dummy = torch.empty(0, requires_grad=True)
+        _COMPILED[model] = self
+
+    # ---- compilation -------------------------------------------------------------------------
+    def _variant(self, args: tuple, kwargs: dict) -> tuple[Variant, list[torch.Tensor]]:
+        tensors, sig, _ = flatten_inputs(args, kwargs, self.module.training)
+        v = self._variants.get(sig)
+        if v is None:
+            v = self._build(args, kwargs)
+            self._variants[sig] = v
+        self._last = v
+        return v, tensors
+
+    def _build(self, args: tuple, kwargs: dict) -> Variant:
+        captured = capture_model(self.module, args, kwargs)
+        groups = self._store.groups if self._store is not None else None
+        graph = partition_stages(captured, blocks=self.blocks, num_stages=self.num_stages, groups=groups, model=self.module)
+        if self._store is None:
+            tensors = {**captured.params, **captured.buffers, **captured.constants}
+            self._store = HostStore(self._backend, graph.groups, tensors, pin=self.pin_memory and self._backend.name == "cuda")
+            opt = HostAdamW(self.optimizer, self._store) if self.optimizer is not None else None
+            self._engine = Engine(self._backend, self._store, opt, **self._engine_kwargs)
+            by_group: dict[int, list] = {}
+            for key in sorted(graph.owner, key=lambda k: graph.owner[k]):
+                if key in captured.trainable:
+                    by_group.setdefault(graph.owner[key], []).append((key, captured.params[key]))
+            self._engine.param_keys_by_group = by_group
+        elif captured.constants:
+            for k, t in captured.constants.items():  # constants of this capture (values may differ)
+                if k in self._store.tensors:
+                    self._store.tensors[k].copy_(t)
+        if self._backend.name == "cuda":
+            for st in graph.stages:
+                st.gm = retarget_device(st.gm, self._backend.device)
+        specs = graph.specs
+        w = check_window(self.window, len(specs))
+        self._check_capacity(graph, w)
+        train = schedule_window(specs, w)
+        ev, cold = eval_program(train), cold_backward_program(train)
+        if self.verify:
+            verify_program(train, "train")
+            verify_program(ev, "eval")
+            verify_program(cold, "backward")
+        return Variant(captured.signature, captured, graph, train, ev, cold)
+
+    def _check_capacity(self, graph, w: int) -> None:
+        cap = self._backend.capacity_bytes
+        if cap is None:
+            return
+        largest = max(graph.stages, key=lambda s: s.slot.nbytes)
+        if largest.slot.nbytes > cap:
+            raise OutOfDeviceMemory(
+                f"the device budget is too small for one stage: stage {largest.index} ({largest.name!r}) needs "
+                f"{format_bytes(largest.slot.nbytes)} for its parameters and buffers, and the device has "
+                f"{format_bytes(cap)} ({self._backend.describe()}). Split the model into smaller stages "
+                "(blocks= naming smaller modules, or blocks=False with more num_stages) or use a device with more memory.",
+                needed_bytes=largest.slot.nbytes,
+                capacity_bytes=cap,
+                what=f"slot for stage {largest.index}",
+            )
+        need = w * graph.slot_bytes
+        if need > cap:
+            fit = cap // graph.slot_bytes
+            raise OutOfDeviceMemory(
+                f"window={w} needs {w} slots of {format_bytes(graph.slot_bytes)} (the largest stage, "
+                f"{largest.name!r}) = {format_bytes(need)}, but the device has {format_bytes(cap)} "
+                f"({self._backend.describe()}). Use window <= {fit}, or smaller stages.",
+                needed_bytes=need,
+                capacity_bytes=cap,
+                what=f"{w} slots",
+            )
+
+    # ---- running ---------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_autocast_enabled():
+            raise NotImplementedError(
+                "shfx does not support torch.autocast yet: the model trains in its parameters' dtype (fp32)"
+            )
+        variant, tensors = self._variant(args, kwargs)
+        assert self._engine is not None
+        if torch.is_grad_enabled():
+            outs = _OffloadFunction.apply(self, variant, self._dummy, *tensors)
+        else:
+            outs, _ = self._engine.forward(variant, tensors, grad=False)
+        return variant.captured.structure.rebuild(list(outs))
+
+    forward = __call__
+
+    def step(self) -> None:
+        """Apply the optimizer to every group (waits for updates started during backward)."""
+        self._require_engine("step")
+        self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients, like ``torch.optim.Optimizer.zero_grad``."""
+        if self._engine is None:
+            for p in self.module.parameters():
+                p.grad = None
+            return
+        self._engine.zero_grad(set_to_none)
+
+    def _require_engine(self, what: str) -> None:
+        if self._engine is None:
+            raise UsageError(f"{what}() before the first forward: call the model first (shfx captures it on the first call)")
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The model's state dict (its own names); the weights are the current host master."""
+        self._settle()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
+        """Load weights into the host store (through the model's own tensors)."""
+        self._settle()
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def _settle(self) -> None:
+        if self._engine is not None and self._engine.pending_updates:
+            raise UsageError("the host update started by backward() is pending; call cm.step() first")
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> CompiledModel:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> CompiledModel:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    # ---- introspection ------------------------------------------------------------------------
+    @property
+    def program(self) -> Program:
+        """The step program of the most recent input signature (``print(cm.program)``)."""
+        if self._last is None:
+            raise UsageError("no program yet: shfx captures the model on its first call; call it once first")
+        return self._last.train
+
+    @property
+    def variant(self) -> Variant:
+        if self._last is None:
+            raise UsageError("nothing compiled yet: call the model once first")
+        return self._last
+
+    @property
+    def stages(self):
+        """The partitioned model (stages, boundary values, host layout) of the last signature."""
+        return self.variant.graph
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def engine(self) -> Engine:
+        self._require_engine("engine")
+        return self._engine
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since compile: bytes moved each way, device memory peak, resident window."""
+        b = self._backend
+        return {
+            "device": b.describe(),
+            "bytes_h2d": b.bytes_h2d,
+            "bytes_d2h": b.bytes_d2h,
+            "copies_h2d": b.copies_h2d,
+            "copies_d2h": b.copies_d2h,
+            "device_bytes_in_use": b.used_bytes,
+            "device_bytes_peak": b.peak_bytes,
+            "device_capacity": b.capacity_bytes,
+            "window": self._last.train.num_slots if self._last else None,
+            "stages": len(self._last.graph.stages) if self._last else None,
+            "host_bytes": self._store.host_bytes if self._store else 0,
+        }
+
+    def close(self) -> None:
+        """Stop the worker threads and free device memory; the model keeps its (host) weights."""
+        if self._engine is not None:
+            self._engine.close()
+        else:
+            self._backend.close()
+        _COMPILED.pop(self.module, None)
+
+    def __del__(self) -> None:
+        try:
+            self._backend.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        n = len(self._variants)
+        return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, window={self.window}, captures={n})"
+
+
+def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - mirrors torch.compile
+    """Compile ``model`` for training with only a window of stages on the device.
+
+    Args:
+        model: any ``nn.Module`` on the CPU that ``torch.export`` can capture.
+        device: ``"cuda"``, ``shfx.CudaDevice(...)``, or ``shfx.EmulatedDevice(memory=..., h2d=..., d2h=...)``;
+            default CUDA when available, else an emulated device.
+        window: how many stages' parameters may be on the device at once (int >= 1; larger
+            than the number of stages means all).
+        optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
+        blocks: module path of the repeated blocks (default: auto-detected), or False to split
+            by parameter bytes into ``num_stages`` stages.
+        grad_accum_steps: backward() calls per step(); the host update starts during the last one.
+        overlap_update: start host updates during backward (default) or only in step().
+        pin_memory: pin the host store (CUDA only).
+        optimizer_workers: host threads running updates of different stages in parallel.
+        verify: check every step program's invariants before running it.
+
+    Returns:
+        a :class:`CompiledModel`.
+
+    >>> import torch, shfx
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    >>> cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1MiB"), window=2,
+    ...                   optimizer=shfx.optim.AdamW(lr=1e-3))
+    >>> loss = cm(torch.randn(2, 8)).sum(); loss.backward(); cm.step(); cm.zero_grad()
+    >>> cm.program.actions()[:4]
+    ['PF0', 'PF1', 'F0', 'R0']
+    """
+    return CompiledModel(model, **kwargs)

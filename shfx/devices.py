@@ -1,0 +1,75 @@
+"""Device specifications a user passes to ``shfx.compile(device=...)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+
+__all__ = ["EmulatedDevice", "CudaDevice"]
+
+
+@dataclass(frozen=True)
+class EmulatedDevice:
+    """An accelerator emulated on the CPU: compute runs on the host's cores, copies between
+    "host" and "device" take ``max(real memcpy, bytes / bandwidth)``, and allocating past
+    ``memory`` raises :class:`shfx.OutOfDeviceMemory`.
+
+    Args:
+        memory: device capacity, e.g. ``"512MiB"`` (int: bytes).
+        h2d, d2h: link bandwidth per direction, e.g. ``"12GB/s"``; ``None``/``"inf"`` = unthrottled.
+        duplex: fraction of its one-way bandwidth each direction keeps while the other direction
+            is also copying (1.0: full duplex; 0.5: the link is shared equally).
+
+    What it covers: the slot pool, stage-boundary activations and their gradients, user
+    inputs, and the buffers the runtime allocates. It does not see temporaries inside one
+    stage's computation (autograd intermediates).
+
+    >>> EmulatedDevice(memory="512MiB", h2d="12GB/s").memory_bytes
+    536870912
+    """
+
+    memory: int | str = "16GiB"
+    h2d: float | str | None = "25GB/s"
+    d2h: float | str | None = "25GB/s"
+    duplex: float = 1.0
+
+    def __post_init__(self) -> None:
+        parse_bytes(self.memory, what="EmulatedDevice memory")
+        parse_bandwidth(self.h2d, what="EmulatedDevice h2d bandwidth")
+        parse_bandwidth(self.d2h, what="EmulatedDevice d2h bandwidth")
+        if not (0 < float(self.duplex) <= 1.0):
+            raise ValueError(f"EmulatedDevice duplex must be in (0, 1], got {self.duplex}")
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_bytes(self.memory, what="EmulatedDevice memory")
+
+    @property
+    def h2d_bps(self) -> float | None:
+        return parse_bandwidth(self.h2d)
+
+    @property
+    def d2h_bps(self) -> float | None:
+        return parse_bandwidth(self.d2h)
+
+    def __str__(self) -> str:
+        return (
+            f"emulated device ({format_bytes(self.memory_bytes)}, h2d {format_bandwidth(self.h2d_bps)}, "
+            f"d2h {format_bandwidth(self.d2h_bps)}" + (f", duplex {self.duplex}" if self.duplex != 1.0 else "") + ")"
+        )
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """A CUDA device, optionally with a memory budget below its capacity (``memory``)."""
+
+    index: int = 0
+    memory: int | str | None = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory is None else parse_bytes(self.memory, what="CudaDevice memory")
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}" + (f" (budget {format_bytes(self.memory_bytes)})" if self.memory is not None else "")

@@ -1,0 +1,53 @@
+"""Errors shfx raises for things a user can cause. Each message says what was needed, what
+was available, and what to change."""
+
+from __future__ import annotations
+
+from passes.capture import CaptureError
+from passes.partition import PartitionError
+from passes.program import ScheduleError
+from passes.verify import VerificationError
+
+__all__ = [
+    "ShfxError",
+    "CaptureError",
+    "PartitionError",
+    "ScheduleError",
+    "VerificationError",
+    "OutOfDeviceMemory",
+    "ActionError",
+    "UsageError",
+]
+
+
+class ShfxError(RuntimeError):
+    """Base class of shfx's own runtime errors."""
+
+
+class OutOfDeviceMemory(ShfxError, MemoryError):
+    """The device budget is too small for what the schedule needs.
+
+    Attributes: ``needed_bytes`` (the allocation that failed), ``used_bytes`` and
+    ``capacity_bytes`` at the time, ``what`` (what was being allocated).
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int = 0, used_bytes: int = 0, capacity_bytes: int = 0, what: str = ""):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.used_bytes = used_bytes
+        self.capacity_bytes = capacity_bytes
+        self.what = what
+
+
+class ActionError(ShfxError):
+    """An action of the step program failed; the message names it and shows the program
+    with the failing step marked. ``.action`` is its string form, ``.__cause__`` the error."""
+
+    def __init__(self, message: str, action: str = ""):
+        super().__init__(message)
+        self.action = action
+
+
+class UsageError(ShfxError):
+    """The compiled model was used in an order shfx cannot honour (e.g. a forward while the
+    previous step's update is still pending)."""

@@ -1,0 +1,1 @@
+"""The shfx runtime: host store, device slot pool, backends, interpreter, host optimizer."""

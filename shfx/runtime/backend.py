@@ -1,0 +1,123 @@
+"""The backend interface the interpreter runs on: streams, copies, device memory, RNG.
+
+Two implementations: :class:`shfx.runtime.emulated.EmulatedBackend` (CPU compute, throttled
+links, a memory capacity; every schedule runs and is testable without an accelerator) and
+:class:`shfx.runtime.cuda.CudaBackend` (CUDA streams and events, pinned host memory).
+
+Streams: ``compute`` (stage forward/backward), ``h2d`` and ``d2h`` (copies), ``host`` (a host
+FIFO for gradient accumulation) and ``cpu`` (the host optimizer's thread pool). Each has
+``submit(fn, deps, label) -> Token``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from passes.units import format_bytes
+
+from ..errors import OutOfDeviceMemory
+from .streams import PoolStream, WorkerStream
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """Common state: memory accounting and transfer counters.
+
+    Subclasses set ``name``, ``device``, the streams, and implement the copies, allocation
+    and RNG access.
+    """
+
+    name = "abstract"
+    device: torch.device
+    capacity_bytes: int | None = None
+
+    def __init__(self, optimizer_workers: int = 1):
+        self._lock = threading.Lock()
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.copies_h2d = 0
+        self.copies_d2h = 0
+        self.host = WorkerStream("host")
+        self.cpu = PoolStream("cpu", optimizer_workers)
+        self.compute: Any = None
+        self.h2d: Any = None
+        self.d2h: Any = None
+
+    # ---- memory accounting ---------------------------------------------------------------
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Account ``nbytes`` of device memory; raise :class:`OutOfDeviceMemory` past capacity."""
+        with self._lock:
+            if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
+                raise OutOfDeviceMemory(
+                    f"out of device memory allocating {format_bytes(nbytes)} for {what}: "
+                    f"{format_bytes(self.used_bytes)} of {format_bytes(self.capacity_bytes)} in use on {self.describe()}, "
+                    f"{format_bytes(self.capacity_bytes - self.used_bytes)} free. Use a smaller window, a smaller "
+                    "batch or sequence, more stages (smaller blocks), or a device with more memory.",
+                    needed_bytes=nbytes,
+                    used_bytes=self.used_bytes,
+                    capacity_bytes=self.capacity_bytes,
+                    what=what,
+                )
+            self.used_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.used_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.used_bytes
+
+    def count_copy(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            if direction == "h2d":
+                self.bytes_h2d += nbytes
+                self.copies_h2d += 1
+            else:
+                self.bytes_d2h += nbytes
+                self.copies_d2h += 1
+
+    # ---- to implement --------------------------------------------------------------------
+    def alloc_device(self, nbytes: int, what: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def free_device(self, t: torch.Tensor) -> None:
+        self.unreserve(t.numel() * t.element_size())
+
+    def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy host -> device; called from inside an ``h2d`` stream task."""
+        raise NotImplementedError
+
+    def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy device -> host; called from inside a ``d2h`` stream task."""
+        raise NotImplementedError
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_rng_state(self) -> Any:
+        raise NotImplementedError
+
+    def set_rng_state(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+    def close(self) -> None:
+        for s in (self.compute, self.h2d, self.d2h, self.host, self.cpu):
+            if s is not None and hasattr(s, "close"):
+                s.close()

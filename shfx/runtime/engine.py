@@ -1,0 +1,573 @@
+"""The interpreter: runs step programs on a backend.
+
+``Engine.forward`` issues a program's forward phase, ``Engine.backward`` its backward phase,
+``Engine.step`` waits for (or issues) the host updates. Issuing a node means submitting its
+action to its stream with the tokens of the nodes it depends on; the interpreter itself never
+waits between nodes, only at the end of a phase. A failure anywhere surfaces in the caller as
+:class:`shfx.errors.ActionError` naming the action, with the program printed and the failing
+step marked; every other task of the phase has finished by then (no hang, nothing left
+running against the host store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes.capture import Captured, InputSignature
+from passes.meta import get_meta
+from passes.partition import Stage, StageGraph
+from passes.program import ActionKind, ActionMeta, Program
+from passes.units import format_bytes
+
+from ..errors import ActionError, OutOfDeviceMemory, UsageError
+from .backend import Backend
+from .host_optim import HostAdamW
+from .host_store import GRAD_NONE, GRAD_VALID, HostStore
+from .slots import SlotPool
+from .streams import DependencyFailed, DoneToken, JoinToken, Token
+
+__all__ = ["Engine", "Variant", "StepContext", "TraceEvent"]
+
+PF, F, OB, R, B, OG, U = (
+    ActionKind.PREFETCH,
+    ActionKind.FORWARD,
+    ActionKind.OFFLOAD_BUFFERS,
+    ActionKind.RELEASE,
+    ActionKind.BACKWARD,
+    ActionKind.OFFLOAD_GRAD,
+    ActionKind.CPU_STEP,
+)
+
+
+@dataclass
+class Variant:
+    """Everything compiled for one input signature."""
+
+    signature: InputSignature
+    captured: Captured
+    graph: StageGraph
+    train: Program
+    eval: Program
+    cold: Program
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One executed action: host wall-clock start/end (seconds, ``perf_counter``)."""
+
+    action: str
+    phase: str
+    stream: str
+    start: float
+    end: float
+    bytes: int = 0
+
+
+class StepContext:
+    """State of one forward call, kept until its backward: boundary activations (device),
+    their gradients, RNG states, pre-forward copies of mutated buffers, and the tokens of
+    issued nodes."""
+
+    _ids = 0
+
+    def __init__(self, engine: Engine, variant: Variant, grad: bool):
+        StepContext._ids += 1
+        self.id = StepContext._ids
+        self.engine = engine
+        self.variant = variant
+        self.grad = grad
+        self.values: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.rng: dict[int, Any] = {}
+        self.pre_buffers: dict[int, list[torch.Tensor]] = {}
+        self.saved: dict[int, tuple] = {}
+        self.no_grads: set[int] = set()
+        self.env: dict[fx.Node, Token] = {}
+        self.hot = False  # holds slots from its forward for the start of its backward
+        self.backward_done = False
+        self._bytes: dict[str, int] = {}
+        g = variant.graph
+        # forward refcounts (eval: free a value once every consumer's forward ran)
+        self.fwd_left = {v: len(info.consumers) for v, info in g.values.items()}
+        # backward: a value is last needed by the backward of its earliest consumer
+        self.free_after_b: dict[int, list[str]] = {}
+        for v, info in g.values.items():
+            if info.consumers and v not in g.outputs:
+                self.free_after_b.setdefault(min(info.consumers), []).append(v)
+
+    # values live on the device and count against its memory
+    def put(self, name: str, t: torch.Tensor) -> None:
+        old = self._bytes.pop(name, 0)
+        if old:
+            self.engine.backend.unreserve(old)
+        n = t.numel() * t.element_size()
+        self.engine.backend.reserve(n, f"activation {name!r} ({list(t.shape)})")
+        self._bytes[name] = n
+        self.values[name] = t
+
+    def drop(self, name: str) -> None:
+        self.values.pop(name, None)
+        n = self._bytes.pop(name, 0)
+        if n:
+            self.engine.backend.unreserve(n)
+
+    def add_grad(self, name: str, g: torch.Tensor) -> None:
+        key = "grad:" + name
+        cur = self.grads.get(name)
+        if cur is None:
+            n = g.numel() * g.element_size()
+            self.engine.backend.reserve(n, f"gradient of {name!r}")
+            self._bytes[key] = n
+            self.grads[name] = g
+        else:
+            self.grads[name] = cur + g
+
+    def drop_grad(self, name: str) -> None:
+        self.grads.pop(name, None)
+        n = self._bytes.pop("grad:" + name, 0)
+        if n:
+            self.engine.backend.unreserve(n)
+
+    def keep(self, key: str, tensors: list[torch.Tensor]) -> None:
+        n = sum(t.numel() * t.element_size() for t in tensors)
+        self.engine.backend.reserve(n, key)
+        self._bytes[key] = self._bytes.get(key, 0) + n
+
+    def unkeep(self, key: str) -> None:
+        n = self._bytes.pop(key, 0)
+        if n:
+            self.engine.backend.unreserve(n)
+
+    def release_all(self) -> None:
+        """Free every device tensor this context still accounts for."""
+        self.values.clear()
+        self.grads.clear()
+        self.pre_buffers.clear()
+        self.saved.clear()
+        for n in self._bytes.values():
+            self.engine.backend.unreserve(n)
+        self._bytes.clear()
+
+
+@contextlib.contextmanager
+def _fork_rng(backend: Backend, state: Any) -> Iterator[None]:
+    if state is None:
+        yield
+        return
+    cur = backend.get_rng_state()
+    backend.set_rng_state(state)
+    try:
+        yield
+    finally:
+        backend.set_rng_state(cur)
+
+
+class Engine:
+    """Runs the programs of a compiled model on one backend, host store and slot pool."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        store: HostStore,
+        optimizer: HostAdamW | None,
+        *,
+        grad_accum_steps: int = 1,
+        overlap_update: bool = True,
+    ):
+        self.backend = backend
+        self.store = store
+        self.optimizer = optimizer
+        self.pool: SlotPool | None = None
+        self.grad_accum_steps = grad_accum_steps
+        self.overlap_update = overlap_update
+        self.holder: StepContext | None = None  # context whose stages are resident
+        self.backward_calls = 0
+        self.pending_updates: list[tuple[str, Token]] = []
+        self.trace: list[TraceEvent] = []
+        self.tracing = True
+        self.param_keys_by_group: dict[int, list[str]] = {}
+
+    # ---- setup -----------------------------------------------------------------------------
+    def ensure_pool(self, num_slots: int, slot_bytes: int) -> None:
+        if self.pool is None:
+            self.pool = SlotPool(self.backend, num_slots, slot_bytes)
+        elif num_slots > self.pool.num_slots or slot_bytes > self.pool.slot_bytes:
+            self._evict()
+            self.pool.resize(num_slots, slot_bytes)
+
+    # ---- issuing -----------------------------------------------------------------------------
+    def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
+        if not self.tracing:
+            return fn
+        trace = self.trace
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            fn()
+            trace.append(TraceEvent(str(meta.action), meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
+
+        return run
+
+    def _issue(self, ctx: StepContext, program: Program, nodes: Sequence[fx.Node], cold: bool, skip_updates: bool) -> list[tuple[fx.Node, Token]]:
+        issued: list[tuple[fx.Node, Token]] = []
+        for node in nodes:
+            meta = get_meta(node)
+            if meta.kind == U and skip_updates:
+                continue
+            deps = [ctx.env[d] for d in program.deps(node) if d in ctx.env]
+            try:
+                tok = self._issue_action(ctx, meta, deps, cold)
+            except BaseException as e:  # synchronous failure (CUDA issue path, bad state)
+                tok = DoneToken(str(meta.action), e)
+            tok.label = str(meta.action)
+            ctx.env[node] = tok
+            issued.append((node, tok))
+            if meta.kind == U:
+                self.pending_updates.append((str(meta.action), tok))
+        return issued
+
+    def _issue_action(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        g = ctx.variant.graph
+        b = self.backend
+        label = str(m.action)
+        if m.kind == R:
+            return JoinToken([d.reads_done for d in deps], label)
+        if m.kind == U:
+            return b.cpu.submit(self._timed(self._update_task(m.stage), m), deps, label)
+        stage = g.stages[m.stage]
+        if m.kind == PF:
+            return b.h2d.submit(self._timed(lambda: self._prefetch(stage, m.slot), m), deps, label)
+        if m.kind == F:
+            return b.compute.submit(self._timed(lambda: self._forward(ctx, stage, m.slot, m.keep_graph), m), deps, label)
+        if m.kind == OB:
+            return b.d2h.submit(self._timed(lambda: self._offload_buffers(stage, m.slot), m), deps, label)
+        if m.kind == B:
+            return b.compute.submit(self._timed(lambda: self._backward(ctx, stage, m.slot, cold), m), deps, label)
+        if m.kind == OG:
+            return self._offload_grad(ctx, stage, m, deps)
+        raise AssertionError(f"unknown action {m.action}")
+
+    # ---- actions ----------------------------------------------------------------------------
+    def _prefetch(self, stage: Stage, slot: int) -> None:
+        for c in stage.slot.prefetch:
+            src = self.store.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes]
+            self.backend.h2d_copy(self.pool.region(slot, c.slot_offset, c.nbytes), src)
+
+    def _offload_buffers(self, stage: Stage, slot: int) -> None:
+        for c in stage.slot.buffers_out:
+            dst = self.store.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes]
+            self.backend.d2h_copy(dst, self.pool.region(slot, c.slot_offset, c.nbytes))
+
+    def _forward(self, ctx: StepContext, stage: Stage, slot: int, keep_graph: bool) -> None:
+        g = ctx.variant.graph
+        views = self.pool.views(slot, stage, g)
+        params = [views[k] for k in stage.params]
+        bufs = [views[k] for k in stage.buffers]
+        ins = [ctx.values[v] for v in stage.inputs]
+        keep = ctx.grad and keep_graph
+        if ctx.grad:
+            ctx.rng[stage.index] = self.backend.get_rng_state()
+            if stage.mutated_buffers and not keep:
+                pre = [views[k].clone() for k in stage.mutated_buffers]
+                ctx.keep(f"pre-forward buffers of stage {stage.index}", pre)
+                ctx.pre_buffers[stage.index] = pre
+        if keep:
+            trainable = set(stage.trainable)
+            with torch.enable_grad():
+                pleaves = [p.detach().requires_grad_(k in trainable) for k, p in zip(stage.params, params)]
+                ileaves = [
+                    x.detach().requires_grad_(True) if g.values[v].differentiable else x for v, x in zip(stage.inputs, ins)
+                ]
+                outs = stage.gm(*pleaves, *bufs, *ileaves)
+            ctx.saved[stage.index] = (outs, pleaves, ileaves)
+        else:
+            with torch.no_grad():
+                outs = stage.gm(*params, *bufs, *ins)
+        for v, o in zip(stage.outputs, outs):
+            ctx.put(v, o.detach())
+        if not ctx.grad:
+            for v in stage.inputs:
+                ctx.fwd_left[v] -= 1
+                if ctx.fwd_left[v] == 0 and v not in g.outputs:
+                    ctx.drop(v)
+
+    def _backward(self, ctx: StepContext, stage: Stage, slot: int, cold: bool) -> None:
+        g = ctx.variant.graph
+        s = stage.index
+        gouts = [ctx.grads.get(v) for v in stage.outputs]
+        try:
+            if all(x is None for x in gouts):
+                ctx.no_grads.add(s)
+                return
+            saved = None if cold else ctx.saved.pop(s, None)
+            views = self.pool.views(slot, stage, g)
+            if saved is not None:
+                outs, pleaves, ileaves = saved
+            else:
+                trainable = set(stage.trainable)
+                pre = dict(zip(stage.mutated_buffers, ctx.pre_buffers.get(s, [])))
+                bufs = [pre.get(k, views[k]) for k in stage.buffers]
+                with torch.enable_grad(), _fork_rng(self.backend, ctx.rng.get(s)):
+                    pleaves = [views[k].detach().requires_grad_(k in trainable) for k in stage.params]
+                    ileaves = [
+                        ctx.values[v].detach().requires_grad_(True) if g.values[v].differentiable else ctx.values[v]
+                        for v in stage.inputs
+                    ]
+                    outs = stage.gm(*pleaves, *bufs, *ileaves)
+            pairs = [(o, x) for o, x in zip(outs, gouts) if x is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            in_idx = [i for i, x in enumerate(ileaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+            p_idx = [i for i, p in enumerate(pleaves) if p.requires_grad]
+            wrt = [ileaves[i] for i in in_idx] + [pleaves[i] for i in p_idx]
+            if pairs and wrt:
+                grads = torch.autograd.grad([o for o, _ in pairs], wrt, [x for _, x in pairs], allow_unused=True)
+            else:
+                grads = (None,) * len(wrt)
+            for i, gr in zip(in_idx, grads[: len(in_idx)]):
+                if gr is not None:
+                    ctx.add_grad(stage.inputs[i], gr)
+            # param grads overwrite the params in the slot (they are no longer needed there)
+            with torch.no_grad():
+                for i, gr in zip(p_idx, grads[len(in_idx) :]):
+                    dst = views[stage.params[i]]
+                    if gr is None:
+                        dst.zero_()
+                    else:
+                        dst.copy_(gr)
+        finally:
+            ctx.saved.pop(s, None)
+            ctx.pre_buffers.pop(s, None)
+            ctx.unkeep(f"pre-forward buffers of stage {s}")
+            for v in stage.outputs:
+                ctx.drop_grad(v)
+            for v in ctx.free_after_b.get(s, []):
+                ctx.drop(v)
+
+    def _offload_grad(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token]) -> Token:
+        """OG: copy the stage's param grads device -> host and accumulate them in fp32.
+
+        Two tasks: the copy on the d2h stream (its token frees the slot), and the accumulation
+        on the host stream (its token is what updates wait for). Whether a copy goes straight
+        into the gradient buffer or through a staging buffer to be added is decided in the d2h
+        task, in stream order, from the group's gradient state.
+        """
+        store, backend, slot = self.store, self.backend, m.slot
+        plan: list[tuple[Any, torch.Tensor, bool]] = []  # (copy, staging, zero group first)
+
+        def copy_out() -> None:
+            if stage.index in ctx.no_grads:
+                return
+            for c in stage.slot.grads:
+                src = self.pool.region(slot, c.slot_offset, c.nbytes)
+                grp = store.groups[c.group]
+                state = store.grad_state[c.group]
+                if state == GRAD_NONE and c.host_offset == 0 and c.nbytes == grp.trainable_bytes:
+                    backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
+                    store.grad_state[c.group] = GRAD_VALID
+                else:
+                    buf = store.acquire_staging(c.nbytes)
+                    backend.d2h_copy(buf[: c.nbytes], src)
+                    plan.append((c, buf, state == GRAD_NONE))
+                    store.grad_state[c.group] = GRAD_VALID
+
+        def accumulate() -> None:
+            try:
+                for c, buf, zero_first in plan:
+                    grad = store.grad(c.group)
+                    if zero_first:
+                        grad.zero_()
+                    dst = store.grad_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes].view(torch.float32)
+                    dst.add_(buf[: c.nbytes].view(torch.float32))
+            finally:
+                for _, buf, _ in plan:
+                    store.release_staging(buf)
+                plan.clear()
+
+        t_copy = backend.d2h.submit(self._timed(copy_out, m), deps, str(m.action))
+        t_acc = backend.host.submit(accumulate, [t_copy], str(m.action))
+        t_acc.reads = t_copy
+        return t_acc
+
+    def _update_task(self, group: int) -> Callable[[], None]:
+        if self.optimizer is None:
+            return lambda: None
+        hp = self.optimizer.config.hyperparams()
+        opt, store = self.optimizer, self.store
+
+        def run() -> None:
+            if store.grad_state[group] == GRAD_VALID:
+                opt.update(group, hp)
+
+        return run
+
+    # ---- waiting and errors ------------------------------------------------------------------
+    def _wait(self, program: Program, issued: list[tuple[fx.Node, Token]]) -> None:
+        for _, tok in issued:
+            tok.wait()
+        failed = [(n, t) for n, t in issued if t.error is not None]
+        if not failed:
+            return
+        root = next(((n, t) for n, t in failed if not isinstance(t.error, DependencyFailed)), failed[0])
+        node, tok = root
+        err = tok.error
+        action = str(get_meta(node).action)
+        where = f"action {action} of program {program.name!r} failed"
+        if isinstance(err, OutOfDeviceMemory):
+            raise OutOfDeviceMemory(
+                f"{err} (in {where})",
+                needed_bytes=err.needed_bytes,
+                used_bytes=err.used_bytes,
+                capacity_bytes=err.capacity_bytes,
+                what=err.what,
+            ) from err
+        raise ActionError(f"{where}: {type(err).__name__}: {err}\n\n{program.format(mark=node)}", action) from err
+
+    def _evict(self) -> None:
+        """The resident stages of a pending forward are given up: its backward will prefetch
+        them again (the cold variant) and recompute instead of using kept graphs."""
+        if self.holder is not None:
+            h = self.holder
+            h.hot = False
+            for k in list(h.saved):
+                h.saved.pop(k)
+            self.holder = None
+
+    def _fail_cleanup(self, ctx: StepContext) -> None:
+        if self.holder is ctx:
+            self.holder = None
+        ctx.release_all()
+
+    # ---- phases ----------------------------------------------------------------------------------
+    def forward(self, variant: Variant, inputs: Sequence[torch.Tensor], grad: bool) -> tuple[list[torch.Tensor], StepContext]:
+        if self.pending_updates:
+            raise UsageError(
+                "the model was called while the optimizer update started by the last backward() is still "
+                "pending: call cm.step() after backward() and before the next forward (shfx starts the update "
+                "during backward). To defer updates to step() instead, compile with overlap_update=False."
+            )
+        self._evict()
+        self.ensure_pool(variant.train.num_slots, variant.graph.slot_bytes)
+        if grad:
+            self.trace.clear()
+        ctx = StepContext(self, variant, grad)
+        program = variant.train if grad else variant.eval
+        nodes = program.phase_nodes("forward") if grad else program.nodes
+        try:
+            for name, t in zip(variant.graph.inputs, inputs):
+                ctx.put(name, self.backend.to_device(t))
+            issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True)
+            self._wait(program, issued)
+        except BaseException:
+            self._fail_cleanup(ctx)
+            raise
+        outs = [ctx.values[v] for v in variant.graph.outputs]
+        if grad:
+            ctx.hot = True
+            self.holder = ctx
+        else:
+            ctx.release_all()
+        return outs, ctx
+
+    def backward(self, ctx: StepContext, grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        if ctx.backward_done:
+            raise UsageError("backward() ran twice through the same shfx forward; run the model again instead")
+        if self.backward_calls >= self.grad_accum_steps and self.pending_updates:
+            raise UsageError(
+                f"backward() was called {self.backward_calls + 1} times since the last cm.step(), but the model was "
+                f"compiled with grad_accum_steps={self.grad_accum_steps}: the host update of those steps has already "
+                "started. Call cm.step() after every grad_accum_steps backward() calls, or raise grad_accum_steps."
+            )
+        ctx.backward_done = True
+        self.backward_calls += 1
+        final = self.overlap_update and self.optimizer is not None and self.backward_calls == self.grad_accum_steps
+        variant = ctx.variant
+        cold = not ctx.hot or self.holder is not ctx
+        if cold:
+            self._evict()
+            program = variant.cold
+            nodes = program.nodes
+        else:
+            program = variant.train
+            nodes = program.phase_nodes("backward")
+        try:
+            for v, gr in zip(variant.graph.outputs, grad_outputs):
+                if gr is not None and variant.graph.values[v].differentiable:
+                    ctx.add_grad(v, gr)
+            issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final)
+            self._wait(program, [(n, t) for n, t in issued if get_meta(n).kind != U])
+        except BaseException:
+            self.pending_updates.clear()
+            self._fail_cleanup(ctx)
+            raise
+        finally:
+            if self.holder is ctx:
+                self.holder = None
+        in_grads = [ctx.grads.get(v) for v in variant.graph.inputs]
+        ctx.release_all()
+        self.expose_grads()
+        return in_grads
+
+    def expose_grads(self) -> None:
+        """Point each trainable parameter's ``.grad`` at its slice of the host gradient buffer."""
+        st = self.store
+        for g, keys in self.param_keys_by_group.items():
+            if st.grad_state[g] == GRAD_VALID:
+                for k, p in keys:
+                    if p.grad is None or p.grad.data_ptr() != st.param_grad_view(k, g).data_ptr():
+                        p.grad = st.param_grad_view(k, g)
+
+    def step(self, program: Program | None = None) -> None:
+        """Apply the optimizer: wait for updates started during backward, or run them now."""
+        if self.optimizer is None:
+            raise UsageError("step() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
+        if not self.pending_updates:
+            groups = [i for i, g in enumerate(self.store.groups) if g.trainable_bytes and self.store.grad_state[i] == GRAD_VALID]
+            for gi in groups:
+                tok = self.backend.cpu.submit(self._update_task(gi), [], f"U{gi}")
+                self.pending_updates.append((f"U{gi}", tok))
+        pending, self.pending_updates = self.pending_updates, []
+        self.backward_calls = 0
+        for _, tok in pending:
+            tok.wait()
+        for label, tok in pending:
+            if tok.error is not None:
+                raise ActionError(
+                    f"host optimizer update {label} failed: {type(tok.error).__name__}: {tok.error}", label
+                ) from tok.error
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.pending_updates:
+            raise UsageError(
+                "zero_grad() was called between backward() and step() while the update started by backward() is "
+                "pending; call cm.step() first (or compile with overlap_update=False)"
+            )
+        st = self.store
+        for g in range(len(st.groups)):
+            if set_to_none:
+                st.grad_state[g] = GRAD_NONE
+            elif st.grad_state[g] == GRAD_VALID or st.groups[g].trainable_bytes:
+                st.grad(g).zero_()
+                st.grad_state[g] = GRAD_VALID
+        for g, keys in self.param_keys_by_group.items():
+            for _, p in keys:
+                if set_to_none:
+                    p.grad = None
+        if not set_to_none:
+            self.expose_grads()
+
+    def close(self) -> None:
+        self._evict()
+        if self.pool is not None:
+            self.pool.close()
+        self.backend.close()
+
+    def memory_summary(self) -> str:
+        b = self.backend
+        cap = "unlimited" if b.capacity_bytes is None else format_bytes(b.capacity_bytes)
+        return f"device memory: {format_bytes(b.used_bytes)} in use, peak {format_bytes(b.peak_bytes)}, capacity {cap}"

@@ -1,0 +1,121 @@
+"""The host store: every parameter, buffer and tensor constant in flat per-group buffers.
+
+The model's own tensors are rebound to views of these buffers (``param.data = view``), so the
+model and the store share memory: ``model.state_dict()`` always reads the current master
+weights, and nothing is held twice on the host. Per group the store also keeps a flat fp32
+gradient buffer laid out like the group's trainable region, created on first use, and a
+per-group gradient state (none / valid) that mirrors ``p.grad is None``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from passes.layout import Group, TensorInfo
+
+from .backend import Backend
+
+__all__ = ["HostStore", "GRAD_NONE", "GRAD_VALID"]
+
+GRAD_NONE = 0
+GRAD_VALID = 1
+
+
+def typed_view(buf: torch.Tensor, offset: int, info: TensorInfo) -> torch.Tensor:
+    """A tensor of ``info``'s shape and dtype over ``buf[offset:offset+nbytes]`` (uint8)."""
+    raw = buf[offset : offset + info.nbytes]
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=info.dtype, device=buf.device)
+    return raw.view(info.dtype).view(info.shape)
+
+
+class HostStore:
+    """Flat host buffers for the groups of a stage layout, bound to the model's tensors."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        groups: Sequence[Group],
+        tensors: dict[str, torch.Tensor],
+        pin: bool = True,
+        staging_buffers: int = 2,
+    ):
+        self.backend = backend
+        self.groups = list(groups)
+        self.pin = pin
+        self.buffers = [backend.alloc_host(g.nbytes, pin) for g in self.groups]
+        self.tensors: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            for info in g.infos:
+                view = typed_view(self.buffers[g.index], g.offsets[info.key], info)
+                src = tensors[info.key]
+                with torch.no_grad():
+                    view.copy_(src.detach())
+                if not info.key.startswith("<constant>"):
+                    src.data = view  # the model's tensor now lives in the store
+                self.tensors[info.key] = view
+        self._grads: list[torch.Tensor | None] = [None] * len(self.groups)
+        self.grad_state = [GRAD_NONE] * len(self.groups)
+        self._staging_free: list[torch.Tensor] = []
+        self._staging_count = 0
+        self._staging_max = max(1, staging_buffers)
+        self._staging_cv = threading.Condition()
+
+    # ---- views ---------------------------------------------------------------------------
+    def group_bytes(self, g: int) -> torch.Tensor:
+        return self.buffers[g]
+
+    def master(self, g: int) -> torch.Tensor:
+        """The fp32 trainable region of group ``g`` (the master weights, padding included)."""
+        n = self.groups[g].trainable_bytes
+        return self.buffers[g][:n].view(torch.float32)
+
+    def grad(self, g: int) -> torch.Tensor:
+        """Group ``g``'s flat fp32 gradient buffer (created zeroed on first use)."""
+        t = self._grads[g]
+        if t is None:
+            n = self.groups[g].trainable_bytes
+            t = self.backend.alloc_host(n, self.pin).view(torch.float32)
+            self._grads[g] = t
+        return t
+
+    def grad_bytes(self, g: int) -> torch.Tensor:
+        return self.grad(g).view(torch.uint8)
+
+    def param_grad_view(self, key: str, owner: int) -> torch.Tensor:
+        g = self.groups[owner]
+        info = g.info(key)
+        return typed_view(self.grad_bytes(owner), g.offsets[key], info)
+
+    @property
+    def host_bytes(self) -> int:
+        n = sum(b.numel() for b in self.buffers)
+        n += sum(t.numel() * 4 for t in self._grads if t is not None)
+        return n
+
+    # ---- staging for accumulating gradients ----------------------------------------------------
+    def acquire_staging(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least ``nbytes`` for a gradient copy that must be added, not
+        copied, into the gradient buffer. Blocks while all are in use."""
+        with self._staging_cv:
+            while True:
+                for i, b in enumerate(self._staging_free):
+                    if b.numel() >= nbytes:
+                        return self._staging_free.pop(i)
+                if self._staging_count < self._staging_max:
+                    self._staging_count += 1
+                    size = max(nbytes, max((g.trainable_bytes for g in self.groups), default=nbytes))
+                    return self.backend.alloc_host(size, self.pin)
+                if self._staging_free:  # free ones are all too small: replace one
+                    self._staging_free.pop(0)
+                    size = max(nbytes, max((g.trainable_bytes for g in self.groups), default=nbytes))
+                    return self.backend.alloc_host(size, self.pin)
+                self._staging_cv.wait()
+
+    def release_staging(self, buf: torch.Tensor) -> None:
+        with self._staging_cv:
+            self._staging_free.append(buf)
+            self._staging_cv.notify()

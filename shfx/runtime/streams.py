@@ -1,0 +1,186 @@
+"""Tokens and host-side streams.
+
+A :class:`Token` stands for the completion of one issued action. Dependencies between actions
+are tokens: a stream does not start a task until every token it depends on has completed. A
+failed task marks its token failed and every task depending on it is skipped (its token fails
+with :class:`DependencyFailed`), so a failure never leaves a waiter hanging.
+
+:class:`WorkerStream` is a FIFO run by one worker thread (the emulated device's compute, h2d
+and d2h streams, and the host's gradient-accumulation stream); :class:`PoolStream` runs tasks on
+several threads (the host optimizer).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "WorkerStream", "PoolStream"]
+
+
+class DependencyFailed(RuntimeError):
+    """A task was skipped because a task it waits for failed."""
+
+    def __init__(self, label: str):
+        super().__init__(f"skipped: {label} failed")
+        self.label = label
+
+
+class Token:
+    """Completion of one task. ``error`` is set when the task failed or was skipped."""
+
+    __slots__ = ("_event", "error", "label", "reads")
+
+    def __init__(self, label: str = ""):
+        self._event = threading.Event()
+        self.error: BaseException | None = None
+        self.label = label
+        self.reads: Token | None = None  # completes when the task no longer reads device memory
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
+    @property
+    def is_done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def reads_done(self) -> Token:
+        """The token a slot RELEASE waits for: the task finished reading device memory."""
+        return self.reads if self.reads is not None else self
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else ("done" if self.is_done else "pending")
+        return f"<Token {self.label} {state}>"
+
+
+class DoneToken(Token):
+    """A token that is already complete."""
+
+    def __init__(self, label: str = "", error: BaseException | None = None):
+        super().__init__(label)
+        self.set(error)
+
+
+class JoinToken(Token):
+    """Completes when all ``parts`` complete; fails if any fails (a RELEASE is one)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[Token], label: str = ""):
+        super().__init__(label)
+        self.parts = list(parts)
+
+    def wait(self) -> None:
+        if not self._event.is_set():
+            err = None
+            for p in self.parts:
+                p.wait()
+                if p.error is not None and err is None:
+                    err = p.error if isinstance(p.error, DependencyFailed) else DependencyFailed(p.label)
+            self.set(err)
+
+    @property
+    def is_done(self) -> bool:
+        return self._event.is_set() or all(p.is_done for p in self.parts)
+
+
+def wait_deps(deps: Sequence[Token]) -> BaseException | None:
+    """Wait for every dependency on the host; return a DependencyFailed for the first failure."""
+    err = None
+    for d in deps:
+        d.wait()
+        if d.error is not None and err is None:
+            err = DependencyFailed(d.label) if not isinstance(d.error, DependencyFailed) else d.error
+    return err
+
+
+class WorkerStream:
+    """A FIFO executed in order by one daemon worker thread."""
+
+    def __init__(self, name: str, setup: Callable[[], None] | None = None):
+        self.name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._setup = setup
+        self._thread = threading.Thread(target=self._loop, name=f"shfx-{name}", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        tok = Token(label)
+        self._q.put((fn, tuple(deps), tok))
+        return tok
+
+    def _loop(self) -> None:
+        if self._setup is not None:
+            self._setup()
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, deps, tok = item
+            err = wait_deps(deps)
+            if err is None:
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - surfaced through the token
+                    err = e
+            tok.set(err)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._q.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+
+class PoolStream:
+    """Tasks run on ``workers`` daemon threads, each once its dependencies are complete."""
+
+    def __init__(self, name: str, workers: int = 1):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"shfx-{name}-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
+        tok = Token(label)
+        self._q.put((fn, tuple(deps), tok))
+        return tok
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, deps, tok = item
+            err = wait_deps(deps)
+            if err is None:
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001
+                    err = e
+            tok.set(err)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._q.put(None)
