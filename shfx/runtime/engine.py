@@ -90,6 +90,7 @@ class StepContext:
         self.saved: dict[int, tuple] = {}
         self.no_grads: set[int] = set()
         self.env: dict[fx.Node, Token] = {}
+        self.accumulation = _Accumulation()
         self.hot = False  # holds slots from its forward for the start of its backward
         self.backward_done = False
         self._bytes: dict[str, int] = {}
@@ -156,6 +157,16 @@ class StepContext:
         self._bytes.clear()
 
 
+class _Accumulation:
+    """Gradient accumulation of one backward, kept on the host FIFO: contributions to shared
+    parameters waiting for their owner, and the groups whose owner has added its sum."""
+
+    def __init__(self) -> None:
+        self.flushed: set[int] = set()
+        self.pending: dict[int, list] = {}
+        self.pending_keys: set[tuple[int, int]] = set()
+
+
 @contextlib.contextmanager
 def _fork_rng(backend: Backend, state: Any) -> Iterator[None]:
     if state is None:
@@ -193,6 +204,7 @@ class Engine:
         self.trace: list[TraceEvent] = []
         self.tracing = True
         self.param_keys_by_group: dict[int, list[str]] = {}
+        self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
 
     # ---- setup -----------------------------------------------------------------------------
     def ensure_pool(self, num_slots: int, slot_bytes: int) -> None:
@@ -353,46 +365,95 @@ class Engine:
         """OG: copy the stage's param grads device -> host and accumulate them in fp32.
 
         Two tasks: the copy on the d2h stream (its token frees the slot), and the accumulation
-        on the host stream (its token is what updates wait for). Whether a copy goes straight
-        into the gradient buffer or through a staging buffer to be added is decided in the d2h
-        task, in stream order, from the group's gradient state.
+        on the host stream (its token is what updates wait for). A group's whole trainable
+        region goes straight into the gradient buffer when it holds no gradient yet, else
+        through a staging buffer that is then added.
+
+        NOTE: a parameter shared by several stages (a tied embedding) gets one contribution
+        per stage. As eager autograd does, they are summed first (into a persistent pending
+        buffer, in backward order) and the sum is added to the accumulated gradient when the
+        owning stage's gradients arrive: ``G += (own + others)``, not ``(G + other) + own``,
+        which rounds differently under gradient accumulation.
         """
         store, backend, slot = self.store, self.backend, m.slot
-        plan: list[tuple[Any, torch.Tensor, bool]] = []  # (copy, staging, zero group first)
+        acc = ctx.accumulation
+        plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
 
         def copy_out() -> None:
             if stage.index in ctx.no_grads:
                 return
             for c in stage.slot.grads:
                 src = self.pool.region(slot, c.slot_offset, c.nbytes)
-                grp = store.groups[c.group]
-                state = store.grad_state[c.group]
-                if state == GRAD_NONE and c.host_offset == 0 and c.nbytes == grp.trainable_bytes:
+                full = c.host_offset == 0 and c.nbytes == store.groups[c.group].trainable_bytes
+                if full and store.grad_state[c.group] == GRAD_NONE:
                     backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
                     store.grad_state[c.group] = GRAD_VALID
+                    plan.append(("direct", c, None))
                 else:
                     buf = store.acquire_staging(c.nbytes)
                     backend.d2h_copy(buf[: c.nbytes], src)
-                    plan.append((c, buf, state == GRAD_NONE))
-                    store.grad_state[c.group] = GRAD_VALID
+                    plan.append(("add" if full else "shared", c, buf))
 
         def accumulate() -> None:
             try:
-                for c, buf, zero_first in plan:
-                    grad = store.grad(c.group)
-                    if zero_first:
-                        grad.zero_()
-                    dst = store.grad_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes].view(torch.float32)
-                    dst.add_(buf[: c.nbytes].view(torch.float32))
+                for kind, c, buf in plan:
+                    g = c.group
+                    if kind == "shared":
+                        src = buf[: c.nbytes].view(torch.float32)
+                        if g in acc.flushed:  # the owner's sum is in already: add directly
+                            self._grad_slice(g, c, zero_if_none=True).add_(src)
+                        else:
+                            pend = self._pending(c)
+                            if (g, c.host_offset) in acc.pending_keys:
+                                pend.add_(src)
+                            else:
+                                pend.copy_(src)
+                                acc.pending_keys.add((g, c.host_offset))
+                                acc.pending.setdefault(g, []).append(c)
+                    elif kind == "add":
+                        stg = buf[: c.nbytes].view(torch.float32)
+                        for pc in acc.pending.pop(g, []):
+                            stg[pc.host_offset // 4 : (pc.host_offset + pc.nbytes) // 4].add_(self._pending(pc))
+                        store.grad(g).add_(stg)
+                        acc.flushed.add(g)
+                    else:  # direct: the group's gradient was copied in whole
+                        for pc in acc.pending.pop(g, []):
+                            self._grad_slice(g, pc, zero_if_none=False).add_(self._pending(pc))
+                        acc.flushed.add(g)
+                own = stage.spec.update_group
+                if own is not None and own not in acc.flushed:  # owner without gradients of its own
+                    for pc in acc.pending.pop(own, []):
+                        self._grad_slice(own, pc, zero_if_none=True).add_(self._pending(pc))
+                    acc.flushed.add(own)
             finally:
-                for _, buf, _ in plan:
-                    store.release_staging(buf)
+                for _, _, buf in plan:
+                    if buf is not None:
+                        store.release_staging(buf)
                 plan.clear()
 
         t_copy = backend.d2h.submit(self._timed(copy_out, m), deps, str(m.action))
         t_acc = backend.host.submit(accumulate, [t_copy], str(m.action))
         t_acc.reads = t_copy
         return t_acc
+
+    def _grad_slice(self, g: int, c: Any, zero_if_none: bool) -> torch.Tensor:
+        """Group ``g``'s fp32 gradient over a copy's range (zeroing the group first if it
+        holds no gradient yet)."""
+        st = self.store
+        if st.grad_state[g] == GRAD_NONE:
+            if not zero_if_none:  # pragma: no cover - a direct copy sets the state first
+                raise AssertionError(f"group {g} has no gradient to add to")
+            st.grad(g).zero_()
+            st.grad_state[g] = GRAD_VALID
+        return st.grad(g)[c.host_offset // 4 : (c.host_offset + c.nbytes) // 4]
+
+    def _pending(self, c: Any) -> torch.Tensor:
+        key = (c.group, c.host_offset, c.nbytes)
+        t = self._pending_bufs.get(key)
+        if t is None:
+            t = torch.empty(c.nbytes // 4, dtype=torch.float32)
+            self._pending_bufs[key] = t
+        return t
 
     def _update_task(self, group: int) -> Callable[[], None]:
         if self.optimizer is None:
