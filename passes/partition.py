@@ -188,6 +188,11 @@ def _block_of(node: fx.Node, prefix: str, container: str) -> str | None:
     return None
 
 
+def _is_root_level(node: fx.Node, prefix: str) -> bool:
+    """True for operations written in the model's own forward, outside any submodule."""
+    return all(p == "" for p in _module_paths(node, prefix))
+
+
 def _top_module(node: fx.Node, prefix: str) -> str | None:
     tops = [p.split(".")[0] for p in _module_paths(node, prefix) if p]
     return tops[0] if tops else None
@@ -223,7 +228,11 @@ def _label_blocks(nodes: list[fx.Node], prefix: str, container: str) -> tuple[di
         elif i < first:
             s = 0
         elif i > last:
-            s = tail
+            # NOTE: after the last block, code of the model's own forward (not inside a
+            # module) continues whatever it reads, e.g. the residual add of a loop
+            # ``h = block(x); h += x``; modules (final norm, head) and what follows form the tail.
+            read = [labels[a] for a in n.all_input_nodes if a in labels]
+            s = max(read) if _is_root_level(n, prefix) and read and max(read) < tail else tail
         else:
             s = cur
         labels[n] = s

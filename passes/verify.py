@@ -73,10 +73,17 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
     def act(n: fx.Node) -> str:
         return f"{get_meta(n).action} (#{index[n]})"
 
-    # 1. order and acyclicity; ancestors as bitsets in issue order
+    # 1. order and acyclicity; ancestors as bitsets in issue order.
+    # NOTE: two relations. ``anc``: n waits (transitively) for d to start and finish using
+    # device memory. ``done``: n waits for d's every effect. They differ at RELEASE: a
+    # RELEASE waits only until an OFFLOAD_GRAD has *read* the slot (its copy), not until the
+    # gradients are accumulated on the host, so a path through a RELEASE does not make an
+    # update wait for that OFFLOAD_GRAD.
     anc: dict[fx.Node, int] = {}
+    done: dict[fx.Node, int] = {}
     for n in nodes:
-        a = 0
+        a = dn = 0
+        is_release = get_meta(n).kind == R
         for d in program.deps(n):
             if d not in index:
                 bad.append((n, f"{act(n)} waits for {d.name!r}, which is not an action of this program"))
@@ -85,10 +92,15 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
                 bad.append((n, f"{act(n)} waits for {act(d)}, which is issued later (deadlock or cycle)"))
                 continue
             a |= anc[d] | (1 << index[d])
+            dn |= done[d] | (0 if (is_release and get_meta(d).kind == OG) else 1 << index[d])
         anc[n] = a
+        done[n] = dn
 
     def waits(n: fx.Node, d: fx.Node) -> bool:
         return bool(anc[n] >> index[d] & 1)
+
+    def waits_done(n: fx.Node, d: fx.Node) -> bool:
+        return bool(done[n] >> index[d] & 1)
 
     # 2./3. residency and slot reuse, walking in issue order
     resident: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # stage -> (slot, PF, readers)
@@ -162,7 +174,7 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
             for st in program.stages:
                 if s in st.grad_groups:
                     og = last.get((OG, st.index))
-                    if og is None or not waits(n, og):
+                    if og is None or not waits_done(n, og):
                         bad.append((n, f"{act(n)} reads group {s}'s gradients before OG{st.index} has put stage {st.index}'s on the host"))
         last[(k, s)] = n
 

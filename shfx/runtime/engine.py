@@ -384,7 +384,12 @@ class Engine:
                 return
             for c in stage.slot.grads:
                 src = self.pool.region(slot, c.slot_offset, c.nbytes)
-                full = c.host_offset == 0 and c.nbytes == store.groups[c.group].trainable_bytes
+                # the owner's copy of its whole group; borrowers' copies wait in pending
+                full = (
+                    c.group == stage.spec.update_group
+                    and c.host_offset == 0
+                    and c.nbytes == store.groups[c.group].trainable_bytes
+                )
                 if full and store.grad_state[c.group] == GRAD_NONE:
                     backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
                     store.grad_state[c.group] = GRAD_VALID
@@ -481,7 +486,7 @@ class Engine:
         where = f"action {action} of program {program.name!r} failed"
         if isinstance(err, OutOfDeviceMemory):
             raise OutOfDeviceMemory(
-                f"{err} (in {where})",
+                f"{err} This happened in action {action} of program {program.name!r}.",
                 needed_bytes=err.needed_bytes,
                 used_bytes=err.used_bytes,
                 capacity_bytes=err.capacity_bytes,
@@ -507,10 +512,16 @@ class Engine:
     # ---- phases ----------------------------------------------------------------------------------
     def forward(self, variant: Variant, inputs: Sequence[torch.Tensor], grad: bool) -> tuple[list[torch.Tensor], StepContext]:
         if self.pending_updates:
+            accum = (
+                f" (with grad_accum_steps={self.grad_accum_steps} the update starts in every "
+                f"{self.grad_accum_steps}th backward)"
+                if self.grad_accum_steps > 1
+                else ""
+            )
             raise UsageError(
                 "the model was called while the optimizer update started by the last backward() is still "
-                "pending: call cm.step() after backward() and before the next forward (shfx starts the update "
-                "during backward). To defer updates to step() instead, compile with overlap_update=False."
+                f"pending{accum}: call cm.step() after backward() and before the next forward (shfx starts the "
+                "update during backward). To defer updates to step() instead, compile with overlap_update=False."
             )
         self._evict()
         self.ensure_pool(variant.train.num_slots, variant.graph.slot_bytes)

@@ -1,0 +1,59 @@
+"""Host groups and slot layouts: alignment, region order, one transfer per stage."""
+
+from __future__ import annotations
+
+import torch
+
+from passes.layout import ALIGN, TensorInfo, plan_groups, plan_slot
+
+
+def info(key, shape, kind="param", trainable=True, mutable=False, dtype=torch.float32):
+    return TensorInfo(key, kind, shape, dtype, trainable, mutable)
+
+
+def test_group_regions_in_order_and_aligned():
+    (g,) = plan_groups(
+        [
+            [
+                info("buf", (3,), kind="buffer", trainable=False),
+                info("w", (5, 3)),
+                info("frozen", (7,), trainable=False),
+                info("stat", (2,), kind="buffer", trainable=False, mutable=True),
+                info("b", (5,)),
+                info("steps", (), kind="buffer", trainable=False, mutable=True, dtype=torch.int64),
+            ]
+        ]
+    )
+    assert g.keys == ("w", "b", "frozen", "stat", "steps", "buf")
+    assert all(off % ALIGN == 0 for off in g.offsets.values())
+    assert g.trainable_bytes == g.offsets["frozen"] == 2 * ALIGN
+    assert g.mutable_range == (g.offsets["stat"], g.offsets["buf"])
+
+
+def test_slot_of_owner_is_one_copy_and_borrowed_tensors_follow():
+    groups = plan_groups([[info("emb", (10, 4))], [info("ln", (4,)), info("mean", (4,), kind="buffer", trainable=False, mutable=True)]])
+    owner = {"emb": 0, "ln": 1, "mean": 1}
+    head = plan_slot(0, ["emb"], [], ["emb"], groups, owner)
+    assert len(head.prefetch) == 1 and head.prefetch[0].nbytes == groups[0].nbytes
+    tail = plan_slot(1, ["ln", "mean", "emb"], ["mean"], ["ln", "emb"], groups, owner)
+    assert [(c.group, c.slot_offset) for c in tail.prefetch] == [(1, 0), (0, groups[1].nbytes)]
+    assert tail.offsets["emb"] == groups[1].nbytes
+    # group 0 is used whole by the tail: its region is placed whole, and so are its grads
+    assert [(c.group, c.nbytes) for c in tail.grads] == [(1, groups[1].trainable_bytes), (0, groups[0].trainable_bytes)]
+    assert [(c.group, c.host_offset, c.nbytes) for c in tail.buffers_out] == [(1, groups[1].mutable_range[0], 64)]
+    assert tail.nbytes == groups[1].nbytes + 192
+
+
+def test_borrowing_part_of_a_group_copies_single_tensors():
+    groups = plan_groups([[info("emb", (10, 4)), info("pos", (3, 4))], [info("ln", (4,))]])
+    owner = {"emb": 0, "pos": 0, "ln": 1}
+    tail = plan_slot(1, ["ln", "emb"], [], ["ln", "emb"], groups, owner)
+    assert [(c.group, c.host_offset, c.nbytes) for c in tail.prefetch] == [(1, 0, 64), (0, groups[0].offsets["emb"], 160)]
+    assert [(c.group, c.host_offset, c.nbytes) for c in tail.grads] == [(1, 0, 64), (0, groups[0].offsets["emb"], 160)]
+
+
+def test_trainable_params_must_be_fp32():
+    import pytest
+
+    with pytest.raises(NotImplementedError, match="fp32"):
+        plan_groups([[info("w", (2,), dtype=torch.bfloat16)]])
