@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from passes.capture import capture_model, flatten_inputs
 from passes.partition import partition_stages
 from passes.program import Program
 from passes.retarget import retarget_device
-from passes.schedule import check_window, cold_backward_program, eval_program, schedule_window
+from passes.schedule import POLICIES, check_window, cold_backward_program, eval_program
 from passes.units import format_bytes
 from passes.verify import verify_program
 
@@ -107,6 +107,7 @@ class CompiledModel:
         device: Any = None,
         window: int = 2,
         optimizer: AdamW | None = None,
+        policy: str | Callable[..., Program] = "stronghold",
         blocks: Any = None,
         num_stages: int | None = None,
         grad_accum_steps: int = 1,
@@ -136,6 +137,11 @@ class CompiledModel:
         check_window(window, 1 << 30)
         if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}, or a function (stage_specs, window) -> Program")
+        elif not callable(policy):
+            raise TypeError(f"policy must be a name ({', '.join(sorted(POLICIES))}) or a function (stage_specs, window) -> Program")
         if optimizer is not None and not isinstance(optimizer, AdamW):
             raise TypeError(
                 f"optimizer must be shfx.optim.AdamW(...) (it runs on the host next to the master weights), "
@@ -143,6 +149,7 @@ class CompiledModel:
             )
         self.module = model
         self.optimizer = optimizer
+        self.policy = policy
         self.window = window
         self.blocks = blocks
         self.num_stages = num_stages
@@ -191,7 +198,10 @@ class CompiledModel:
         specs = graph.specs
         w = check_window(self.window, len(specs))
         self._check_capacity(graph, w)
-        train = schedule_window(specs, w)
+        make = POLICIES[self.policy] if isinstance(self.policy, str) else self.policy
+        train = make(specs, w)
+        if not isinstance(train, Program):
+            raise TypeError(f"policy {self.policy!r} returned {type(train).__name__}, not a passes.Program")
         ev, cold = eval_program(train), cold_backward_program(train)
         if self.verify:
             verify_program(train, "train")
@@ -365,6 +375,8 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         window: how many stages' parameters may be on the device at once (int >= 1; larger
             than the number of stages means all).
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
+        policy: the schedule: ``"stronghold"`` (the window policy), or a function
+            ``(stage_specs, window) -> passes.Program`` (e.g. built with ``passes.lower_actions``).
         blocks: module path of the repeated blocks (default: auto-detected), or False to split
             by parameter bytes into ``num_stages`` stages.
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.
