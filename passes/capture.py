@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,13 +253,18 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
     try:
-        ep = torch.export.export(wrapper, example, strict=False)
+        with warnings.catch_warnings():
+            # torch.export's own pytree internals warn about a deprecated LeafSpec check
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+            ep = torch.export.export(wrapper, example, strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise _capture_error(model, e) from e
     finally:
         wrapper.train(model.training)
     try:
-        analysis = ep.run_decompositions({}).graph_signature
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+            analysis = ep.run_decompositions({}).graph_signature
         mutated_targets = set(analysis.buffers_to_mutate.values())
         mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
         mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})

@@ -403,3 +403,27 @@ def test_learning_rate_change_between_steps():
     assert cm.optimizer.lr == 1e-3
     assert_same_state(model, ref)
     cm.close()
+
+
+def test_abandoned_forward_frees_its_device_memory():
+    """A forward under grad mode whose loss is dropped (no backward) must not leak the
+    activations it accounted for."""
+    import gc
+
+    cm, _ = compiled(2)
+    one_step(cm)
+    slots = cm.engine.pool.num_slots * cm.engine.pool.slot_bytes
+    (x, y), _, _ = token_batch(0)
+    for _ in range(5):
+        loss = cm(x, y)
+        del loss
+        gc.collect()
+    cm(x, y).backward()  # the next forward evicted the last abandoned one; training goes on
+    cm.step()
+    gc.collect()
+    assert cm.backend.used_bytes == slots
+    with torch.no_grad():
+        for _ in range(3):
+            cm(x, y)
+    assert len(cm.engine.trace) <= 4 * len(cm.program.nodes)  # the trace does not grow without bound
+    cm.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,9 @@ class StepContext:
         self.hot = False  # holds slots from its forward for the start of its backward
         self.backward_done = False
         self._bytes: dict[str, int] = {}
+        # A forward whose backward never runs (the loss was dropped) frees its device
+        # accounting when the context is garbage: the finalizer holds the byte ledger, not self.
+        weakref.finalize(self, _release_ledger, engine.backend, self._bytes)
         g = variant.graph
         # forward refcounts (eval: free a value once every consumer's forward ran)
         self.fwd_left = {v: len(info.consumers) for v, info in g.values.items()}
@@ -152,9 +156,13 @@ class StepContext:
         self.grads.clear()
         self.pre_buffers.clear()
         self.saved.clear()
-        for n in self._bytes.values():
-            self.engine.backend.unreserve(n)
-        self._bytes.clear()
+        _release_ledger(self.engine.backend, self._bytes)
+
+
+def _release_ledger(backend: Backend, ledger: dict[str, int]) -> None:
+    for n in ledger.values():
+        backend.unreserve(n)
+    ledger.clear()
 
 
 class _Accumulation:
@@ -525,8 +533,7 @@ class Engine:
             )
         self._evict()
         self.ensure_pool(variant.train.num_slots, variant.graph.slot_bytes)
-        if grad:
-            self.trace.clear()
+        self.trace.clear()  # the trace covers the last forward and what follows it
         ctx = StepContext(self, variant, grad)
         program = variant.train if grad else variant.eval
         nodes = program.phase_nodes("forward") if grad else program.nodes
