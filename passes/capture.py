@@ -249,7 +249,13 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     """
     kwargs = dict(kwargs or {})
     tensors, signature, rebuild = flatten_inputs(args, kwargs, model.training)
-    example = tuple(t.detach().to("cpu").requires_grad_(t.requires_grad) for t in tensors)
+    # the parameters live on the host (CPU); a model built on the meta device (for planning
+    # models too large to allocate) is traced on meta inputs
+    on_meta = any(p.is_meta for p in model.parameters())
+    example = tuple(
+        (torch.empty_like(t, device="meta") if on_meta else t.detach().to("cpu")).requires_grad_(t.requires_grad)
+        for t in tensors
+    )
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
     try:

@@ -565,6 +565,8 @@ def partition_stages(
             buffer_out_bytes=SlotPlan.total(slot.buffers_out),
             grad_groups=grad_groups,
             update_group=update_group,
+            activation_bytes=sum(values[v].nbytes for v in outs),
+            slot_bytes=slot.nbytes,
         )
         stages.append(
             Stage(

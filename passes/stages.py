@@ -30,6 +30,9 @@ class StageSpec:
             the owners of parameters it shares with other stages, e.g. a tied embedding).
         update_group: the host group this stage owns and whose CPU_STEP exists, or None when the
             stage owns no trainable parameters.
+        activation_bytes: bytes of the boundary outputs this stage's forward keeps on the device
+            for the backward (its checkpoint contribution).
+        slot_bytes: bytes of the stage's slot layout (what it occupies on the device).
     """
 
     index: int
@@ -40,6 +43,8 @@ class StageSpec:
     buffer_out_bytes: int = 0
     grad_groups: frozenset[int] = field(default_factory=frozenset)
     update_group: int | None = None
+    activation_bytes: int = 0
+    slot_bytes: int = 0
 
     def __post_init__(self) -> None:
         if any(p >= self.index for p in self.producers):
@@ -64,6 +69,7 @@ def chain(
     grad_bytes: int | None = None,
     mutating: tuple[int, ...] = (),
     tied: tuple[int, int] | None = None,
+    activation_bytes: int = 0,
 ) -> list[StageSpec]:
     """``n`` stages in a chain (stage i reads stage i-1), for tests and what-if studies.
 
@@ -89,6 +95,8 @@ def chain(
                 buffer_out_bytes=64 if i in mutating else 0,
                 grad_groups=frozenset(groups),
                 update_group=i if grad_bytes else None,
+                activation_bytes=activation_bytes,
+                slot_bytes=prefetch_bytes,
             )
         )
     return specs

@@ -235,7 +235,11 @@ class Engine:
 
         return run
 
-    def _issue(self, ctx: StepContext, program: Program, nodes: Sequence[fx.Node], cold: bool, skip_updates: bool) -> list[tuple[fx.Node, Token]]:
+    def _issue(
+        self, ctx: StepContext, program: Program, nodes: Sequence[fx.Node], cold: bool, skip_updates: bool, serial: bool = False
+    ) -> list[tuple[fx.Node, Token]]:
+        """Issue ``nodes`` in order; with ``serial`` each waits for the previous one to finish
+        (the profiler times actions in isolation that way)."""
         issued: list[tuple[fx.Node, Token]] = []
         for node in nodes:
             meta = get_meta(node)
@@ -251,6 +255,8 @@ class Engine:
             issued.append((node, tok))
             if meta.kind == U:
                 self.pending_updates.append((str(meta.action), tok))
+            if serial:
+                tok.wait()
         return issued
 
     def _issue_action(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
@@ -518,7 +524,9 @@ class Engine:
         ctx.release_all()
 
     # ---- phases ----------------------------------------------------------------------------------
-    def forward(self, variant: Variant, inputs: Sequence[torch.Tensor], grad: bool) -> tuple[list[torch.Tensor], StepContext]:
+    def forward(
+        self, variant: Variant, inputs: Sequence[torch.Tensor], grad: bool, *, serial: bool = False
+    ) -> tuple[list[torch.Tensor], StepContext]:
         if self.pending_updates:
             accum = (
                 f" (with grad_accum_steps={self.grad_accum_steps} the update starts in every "
@@ -540,7 +548,7 @@ class Engine:
         try:
             for name, t in zip(variant.graph.inputs, inputs):
                 ctx.put(name, self.backend.to_device(t))
-            issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True)
+            issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial)
             self._wait(program, issued)
         except BaseException:
             self._fail_cleanup(ctx)
@@ -553,18 +561,28 @@ class Engine:
             ctx.release_all()
         return outs, ctx
 
-    def backward(self, ctx: StepContext, grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def backward(
+        self, ctx: StepContext, grad_outputs: Sequence[torch.Tensor | None], *, profile: bool = False
+    ) -> list[torch.Tensor | None]:
+        """Run ``ctx``'s backward phase. ``profile``: serialized, no updates, not counted as a
+        micro-step (the profiler's timing run)."""
         if ctx.backward_done:
             raise UsageError("backward() ran twice through the same shfx forward; run the model again instead")
-        if self.backward_calls >= self.grad_accum_steps and self.pending_updates:
+        if not profile and self.backward_calls >= self.grad_accum_steps and self.pending_updates:
             raise UsageError(
                 f"backward() was called {self.backward_calls + 1} times since the last cm.step(), but the model was "
                 f"compiled with grad_accum_steps={self.grad_accum_steps}: the host update of those steps has already "
                 "started. Call cm.step() after every grad_accum_steps backward() calls, or raise grad_accum_steps."
             )
         ctx.backward_done = True
-        self.backward_calls += 1
-        final = self.overlap_update and self.optimizer is not None and self.backward_calls == self.grad_accum_steps
+        if not profile:
+            self.backward_calls += 1
+        final = (
+            not profile
+            and self.overlap_update
+            and self.optimizer is not None
+            and self.backward_calls == self.grad_accum_steps
+        )
         variant = ctx.variant
         cold = not ctx.hot or self.holder is not ctx
         if cold:
@@ -578,7 +596,7 @@ class Engine:
             for v, gr in zip(variant.graph.outputs, grad_outputs):
                 if gr is not None and variant.graph.values[v].differentiable:
                     ctx.add_grad(v, gr)
-            issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final)
+            issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=profile)
             self._wait(program, [(n, t) for n, t in issued if get_meta(n).kind != U])
         except BaseException:
             self.pending_updates.clear()
@@ -589,7 +607,8 @@ class Engine:
                 self.holder = None
         in_grads = [ctx.grads.get(v) for v in variant.graph.inputs]
         ctx.release_all()
-        self.expose_grads()
+        if not profile:
+            self.expose_grads()
         return in_grads
 
     def expose_grads(self) -> None:

@@ -1,0 +1,114 @@
+"""Costs of a step program's actions: the cost-model protocol and a concrete table.
+
+A cost model answers two questions for the simulator and the tuner: how long a stage computes
+and updates (:meth:`CostModel.stage_cost`), and how fast the links are (:attr:`CostModel.links`).
+Passes and the simulator receive a cost model as an argument and never build one themselves;
+concrete ones come from the profiler (measured on a backend, :mod:`shfx.profiler`) or from the
+analytic model (FLOPs and bytes over a :class:`cost_model.hardware.Hardware` profile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from passes.stages import StageSpec
+
+__all__ = ["StageCost", "Links", "CostModel", "CostTable"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds one stage takes.
+
+    Attributes:
+        forward_s: FORWARD (no autograd graph kept).
+        backward_s: BACKWARD with recompute (forward again under autograd, then backward).
+        backward_kept_s: BACKWARD when the FORWARD kept its graph (no recompute); default
+            ``backward_s - forward_s``.
+        update_s: the host optimizer update of the group this stage owns (``CPU_STEP``).
+        accumulate_s: host time to add a staged gradient copy into the fp32 gradient buffer
+            (only paid when gradients accumulate across backward calls).
+    """
+
+    forward_s: float
+    backward_s: float
+    backward_kept_s: float | None = None
+    update_s: float = 0.0
+    accumulate_s: float = 0.0
+
+    @property
+    def backward_no_recompute_s(self) -> float:
+        if self.backward_kept_s is not None:
+            return self.backward_kept_s
+        return max(0.0, self.backward_s - self.forward_s)
+
+    def scaled(self, compute: float = 1.0, host: float = 1.0) -> StageCost:
+        return replace(
+            self,
+            forward_s=self.forward_s * compute,
+            backward_s=self.backward_s * compute,
+            backward_kept_s=None if self.backward_kept_s is None else self.backward_kept_s * compute,
+            update_s=self.update_s * host,
+            accumulate_s=self.accumulate_s * host,
+        )
+
+
+@dataclass(frozen=True)
+class Links:
+    """Host<->device link: bytes per second each way (None: instantaneous), the fraction each
+    direction keeps while the other also copies (1.0 full duplex), and a fixed per-copy latency."""
+
+    h2d_bps: float | None
+    d2h_bps: float | None
+    duplex: float = 1.0
+    latency_s: float = 0.0
+
+    def time_s(self, direction: str, nbytes: int, both: bool = False) -> float:
+        bps = self.h2d_bps if direction == "h2d" else self.d2h_bps
+        if bps is None or nbytes == 0:
+            return 0.0
+        return self.latency_s + nbytes / (bps * (self.duplex if both else 1.0))
+
+
+class CostModel(Protocol):
+    """What the simulator needs: per-stage costs, the links, host optimizer parallelism."""
+
+    links: Links
+    optimizer_workers: int
+
+    def stage_cost(self, stage: StageSpec) -> StageCost: ...
+
+
+@dataclass
+class CostTable:
+    """A cost model as a table: one :class:`StageCost` per stage index.
+
+    ``source`` says where the numbers come from ("profiled on ...", "analytic: V100 ...").
+
+    >>> t = CostTable([StageCost(0.01, 0.03)] * 4, Links(12e9, 12e9))
+    >>> t.stage_cost(StageSpec(index=2)).backward_s
+    0.03
+    """
+
+    costs: Sequence[StageCost]
+    links: Links
+    optimizer_workers: int = 1
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def stage_cost(self, stage: StageSpec) -> StageCost:
+        try:
+            return self.costs[stage.index]
+        except IndexError:
+            raise IndexError(
+                f"the cost table has {len(self.costs)} stages but the program asks for stage {stage.index}"
+            ) from None
+
+    def with_links(self, links: Links) -> CostTable:
+        return replace(self, links=links)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.costs)

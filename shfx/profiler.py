@@ -1,0 +1,217 @@
+"""The profiler: measure a compiled model's costs on its actual backend.
+
+``profile_costs(cm_engine, variant, inputs)`` returns a :class:`cost_model.CostTable`:
+
+- per stage, FORWARD and BACKWARD (with recompute; without for a stage whose forward keeps its
+  graph) from one timing step of a window-1 program with every action serialized, so each is
+  timed alone (wall clock on the emulated device; on CUDA the host waits for each action, so
+  the time includes its launch and one synchronization);
+- the links: host->device and device->host bandwidth copying a slot-sized buffer, one
+  direction at a time and both at once (the duplex factor);
+- per group, the host optimizer update, run on scratch copies of the group's buffers, and the
+  host-side add of a staged gradient.
+
+The timing step changes nothing a user can see: no optimizer update runs, buffers the forward
+mutates (BatchNorm statistics), gradients and the RNG states are restored afterwards.
+Results are cached per (input signature, device) in the process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+from cost_model.costs import CostTable, Links, StageCost
+from passes.meta import get_meta
+from passes.program import ActionKind
+from passes.schedule import cold_backward_program, eval_program, schedule_window
+
+from .runtime.engine import Engine, Variant
+from .runtime.host_store import GRAD_NONE, GRAD_VALID
+
+__all__ = ["profile_costs", "measure_links", "clear_cache"]
+
+_CACHE: dict[tuple, CostTable] = {}
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_links(engine: Engine, nbytes: int, repeats: int = 3) -> Links:
+    """The backend's copies as ``latency + bytes / bandwidth`` per direction (fitted from two
+    sizes around ``nbytes``), and the duplex factor (both directions at once)."""
+    b = engine.backend
+    small = max(1 << 16, int(nbytes))
+    large = 4 * small
+    dev = b.alloc_device(2 * large, "profiling buffer")
+    host = b.alloc_host(2 * large, engine.store.pin)
+    before = (b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h)
+    try:
+
+        def one(stream, copy, dst, src) -> float:
+            return _timed(lambda: stream.submit(lambda: copy(dst, src)).wait(), repeats)
+
+        fit = {}
+        for name, stream, copy, a, c in (
+            ("h2d", b.h2d, b.h2d_copy, dev, host),
+            ("d2h", b.d2h, b.d2h_copy, host, dev),
+        ):
+            t_small = one(stream, copy, a[:small], c[:small])
+            t_large = one(stream, copy, a[:large], c[:large])
+            bps = (large - small) / max(t_large - t_small, 1e-9)
+            fit[name] = (bps, max(0.0, t_small - small / bps))
+
+        def both() -> None:
+            t1 = b.h2d.submit(lambda: b.h2d_copy(dev[:large], host[:large]))
+            t2 = b.d2h.submit(lambda: b.d2h_copy(host[large:], dev[large:]))
+            t1.wait()
+            t2.wait()
+
+        t_both = _timed(both, repeats)
+    finally:
+        b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h = before  # not the model's traffic
+        b.free_device(dev)
+    alone = max(large / fit["h2d"][0], large / fit["d2h"][0])
+    latency = (fit["h2d"][1] + fit["d2h"][1]) / 2
+    duplex = min(1.0, alone / max(t_both - latency, 1e-9))
+    return Links(fit["h2d"][0], fit["d2h"][0], duplex=round(duplex, 3), latency_s=latency)
+
+
+def _update_s(engine: Engine, g: int, repeats: int) -> tuple[float, float]:
+    """Host optimizer update and gradient add for group ``g``, on scratch buffers."""
+    st = engine.store
+    grp = st.groups[g]
+    n = grp.trainable_bytes // 4
+    if n == 0:
+        return 0.0, 0.0
+    spans = [(grp.offsets[i.key] // 4, i.numel) for i in grp.infos if i.kind == "param" and i.trainable]
+    bufs = [torch.randn(n) * 1e-3 for _ in range(2)] + [torch.zeros(n), torch.zeros(n)]
+    views = [[b[o : o + k] for o, k in spans] for b in bufs]
+    step = torch.zeros(())
+    hp = engine.optimizer.config.hyperparams() if engine.optimizer is not None else None
+
+    def update() -> None:
+        step.add_(1)
+        torch._fused_adamw_(
+            *views,
+            [],
+            [step] * len(views[0]),
+            lr=1e-6 if hp is None else hp["lr"],
+            beta1=0.9 if hp is None else hp["beta1"],
+            beta2=0.999 if hp is None else hp["beta2"],
+            weight_decay=0.0 if hp is None else hp["weight_decay"],
+            eps=1e-8 if hp is None else hp["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+
+    t_update = _timed(update, repeats) if engine.optimizer is not None else 0.0
+    a, c = bufs[1], bufs[2]
+    t_add = _timed(lambda: a.add_(c), repeats)
+    return t_update, t_add
+
+
+class _Snapshot:
+    """What a timing step may change and must give back: RNG states, gradient buffers and
+    their state, and buffers the forward mutates."""
+
+    def __init__(self, engine: Engine, variant: Variant):
+        self.engine = engine
+        st = engine.store
+        self.cpu_rng = torch.get_rng_state()
+        self.dev_rng = engine.backend.get_rng_state()
+        self.grad_state = list(st.grad_state)
+        self.grads = {g: st.grad(g).clone() for g, s in enumerate(st.grad_state) if s == GRAD_VALID}
+        self.buffers = []
+        for stage in variant.graph.stages:
+            for c in stage.slot.buffers_out:
+                region = st.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes]
+                self.buffers.append((region, region.clone()))
+
+    def restore(self) -> None:
+        st = self.engine.store
+        torch.set_rng_state(self.cpu_rng)
+        self.engine.backend.set_rng_state(self.dev_rng)
+        for region, saved in self.buffers:
+            region.copy_(saved)
+        for g, saved in self.grads.items():
+            st.grad(g).copy_(saved)
+        st.grad_state[:] = self.grad_state
+        for g, keys in self.engine.param_keys_by_group.items():
+            if st.grad_state[g] == GRAD_NONE:
+                for _, p in keys:
+                    p.grad = None
+
+
+def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], *, repeats: int = 2, cache: bool = True) -> CostTable:
+    """Measure stage, link and optimizer costs of ``variant`` on ``engine``'s backend."""
+    key = (variant.signature, engine.backend.describe(), len(variant.graph.stages))
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    specs = variant.graph.specs
+    program = schedule_window(specs, 1)
+    probe = Variant(variant.signature, variant.captured, variant.graph, program, eval_program(program), cold_backward_program(program))
+    if engine.pending_updates:
+        raise RuntimeError("cannot profile while an optimizer update is pending; call cm.step() first")
+    snap = _Snapshot(engine, variant)
+    durations: dict[str, list[float]] = {}
+    try:
+        engine.ensure_pool(1, variant.graph.slot_bytes)
+        for _ in range(repeats + 1):
+            outs, ctx = engine.forward(probe, inputs, grad=True, serial=True)
+            grads = [
+                torch.ones_like(o) if variant.graph.values[v].differentiable else None
+                for o, v in zip(outs, variant.graph.outputs)
+            ]
+            engine.backward(ctx, grads, profile=True)
+            for e in engine.trace:
+                durations.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
+    finally:
+        snap.restore()
+    keep = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == ActionKind.FORWARD and get_meta(n).keep_graph}
+
+    def med(name: str) -> float:
+        xs = durations.get(name, [])
+        return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else 0.0  # drop the warm-up
+
+    links = measure_links(engine, variant.graph.slot_bytes)
+    costs = []
+    for st in specs:
+        f = med(f"F{st.index}@forward")
+        b = med(f"B{st.index}@backward")
+        upd, add = _update_s(engine, st.update_group, 3) if st.update_group is not None else (0.0, 0.0)
+        if st.index in keep:
+            costs.append(StageCost(forward_s=f, backward_s=b + f, backward_kept_s=b, update_s=upd, accumulate_s=add))
+        else:
+            costs.append(StageCost(forward_s=f, backward_s=b, update_s=upd, accumulate_s=add))
+    table = CostTable(
+        costs,
+        links,
+        optimizer_workers=_workers(engine),
+        source=f"profiled on {engine.backend.describe()}",
+        extra={"durations": durations},
+    )
+    if cache:
+        _CACHE[key] = table
+    return table
+
+
+def _workers(engine: Engine) -> int:
+    cpu: Any = engine.backend.cpu
+    return len(getattr(cpu, "_threads", [None]))
