@@ -2,3 +2,7 @@
 
 This package reads step programs (``passes``) and never imports the runtime.
 """
+
+from .simulate import Event, SimulationError, Timeline, simulate
+
+__all__ = ["Event", "SimulationError", "Timeline", "simulate"]

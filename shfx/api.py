@@ -18,6 +18,9 @@ from passes.schedule import POLICIES, check_window, cold_backward_program, eval_
 from passes.units import format_bytes
 from passes.verify import verify_program
 
+from cost_model.report import WindowReport
+from cost_model.tune import NoWindowFits, tune_window
+
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
 from .optim import AdamW
@@ -105,7 +108,7 @@ class CompiledModel:
         model: nn.Module,
         *,
         device: Any = None,
-        window: int = 2,
+        window: int | str = 2,
         optimizer: AdamW | None = None,
         policy: str | Callable[..., Program] = "stronghold",
         blocks: Any = None,
@@ -115,6 +118,7 @@ class CompiledModel:
         pin_memory: bool = True,
         optimizer_workers: int = 1,
         verify: bool = True,
+        tune_tolerance: float = 0.02,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -131,10 +135,12 @@ class CompiledModel:
                 f"device); {n!r} is on {d}. Build the model on the CPU or call model.cpu() first."
             )
         if isinstance(window, str):
-            if window == "auto":
-                raise NotImplementedError("window='auto' needs the cost model; pass an int window for now")
-            raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
-        check_window(window, 1 << 30)
+            if window != "auto":
+                raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
+        else:
+            check_window(window, 1 << 30)
+        if not 0 <= tune_tolerance < 1:
+            raise ValueError(f"tune_tolerance must be in [0, 1), got {tune_tolerance}")
         if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
         if isinstance(policy, str):
@@ -151,6 +157,7 @@ class CompiledModel:
         self.optimizer = optimizer
         self.policy = policy
         self.window = window
+        self.tune_tolerance = tune_tolerance
         self.blocks = blocks
         self.num_stages = num_stages
         self.pin_memory = pin_memory
@@ -160,7 +167,9 @@ class CompiledModel:
         self._engine: Engine | None = None
         self._store: HostStore | None = None
         self._variants: dict[Any, Variant] = {}
+        self._reports: dict[Any, WindowReport] = {}
         self._last: Variant | None = None
+        self._last_tensors: list[torch.Tensor] | None = None
         self._dummy = torch.empty(0, requires_grad=True)
         _COMPILED[model] = self
 
@@ -169,18 +178,21 @@ class CompiledModel:
         tensors, sig, _ = flatten_inputs(args, kwargs, self.module.training)
         v = self._variants.get(sig)
         if v is None:
-            v = self._build(args, kwargs)
+            v = self._build(args, kwargs, tensors)
             self._variants[sig] = v
         self._last = v
+        self._last_tensors = tensors
         return v, tensors
 
-    def _build(self, args: tuple, kwargs: dict) -> Variant:
+    def _build(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Variant:
         captured = capture_model(self.module, args, kwargs)
         groups = self._store.groups if self._store is not None else None
         graph = partition_stages(captured, blocks=self.blocks, num_stages=self.num_stages, groups=groups, model=self.module)
         if self._store is None:
-            tensors = {**captured.params, **captured.buffers, **captured.constants}
-            self._store = HostStore(self._backend, graph.groups, tensors, pin=self.pin_memory and self._backend.name == "cuda")
+            model_tensors = {**captured.params, **captured.buffers, **captured.constants}
+            self._store = HostStore(
+                self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda"
+            )
             opt = HostAdamW(self.optimizer, self._store) if self.optimizer is not None else None
             self._engine = Engine(self._backend, self._store, opt, **self._engine_kwargs)
             by_group: dict[int, list] = {}
@@ -196,10 +208,23 @@ class CompiledModel:
             for st in graph.stages:
                 st.gm = retarget_device(st.gm, self._backend.device)
         specs = graph.specs
-        w = check_window(self.window, len(specs))
-        self._check_capacity(graph, w)
         make = POLICIES[self.policy] if isinstance(self.policy, str) else self.policy
-        train = make(specs, w)
+        report = None
+        if self.window == "auto":
+            self._check_capacity(graph, 1)
+            probe = self._programs(captured, graph, make, 1)
+            report = self._tune(probe, tensors, make, how="auto")
+            w = report.window
+        else:
+            w = check_window(self.window, len(specs))
+            self._check_capacity(graph, w)
+        variant = self._programs(captured, graph, make, w)
+        if report is not None:
+            self._reports[captured.signature] = report
+        return variant
+
+    def _programs(self, captured, graph, make, w: int) -> Variant:
+        train = make(graph.specs, w)
         if not isinstance(train, Program):
             raise TypeError(f"policy {self.policy!r} returned {type(train).__name__}, not a passes.Program")
         ev, cold = eval_program(train), cold_backward_program(train)
@@ -208,6 +233,38 @@ class CompiledModel:
             verify_program(ev, "eval")
             verify_program(cold, "backward")
         return Variant(captured.signature, captured, graph, train, ev, cold)
+
+    def _capacity(self) -> int | None:
+        b = self._backend
+        return b.capacity_bytes if b.capacity_bytes is not None else getattr(b, "total_bytes", None)
+
+    def _tune(self, variant: Variant, tensors: list[torch.Tensor], make, how: str) -> WindowReport:
+        """Profile ``variant``'s costs on the backend, simulate every window, choose one."""
+        from .profiler import profile_costs
+
+        graph = variant.graph
+        costs = profile_costs(self._engine, variant, tensors)
+        reserve = sum(graph.values[v].nbytes for v in graph.inputs)
+        reserve += max((sum(graph.tensors[k].nbytes for k in st.mutated_buffers) for st in graph.stages), default=0)
+        try:
+            tune = tune_window(
+                graph.specs,
+                costs,
+                capacity_bytes=self._capacity(),
+                reserve_bytes=reserve,
+                tolerance=self.tune_tolerance,
+                policy=make,
+            )
+        except NoWindowFits as e:
+            raise OutOfDeviceMemory(
+                f"{e}. Device: {self._backend.describe()}. Use a smaller batch or sequence, more stages "
+                "(smaller blocks), or a device with more memory.",
+                needed_bytes=min(r.peak_device_bytes for r in e.rows),
+                capacity_bytes=self._capacity() or 0,
+                what="window 1",
+            ) from e
+        window = tune.window if how == "auto" else variant.train.num_slots
+        return WindowReport(tune, window, self._backend.describe(), how, self._engine.step_times)
 
     def _check_capacity(self, graph, w: int) -> None:
         cap = self._backend.capacity_bytes
@@ -309,6 +366,21 @@ class CompiledModel:
             raise UsageError("no program yet: shfx captures the model on its first call; call it once first")
         return self._last.train
 
+    def report(self) -> WindowReport:
+        """The window report of the last input signature: per window the predicted step time,
+        device memory and bottleneck, the choice and why, and measured vs predicted.
+
+        With ``window="auto"`` it is the tuner's report; with a fixed window the costs are
+        profiled now (once per signature) to predict every window for comparison."""
+        v = self.variant
+        rep = self._reports.get(v.signature)
+        if rep is None:
+            self._settle()
+            make = POLICIES[self.policy] if isinstance(self.policy, str) else self.policy
+            rep = self._tune(v, self._last_tensors or [], make, how="fixed")
+            self._reports[v.signature] = rep
+        return rep
+
     @property
     def variant(self) -> Variant:
         if self._last is None:
@@ -373,7 +445,9 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         device: ``"cuda"``, ``shfx.CudaDevice(...)``, or ``shfx.EmulatedDevice(memory=..., h2d=..., d2h=...)``;
             default CUDA when available, else an emulated device.
         window: how many stages' parameters may be on the device at once (int >= 1; larger
-            than the number of stages means all).
+            than the number of stages means all), or ``"auto"``: profile the costs on the device at
+            the first call, simulate every window, and take the smallest within ``tune_tolerance``
+            of the fastest that fits (``cm.report()`` explains the choice).
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
         policy: the schedule: ``"stronghold"`` (the window policy), or a function
             ``(stage_specs, window) -> passes.Program`` (e.g. built with ``passes.lower_actions``).
@@ -384,6 +458,8 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         pin_memory: pin the host store (CUDA only).
         optimizer_workers: host threads running updates of different stages in parallel.
         verify: check every step program's invariants before running it.
+        tune_tolerance: with ``window="auto"``, how much slower (fraction) than the best window a
+            smaller one may be predicted to be.
 
     Returns:
         a :class:`CompiledModel`.

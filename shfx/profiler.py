@@ -159,7 +159,7 @@ class _Snapshot:
                     p.grad = None
 
 
-def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], *, repeats: int = 2, cache: bool = True) -> CostTable:
+def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], *, repeats: int = 3, cache: bool = True) -> CostTable:
     """Measure stage, link and optimizer costs of ``variant`` on ``engine``'s backend."""
     key = (variant.signature, engine.backend.describe(), len(variant.graph.stages))
     if cache and key in _CACHE:

@@ -213,6 +213,8 @@ class Engine:
         self.tracing = True
         self.param_keys_by_group: dict[int, list[str]] = {}
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
+        self._step_t0: float | None = None
 
     # ---- setup -----------------------------------------------------------------------------
     def ensure_pool(self, num_slots: int, slot_bytes: int) -> None:
@@ -542,6 +544,8 @@ class Engine:
         self._evict()
         self.ensure_pool(variant.train.num_slots, variant.graph.slot_bytes)
         self.trace.clear()  # the trace covers the last forward and what follows it
+        if grad and not serial and self._step_t0 is None:
+            self._step_t0 = time.perf_counter()
         ctx = StepContext(self, variant, grad)
         program = variant.train if grad else variant.eval
         nodes = program.phase_nodes("forward") if grad else program.nodes
@@ -633,6 +637,9 @@ class Engine:
         self.backward_calls = 0
         for _, tok in pending:
             tok.wait()
+        if self._step_t0 is not None:
+            self.step_times.append(time.perf_counter() - self._step_t0)
+            self._step_t0 = None
         for label, tok in pending:
             if tok.error is not None:
                 raise ActionError(

@@ -1,0 +1,867 @@
+"""Discrete-event simulation of a step program: when each action runs, what it overlaps with,
+how much device memory the step needs, and which resource bounds the step time.
+
+The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program:
+
+- **Issue order.** ``program.nodes`` is issue order. Every stream runs its actions in that
+  order, one at a time: ``compute`` (FORWARD, BACKWARD), ``h2d`` (PREFETCH), ``d2h``
+  (OFFLOAD_BUFFERS, the copy part of OFFLOAD_GRAD) and ``host`` (the accumulation part of
+  OFFLOAD_GRAD). An action starts when its stream is free *and* every dependency
+  (:meth:`passes.program.Program.deps`) is done, so an action whose dependencies are done still
+  waits behind the previous action of its stream (a ``WorkerStream``).
+- **The host optimizer** (``cpu``) is a pool of ``costs.optimizer_workers`` workers. Workers take
+  CPU_STEP tasks in issue order; a worker that took a task waits for its dependencies and then
+  runs it, so a task still waiting blocks its worker (a ``PoolStream``).
+- **RELEASE** takes no time and is done when every dependency has finished *reading* the slot.
+  OFFLOAD_GRAD has two parts, as in the runtime: the d2h copy (its end is the "reads done" a
+  RELEASE waits for) and then the accumulation on one host FIFO (``accumulate_s`` of the stage
+  when ``accumulate=True``, else 0); the OFFLOAD_GRAD is done, for a CPU_STEP, when that ends.
+- **Phases.** The runtime issues the backward phase only after every forward-phase action has
+  finished (``Engine.forward`` waits for them before returning), so backward-phase actions start
+  no earlier than the end of the forward phase (``phase_barrier=True``, the default).
+- **Durations.** FORWARD: ``forward_s``. BACKWARD: ``backward_no_recompute_s`` when the stage's
+  FORWARD before it in this program kept its graph (``meta.keep_graph``), else ``backward_s``.
+  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g``. Copies move
+  ``meta.bytes`` over ``costs.links``: a copy of ``n > 0`` bytes first pays ``latency_s``, then
+  moves its bytes at the link's rate; ``None`` bandwidth (or 0 bytes) is instantaneous.
+- **Links are a fluid model.** While transfers in both directions are moving bytes, each goes at
+  ``duplex`` times its bandwidth; rates change whenever a transfer starts or ends moving bytes,
+  so a copy's duration depends on what it overlaps with (the emulated backend's pacing).
+- **Memory.** The slot pool, ``num_slots * max(stage.slot_bytes)``, is constant. Each stage's
+  ``activation_bytes`` is allocated at the end of its FORWARD and freed at the end of the
+  BACKWARD of its earliest consumer (its own BACKWARD when nothing consumes it); when a
+  consumer's BACKWARD ends, a gradient of the producer's ``activation_bytes`` is allocated (once
+  per producer, at the first consumer's end) and freed at the end of the producer's BACKWARD.
+  At one instant, changes apply in issue order of the actions causing them, and within one
+  BACKWARD's end the new input gradients are allocated before its output gradients and its
+  inputs are freed (as ``Engine._backward`` does), so the peak counts both. Programs without any
+  BACKWARD (inference) free a value once all its consumers' FORWARDs ended; a program without
+  FORWARDs (the cold backward) starts with the activations its BACKWARDs need already allocated.
+  Stages are *resident* from the start of their PREFETCH to the end of their RELEASE.
+
+What it does NOT model:
+
+- On the emulated device, compute, copies and the host optimizer share the same CPU cores (the
+  simulator treats them as independent resources), and its copies take at least a real memcpy.
+- Kernel launch latency, Python issue overhead of the interpreter, autograd bookkeeping, and the
+  time between the forward and the backward phase (the loss, user code).
+- Allocator behaviour: fragmentation, caching, alignment; temporaries inside one stage's
+  computation; the autograd graph a FORWARD with ``keep_graph`` holds; staging buffers; the
+  gradient of the model's outputs handed to ``backward()``; the model's inputs on the device.
+  (The runtime also keeps the model's outputs until the backward ends; here a stage nothing
+  consumes frees its activations at the end of its own BACKWARD.)
+- Gradient accumulation decisions per micro-batch (whether an OG copies straight into the
+  gradient buffer or through a staging buffer is not known here: ``accumulate`` is all or none),
+  and updates deferred to ``step()`` (``overlap_update=False``, ``grad_accum_steps > 1``).
+- Pinned vs pageable host memory, PCIe/NVLink topology, several copies per PREFETCH (one per
+  host group region: modelled as one copy of ``meta.bytes``), and copy/compute interference on
+  a real GPU's memory bandwidth.
+- ``meta.cost_s`` annotations: durations always come from ``costs``.
+
+>>> from passes.stages import chain
+>>> from passes.schedule import schedule_window
+>>> from cost_model.costs import CostTable, Links, StageCost
+>>> costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 4, Links(1e6, 1e6))
+>>> tl = simulate(schedule_window(chain(4, prefetch_bytes=500_000), 2), costs)
+>>> round(tl.step_s, 3), tl.bottleneck, tl.peak_resident
+(16.5, 'compute', 2)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from passes.meta import get_meta
+from passes.program import ActionKind, ActionMeta, Program
+from passes.stages import StageSpec, consumers_of
+from passes.units import format_bytes, format_seconds
+
+from .costs import CostModel, Links, StageCost
+
+__all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER"]
+
+PF, F, OB, R, B, OG, U = (
+    ActionKind.PREFETCH,
+    ActionKind.FORWARD,
+    ActionKind.OFFLOAD_BUFFERS,
+    ActionKind.RELEASE,
+    ActionKind.BACKWARD,
+    ActionKind.OFFLOAD_GRAD,
+    ActionKind.CPU_STEP,
+)
+
+RESOURCES = ("compute", "link", "host optimizer")
+"""What the critical path's time is attributed to (plus ``"idle"`` for time nothing explains)."""
+
+STREAM_ORDER = ("compute", "h2d", "d2h", "host", "cpu", "none")
+"""The simulated streams: the device's three, the host FIFO (gradient accumulation), the host
+optimizer pool and ``none`` (RELEASE, a join that takes no time)."""
+
+_RESOURCE = {F: "compute", B: "compute", PF: "link", OB: "link", OG: "link", U: "host optimizer", R: "idle"}
+_EPS = 1e-12
+
+
+class SimulationError(ValueError):
+    """A program or cost model the simulator cannot run."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One simulated action.
+
+    Attributes:
+        node: the FX node's name (unique in the program).
+        action: the action string, e.g. ``"PF3"``.
+        phase: ``"forward"`` or ``"backward"``.
+        stream: ``"compute"``, ``"h2d"``, ``"d2h"``, ``"cpu"`` or ``"none"``.
+        start: seconds from the start of the step.
+        end: when the action is done (for OG: its accumulation on the host FIFO ended).
+        bytes: bytes the action moves over the link.
+        copy_end: OG only: the end of its d2h copy (when a RELEASE stops waiting for it).
+        host_start: OG only: when its accumulation started on the host FIFO.
+        worker: CPU_STEP only: the host optimizer worker that ran it.
+        deps: the node names it waited for.
+    """
+
+    node: str
+    action: str
+    phase: str
+    stream: str
+    start: float
+    end: float
+    bytes: int = 0
+    copy_end: float | None = None
+    host_start: float | None = None
+    worker: int | None = None
+    deps: tuple[str, ...] = ()
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def reads_end(self) -> float:
+        """When the action stopped reading its slot (what a RELEASE waits for)."""
+        return self.copy_end if self.copy_end is not None else self.end
+
+    @property
+    def kind(self) -> ActionKind:
+        return ActionKind(self.action.rstrip("0123456789"))
+
+
+@dataclass
+class Timeline:
+    """The result of :func:`simulate`.
+
+    Attributes:
+        program: the simulated program's name.
+        events: one :class:`Event` per action, in issue order.
+        step_s: the makespan: the end of the last action (updates included).
+        busy_s: seconds each stream was busy (``cpu``: summed over workers; ``host``: gradient
+            accumulation; ``none``: always 0).
+        utilisation: ``busy_s / step_s`` (``cpu``: over ``step_s * workers``).
+        workers: host optimizer workers simulated.
+        slot_bytes: the constant slot pool, ``num_slots * max(slot_bytes)``.
+        peak_device_bytes: the peak of :attr:`memory`.
+        memory: ``(time, bytes)`` steps of device memory, slot pool included; several entries
+            may share a time (changes at one instant, applied in order).
+        peak_resident: the most stages resident at once.
+        resident: ``(time, stages resident)`` steps.
+        critical_path: the chain of events that determined ``step_s``, in time order.
+        by_resource: seconds of the critical path per resource (:data:`RESOURCES` and ``"idle"``);
+            they sum to ``step_s``.
+        bottleneck: the resource with the most critical-path time.
+    """
+
+    program: str
+    events: list[Event]
+    step_s: float
+    busy_s: dict[str, float]
+    utilisation: dict[str, float]
+    workers: int
+    slot_bytes: int
+    peak_device_bytes: int
+    memory: list[tuple[float, int]]
+    peak_resident: int
+    resident: list[tuple[float, int]]
+    critical_path: list[Event]
+    by_resource: dict[str, float]
+    bottleneck: str
+    accumulate: bool = False
+    _by_action: dict[str, list[Event]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for e in self.events:
+            self._by_action.setdefault(e.action, []).append(e)
+
+    # ---- reading -------------------------------------------------------------------------
+    def event(self, action: str, phase: str | None = None, occurrence: int = 0) -> Event:
+        """The event of an action string (``"F3"``); ``occurrence`` picks a repeated one (a
+        stage prefetched twice has ``PF3`` twice), ``phase`` restricts the search first."""
+        found = [e for e in self._by_action.get(action, []) if phase is None or e.phase == phase]
+        if len(found) <= occurrence:
+            where = f"occurrence {occurrence}" + (f", phase {phase}" if phase else "")
+            raise KeyError(f"{action} ({where}) is not in program {self.program!r}")
+        return found[occurrence]
+
+    def stream_events(self, stream: str) -> list[Event]:
+        return [e for e in self.events if e.stream == stream]
+
+    # ---- export --------------------------------------------------------------------------
+    def to_chrome_trace(self) -> dict[str, Any]:
+        """The timeline in Chrome's trace event format (open in https://ui.perfetto.dev or
+        chrome://tracing): one track per stream (one per worker of a multi-worker ``cpu``
+        pool, so its slices nest), complete ("X") events with ``bytes`` and ``phase`` args,
+        and a ``device memory`` counter track. Times are microseconds."""
+        pid = 1
+        tracks: list[str] = ["compute", "h2d", "d2h", "host"]
+        tracks += ["cpu"] if self.workers == 1 else [f"cpu #{w}" for w in range(self.workers)]
+        tracks.append("none")
+        tid = {name: i + 1 for i, name in enumerate(tracks)}
+        out: list[dict[str, Any]] = [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"shfx simulated step: {self.program}"}}
+        ]
+        for name, t in tid.items():
+            label = "none (releases)" if name == "none" else name
+            out.append({"ph": "M", "pid": pid, "tid": t, "name": "thread_name", "args": {"name": label}})
+            out.append({"ph": "M", "pid": pid, "tid": t, "name": "thread_sort_index", "args": {"sort_index": t}})
+
+        def x(name: str, track: str, start: float, end: float, args: dict[str, Any], cat: str) -> None:
+            out.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid[track],
+                    "name": name,
+                    "cat": cat,
+                    "ts": start * 1e6,
+                    "dur": max(0.0, end - start) * 1e6,
+                    "args": args,
+                }
+            )
+
+        for e in self.events:
+            args = {"bytes": e.bytes, "phase": e.phase, "node": e.node, "waits for": list(e.deps)}
+            if e.stream == "cpu":
+                track = "cpu" if self.workers == 1 else f"cpu #{e.worker or 0}"
+                x(e.action, track, e.start, e.end, args, "cpu")
+            elif e.copy_end is not None:  # OG: the copy on d2h, the accumulation on the host FIFO
+                x(e.action, "d2h", e.start, e.copy_end, args, "d2h")
+                if e.host_start is not None and e.end > e.host_start:
+                    acc_args = {"bytes": e.bytes, "phase": e.phase, "node": e.node}
+                    x(f"{e.action} accumulate", "host", e.host_start, e.end, acc_args, "host")
+            else:
+                x(e.action, e.stream, e.start, e.end, args, e.stream)
+        for t, b in self.memory:
+            out.append({"ph": "C", "pid": pid, "name": "device memory", "ts": t * 1e6, "args": {"bytes": b}})
+        for t, n in self.resident:
+            out.append({"ph": "C", "pid": pid, "name": "resident stages", "ts": t * 1e6, "args": {"stages": n}})
+        return {
+            "traceEvents": out,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "program": self.program,
+                "step_s": self.step_s,
+                "bottleneck": self.bottleneck,
+                "peak_device_bytes": self.peak_device_bytes,
+            },
+        }
+
+    def save_chrome_trace(self, path: str | os.PathLike[str]) -> str:
+        """Write :meth:`to_chrome_trace` as JSON to ``path``; returns the path."""
+        path = os.fspath(path)
+        with open(path, "w") as f:
+            json.dump(self.to_chrome_trace(), f)
+        return path
+
+    def summary(self) -> str:
+        """A few lines: step time, bottleneck, stream utilisation, memory."""
+        parts = [(k, self.by_resource.get(k, 0.0)) for k in (*RESOURCES, "idle")]
+        cp = ", ".join(f"{k} {format_seconds(v)}" for k, v in parts if v > 0)
+        share = self.by_resource.get(self.bottleneck, 0.0) / self.step_s if self.step_s > 0 else 0.0
+        busy = ", ".join(
+            f"{s} {format_seconds(self.busy_s[s])} ({self.utilisation[s]:.0%}"
+            + (f" of {self.workers} workers)" if s == "cpu" and self.workers > 1 else ")")
+            for s in ("compute", "h2d", "d2h", "host", "cpu")
+        )
+        return "\n".join(
+            [
+                f"simulated step of {self.program!r}: {format_seconds(self.step_s)}; bottleneck: {self.bottleneck} "
+                f"({share:.0%} of the critical path{': ' + cp if cp else ''})",
+                f"  busy: {busy}",
+                f"  device memory: peak {format_bytes(self.peak_device_bytes)} (slot pool {format_bytes(self.slot_bytes)}); "
+                f"peak resident stages: {self.peak_resident}",
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+# ---- simulation ------------------------------------------------------------------------------
+class _Node:
+    __slots__ = (
+        "i", "name", "meta", "kind", "stream", "deps", "dur", "acc", "nbytes", "forward",
+        "issued", "start", "end", "copy_end", "host_start", "worker", "stream_pred", "host_pred",
+    )  # fmt: skip
+
+    def __init__(self, i: int, name: str, meta: ActionMeta, deps: list[int]):
+        self.i = i
+        self.name = name
+        self.meta = meta
+        self.kind: ActionKind = meta.kind
+        self.stream: str = meta.stream
+        self.deps = deps
+        self.dur = 0.0  # fixed duration (compute, cpu)
+        self.acc = 0.0  # OG: accumulation on the host FIFO
+        self.nbytes = int(meta.bytes)
+        self.forward = meta.phase == "forward"
+        self.issued = False
+        self.start: float | None = None
+        self.end: float | None = None  # done
+        self.copy_end: float | None = None  # OG: reads done
+        self.host_start: float | None = None
+        self.worker: int | None = None
+        self.stream_pred: int | None = None  # the action whose end freed this one's stream/worker
+        self.host_pred: int | None = None  # OG: previous OG on the host FIFO
+
+    @property
+    def reads(self) -> float | None:
+        return self.copy_end if self.kind == OG else self.end
+
+
+class _Copy:
+    __slots__ = ("node", "direction", "bw", "latency_end", "remaining")
+
+    def __init__(self, node: int, direction: str, bw: float, latency_end: float, nbytes: float):
+        self.node = node
+        self.direction = direction
+        self.bw = bw
+        self.latency_end = latency_end
+        self.remaining = nbytes
+
+
+def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCost], Links, int]:
+    if not isinstance(program, Program):
+        raise SimulationError(f"simulate() needs a passes.program.Program, got {type(program).__name__}")
+    for attr in ("links", "optimizer_workers", "stage_cost"):
+        if not hasattr(costs, attr):
+            raise SimulationError(
+                f"the cost model {type(costs).__name__} has no {attr!r}: pass a CostModel (e.g. cost_model.costs.CostTable)"
+            )
+    n_costs = getattr(costs, "num_stages", None)
+    if isinstance(n_costs, int) and n_costs < len(program.stages):
+        raise SimulationError(
+            f"the cost model has costs for {n_costs} stages but program {program.name!r} has {len(program.stages)} "
+            "stages; build the cost table for the same partition as the program"
+        )
+    workers = costs.optimizer_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise SimulationError(f"optimizer_workers must be an int >= 1, got {workers!r}")
+    links = costs.links
+    for name in ("h2d_bps", "d2h_bps"):
+        bw = getattr(links, name)
+        if bw is not None and not (bw > 0 and math.isfinite(bw)):
+            raise SimulationError(f"links.{name} must be > 0 bytes/s or None (instantaneous), got {bw!r}")
+    if not (0 < links.duplex <= 1):
+        raise SimulationError(f"links.duplex must be in (0, 1] (1.0: full duplex), got {links.duplex!r}")
+    if not (links.latency_s >= 0 and math.isfinite(links.latency_s)):
+        raise SimulationError(f"links.latency_s must be >= 0, got {links.latency_s!r}")
+    table: dict[int, StageCost] = {}
+    for spec in program.stages:
+        try:
+            c = costs.stage_cost(spec)
+        except (IndexError, KeyError) as e:
+            raise SimulationError(
+                f"the cost model has no cost for stage {spec.index} ({spec.name!r}) of program {program.name!r} "
+                f"({len(program.stages)} stages): {e}"
+            ) from None
+        for f in ("forward_s", "backward_s", "backward_no_recompute_s", "update_s", "accumulate_s"):
+            v = getattr(c, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise SimulationError(f"stage {spec.index} ({spec.name!r}) has {f}={v!r}; costs must be finite and >= 0")
+        table[spec.index] = c
+    return table, links, workers
+
+
+class _Sim:
+    def __init__(self, program: Program, costs: CostModel, accumulate: bool, phase_barrier: bool):
+        self.program = program
+        self.table, self.links, self.workers = _check_costs(program, costs)
+        self.accumulate = accumulate
+        self.phase_barrier = phase_barrier
+        self.specs: dict[int, StageSpec] = {s.index: s for s in program.stages}
+        fx_nodes = program.nodes
+        index = {n: i for i, n in enumerate(fx_nodes)}
+        self.nodes: list[_Node] = []
+        for i, n in enumerate(fx_nodes):
+            deps = []
+            for d in program.deps(n):
+                if d not in index:
+                    raise SimulationError(
+                        f"action {get_meta(n).action} waits for node {d.name!r}, which is not an action of the program"
+                    )
+                if index[d] >= i:
+                    raise SimulationError(
+                        f"action {get_meta(n).action} waits for {get_meta(d).action}, which is issued after it; "
+                        "dependencies must come earlier in issue order"
+                    )
+                deps.append(index[d])
+            self.nodes.append(_Node(i, n.name, get_meta(n), deps))
+        self._set_durations()
+
+    # ---- durations -------------------------------------------------------------------------
+    def _set_durations(self) -> None:
+        owner: dict[int, StageCost] = {}
+        for s in self.program.stages:
+            if s.update_group is not None and s.update_group not in owner:
+                owner[s.update_group] = self.table[s.index]
+        last_forward: dict[int, _Node] = {}
+        for nd in self.nodes:
+            k, s = nd.kind, nd.meta.stage
+            if k == U:
+                if s not in owner:
+                    raise SimulationError(
+                        f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
+                    )
+                nd.dur = owner[s].update_s
+                continue
+            if s not in self.table:
+                raise SimulationError(f"action {nd.meta.action}: program {self.program.name!r} has no stage {s}")
+            c = self.table[s]
+            if k == F:
+                nd.dur = c.forward_s
+                last_forward[s] = nd
+            elif k == B:
+                f = last_forward.get(s)
+                nd.dur = c.backward_no_recompute_s if f is not None and f.meta.keep_graph else c.backward_s
+            elif k == OG:
+                nd.acc = c.accumulate_s if self.accumulate else 0.0
+
+    def _bandwidth(self, direction: str) -> float | None:
+        return self.links.h2d_bps if direction == "h2d" else self.links.d2h_bps
+
+    # ---- the event loop --------------------------------------------------------------------
+    def run(self) -> None:
+        nodes = self.nodes
+        queues: dict[str, deque[int]] = {s: deque() for s in ("compute", "h2d", "d2h", "host", "cpu")}
+        readers: dict[int, list[int]] = {}  # node -> the RELEASEs waiting for its reads
+        missing: dict[int, int] = {}  # RELEASE -> dependencies still reading
+        ready_r: list[int] = []  # RELEASEs whose dependencies finished reading
+        last_on: dict[str, int] = {}
+        for nd in nodes:
+            if nd.stream == "none":
+                missing[nd.i] = len(nd.deps)
+                for d in nd.deps:
+                    readers.setdefault(d, []).append(nd.i)
+                if not nd.deps:
+                    ready_r.append(nd.i)
+                continue
+            if nd.stream not in queues:
+                raise SimulationError(f"action {nd.meta.action} runs on unknown stream {nd.stream!r}")
+            queues[nd.stream].append(nd.i)
+            if nd.stream != "cpu":
+                nd.stream_pred = last_on.get(nd.stream)
+                last_on[nd.stream] = nd.i
+            if nd.kind == OG:
+                queues["host"].append(nd.i)
+                nd.host_pred = last_on.get("host")
+                last_on["host"] = nd.i
+
+        fwd_left = sum(1 for nd in nodes if nd.forward)
+        self.barrier = 0.0
+        self.last_forward: int | None = None
+        backward_issued = False
+        for nd in nodes:
+            nd.issued = nd.forward or not self.phase_barrier
+
+        busy: dict[str, bool] = {"compute": False, "host": False}
+        copies: dict[str, _Copy | None] = {"h2d": None, "d2h": None}
+        running: list[tuple[float, int, str]] = []  # (end, node, part) of fixed-duration work
+        held: list[int | None] = [None] * self.workers  # task a worker took
+        worker_last: list[int | None] = [None] * self.workers  # its last finished task
+        worker_free: list[float] = [0.0] * self.workers
+        left = len(nodes)
+        now = 0.0
+
+        def done(j: int) -> bool:
+            return nodes[j].end is not None
+
+        def reads_now(j: int) -> None:
+            for r in readers.get(j, ()):
+                missing[r] -= 1
+                if missing[r] == 0:
+                    ready_r.append(r)
+
+        def finish(j: int) -> None:
+            nonlocal left, fwd_left
+            nd = nodes[j]
+            nd.end = now
+            left -= 1
+            if nd.kind != OG:  # an OG's reads ended with its copy
+                reads_now(j)
+            if nd.forward:
+                fwd_left -= 1
+                if self.last_forward is None or nodes[self.last_forward].end <= now:
+                    self.last_forward = j
+
+        def start_copy(j: int, direction: str) -> None:
+            nd = nodes[j]
+            nd.start = now
+            bw = self._bandwidth(direction)
+            if bw is None or nd.nbytes == 0:
+                end_copy(j)
+            else:
+                copies[direction] = _Copy(j, direction, bw, now + self.links.latency_s, float(nd.nbytes))
+
+        def end_copy(j: int) -> None:
+            nd = nodes[j]
+            if nd.kind == OG:
+                nd.copy_end = now
+                reads_now(j)
+            else:
+                finish(j)
+
+        while left:
+            progress = True
+            while progress:
+                progress = False
+                if not backward_issued and fwd_left == 0:
+                    backward_issued = True
+                    self.barrier = now
+                    for nd in nodes:
+                        nd.issued = True
+                    progress = True
+                # RELEASE: a join of its dependencies' reads
+                batch = ready_r[:]
+                ready_r.clear()
+                for j in batch:  # finishing one may make more ready (appended to ready_r)
+                    if nodes[j].issued:
+                        nodes[j].start = now
+                        finish(j)
+                        progress = True
+                    else:
+                        ready_r.append(j)
+                # compute FIFO
+                q = queues["compute"]
+                if not busy["compute"] and q and nodes[q[0]].issued and all(done(d) for d in nodes[q[0]].deps):
+                    j = q.popleft()
+                    nodes[j].start = now
+                    busy["compute"] = True
+                    running.append((now + nodes[j].dur, j, "compute"))
+                    progress = True
+                # copy FIFOs
+                for direction in ("h2d", "d2h"):
+                    q = queues[direction]
+                    while copies[direction] is None and q and nodes[q[0]].issued and all(done(d) for d in nodes[q[0]].deps):
+                        start_copy(q.popleft(), direction)
+                        progress = True
+                # host FIFO: OG accumulation after its copy
+                q = queues["host"]
+                if not busy["host"] and q and nodes[q[0]].copy_end is not None:
+                    j = q.popleft()
+                    nodes[j].host_start = now
+                    busy["host"] = True
+                    running.append((now + nodes[j].acc, j, "host"))
+                    progress = True
+                # cpu pool: idle workers take tasks in issue order, then wait for their deps
+                q = queues["cpu"]
+                for w in range(self.workers):
+                    if held[w] is None and q and nodes[q[0]].issued:
+                        j = q.popleft()
+                        held[w] = j
+                        nodes[j].worker = w
+                        prev = worker_last[w]
+                        nodes[j].stream_pred = prev if prev is not None and worker_free[w] >= now else None
+                        progress = True
+                for w in range(self.workers):
+                    j = held[w]
+                    if j is not None and nodes[j].start is None and all(done(d) for d in nodes[j].deps):
+                        nodes[j].start = now
+                        running.append((now + nodes[j].dur, j, "cpu"))
+                        progress = True
+            if not left:
+                break
+
+            # the next event: a fixed end, a copy's latency end, or a copy's bytes done
+            rates = self._rates(copies, now)
+            t_next = math.inf
+            for end, _, _ in running:
+                t_next = min(t_next, end)
+            for c in copies.values():
+                if c is None:
+                    continue
+                if now < c.latency_end:
+                    t_next = min(t_next, c.latency_end)
+                else:
+                    t_next = min(t_next, now + c.remaining / rates[c.direction])
+            if t_next == math.inf:
+                waiting = [str(nd.meta.action) for nd in nodes if nd.end is None]
+                raise SimulationError(
+                    f"program {self.program.name!r} cannot finish: {', '.join(waiting[:12])}"
+                    f"{' ...' if len(waiting) > 12 else ''} wait for each other (a dependency that its stream can never run)"
+                )
+            dt = t_next - now
+            tol = _EPS * max(1.0, t_next)
+            finished_copies = []
+            for c in copies.values():
+                if c is None or now < c.latency_end:
+                    continue
+                if now + c.remaining / rates[c.direction] <= t_next + tol:
+                    finished_copies.append(c)
+                else:
+                    c.remaining -= rates[c.direction] * dt
+            now = t_next
+            for c in finished_copies:
+                copies[c.direction] = None
+                end_copy(c.node)
+            still = []
+            for end, j, part in running:
+                if end <= now + tol:
+                    if part == "compute":
+                        busy["compute"] = False
+                        finish(j)
+                    elif part == "host":
+                        busy["host"] = False
+                        finish(j)
+                    else:
+                        w = nodes[j].worker
+                        assert w is not None
+                        held[w] = None
+                        worker_last[w] = j
+                        worker_free[w] = now
+                        finish(j)
+                else:
+                    still.append((end, j, part))
+            running[:] = still
+
+    def _rates(self, copies: dict[str, _Copy | None], now: float) -> dict[str, float]:
+        moving = {d: c is not None and now >= c.latency_end for d, c in copies.items()}
+        both = moving["h2d"] and moving["d2h"]
+        return {d: c.bw * (self.links.duplex if both else 1.0) for d, c in copies.items() if c is not None}
+
+    # ---- results -----------------------------------------------------------------------------
+    def events(self) -> list[Event]:
+        out = []
+        for nd in self.nodes:
+            assert nd.start is not None and nd.end is not None
+            out.append(
+                Event(
+                    node=nd.name,
+                    action=str(nd.meta.action),
+                    phase=nd.meta.phase,
+                    stream=nd.stream,
+                    start=nd.start,
+                    end=nd.end,
+                    bytes=nd.nbytes,
+                    copy_end=nd.copy_end if nd.kind == OG else None,
+                    host_start=nd.host_start if nd.kind == OG else None,
+                    worker=nd.worker,
+                    deps=tuple(self.nodes[d].name for d in nd.deps),
+                )
+            )
+        return out
+
+    def busy(self, step_s: float) -> tuple[dict[str, float], dict[str, float]]:
+        busy = dict.fromkeys(("compute", "h2d", "d2h", "host", "cpu", "none"), 0.0)
+        for nd in self.nodes:
+            assert nd.start is not None and nd.end is not None
+            if nd.kind == OG:
+                assert nd.copy_end is not None and nd.host_start is not None
+                busy["d2h"] += nd.copy_end - nd.start
+                busy["host"] += nd.end - nd.host_start
+            elif nd.stream != "none":
+                busy[nd.stream] += nd.end - nd.start
+        util = {}
+        for s, b in busy.items():
+            cap = step_s * (self.workers if s == "cpu" else 1)
+            util[s] = b / cap if cap > 0 else 0.0
+        return busy, util
+
+    def memory(self, step_s: float) -> tuple[int, list[tuple[float, int]]]:
+        stages = self.program.stages
+        pool = self.program.num_slots * max((int(getattr(s, "slot_bytes", 0) or 0) for s in stages), default=0)
+        first: dict[tuple[ActionKind, int], _Node] = {}
+        for nd in self.nodes:
+            first.setdefault((nd.kind, nd.meta.stage), nd)
+        has_b = any(nd.kind == B for nd in self.nodes)
+        end_key = (step_s, len(self.nodes), 9)
+        consumers = consumers_of(list(stages))
+        changes: list[tuple[tuple[float, int, int], int]] = []  # ((time, issue index, order), delta)
+        initial = 0
+
+        def at(nd: _Node, order: int) -> tuple[float, int, int]:
+            assert nd.end is not None
+            return (nd.end, nd.i, order)
+
+        for spec in stages:
+            s, a = spec.index, int(getattr(spec, "activation_bytes", 0) or 0)
+            if a <= 0:
+                continue
+            cons = consumers.get(s, frozenset())
+            freer = min(cons) if cons else s
+            fwd = first.get((F, s))
+            if fwd is not None:
+                alloc: tuple[float, int, int] | None = at(fwd, 0)
+                changes.append((alloc, a))
+            elif has_b and ((B, s) in first or (B, freer) in first):
+                alloc = None
+                initial += a  # allocated by an earlier forward (the cold backward)
+            else:
+                continue
+            if has_b:
+                free = at(first[(B, freer)], 2) if (B, freer) in first else end_key
+            elif cons and all((F, c) in first for c in cons):
+                free = max(at(first[(F, c)], 1) for c in cons)
+            else:
+                free = end_key
+            changes.append((max(free, alloc) if alloc is not None else free, -a))
+            # the gradient of this stage's outputs, from its first consumer's backward
+            consumer_bs = [first[(B, c)] for c in cons if (B, c) in first]
+            if consumer_bs:
+                g_alloc = min(at(nd, 0) for nd in consumer_bs)
+                g_free = at(first[(B, s)], 1) if (B, s) in first else end_key
+                changes.append((g_alloc, a))
+                changes.append((max(g_free, g_alloc), -a))
+        changes.sort(key=lambda c: c[0])
+        cur = pool + initial
+        memory = [(0.0, cur)]
+        for (t, _, _), delta in changes:
+            cur += delta
+            memory.append((t, cur))
+        return pool, memory
+
+    def resident(self) -> list[tuple[float, int]]:
+        changes: list[tuple[float, int]] = []
+        open_pf: dict[int, _Node] = {}
+        for nd in self.nodes:
+            if nd.kind == PF:
+                assert nd.start is not None
+                changes.append((nd.start, +1))
+                open_pf[nd.meta.stage] = nd
+            elif nd.kind == R and nd.meta.stage in open_pf:
+                assert nd.end is not None
+                changes.append((nd.end, -1))
+                del open_pf[nd.meta.stage]
+        changes.sort()  # at one instant, releases (-1) before prefetches (+1)
+        cur = 0
+        out = [(0.0, 0)]
+        for t, d in changes:
+            cur += d
+            out.append((t, cur))
+        return out
+
+    def critical_path(self, events: list[Event]) -> tuple[list[Event], dict[str, float]]:
+        by = dict.fromkeys((*RESOURCES, "idle"), 0.0)
+        nodes = self.nodes
+        if not nodes:
+            return [], by
+        # the last action to finish; a RELEASE ending at the same instant only joins it
+        cur: int | None = max(range(len(nodes)), key=lambda i: (nodes[i].end, nodes[i].kind != R, i))
+        mode = "done"
+        path: list[int] = []
+
+        def time_of(j: int, m: str) -> float:
+            nd = nodes[j]
+            t = nd.reads if m == "reads" else nd.end
+            assert t is not None
+            return t
+
+        while cur is not None:
+            nd = nodes[cur]
+            path.append(cur)
+            assert nd.start is not None and nd.end is not None
+            if nd.kind == R:
+                cands = [(time_of(d, "reads"), d, "reads") for d in nd.deps]
+            else:
+                if nd.kind == OG:
+                    assert nd.copy_end is not None and nd.host_start is not None
+                    if mode == "done":
+                        by["host optimizer"] += nd.end - nd.host_start
+                        hp = nd.host_pred
+                        if hp is not None and nd.host_start > nd.copy_end and time_of(hp, "done") >= nd.host_start - _EPS:
+                            cur, mode = hp, "done"
+                            continue
+                        by["idle"] += max(0.0, nd.host_start - nd.copy_end)
+                    by["link"] += nd.copy_end - nd.start
+                else:
+                    by[_RESOURCE[nd.kind]] += nd.end - nd.start
+                cands = [(time_of(d, "done"), d, "done") for d in nd.deps]
+                sp = nd.stream_pred
+                if sp is not None:
+                    # the d2h stream is free again when an OG's copy ends, not its accumulation
+                    m = "reads" if nd.stream == "d2h" else "done"
+                    cands.append((time_of(sp, m), sp, m))
+            if not nd.forward and self.phase_barrier and self.barrier > 0 and self.last_forward is not None:
+                cands.append((self.barrier, self.last_forward, "done"))
+            best: tuple[float, int, str] | None = None
+            for c in cands:  # deps first: on a tie the dependency is the reason
+                if best is None or c[0] > best[0]:
+                    best = c
+            if best is None:
+                by["idle"] += nd.start
+                cur = None
+            else:
+                by["idle"] += max(0.0, nd.start - best[0])
+                cur, mode = best[1], best[2]
+        path.reverse()
+        return [events[i] for i in path], by
+
+
+def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, phase_barrier: bool = True) -> Timeline:
+    """Simulate one step of ``program`` with ``costs`` (see the module docstring for the model).
+
+    Args:
+        program: a step program (:func:`passes.schedule.schedule_window`,
+            :func:`passes.program.lower_actions`, ...).
+        costs: per-stage costs, links and host optimizer workers
+            (:class:`cost_model.costs.CostTable` or any :class:`cost_model.costs.CostModel`).
+        accumulate: gradients accumulate into an existing fp32 buffer (each OFFLOAD_GRAD pays
+            ``accumulate_s`` on the host FIFO); False: the first backward after ``zero_grad``.
+        phase_barrier: backward-phase actions wait until every forward-phase action is done,
+            as the runtime issues the backward only after the forward returned.
+
+    Raises:
+        SimulationError: the cost model lacks stages of the program, has negative or
+            non-finite costs, or the program cannot finish.
+
+    >>> from passes.program import lower_actions
+    >>> from passes.stages import chain
+    >>> from cost_model.costs import CostTable, Links, StageCost
+    >>> p = lower_actions(["PF0", "F0", "B0", "OG0", "U0", "R0"], chain(1, prefetch_bytes=10**6), 1)
+    >>> tl = simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5)], Links(1e6, 2e6)))
+    >>> [(e.action, e.start, e.end) for e in tl.events]  # doctest: +NORMALIZE_WHITESPACE
+    [('PF0', 0.0, 1.0), ('F0', 1.0, 2.0), ('B0', 2.0, 4.0), ('OG0', 4.0, 4.5), ('U0', 4.5, 5.0),
+     ('R0', 4.5, 4.5)]
+    """
+    sim = _Sim(program, costs, accumulate, phase_barrier)
+    sim.run()
+    events = sim.events()
+    step_s = max((e.end for e in events), default=0.0)
+    busy, util = sim.busy(step_s)
+    pool, memory = sim.memory(step_s)
+    resident = sim.resident()
+    path, by = sim.critical_path(events)
+    bottleneck = max(RESOURCES, key=lambda r: (by[r], -RESOURCES.index(r)))
+    return Timeline(
+        program=program.name,
+        events=events,
+        step_s=step_s,
+        busy_s=busy,
+        utilisation=util,
+        workers=sim.workers,
+        slot_bytes=pool,
+        peak_device_bytes=max(b for _, b in memory),
+        memory=memory,
+        peak_resident=max(n for _, n in resident),
+        resident=resident,
+        critical_path=path,
+        by_resource=by,
+        bottleneck=bottleneck,
+        accumulate=accumulate,
+    )

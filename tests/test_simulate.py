@@ -1,0 +1,419 @@
+"""The step-program simulator against hand-computed timelines.
+
+Units are chosen so times are exact: links move 1e6 bytes/s, so a 1e6-byte copy takes 1 s.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cost_model.costs import CostTable, Links, StageCost
+from cost_model.simulate import Event, SimulationError, Timeline, simulate
+from passes.meta import get_meta
+from passes.program import ActionKind as K
+from passes.program import lower_actions
+from passes.schedule import cold_backward_program, eval_program, schedule_window
+from passes.stages import StageSpec, chain
+
+MB = 10**6
+LINK = Links(1e6, 1e6)
+
+
+def table(n: int, fwd=1.0, bwd=3.0, kept=None, upd=0.0, acc=0.0, links=LINK, workers=1) -> CostTable:
+    return CostTable([StageCost(fwd, bwd, kept, upd, acc)] * n, links, optimizer_workers=workers)
+
+
+def times(tl: Timeline, *actions: str) -> list[tuple[float, float]]:
+    return [(round(tl.event(a).start, 9), round(tl.event(a).end, 9)) for a in actions]
+
+
+def independent(*prefetch: int, buffers: tuple[int, ...] = ()) -> list[StageSpec]:
+    """Stages that read nothing from each other and have no trainable parameters."""
+    return [
+        StageSpec(i, f"s{i}", prefetch_bytes=b, buffer_out_bytes=buffers[i] if i < len(buffers) else 0, slot_bytes=b)
+        for i, b in enumerate(prefetch)
+    ]
+
+
+def overlapping(events: list[Event]) -> list[tuple[str, str]]:
+    spans = sorted((e.start, e.end, e.action) for e in events if e.end > e.start)
+    return [(a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] < a[1] - 1e-12]
+
+
+# (1) ------------------------------------------------------------------------------------------
+def test_window_1_is_serial():
+    p = schedule_window(chain(3, prefetch_bytes=MB, grad_bytes=MB // 2), 1)
+    tl = simulate(p, table(3, kept=2.0))
+    # 5 prefetches, 3 forwards, B2 keeps its graph (2 s) + B1, B0 recompute (3 s), 3 grad copies
+    assert tl.step_s == pytest.approx(5 * 1.0 + 3 * 1.0 + (2.0 + 3.0 + 3.0) + 3 * 0.5)
+    assert overlapping(tl.events) == []
+    assert tl.event("B2").duration == pytest.approx(2.0)
+    assert sum(tl.by_resource.values()) == pytest.approx(tl.step_s)
+
+
+# (2), (3) ---------------------------------------------------------------------------------------
+def test_prefetch_hidden_behind_compute():
+    # chain(3), W=2, no grads: PF0 PF1 F0 R0 PF2 F1 F2 B2 R2 PF0 B1 R1 B0 R0
+    p = schedule_window(chain(3, prefetch_bytes=MB // 2, grad_bytes=0), 2)
+    assert " ".join(p.actions()) == "PF0 PF1 F0 R0 PF2 F1 F2 B2 R2 PF0 B1 R1 B0 R0"
+    tl = simulate(p, table(3, fwd=1.0, bwd=2.0))
+    assert times(tl, "PF0", "PF1", "F0", "R0", "PF2", "F1", "F2") == [
+        (0, 0.5), (0.5, 1.0), (0.5, 1.5), (1.5, 1.5), (1.5, 2.0), (1.5, 2.5), (2.5, 3.5)
+    ]  # fmt: skip
+    assert times(tl, "B2", "B1", "B0") == [(3.5, 4.5), (4.5, 6.5), (6.5, 8.5)]  # B2 kept its graph
+    assert tl.event("PF0", occurrence=1).start == pytest.approx(4.5)  # after R2, hidden behind B1
+    assert tl.step_s == pytest.approx(8.5)
+    assert tl.utilisation["compute"] == pytest.approx(8.0 / 8.5)
+
+
+def test_transfer_longer_than_compute_is_exposed():
+    p = schedule_window(chain(3, prefetch_bytes=2 * MB, grad_bytes=0), 2)
+    tl = simulate(p, table(3, fwd=1.0, bwd=2.0))
+    assert times(tl, "PF0", "PF1", "F0", "PF2", "F1", "F2", "B2") == [
+        (0, 2), (2, 4), (2, 3), (4, 6), (4, 5), (6, 7), (7, 8)
+    ]  # fmt: skip
+    assert tl.event("PF0", occurrence=1).end == pytest.approx(10.0)
+    assert times(tl, "B1", "B0") == [(8, 10), (10, 12)]
+    assert tl.step_s == pytest.approx(12.0)
+
+
+# (4) --------------------------------------------------------------------------------------------
+def test_waits_for_dependencies_on_other_streams():
+    p = lower_actions(["PF0", "F0", "B0", "OG0", "U0", "R0"], chain(1, prefetch_bytes=MB, grad_bytes=MB // 2), 1)
+    costs = table(1, fwd=1.0, bwd=3.0, kept=2.0, upd=0.5, acc=0.25)
+    tl = simulate(p, costs)
+    assert times(tl, "PF0", "F0", "B0", "OG0", "U0", "R0") == [(0, 1), (1, 2), (2, 4), (4, 4.5), (4.5, 5), (4.5, 4.5)]
+    # accumulating: the OG is done after its host part; U waits for it, R only for the copy
+    tl = simulate(p, costs, accumulate=True)
+    og = tl.event("OG0")
+    assert (og.copy_end, og.host_start, og.end) == pytest.approx((4.5, 4.5, 4.75))
+    assert times(tl, "U0", "R0") == [(4.75, 5.25), (4.5, 4.5)]
+    assert tl.busy_s["host"] == pytest.approx(0.25) and tl.busy_s["d2h"] == pytest.approx(0.5)
+
+
+def test_backward_waits_for_the_forward_phase():
+    # OB1 (forward phase) ends after F1; the runtime issues the backward only then
+    stages = [
+        StageSpec(0, prefetch_bytes=MB),
+        StageSpec(1, producers=frozenset({0}), prefetch_bytes=MB, buffer_out_bytes=3 * MB),
+    ]
+    p = lower_actions(["PF0", "PF1", "F0", "F1", "OB1", "B1", "B0", "R1", "R0"], stages, 2)
+    tl = simulate(p, table(2, fwd=1.0, bwd=2.0))
+    assert tl.event("OB1").end == pytest.approx(6.0)  # F1 2..3, OB1 moves 3 MB: 3..6
+    assert tl.event("B1").start == pytest.approx(tl.event("OB1").end)
+    free = simulate(p, table(2, fwd=1.0, bwd=2.0), phase_barrier=False)
+    assert free.event("B1").start == pytest.approx(free.event("F1").end)
+
+
+# (5) --------------------------------------------------------------------------------------------
+def test_stream_fifo():
+    # F1's only dependency (PF1) is done at 0.5, but F0 is ahead of it on the compute stream
+    p = lower_actions(["PF1", "PF0", "F0", "F1", "B1", "R1", "B0", "R0"], independent(2 * MB, MB // 2), 2)
+    tl = simulate(p, table(2, fwd=1.0, bwd=2.0))
+    assert times(tl, "PF1", "PF0", "F0", "F1") == [(0, 0.5), (0.5, 2.5), (2.5, 3.5), (3.5, 4.5)]
+    # PF0 is itself behind PF1 on h2d; F1's start is explained by its stream predecessor F0
+    path = [e.action for e in tl.critical_path]
+    assert path[:4] == ["PF1", "PF0", "F0", "F1"]
+
+
+# (6) --------------------------------------------------------------------------------------------
+def test_duplex_simultaneous_transfers_share_the_link():
+    stages = independent(MB, MB, buffers=(MB,))
+    p = lower_actions(["PF0", "F0", "OB0", "PF1"], stages, 2)
+    half = Links(1e6, 1e6, duplex=0.5)
+    tl = simulate(p, table(2, fwd=0.0, links=half))
+    # OB0 and PF1 both start at 1.0 and each moves 1 MB at 0.5 MB/s
+    assert times(tl, "PF0", "OB0", "PF1") == [(0, 1), (1, 3), (1, 3)]
+    full = simulate(p, table(2, fwd=0.0))
+    assert times(full, "OB0", "PF1") == [(1, 2), (1, 2)]
+
+
+def test_duplex_partial_overlap():
+    stages = independent(MB, 2 * MB, buffers=(MB,))
+    p = lower_actions(["PF0", "F0", "OB0", "PF1"], stages, 2)
+    half = Links(1e6, 1e6, duplex=0.5)
+    # PF1 1.0..1.5 alone (0.5 MB), OB0 and PF1 share 1.5..3.5 (1 MB each), PF1 alone 3.5..4.0
+    tl = simulate(p, table(2, fwd=0.5, links=half))
+    assert times(tl, "F0", "OB0", "PF1") == [(1, 1.5), (1.5, 3.5), (1, 4)]
+    # OB0 ends first while both run at half speed: PF1 then speeds up
+    tl = simulate(p, table(2, fwd=0.0, links=half))
+    assert times(tl, "OB0", "PF1") == [(1, 3), (1, 4)]
+
+
+def test_latency_and_instant_links():
+    p = lower_actions(["PF0", "F0"], independent(MB), 1)
+    tl = simulate(p, table(1, links=Links(1e6, 1e6, latency_s=0.25)))
+    assert times(tl, "PF0", "F0") == [(0, 1.25), (1.25, 2.25)]
+    tl = simulate(p, table(1, links=Links(None, None, latency_s=0.25)))
+    assert times(tl, "PF0", "F0") == [(0, 0), (0, 1)]
+
+
+# (7) --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "order, workers, expected",
+    [
+        (["U1", "U0"], 1, {"U1": (2, 4), "U0": (4, 6)}),
+        (["U1", "U0"], 2, {"U1": (2, 4), "U0": (3, 5)}),
+        # U0 is taken first and waits for OG0 (3.0): it blocks the only worker, U1 waits behind it
+        (["U0", "U1"], 1, {"U0": (3, 5), "U1": (5, 7)}),
+        (["U0", "U1"], 2, {"U0": (3, 5), "U1": (2, 4)}),
+    ],
+)
+def test_cpu_pool(order, workers, expected):
+    acts = ["PF0", "PF1", "F0", "F1", "B1", "OG1", "B0", "OG0", *order, "R1", "R0"]
+    p = lower_actions(acts, chain(2), 2)
+    costs = table(2, fwd=0.5, bwd=1.0, kept=1.0, upd=2.0, links=Links(None, None), workers=workers)
+    tl = simulate(p, costs)
+    assert times(tl, "B1", "B0") == [(1, 2), (2, 3)]
+    assert dict(zip(expected, times(tl, *expected))) == expected
+    assert tl.step_s == pytest.approx(max(e for _, e in expected.values()))
+    assert tl.utilisation["cpu"] == pytest.approx(4.0 / (tl.step_s * workers))
+    assert {e.worker for e in tl.stream_events("cpu")} == set(range(workers))
+
+
+# (8) --------------------------------------------------------------------------------------------
+def test_keep_graph_makes_the_last_backward_cheaper():
+    stages = chain(3, prefetch_bytes=MB, grad_bytes=0)
+    costs = table(3, fwd=1.0, bwd=3.0, kept=1.5, links=Links(None, None))
+    kept = simulate(schedule_window(stages, 3), costs)
+    assert kept.event("B2").duration == pytest.approx(1.5)
+    assert kept.event("B1").duration == pytest.approx(3.0)
+    acts = schedule_window(stages, 3).actions()
+    cold = simulate(lower_actions(acts, stages, 3, keep_graph=False), costs)
+    assert cold.event("B2").duration == pytest.approx(3.0)
+    assert cold.step_s - kept.step_s == pytest.approx(1.5)
+    # default backward_kept_s: backward_s - forward_s
+    assert simulate(schedule_window(stages, 3), table(3, fwd=1.0, bwd=3.0)).event("B2").duration == pytest.approx(2.0)
+    # the cold backward has no forward: every backward recomputes
+    cb = simulate(cold_backward_program(schedule_window(stages, 3)), costs)
+    assert cb.event("B2").duration == pytest.approx(3.0)
+
+
+# (9) --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("w", [1, 2, 3])
+def test_memory_and_resident_peak(w):
+    P, A = 1000, 100
+    p = schedule_window(chain(3, prefetch_bytes=P, activation_bytes=A), w)
+    tl = simulate(p, table(3))
+    assert tl.slot_bytes == w * P
+    # forward end: 3 activations; B2's end adds the gradient of s1's output before it frees the
+    # activations of s1 (its earliest consumer is 2) and s2 (no consumer): 4 at once
+    assert tl.peak_device_bytes == w * P + 4 * A
+    assert tl.memory[0] == (0.0, w * P)
+    assert tl.memory[-1][1] == w * P  # everything freed by the end of B0
+    assert tl.peak_resident == w
+    assert tl.resident[-1][1] == 0
+    f2 = tl.event("F2").end
+    assert max(b for t, b in tl.memory if t <= f2) == w * P + 3 * A
+
+
+def test_memory_of_derived_programs():
+    P, A = 1000, 100
+    train = schedule_window(chain(3, prefetch_bytes=P, activation_bytes=A), 2)
+    ev = simulate(eval_program(train), table(3))
+    # inference: s0 freed when F1 ends (after F1's output is allocated): at most 2 values + the output
+    assert ev.peak_device_bytes == 2 * P + 2 * A
+    assert ev.memory[-1][1] == 2 * P
+    cold = simulate(cold_backward_program(train), table(3))
+    assert cold.memory[0] == (0.0, 2 * P + 3 * A)  # the forward's activations are already there
+    assert cold.memory[-1][1] == 2 * P
+
+
+def test_slot_bytes_default_to_zero():
+    stages = [StageSpec(0, prefetch_bytes=MB), StageSpec(1, producers=frozenset({0}), prefetch_bytes=MB)]
+    tl = simulate(lower_actions(["PF0", "PF1", "F0", "F1", "B1", "R1", "B0", "R0"], stages, 2), table(2))
+    assert tl.slot_bytes == 0 and tl.peak_device_bytes == 0
+
+
+# (10) -------------------------------------------------------------------------------------------
+def _contiguous(path: list[Event]) -> bool:
+    return all(
+        min(abs(b.start - a.end), abs(b.start - a.reads_end)) < 1e-9 or b.action.startswith("R")
+        for a, b in zip(path, path[1:])
+    )
+
+
+@pytest.mark.parametrize(
+    "costs, expected",
+    [
+        (table(6, fwd=1.0, bwd=3.0, upd=0.1, links=Links(1e8, 1e8)), "compute"),
+        (table(6, fwd=0.01, bwd=0.03, upd=0.01, links=Links(1e5, 1e5)), "link"),
+        (table(6, fwd=0.01, bwd=0.03, upd=5.0, links=Links(1e8, 1e8)), "host optimizer"),
+    ],
+)
+def test_critical_path_and_bottleneck(costs, expected):
+    tl = simulate(schedule_window(chain(6, prefetch_bytes=MB), 2), costs)
+    assert tl.bottleneck == expected
+    path = tl.critical_path
+    assert path[-1].end == pytest.approx(tl.step_s)
+    assert path[0].start == pytest.approx(0.0)
+    assert _contiguous(path)
+    assert sum(tl.by_resource.values()) == pytest.approx(tl.step_s)
+    assert tl.by_resource["idle"] == pytest.approx(0.0, abs=1e-9)
+    assert expected in tl.summary()
+
+
+def test_critical_path_compute_bound_is_the_compute_chain():
+    tl = simulate(schedule_window(chain(3, prefetch_bytes=MB // 2, grad_bytes=0), 2), table(3, fwd=1.0, bwd=2.0))
+    assert [e.action for e in tl.critical_path] == ["PF0", "F0", "F1", "F2", "B2", "B1", "B0"]
+    assert tl.by_resource["compute"] == pytest.approx(8.0) and tl.by_resource["link"] == pytest.approx(0.5)
+
+
+# (11) -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("workers", [1, 2])
+def test_chrome_trace(tmp_path, workers):
+    p = schedule_window(chain(4, prefetch_bytes=MB, activation_bytes=1000), 2)
+    tl = simulate(p, table(4, upd=0.5, acc=0.1, workers=workers), accumulate=True)
+    path = tl.save_chrome_trace(tmp_path / "trace.json")
+    with open(path) as f:
+        trace = json.load(f)
+    assert trace == json.loads(json.dumps(tl.to_chrome_trace()))
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert len(set(names.values())) == len(names)  # one tid per track
+    cpu = ["cpu"] if workers == 1 else [f"cpu #{w}" for w in range(workers)]
+    assert sorted(names.values()) == sorted(["compute", "h2d", "d2h", "host", "none (releases)", *cpu])
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == len(tl.events) + sum(1 for e in tl.events if e.action.startswith("OG"))
+    for e in xs:
+        track = names[e["tid"]]
+        act = e["name"].split()[0]
+        stream = tl.event(act).stream
+        expect = "host" if e["name"].endswith("accumulate") else stream
+        assert track.split()[0] == expect
+        assert e["dur"] >= 0 and {"bytes", "phase"} <= set(e["args"])
+    mem = [e for e in events if e["ph"] == "C" and e["name"] == "device memory"]
+    assert max(e["args"]["bytes"] for e in mem) == tl.peak_device_bytes
+    # each track's slices nest (none overlap without containing), as the viewers need
+    for tid in names:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in xs if e["tid"] == tid and e["dur"] > 0)
+        assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+# (12) -------------------------------------------------------------------------------------------
+def test_step_time_in_window():
+    n = 8
+    stages = chain(n, prefetch_bytes=MB, grad_bytes=MB // 4)  # PF 1 s, OG 0.25 s
+
+    def steps(links: Links) -> list[float]:
+        costs = table(n, fwd=0.25, bwd=0.5, upd=0.1, links=links)
+        return [simulate(schedule_window(stages, w), costs).step_s for w in range(1, n + 1)]
+
+    slow = steps(LINK)  # a prefetch (1 s) takes longer than a backward (0.5 s)
+    assert all(b <= a + 1e-9 for a, b in zip(slow, slow[1:])), slow
+    assert all(b < a - 0.1 for a, b in zip(slow[:5], slow[1:6])), slow  # each slot hides more
+    # W=8: 8 prefetches, F7, B7 (kept 0.25 s), 7 more backwards, OG0, U0; W>=6 hides the rest
+    assert slow[-1] == pytest.approx(8.0 + 0.25 + 0.25 + 7 * 0.5 + 0.25 + 0.1)
+    assert slow[5:] == pytest.approx([slow[-1]] * 3)
+    fast = steps(Links(8e6, 8e6))  # a prefetch (0.125 s) hides behind a forward from W=2 on
+    assert fast[0] > fast[1] + 1.0
+    assert fast[1:] == pytest.approx([fast[1]] * (n - 1))
+
+
+# errors ------------------------------------------------------------------------------------------
+def test_errors():
+    p = schedule_window(chain(4), 2)
+    with pytest.raises(SimulationError, match="costs for 2 stages but program .* has 4 stages"):
+        simulate(p, table(2))
+    with pytest.raises(SimulationError, match="optimizer_workers"):
+        simulate(p, table(4, workers=0))
+    with pytest.raises(SimulationError, match="duplex"):
+        simulate(p, table(4, links=Links(1e6, 1e6, duplex=0.0)))
+    with pytest.raises(SimulationError, match="h2d_bps"):
+        simulate(p, table(4, links=Links(0.0, 1e6)))
+    with pytest.raises(SimulationError, match="forward_s"):
+        simulate(p, table(4, fwd=-1.0))
+    with pytest.raises(SimulationError, match="Program"):
+        simulate(p.actions(), table(4))  # type: ignore[arg-type]
+    bad = schedule_window(chain(2), 2)
+    f0 = bad.find("F0")
+    f0.args = (*f0.args, bad.find("F1"))  # a dependency issued later
+    with pytest.raises(SimulationError, match="F0 waits for F1, which is issued after it"):
+        simulate(bad, table(2))
+
+
+def test_empty_and_summary():
+    tl = simulate(lower_actions([], chain(1), 1), table(1))
+    assert tl.step_s == 0.0 and tl.events == [] and tl.critical_path == []
+    tl = simulate(schedule_window(chain(2), 2), table(2))
+    s = tl.summary()
+    assert "simulated step" in s and "bottleneck" in s and "peak resident stages: 2" in s
+
+
+# the event loop against a one-pass recurrence (exact when the links are full duplex) -----------
+def _reference(p, costs, accumulate):
+    """start = max(stream free, dependencies done, backward issued); the cpu pool's workers take
+    tasks in issue order. Valid without duplex coupling: every duration is then fixed."""
+    nodes = p.nodes
+    idx = {n: i for i, n in enumerate(nodes)}
+    owner = {s.update_group: costs.costs[s.index] for s in p.stages if s.update_group is not None}
+    end, reads, free = {}, {}, {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0}
+    workers = [0.0] * costs.optimizer_workers
+    take = 0.0
+    kept: dict[int, bool] = {}
+    fwd = [i for i, n in enumerate(nodes) if get_meta(n).phase == "forward"]
+    out = {}
+    for i, n in enumerate(nodes):
+        m = get_meta(n)
+        issue = 0.0 if m.phase == "forward" else max((end[j] for j in fwd), default=0.0)
+        deps = [idx[d] for d in p.deps(n)]
+        c = costs.costs[m.stage] if m.kind != K.CPU_STEP else owner[m.stage]
+        if m.kind == K.RELEASE:
+            t = max([issue] + [reads[j] for j in deps])
+            end[i] = reads[i] = t
+            out[i] = (t, t)
+            continue
+        ready = max([issue] + [end[j] for j in deps])
+        if m.kind == K.CPU_STEP:
+            w = min(range(len(workers)), key=lambda k: workers[k])
+            take = max(issue, take, workers[w])
+            s = max(take, ready)
+            end[i] = reads[i] = workers[w] = s + c.update_s
+            out[i] = (s, end[i])
+            continue
+        s = max(free[m.stream], ready)
+        if m.kind == K.FORWARD:
+            d = c.forward_s
+            kept[m.stage] = m.keep_graph
+        elif m.kind == K.BACKWARD:
+            d = c.backward_no_recompute_s if kept.get(m.stage) else c.backward_s
+        else:
+            d = costs.links.time_s(m.stream, m.bytes)
+        free[m.stream] = reads[i] = s + d
+        end[i] = s + d
+        if m.kind == K.OFFLOAD_GRAD:
+            hs = max(free["host"], s + d)
+            end[i] = free["host"] = hs + (c.accumulate_s if accumulate else 0.0)
+        out[i] = (s, end[i])
+    return [out[i] for i in range(len(nodes))]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_event_loop_matches_the_recurrence(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    stages = chain(
+        n,
+        prefetch_bytes=rng.randint(1, 4) * MB // 2,
+        grad_bytes=rng.choice([0, MB // 4, MB]),
+        mutating=tuple(i for i in range(n) if rng.random() < 0.3),
+        tied=(0, n - 1) if n > 2 and rng.random() < 0.5 else None,
+    )
+    costs = CostTable(
+        [
+            StageCost(rng.uniform(0.1, 2), rng.uniform(0.5, 4), None, rng.uniform(0, 3), rng.uniform(0, 0.5))
+            for _ in range(n)
+        ],
+        Links(rng.choice([None, 1e6, 3e6]), rng.choice([None, 1e6, 2e6]), 1.0, rng.choice([0.0, 0.01])),
+        optimizer_workers=rng.randint(1, 3),
+    )
+    accumulate = rng.random() < 0.5
+    p = schedule_window(stages, rng.randint(1, n))
+    for prog in (p, cold_backward_program(p)):
+        tl = simulate(prog, costs, accumulate=accumulate)
+        got = [t for e in tl.events for t in (e.start, e.end)]
+        assert got == pytest.approx([t for se in _reference(prog, costs, accumulate) for t in se], abs=1e-9)
+        assert sum(tl.by_resource.values()) == pytest.approx(tl.step_s)
