@@ -31,7 +31,8 @@ class WindowReport:
         window: the window in use (the tuner's choice, or a fixed window the user set).
         device: the device in words.
         measured_s: measured step times (forward start to ``step()`` end), filled as steps run.
-        how: ``"auto"`` when the tuner chose the window, ``"fixed"`` otherwise.
+        how: ``"auto"`` when the tuner chose the window, ``"fixed"`` when the user set it,
+            ``"analytic"`` for a prediction on a hardware profile where nothing runs.
     """
 
     tune: TuneResult
@@ -51,13 +52,17 @@ class WindowReport:
 
     def __str__(self) -> str:
         t = self.tune
-        head = f"window report ({'window=auto' if self.how == 'auto' else f'fixed window={self.window}'})"
+        head = {"auto": "window report (window=auto)", "analytic": "window report (analytic: nothing runs)"}.get(
+            self.how, f"window report (fixed window={self.window})"
+        )
         lines = [head, f"  device: {self.device}" if self.device else "", f"  costs: {t.source}" if t.source else ""]
         lines = [x for x in lines if x]
         if t.capacity_bytes is not None:
             lines.append(f"  device budget: {format_bytes(t.capacity_bytes)}; tolerance {100 * t.tolerance:.0f}%")
         lines.append(t.table())
-        lines.append(t.reason if self.how == "auto" else f"window {self.window} was set by the user; the tuner would choose {t.window}.")
+        lines.append(
+            t.reason if self.how in ("auto", "analytic") else f"window {self.window} was set by the user; the tuner would choose {t.window}."
+        )
         m = self.measured_median_s
         if m is not None:
             err = 100 * (self.predicted_s / m - 1)
@@ -65,6 +70,8 @@ class WindowReport:
                 f"measured: {format_seconds(m)} per step (median of {len(self.measured_s)} steps) vs predicted "
                 f"{format_seconds(self.predicted_s)} at W={self.window}: prediction {err:+.1f}%"
             )
+        elif self.how == "analytic":
+            lines.append("measured: nothing was run (analytic prediction for hardware profile)")
         else:
             lines.append("measured: no steps yet")
         return "\n".join(lines)

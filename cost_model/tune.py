@@ -76,27 +76,71 @@ class TuneResult:
     def chosen(self) -> WindowRow:
         return self.row(self.window)
 
-    def table(self) -> str:
-        lines = [f"  {'W':>3}  {'step (pred.)':>13}  {'device memory':>14}  {'fits':>4}  {'bound by':<15} {'vs best':>8}"]
+    def table(self, max_rows: int = 16) -> str:
+        """One row per window; with more than ``max_rows`` windows, runs of windows whose
+        prediction no longer changes are folded into one line."""
+        lines = [
+            f"  {'W':>3}  {'step (pred.)':>13}  {'device memory':>14}  {'fits':>4}  {'critical path: compute/link/host':<33} {'vs best':>8}"
+        ]
         best = self.row(self.best_window).step_s if self.best_window else None
+        shown = self._shown(max_rows)
+        prev_shown = None
         for r in self.rows:
+            if r.window not in shown:
+                continue
+            if prev_shown is not None and r.window > prev_shown + 1:
+                skipped = [x for x in self.rows if prev_shown < x.window < r.window]
+                lines.append(
+                    f"  {'...':>3}  W={skipped[0].window}..{skipped[-1].window}: the same step time; memory grows "
+                    f"{format_bytes((skipped[-1].peak_device_bytes - skipped[0].peak_device_bytes) / max(1, len(skipped) - 1))} per window"
+                )
             mark = "  <- chosen" if r.window == self.window else ""
             rel = f"{100 * (r.step_s / best - 1):+.1f}%" if best else ""
             lines.append(
                 f"  {r.window:>3}  {format_seconds(r.step_s):>13}  {format_bytes(r.peak_device_bytes):>14}  "
-                f"{'yes' if r.fits else 'no':>4}  {r.bottleneck:<15} {rel:>8}{mark}"
+                f"{'yes' if r.fits else 'no':>4}  {_shares(r):<33} {rel:>8}{mark}"
             )
+            prev_shown = r.window
         return "\n".join(lines)
+
+    def _shown(self, max_rows: int) -> set[int]:
+        if len(self.rows) <= max_rows:
+            return {r.window for r in self.rows}
+        keep = {self.rows[0].window, self.rows[-1].window, self.window, self.best_window}
+        for a, b in zip(self.rows, self.rows[1:]):
+            if abs(b.step_s - a.step_s) > 1e-3 * a.step_s or a.fits != b.fits:
+                keep |= {a.window, b.window}
+        return keep
 
     def __str__(self) -> str:
         return self.table() + "\n" + self.reason
 
 
-_WHY = {
-    "compute": "compute-bound: transfers are hidden behind compute",
-    "link": "link-bound: compute waits for transfers over the host link",
-    "host optimizer": "host-optimizer-bound: the step waits for host updates",
-}
+def _shares(r: WindowRow) -> str:
+    """How the critical path splits between compute, the link and the host optimizer."""
+    tot = sum(v for k, v in r.by_resource.items() if k != "idle") or 1.0
+    c = r.by_resource.get("compute", 0.0) / tot
+    link = r.by_resource.get("link", 0.0) / tot
+    host = r.by_resource.get("host optimizer", 0.0) / tot
+    return f"{100 * c:3.0f}% / {100 * link:3.0f}% / {100 * host:3.0f}%  {r.bottleneck}"
+
+
+def _why(r: WindowRow) -> str:
+    tot = sum(v for k, v in r.by_resource.items() if k != "idle") or 1.0
+    link = r.by_resource.get("link", 0.0) / tot
+    host = r.by_resource.get("host optimizer", 0.0) / tot
+    if r.bottleneck == "compute":
+        if link < 0.05 and host < 0.05:
+            return "compute-bound: transfers and updates are hidden behind compute"
+        exposed = []
+        if link >= 0.05:
+            exposed.append(f"transfers {100 * link:.0f}%")
+        if host >= 0.05:
+            exposed.append(f"host updates {100 * host:.0f}%")
+        return f"mostly compute, but {' and '.join(exposed)} of the critical path are exposed"
+    if r.bottleneck == "link":
+        return f"link-bound: {100 * link:.0f}% of the critical path waits for transfers"
+    return f"host-optimizer-bound: {100 * host:.0f}% of the critical path waits for host updates"
 
 
 def _explain(rows: list[WindowRow], chosen: WindowRow, best: WindowRow, tolerance: float, capacity: int | None) -> str:
@@ -107,13 +151,13 @@ def _explain(rows: list[WindowRow], chosen: WindowRow, best: WindowRow, toleranc
             if chosen.window == best.window
             else f"within {100 * tolerance:.0f}% of the fastest that fits (W={best.window}, {format_seconds(best.step_s)})"
         )
-        + f"; {_WHY.get(chosen.bottleneck, chosen.bottleneck)}."
+        + f"; {_why(chosen)}."
     ]
     smaller = [r for r in rows if r.window < chosen.window and r.fits]
     if smaller:
         s = smaller[-1]
         parts.append(
-            f"W={s.window} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower ({_WHY.get(s.bottleneck, s.bottleneck)})."
+            f"W={s.window} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower ({_why(s)})."
         )
     larger = [r for r in rows if r.window > chosen.window]
     if larger:

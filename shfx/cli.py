@@ -3,6 +3,8 @@
 Commands:
     demo    train a GPT that does not fit on the device, on the Python standard library's
             sources (no download, no GPU needed: an emulated device otherwise).
+    tune    the window report for a GPT: profiled and measured on a device, or predicted for a
+            named hardware profile (--hardware V100-32GB-PCIe3).
 
 Each command is a module-level ``_add_<name>(subparsers)`` that registers its parser and sets
 ``func`` to a ``(args) -> int`` handler; add new commands (``tune``, ``plan``, ``compare``) the
@@ -133,9 +135,83 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if result.losses else 1
 
 
+# ---- tune -------------------------------------------------------------------------------------
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    from cost_model.hardware import PROFILES
+
+    p = sub.add_parser(
+        "tune",
+        help="which window to use, and why: the window report for a GPT",
+        description=(
+            "Print the window report for a GPT: per window the predicted step time, device memory and "
+            "what bounds the step, the window shfx chooses and why. With --hardware the costs come from "
+            "the analytic model of a named profile (nothing runs); otherwise they are profiled on the "
+            "device and a few steps are measured."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=_positive_int, default=8)
+    p.add_argument("--hidden", type=_positive_int, default=256)
+    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--seq", type=_positive_int, default=128)
+    p.add_argument("--batch", type=_positive_int, default=4)
+    p.add_argument("--vocab", type=_positive_int, default=256)
+    p.add_argument("--hardware", choices=sorted(PROFILES), default=None, help="predict for this profile instead of running")
+    p.add_argument("--device", default="auto", help="'auto', 'emulated' or 'cuda' (when not --hardware)")
+    p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device budget (emulated default 16GiB)")
+    p.add_argument("--h2d", type=_bandwidth_arg, default="12GB/s", help="emulated host->device bandwidth")
+    p.add_argument("--d2h", type=_bandwidth_arg, default="12GB/s", help="emulated device->host bandwidth")
+    p.add_argument("--steps", type=_positive_int, default=5, help="measured steps (when not --hardware)")
+    p.add_argument("--tolerance", type=float, default=0.02, help="a smaller window may be this much slower than the best")
+    p.add_argument("--trace", default=None, help="write the chosen window's simulated step as a Chrome trace (JSON)")
+    p.add_argument("--plot", default=None, help="write a plot of step time and memory vs window (needs matplotlib)")
+    p.add_argument("--json", default=None, help="write the report as JSON")
+    p.set_defaults(func=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from .commands import tune_gpt
+    from .devices import CudaDevice, EmulatedDevice
+
+    device = None
+    if args.hardware is None:
+        kind = args.device
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "emulated"
+        if kind == "emulated":
+            device = EmulatedDevice(memory=args.device_memory or "16GiB", h2d=args.h2d, d2h=args.d2h)
+        elif kind.startswith("cuda"):
+            device = CudaDevice(index=torch.device(kind).index or 0, memory=args.device_memory)
+        else:
+            raise ValueError(f"--device must be 'auto', 'emulated' or 'cuda', got {args.device!r}")
+    rep = tune_gpt(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        batch=args.batch,
+        vocab=args.vocab,
+        hardware=args.hardware,
+        device=device,
+        steps=args.steps,
+        tolerance=args.tolerance,
+    )
+    if args.trace:
+        print(f"trace: {rep.save_trace(args.trace)} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        print(f"plot: {rep.plot(args.plot)}")
+    if args.json:
+        print(f"json: {rep.save_json(args.json)}")
+    return 0
+
+
 # ---- wiring -----------------------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo]
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_tune]
 
 
 def build_parser() -> argparse.ArgumentParser:

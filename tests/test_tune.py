@@ -119,3 +119,23 @@ def test_invalid_auto_arguments():
         shfx.compile(gpt_tied(), window="big")
     with pytest.raises(ValueError, match="tune_tolerance"):
         shfx.compile(gpt_tied(), window="auto", tune_tolerance=2)
+
+
+def test_shfx_tune_cli_analytic(capsys, tmp_path):
+    from shfx.cli import main
+
+    code = main(["tune", "--hardware", "V100-32GB-PCIe3", "--layers", "16", "--hidden", "1024", "--heads", "16",
+                 "--seq", "512", "--batch", "2", "--vocab", "8192", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "analytic: nothing runs" in out and "<- chosen" in out and "chose window" in out
+    assert json.loads((tmp_path / "r.json").read_text())["chosen"] >= 1
+
+
+def test_shfx_tune_cli_emulated(capsys):
+    from shfx.cli import main
+
+    code = main(["tune", "--device", "emulated", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+                 "--batch", "2", "--steps", "2", "--h2d", "200MB/s", "--d2h", "200MB/s"])
+    out = capsys.readouterr().out
+    assert code == 0 and "window=auto" in out and "measured:" in out

@@ -1,0 +1,80 @@
+"""What the ``shfx`` commands other than ``demo`` do (the CLI only parses arguments)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+import torch
+
+from cost_model.analytic import plan_inputs
+from cost_model.hardware import get_profile
+from cost_model.report import WindowReport
+from cost_model.tune import tune_window
+from passes.units import format_bytes
+
+from .models import GPT, GPTConfig
+
+__all__ = ["tune_gpt"]
+
+
+def tune_gpt(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    vocab: int = 256,
+    hardware: str | None = None,
+    device: Any = None,
+    steps: int = 5,
+    tolerance: float = 0.02,
+    seed: int = 0,
+    file: TextIO | None = None,
+) -> WindowReport:
+    """The window report for a GPT: predicted on a named hardware profile (``hardware``, the
+    analytic model, nothing runs), or profiled and measured on ``device`` (``steps`` training
+    steps with ``window="auto"``).
+
+    >>> rep = tune_gpt(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304,
+    ...                hardware="V100-32GB-PCIe3")  # doctest: +SKIP
+    """
+    out = file if file is not None else sys.stdout
+    if hardware is not None:
+        hw = get_profile(hardware)
+        specs, costs = plan_inputs(
+            lambda n: GPT(GPTConfig(n_layer=n, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)),
+            lambda: (torch.zeros(batch, seq, dtype=torch.long),) * 2,
+            blocks="transformer.h",
+            layers=layers,
+            hardware=hw,
+        )
+        reserve = 2 * 8 * batch * seq
+        tune = tune_window(specs, costs, capacity_bytes=hw.device_memory_bytes, reserve_bytes=reserve, tolerance=tolerance)
+        rep = WindowReport(tune, tune.window, hw.describe(), "analytic")
+        params = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab).num_params()
+        print(f"GPT {layers} layers, hidden {hidden}, seq {seq}, batch {batch}: {params / 1e9:.2f} B params "
+              f"({format_bytes(4 * params)} fp32 weights); analytic model, nothing runs", file=out)
+        print(rep, file=out)
+        return rep
+    import shfx
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab))
+    cm = shfx.compile(model, device=device, window="auto", optimizer=shfx.optim.AdamW(lr=1e-4), tune_tolerance=tolerance)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        for _ in range(max(1, steps)):
+            x = torch.randint(0, vocab, (batch, seq), generator=gen)
+            cm(x, x).backward()
+            cm.step()
+            cm.zero_grad()
+        rep = cm.report()
+    finally:
+        cm.close()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPT {layers} layers, hidden {hidden}, seq {seq}, batch {batch}: {params / 1e6:.1f} M params; "
+          f"profiled and measured ({steps} steps)", file=out)
+    print(rep, file=out)
+    return rep
