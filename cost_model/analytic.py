@@ -47,6 +47,21 @@ _MATMUL = {
 }
 
 
+_ATTENTION = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+}
+
+
+def _counted_by_flop_counter(func) -> bool:
+    from torch.utils.flop_counter import flop_registry
+
+    return func.overloadpacket in flop_registry or func in flop_registry
+
+
 @dataclass(frozen=True)
 class StageWork:
     """What one FORWARD of a stage does: matmul-class FLOPs and bytes written by other ops."""
@@ -56,15 +71,21 @@ class StageWork:
 
 
 class _BytesMode(TorchDispatchMode):
-    """Sums the bytes written by ops that are not matmul-class."""
+    """Sums the bytes written by ops that are not matmul-class, and the FLOPs of
+    ``scaled_dot_product_attention`` (the FLOP counter only knows its fused backends)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
+        self.attention_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if name in _ATTENTION and not _counted_by_flop_counter(func):
+            q, k = args[0], args[1]  # [..., Lq, E], [..., Lk, E]
+            batch = q.numel() // (q.shape[-2] * q.shape[-1])
+            self.attention_flops += 4 * batch * q.shape[-2] * k.shape[-2] * q.shape[-1]  # QK^T and PV
         if name not in _MATMUL and not func.is_view:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
@@ -85,7 +106,7 @@ def stage_work(graph: StageGraph) -> list[StageWork]:
             counter = FlopCounterMode(display=False)
             with counter, torch.no_grad(), _BytesMode() as bm:
                 st.gm(*args)
-        out.append(StageWork(float(counter.get_total_flops()), float(bm.bytes)))
+        out.append(StageWork(float(counter.get_total_flops() + bm.attention_flops), float(bm.bytes)))
     return out
 
 

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passes.meta import get_meta
-from passes.program import ActionKind, ActionMeta, Program
+from passes.program import B, F, OB, OG, PF, R, U, ActionKind, ActionMeta, Program
 from passes.stages import StageSpec, consumers_of
 from passes.units import format_bytes, format_seconds
 
@@ -85,15 +85,6 @@ from .costs import CostModel, Links, StageCost
 
 __all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER"]
 
-PF, F, OB, R, B, OG, U = (
-    ActionKind.PREFETCH,
-    ActionKind.FORWARD,
-    ActionKind.OFFLOAD_BUFFERS,
-    ActionKind.RELEASE,
-    ActionKind.BACKWARD,
-    ActionKind.OFFLOAD_GRAD,
-    ActionKind.CPU_STEP,
-)
 
 RESOURCES = ("compute", "link", "host optimizer")
 """What the critical path's time is attributed to (plus ``"idle"`` for time nothing explains)."""

@@ -38,6 +38,13 @@ __all__ = [
     "ScheduleError",
     "lower_actions",
     "STREAMS",
+    "PF",
+    "F",
+    "OB",
+    "R",
+    "B",
+    "OG",
+    "U",
 ]
 
 
@@ -60,6 +67,15 @@ class ActionKind(str, enum.Enum):
     def stream(self) -> str:
         return _STREAM[self]
 
+
+# Short aliases for the kinds, as in the action strings (PF3, F3, ...).
+PF = ActionKind.PREFETCH
+F = ActionKind.FORWARD
+OB = ActionKind.OFFLOAD_BUFFERS
+R = ActionKind.RELEASE
+B = ActionKind.BACKWARD
+OG = ActionKind.OFFLOAD_GRAD
+U = ActionKind.CPU_STEP
 
 STREAMS = ("compute", "h2d", "d2h", "cpu", "none")
 _STREAM = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .meta import get_meta
-from .program import Action, ActionKind, Program, ScheduleError, lower_actions
+from .program import B, F, OB, OG, PF, R, U, Action, ActionKind, Program, ScheduleError, lower_actions
 from .stages import StageSpec
 
 __all__ = [
@@ -23,15 +23,6 @@ __all__ = [
     "check_window",
 ]
 
-PF, F, OB, R, B, OG, U = (
-    ActionKind.PREFETCH,
-    ActionKind.FORWARD,
-    ActionKind.OFFLOAD_BUFFERS,
-    ActionKind.RELEASE,
-    ActionKind.BACKWARD,
-    ActionKind.OFFLOAD_GRAD,
-    ActionKind.CPU_STEP,
-)
 
 
 def check_window(window: object, num_stages: int) -> int:

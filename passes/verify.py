@@ -25,20 +25,11 @@ from typing import Literal
 import torch.fx as fx
 
 from .meta import get_meta
-from .program import ActionKind, Program, ScheduleError
+from .program import B, F, OB, OG, PF, R, U, ActionKind, Program, ScheduleError
 from .stages import consumers_of
 
 __all__ = ["verify_program", "VerificationError"]
 
-PF, F, OB, R, B, OG, U = (
-    ActionKind.PREFETCH,
-    ActionKind.FORWARD,
-    ActionKind.OFFLOAD_BUFFERS,
-    ActionKind.RELEASE,
-    ActionKind.BACKWARD,
-    ActionKind.OFFLOAD_GRAD,
-    ActionKind.CPU_STEP,
-)
 _SLOTTED = {PF, F, OB, R, B, OG}
 _READERS = {F, OB, B, OG}
 

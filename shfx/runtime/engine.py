@@ -24,7 +24,7 @@ import torch.fx as fx
 from passes.capture import Captured, InputSignature
 from passes.meta import get_meta
 from passes.partition import Stage, StageGraph
-from passes.program import ActionKind, ActionMeta, Program
+from passes.program import B, F, OB, OG, PF, R, U, ActionKind, ActionMeta, Program
 from passes.units import format_bytes
 
 from ..errors import ActionError, OutOfDeviceMemory, UsageError
@@ -36,15 +36,6 @@ from .streams import DependencyFailed, DoneToken, JoinToken, Token
 
 __all__ = ["Engine", "Variant", "StepContext", "TraceEvent"]
 
-PF, F, OB, R, B, OG, U = (
-    ActionKind.PREFETCH,
-    ActionKind.FORWARD,
-    ActionKind.OFFLOAD_BUFFERS,
-    ActionKind.RELEASE,
-    ActionKind.BACKWARD,
-    ActionKind.OFFLOAD_GRAD,
-    ActionKind.CPU_STEP,
-)
 
 
 @dataclass

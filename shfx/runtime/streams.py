@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "WorkerStream", "PoolStream"]
+__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "HostStream", "WorkerStream", "PoolStream"]
 
 
 class DependencyFailed(RuntimeError):
@@ -100,16 +100,28 @@ def wait_deps(deps: Sequence[Token]) -> BaseException | None:
     return err
 
 
-class WorkerStream:
-    """A FIFO executed in order by one daemon worker thread."""
+class HostStream:
+    """Tasks run in submission order by ``workers`` daemon threads, each task once its
+    dependencies are complete. With one worker it is a strict FIFO (a device stream of the
+    emulated backend, the host gradient-accumulation stream); with several, a pool (the host
+    optimizer), where a task waiting for its dependencies holds its worker."""
 
-    def __init__(self, name: str, setup: Callable[[], None] | None = None):
+    def __init__(self, name: str, workers: int = 1):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.name = name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._setup = setup
-        self._thread = threading.Thread(target=self._loop, name=f"shfx-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"shfx-{name}" + (f"-{i}" if workers > 1 else ""), daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
         self._closed = False
+
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
 
     def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
         if self._closed:
@@ -119,8 +131,6 @@ class WorkerStream:
         return tok
 
     def _loop(self) -> None:
-        if self._setup is not None:
-            self._setup()
         while True:
             item = self._q.get()
             if item is None:
@@ -137,50 +147,20 @@ class WorkerStream:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._q.put(None)
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-
-class PoolStream:
-    """Tasks run on ``workers`` daemon threads, each once its dependencies are complete."""
-
-    def __init__(self, name: str, workers: int = 1):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        self.name = name
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"shfx-{name}-{i}", daemon=True) for i in range(workers)
-        ]
-        for t in self._threads:
-            t.start()
-        self._closed = False
-
-    def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
-        if self._closed:
-            raise RuntimeError(f"stream {self.name} is closed")
-        tok = Token(label)
-        self._q.put((fn, tuple(deps), tok))
-        return tok
-
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, deps, tok = item
-            err = wait_deps(deps)
-            if err is None:
-                try:
-                    fn()
-                except BaseException as e:  # noqa: BLE001
-                    err = e
-            tok.set(err)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
             for _ in self._threads:
                 self._q.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+
+class WorkerStream(HostStream):
+    """A FIFO executed in order by one worker thread."""
+
+    def __init__(self, name: str):
+        super().__init__(name, 1)
+
+
+class PoolStream(HostStream):
+    """Tasks run on ``workers`` threads, each once its dependencies are complete."""
