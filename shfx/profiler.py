@@ -95,36 +95,12 @@ def measure_links(engine: Engine, nbytes: int, repeats: int = 3) -> Links:
 
 def _update_s(engine: Engine, g: int, repeats: int) -> tuple[float, float]:
     """Host optimizer update and gradient add for group ``g``, on scratch buffers."""
-    st = engine.store
-    grp = st.groups[g]
-    n = grp.trainable_bytes // 4
+    n = engine.store.groups[g].trainable_bytes // 4
     if n == 0:
         return 0.0, 0.0
-    spans = [(grp.offsets[i.key] // 4, i.numel) for i in grp.infos if i.kind == "param" and i.trainable]
-    bufs = [torch.randn(n) * 1e-3 for _ in range(2)] + [torch.zeros(n), torch.zeros(n)]
-    views = [[b[o : o + k] for o, k in spans] for b in bufs]
-    step = torch.zeros(())
-    hp = engine.optimizer.config.hyperparams() if engine.optimizer is not None else None
-
-    def update() -> None:
-        step.add_(1)
-        torch._fused_adamw_(
-            *views,
-            [],
-            [step] * len(views[0]),
-            lr=1e-6 if hp is None else hp["lr"],
-            beta1=0.9 if hp is None else hp["beta1"],
-            beta2=0.999 if hp is None else hp["beta2"],
-            weight_decay=0.0 if hp is None else hp["weight_decay"],
-            eps=1e-8 if hp is None else hp["eps"],
-            amsgrad=False,
-            maximize=False,
-        )
-
-    t_update = _timed(update, repeats) if engine.optimizer is not None else 0.0
-    a, c = bufs[1], bufs[2]
-    t_add = _timed(lambda: a.add_(c), repeats)
-    return t_update, t_add
+    t_update = engine.optimizer.time_update(g, engine.optimizer.config.hyperparams(), repeats) if engine.optimizer else 0.0
+    a, c = torch.zeros(n), torch.zeros(n)
+    return t_update, _timed(lambda: a.add_(c), repeats)
 
 
 class _Snapshot:

@@ -106,17 +106,21 @@ class HostStream:
     emulated backend, the host gradient-accumulation stream); with several, a pool (the host
     optimizer), where a task waiting for its dependencies holds its worker."""
 
-    def __init__(self, name: str, workers: int = 1):
+    def __init__(self, name: str, workers: int = 1, setup: Callable[[], None] | None = None):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.name = name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._setup = setup
+        self._ready = threading.Barrier(workers + 1) if setup is not None else None
         self._threads = [
             threading.Thread(target=self._loop, name=f"shfx-{name}" + (f"-{i}" if workers > 1 else ""), daemon=True)
             for i in range(workers)
         ]
         for t in self._threads:
             t.start()
+        if self._ready is not None:
+            self._ready.wait()  # every worker has run ``setup``
         self._closed = False
 
     @property
@@ -131,6 +135,11 @@ class HostStream:
         return tok
 
     def _loop(self) -> None:
+        if self._setup is not None:
+            try:
+                self._setup()
+            finally:
+                self._ready.wait()
         while True:
             item = self._q.get()
             if item is None:
@@ -163,4 +172,5 @@ class WorkerStream(HostStream):
 
 
 class PoolStream(HostStream):
-    """Tasks run on ``workers`` threads, each once its dependencies are complete."""
+    """Tasks run on ``workers`` threads, each once its dependencies are complete; ``setup``
+    runs once in every worker before its first task."""
