@@ -30,6 +30,9 @@ class StageCost:
         update_s: the host optimizer update of the group this stage owns (``CPU_STEP``).
         accumulate_s: host time to add a staged gradient copy into the fp32 gradient buffer
             (only paid when gradients accumulate across backward calls).
+        forward_cold_s, backward_cold_s, backward_kept_cold_s: the same actions when they start
+            after the processor sat idle for :attr:`CostTable.cold_idle_s` (on the emulated
+            device compute runs ~1.5x slower then; None: no difference).
     """
 
     forward_s: float
@@ -37,6 +40,9 @@ class StageCost:
     backward_kept_s: float | None = None
     update_s: float = 0.0
     accumulate_s: float = 0.0
+    forward_cold_s: float | None = None
+    backward_cold_s: float | None = None
+    backward_kept_cold_s: float | None = None
 
     @property
     def backward_no_recompute_s(self) -> float:
@@ -45,13 +51,19 @@ class StageCost:
         return max(0.0, self.backward_s - self.forward_s)
 
     def scaled(self, compute: float = 1.0, host: float = 1.0) -> StageCost:
+        def sc(v: float | None) -> float | None:
+            return None if v is None else v * compute
+
         return replace(
             self,
             forward_s=self.forward_s * compute,
             backward_s=self.backward_s * compute,
-            backward_kept_s=None if self.backward_kept_s is None else self.backward_kept_s * compute,
+            backward_kept_s=sc(self.backward_kept_s),
             update_s=self.update_s * host,
             accumulate_s=self.accumulate_s * host,
+            forward_cold_s=sc(self.forward_cold_s),
+            backward_cold_s=sc(self.backward_cold_s),
+            backward_kept_cold_s=sc(self.backward_kept_cold_s),
         )
 
 
@@ -73,7 +85,8 @@ class Links:
 
 
 class CostModel(Protocol):
-    """What the simulator needs: per-stage costs, the links, host optimizer parallelism."""
+    """What the simulator needs: per-stage costs, the links, host optimizer parallelism
+    (optional attributes ``cold_idle_s``, ``dispatch_s``, ``phase_gap_s`` as on :class:`CostTable`)."""
 
     links: Links
     optimizer_workers: int
@@ -97,6 +110,9 @@ class CostTable:
     optimizer_workers: int = 1
     source: str = ""
     extra: dict = field(default_factory=dict)
+    cold_idle_s: float | None = None  # compute that starts after this long with nothing running costs *_cold_s
+    dispatch_s: float = 0.0  # hand-off of one compute or optimizer action between threads
+    phase_gap_s: float = 0.0  # between the end of the forward phase and the start of the backward
 
     def stage_cost(self, stage: StageSpec) -> StageCost:
         try:

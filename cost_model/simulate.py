@@ -39,6 +39,13 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   FORWARDs (the cold backward) starts with the activations its BACKWARDs need already allocated.
   Stages are *resident* from the start of their PREFETCH to the end of their RELEASE.
 
+Measured overheads (optional attributes of the cost model, see :class:`cost_model.costs.CostTable`):
+``dispatch_s`` is added to every FORWARD, BACKWARD and CPU_STEP (the hand-off between threads),
+``phase_gap_s`` separates the forward and backward phases (returning from the model call, the
+loss, ``backward()``), and a compute action that starts after ``cold_idle_s`` with nothing
+starting or ending costs its ``*_cold_s`` (on the emulated device an idle processor runs the
+next action ~1.5x slower).
+
 What it does NOT model:
 
 - On the emulated device, compute, copies and the host optimizer share the same CPU cores (the
@@ -298,7 +305,7 @@ class Timeline:
 class _Node:
     __slots__ = (
         "i", "name", "meta", "kind", "stream", "deps", "dur", "acc", "nbytes", "forward",
-        "issued", "start", "end", "copy_end", "host_start", "worker", "stream_pred", "host_pred",
+        "issued", "start", "end", "copy_end", "host_start", "worker", "stream_pred", "host_pred", "cold_dur", "cold",
     )  # fmt: skip
 
     def __init__(self, i: int, name: str, meta: ActionMeta, deps: list[int]):
@@ -309,6 +316,8 @@ class _Node:
         self.stream: str = meta.stream
         self.deps = deps
         self.dur = 0.0  # fixed duration (compute, cpu)
+        self.cold_dur: float | None = None  # compute: duration after an idle stretch
+        self.cold = False
         self.acc = 0.0  # OG: accumulation on the host FIFO
         self.nbytes = int(meta.bytes)
         self.forward = meta.phase == "forward"
@@ -384,6 +393,9 @@ class _Sim:
     def __init__(self, program: Program, costs: CostModel, accumulate: bool, phase_barrier: bool):
         self.program = program
         self.table, self.links, self.workers = _check_costs(program, costs)
+        self.cold_idle_s = getattr(costs, "cold_idle_s", None)
+        self.dispatch_s = float(getattr(costs, "dispatch_s", 0.0) or 0.0)
+        self.phase_gap_s = float(getattr(costs, "phase_gap_s", 0.0) or 0.0)
         self.accumulate = accumulate
         self.phase_barrier = phase_barrier
         self.specs: dict[int, StageSpec] = {s.index: s for s in program.stages}
@@ -420,17 +432,21 @@ class _Sim:
                     raise SimulationError(
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )
-                nd.dur = owner[s].update_s
+                nd.dur = owner[s].update_s + self.dispatch_s
                 continue
             if s not in self.table:
                 raise SimulationError(f"action {nd.meta.action}: program {self.program.name!r} has no stage {s}")
             c = self.table[s]
             if k == F:
-                nd.dur = c.forward_s
+                nd.dur = c.forward_s + self.dispatch_s
+                nd.cold_dur = None if c.forward_cold_s is None else c.forward_cold_s + self.dispatch_s
                 last_forward[s] = nd
             elif k == B:
                 f = last_forward.get(s)
-                nd.dur = c.backward_no_recompute_s if f is not None and f.meta.keep_graph else c.backward_s
+                kept = f is not None and f.meta.keep_graph
+                nd.dur = (c.backward_no_recompute_s if kept else c.backward_s) + self.dispatch_s
+                cold = c.backward_kept_cold_s if kept else c.backward_cold_s
+                nd.cold_dur = None if cold is None else cold + self.dispatch_s
             elif k == OG:
                 nd.acc = c.accumulate_s if self.accumulate else 0.0
 
@@ -479,6 +495,8 @@ class _Sim:
         worker_free: list[float] = [0.0] * self.workers
         left = len(nodes)
         now = 0.0
+        quiet = 0.0  # the longest stretch with nothing starting or ending since compute last ended
+        barrier_pending = False
 
         def done(j: int) -> bool:
             return nodes[j].end is not None
@@ -522,12 +540,16 @@ class _Sim:
             progress = True
             while progress:
                 progress = False
-                if not backward_issued and fwd_left == 0:
-                    backward_issued = True
-                    self.barrier = now
-                    for nd in nodes:
-                        nd.issued = True
-                    progress = True
+                if not backward_issued and fwd_left == 0 and not barrier_pending:
+                    if self.phase_gap_s > 0 and self.phase_barrier:
+                        barrier_pending = True  # the backward is issued after the gap
+                        running.append((now + self.phase_gap_s, -1, "barrier"))
+                    else:
+                        backward_issued = True
+                        self.barrier = now
+                        for nd in nodes:
+                            nd.issued = True
+                        progress = True
                 # RELEASE: a join of its dependencies' reads
                 batch = ready_r[:]
                 ready_r.clear()
@@ -544,6 +566,9 @@ class _Sim:
                     j = q.popleft()
                     nodes[j].start = now
                     busy["compute"] = True
+                    if self.cold_idle_s is not None and nodes[j].cold_dur is not None and quiet >= self.cold_idle_s:
+                        nodes[j].dur = nodes[j].cold_dur  # the processor sat idle long enough to slow down
+                        nodes[j].cold = True
                     running.append((now + nodes[j].dur, j, "compute"))
                     progress = True
                 # copy FIFOs
@@ -598,6 +623,7 @@ class _Sim:
                     f"{' ...' if len(waiting) > 12 else ''} wait for each other (a dependency that its stream can never run)"
                 )
             dt = t_next - now
+            quiet = max(quiet, dt)
             tol = _EPS * max(1.0, t_next)
             finished_copies = []
             for c in copies.values():
@@ -614,8 +640,15 @@ class _Sim:
             still = []
             for end, j, part in running:
                 if end <= now + tol:
-                    if part == "compute":
+                    if part == "barrier":
+                        barrier_pending = False
+                        backward_issued = True
+                        self.barrier = now
+                        for nd in nodes:
+                            nd.issued = True
+                    elif part == "compute":
                         busy["compute"] = False
+                        quiet = 0.0
                         finish(j)
                     elif part == "host":
                         busy["host"] = False

@@ -202,6 +202,7 @@ class Engine:
         self.pending_updates: list[tuple[str, Token]] = []
         self.trace: list[TraceEvent] = []
         self.tracing = True
+        self.idle_before_compute = 0.0  # seconds a compute action sleeps before it (profiler only)
         self.param_keys_by_group: dict[int, list[str]] = {}
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
@@ -220,8 +221,11 @@ class Engine:
         if not self.tracing:
             return fn
         trace = self.trace
+        idle = self.idle_before_compute if meta.stream == "compute" else 0.0
 
         def run() -> None:
+            if idle:
+                time.sleep(idle)  # the profiler times compute after an idle processor
             t0 = time.perf_counter()
             fn()
             trace.append(TraceEvent(str(meta.action), meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
