@@ -13,7 +13,7 @@ device (what ``window="auto"`` uses), and every W is predicted with
 ``cost_model.simulate(cm.program, costs)``. Per (link, W) row the script reports the predicted
 and the measured step time (median of the measured steps; ``cm.engine.step_times``: first
 train forward -> end of ``cm.step()``), the error, the predicted bottleneck, the predicted slot
-pool (``timeline.slot_bytes``) against the runtime's (``pool.num_slots * pool.slot_bytes``,
+pool (``timeline.slot_bytes``) against the runtime's (``pool.total_bytes``,
 which must be equal), and the predicted peak device memory (plus the inputs, as the tuner
 counts them) against ``cm.backend.peak_bytes`` (information: the simulator leaves out some of
 what the emulated device accounts).
@@ -764,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         m_all = summarize(r.times)
         quiet = quiet_times(r, args.steps)
         m = summarize(quiet) if quiet else m_all
-        pool = cm.engine.pool.num_slots * cm.engine.pool.slot_bytes
+        pool = cm.engine.pool.total_bytes
         a = analyse_row(r, costs[r.link], tl, args.steps, probes["warm probe"], args.idle)
         links = costs[r.link].links
         tl_warm = simulate(cm.program, CostTable(probes["warm probe"].costs, links, optimizer_workers=costs[r.link].optimizer_workers))

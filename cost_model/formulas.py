@@ -75,7 +75,7 @@ __all__ = [
     "t_f", "t_b", "t_pf", "t_og", "t_u",
     "FP32",
     "params_block", "params_head", "params_tail_own", "params_tail_slot", "params_total",
-    "stage_param_counts", "slot_bytes", "activation_bytes",
+    "stage_param_counts", "slot_bytes", "slot_pool_bytes", "activation_bytes",
     "MemoryTerm", "device_memory_terms", "device_memory", "host_memory_terms", "host_memory",
     "forward_time", "backward_time", "step_time", "step_time_steady",
     "StageTimes", "step_time_gpt", "forward_time_gpt", "backward_time_gpt", "step_time_gpt_hw",
@@ -163,6 +163,40 @@ def slot_bytes(h=h, s=s, V=V):
     return FP32 * sp.Max(params_head(h, s, V), params_block(h), params_tail_slot(h, V))
 
 
+def slot_pool_bytes(W=W, l=l, h=h, s=s, V=V, *, case: str = "exact"):
+    """The slot pool of the window schedule: each slot sized to the largest stage put into it.
+
+    The schedule puts stage ``i`` into slot ``i mod W`` (a freed slot goes to the stage W
+    ahead), so of ``n = l + 2`` stages the head is in slot 0 (with a block when ``W <= l``), the
+    tail in slot ``t = (n-1) mod W`` (with block ``t`` unless ``t = 0``), and every other slot
+    holds blocks only:
+
+    - ``W >= n``: every stage its own slot, ``head + l blocks + tail`` (``case="all"``);
+    - ``t = 0``, the tail shares the head's slot: ``max(slot0, tail) + (W-1) block``;
+    - else ``slot0 + max(tail, block) + (W-2) block`` with ``slot0 = max(head, block)`` when
+      ``W <= l`` (``case="general"`` always takes this, never less than the exact pool).
+
+    >>> round(float(slot_pool_bytes(4, 48, 2048, 1024, 50304)) / 2**30, 2)  # head + tail + 2 blocks
+    1.15
+    """
+    head = FP32 * params_head(h, s, V)
+    block = FP32 * params_block(h)
+    tail = FP32 * params_tail_slot(h, V)
+    n = l + 2
+    if case == "all":
+        return head + l * block + tail
+    if case == "general":
+        return sp.Max(head, block) + sp.Max(tail, block) + (W - 2) * block
+    if case != "exact":
+        raise ValueError(f"case must be 'exact', 'general' or 'all', got {case!r}")
+    slot0 = sp.Piecewise((sp.Max(head, block), W <= l), (head, True))
+    return sp.Piecewise(
+        (head + l * block + tail, W >= n),
+        (sp.Max(slot0, tail) + (W - 1) * block, sp.Eq(sp.Mod(n - 1, W), 0)),
+        (slot0 + sp.Max(tail, block) + (W - 2) * block, True),
+    )
+
+
 def activation_bytes(b=b, s=s, h=h):
     """One stage-boundary activation: a ``[b, s, h]`` fp32 tensor, ``4 b s h`` bytes."""
     return FP32 * b * s * h
@@ -192,12 +226,12 @@ class MemoryTerm:
 
 def device_memory_terms(
     W=W, l=l, h=h, a=a, s=s, b=b, V=V, *, attention_scores: bool = True, logits_copies: int = 3,
-    context_bytes=512 * 2**20,
+    context_bytes=512 * 2**20, pool: str = "exact",
 ) -> list[MemoryTerm]:
     """The terms of the device's peak, at the end of the tail's backward (all activations still
     held and the first boundary gradient allocated).
 
-    - ``slot_pool``: ``min(W, l+2) * slot_bytes`` (every slot sized to the largest stage).
+    - ``slot_pool``: :func:`slot_pool_bytes` (each slot sized to the largest stage it holds).
     - ``activations``: ``(l + 1) * 4bsh + 4``: the head's and each block's output, plus the loss.
     - ``boundary_grads``: ``4bsh``, the gradient flowing back (at a stage's end its input's and
       output's gradients coexist while its input activation is being freed: the same total).
@@ -212,17 +246,16 @@ def device_memory_terms(
     >>> terms = device_memory_terms(4, 48, 2048, 16, 1024, 4, 50304)
     >>> {t.name: round(float(t.expr) / 2**30, 2) for t in terms}  # GiB
     ... # doctest: +NORMALIZE_WHITESPACE
-    {'slot_pool': 1.57, 'activations': 1.53, 'boundary_grads': 0.03, 'inputs': 0.0,
+    {'slot_pool': 1.15, 'activations': 1.53, 'boundary_grads': 0.03, 'inputs': 0.0,
      'workspace': 2.3, 'cuda_context': 0.5}
     """
-    nslots = sp.Min(W, l + 2)
     A = activation_bytes(b, s, h)
     scores = 5 * a * s / h if attention_scores else 0
     block_ws = 2 * s * b * h * (34 + scores)
     tail_ws = logits_copies * FP32 * b * s * V
     return [
-        MemoryTerm("slot_pool", nslots * slot_bytes(h, s, V), frozenset(COUNTERS),
-                   "min(W, l+2) slots, each as large as the largest stage"),
+        MemoryTerm("slot_pool", slot_pool_bytes(W, l, h, s, V, case=pool), frozenset(COUNTERS),
+                   "min(W, l+2) slots, each as large as the largest stage it holds"),
         MemoryTerm("activations", (l + 1) * A + FP32, frozenset(COUNTERS),
                    "stage-boundary outputs kept from forward to backward (head, l blocks) and the loss"),
         MemoryTerm("boundary_grads", A, frozenset(COUNTERS), "gradient of one boundary value in backward"),
@@ -237,7 +270,7 @@ def device_memory(W=W, l=l, h=h, a=a, s=s, b=b, V=V, *, counted_by: str = "gpu",
     """Peak device bytes as counted by ``counted_by`` (``simulator``, ``emulated`` or ``gpu``).
 
     >>> sp.simplify(device_memory(counted_by="simulator").subs(W, 2).subs(l, 10)
-    ...             - (2 * slot_bytes() + 12 * activation_bytes() + 4))
+    ...             - (slot_pool_bytes(2, 10) + 12 * activation_bytes() + 4))
     0
     """
     if counted_by not in COUNTERS:
@@ -675,23 +708,36 @@ def largest_layers(W, h, a, s, b, V, device_bytes, host_bytes, *, counted_by: st
                    device_kw: dict | None = None, host_kw: dict | None = None) -> LayersFit:
     """The largest number of layers whose device peak and host memory fit, with window ``W``.
 
-    Both memories are linear in ``l`` (for ``W <= l + 2``: the pool is ``W`` slots); each
-    constraint is solved in closed form with ``sympy.solve`` and floored; the smaller wins.
-    If the device solution is smaller than ``W - 2`` (the window would exceed the stages), it is
-    solved again with a pool of ``l + 2`` slots.
+    Both memories are linear in ``l`` (for ``W <= l + 2`` the pool holds ``W`` slots and depends
+    on ``l`` only through which slot the tail shares); each constraint is solved in closed form
+    with ``sympy.solve`` and floored (the device one then refined on the exact pool); the smaller
+    wins. If the device solution is smaller than ``W - 2`` (the window would exceed the stages),
+    it is solved again with every stage resident.
 
     >>> fit = largest_layers(4, 2048, 16, 1024, 4, 50304, 32 * 2**30, 90 * 2**30)
     >>> fit.binding, fit.layers, fit.by_constraint["device"]
-    ('host', 117, 882)
+    ('host', 117, 899)
     """
     lv = sp.Symbol("l", real=True)
-    dev = device_memory(sp.Integer(W), lv, h, a, s, b, V, counted_by=counted_by, **(device_kw or {}))
-    dev_w = dev.replace(sp.Min, lambda *args: args[0])  # the pool holds W slots
-    l_dev, root_dev = _largest_linear(dev_w, device_bytes, lv)
+    kw = dict(device_kw or {})
+
+    def dev(pool: str, layers=lv):
+        return device_memory(sp.Integer(W), layers, h, a, s, b, V, counted_by=counted_by, pool=pool, **kw)
+
+    # NOTE: the pool's general case (head and tail in different slots, a block beside each) is
+    # never smaller than the exact pool, which depends on (l+1) mod W, so solving with it is
+    # safe; evaluating the exact pool then admits at most a few more layers.
+    l_dev, root_dev = _largest_linear(dev("general"), device_bytes, lv)
     if l_dev < W - 2:
-        dev_all = dev.replace(sp.Min, lambda *args: args[1])  # every stage resident
-        l_dev, root_dev = _largest_linear(dev_all, device_bytes, lv)
+        l_dev, root_dev = _largest_linear(dev("all"), device_bytes, lv)  # every stage resident
         l_dev = min(l_dev, W - 2)
+    else:
+        # the exact pool is smaller than the general one by at most a head and a tail slot, and
+        # its shared case recurs every W layers: past this many more layers nothing fits
+        slack = float(FP32 * (params_head(h, s, V) + params_tail_slot(h, V)) / activation_bytes(b, s, h))
+        for cand in range(l_dev + 1, l_dev + int(slack) + 2 * W + 2):
+            if float(dev("exact", cand)) <= device_bytes:
+                l_dev = cand
     hst = host_memory(lv, h, s, V, **(host_kw or {}))
     l_host, root_host = _largest_linear(hst, host_bytes, lv)
     by = {"device": max(0, l_dev), "host": max(0, l_host)}

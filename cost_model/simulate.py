@@ -27,7 +27,8 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
 - **Links are a fluid model.** While transfers in both directions are moving bytes, each goes at
   ``duplex`` times its bandwidth; rates change whenever a transfer starts or ends moving bytes,
   so a copy's duration depends on what it overlaps with (the emulated backend's pacing).
-- **Memory.** The slot pool, ``num_slots * max(stage.slot_bytes)``, is constant. Each stage's
+- **Memory.** The slot pool, ``sum(program.slot_sizes())`` (each slot sized to the largest stage
+  the program puts into it), is constant. Each stage's
   ``activation_bytes`` is allocated at the end of its FORWARD and freed at the end of the
   BACKWARD of its earliest consumer (its own BACKWARD when nothing consumes it); when a
   consumer's BACKWARD ends, a gradient of the producer's ``activation_bytes`` is allocated (once
@@ -164,7 +165,7 @@ class Timeline:
             accumulation; ``none``: always 0).
         utilisation: ``busy_s / step_s`` (``cpu``: over ``step_s * workers``).
         workers: host optimizer workers simulated.
-        slot_bytes: the constant slot pool, ``num_slots * max(slot_bytes)``.
+        slot_bytes: the constant slot pool, ``sum(program.slot_sizes())``.
         peak_device_bytes: the peak of :attr:`memory`.
         memory: ``(time, bytes)`` steps of device memory, slot pool included; several entries
             may share a time (changes at one instant, applied in order).
@@ -709,7 +710,7 @@ class _Sim:
 
     def memory(self, step_s: float) -> tuple[int, list[tuple[float, int]]]:
         stages = self.program.stages
-        pool = self.program.num_slots * max((int(getattr(s, "slot_bytes", 0) or 0) for s in stages), default=0)
+        pool = sum(self.program.slot_sizes())
         first: dict[tuple[ActionKind, int], _Node] = {}
         for nd in self.nodes:
             first.setdefault((nd.kind, nd.meta.stage), nd)

@@ -260,10 +260,11 @@ def main() -> None:
     slot = float(fm.slot_bytes(H, S, V))
     block_b = float(fm.FP32 * counts["block"]["slot"])
     act = float(fm.activation_bytes(B, S, H))
-    print(f"  slot = largest stage = head {slot / 1e6:.1f} MB (tail {float(fm.FP32 * counts['tail']['slot']) / 1e6:.1f} MB, "
-          f"block {block_b / 1e6:.1f} MB): a block uses {100 * block_b / slot:.0f}% of its slot; at W={WINDOW} the pool is "
-          f"{WINDOW * slot / GB:.2f} GB where {WINDOW} block-sized slots are {WINDOW * block_b / GB:.2f} GB: "
-          f"{WINDOW * (slot - block_b) / GB:.2f} GB idle (= {WINDOW * (slot - block_b) / act:.0f} layers of boundary activations)")
+    pool = float(fm.slot_pool_bytes(WINDOW, FIXED_LAYERS, H, S, V))
+    print(f"  slots: each sized to the largest stage it holds (stage i in slot i mod W): head {slot / 1e6:.1f} MB, "
+          f"tail {float(fm.FP32 * counts['tail']['slot']) / 1e6:.1f} MB, block {block_b / 1e6:.1f} MB; at W={WINDOW}, "
+          f"{FIXED_LAYERS} layers the pool is {pool / GB:.2f} GB (head + tail + {WINDOW - 2} blocks) where {WINDOW} "
+          f"embedding-sized slots would be {WINDOW * slot / GB:.2f} GB and {WINDOW} block-sized ones {WINDOW * block_b / GB:.2f} GB")
     tied = float(fm.FP32 * V * H)
     print(f"  the tail borrows the tied embedding: its slot holds a {tied / 1e6:.0f} MB copy, prefetched and its gradient "
           f"copied back every step: {2 * tied / GB:.2f} GB more over PCIe per step ({2 * tied / hw.h2d_bps * 1e3:.0f} ms of link), "

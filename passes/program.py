@@ -215,6 +215,18 @@ class Program:
                 out[m.stream] += m.bytes
         return out
 
+    def slot_sizes(self) -> list[int]:
+        """Bytes each slot needs: the largest stage (``StageSpec.slot_bytes``) the program
+        prefetches into it. Slot assignment is static, so a slot that only ever holds blocks is
+        block-sized even when the embedding stage is larger."""
+        sizes = [0] * self.num_slots
+        by_index = {s.index: s for s in self.stages}
+        for n in self.nodes:
+            m = get_meta(n)
+            if m.kind == ActionKind.PREFETCH and m.slot is not None:
+                sizes[m.slot] = max(sizes[m.slot], by_index[m.stage].slot_bytes)
+        return sizes
+
     def count(self, kind: ActionKind, phase: str | None = None) -> int:
         return sum(1 for n in self.nodes if get_meta(n).kind == kind and (phase is None or get_meta(n).phase == phase))
 

@@ -131,15 +131,11 @@ def cold_backward_program(program: Program) -> Program:
     (another forward ran before this backward): prefetch them again first.
 
     Given a train program, prepend PF for each stage the forward leaves resident, in the order
-    the backward first uses them.
+    of the slots they held, so each lands in the same slot (slot sizes stay those of the train
+    program).
     """
     back = [get_meta(n).action for n in program.phase_nodes("backward")]
-    held = set(resident_after_forward(program))
-    first_use = []
-    for a in back:
-        if a.stage in held and a.kind != U and a.stage not in first_use:
-            first_use.append(a.stage)
-    acts = [Action(PF, s) for s in first_use] + back
+    acts = [Action(PF, s) for s in resident_after_forward(program)] + back
     # The leading PFs belong to the backward phase: lowering starts in "forward" until the
     # first B, so mark them by lowering and then fixing the phase.
     prog = lower_actions(acts, program.stages, program.num_slots, name=f"{program.name}/cold-backward", keep_graph=False)

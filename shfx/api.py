@@ -219,6 +219,8 @@ class CompiledModel:
             w = check_window(self.window, len(specs))
             self._check_capacity(graph, w)
         variant = self._programs(captured, graph, make, w)
+        if report is None:
+            self._check_capacity(graph, w, make, variant.slot_sizes)
         if report is not None:
             self._reports[captured.signature] = report
         return variant
@@ -266,7 +268,8 @@ class CompiledModel:
         window = tune.window if how == "auto" else variant.train.num_slots
         return WindowReport(tune, window, self._backend.describe(), how, self._engine.step_times)
 
-    def _check_capacity(self, graph, w: int) -> None:
+    def _check_capacity(self, graph, w: int, make=None, sizes: list[int] | None = None) -> None:
+        """Refuse a window whose slots do not fit the device budget, saying what fits."""
         cap = self._backend.capacity_bytes
         if cap is None:
             return
@@ -281,13 +284,19 @@ class CompiledModel:
                 capacity_bytes=cap,
                 what=f"slot for stage {largest.index}",
             )
-        need = w * graph.slot_bytes
+        if make is None or sizes is None:
+            return
+
+        def pool(window: int) -> list[int]:
+            return make(graph.specs, window).slot_sizes()
+
+        need = sum(sizes)
         if need > cap:
-            fit = cap // graph.slot_bytes
+            fit = next((v for v in range(w - 1, 0, -1) if sum(pool(v)) <= cap), 1)
             raise OutOfDeviceMemory(
-                f"window={w} needs {w} slots of {format_bytes(graph.slot_bytes)} (the largest stage, "
-                f"{largest.name!r}) = {format_bytes(need)}, but the device has {format_bytes(cap)} "
-                f"({self._backend.describe()}). Use window <= {fit}, or smaller stages.",
+                f"window={w} needs {w} slots of {', '.join(format_bytes(n) for n in sizes)} = {format_bytes(need)}, "
+                f"but the device has {format_bytes(cap)} ({self._backend.describe()}). Use window <= {fit}, or "
+                "smaller stages.",
                 needed_bytes=need,
                 capacity_bytes=cap,
                 what=f"{w} slots",

@@ -327,7 +327,7 @@ def run_demo(
                 say(f"  done in {dt:.1f} s")
                 say(f"  stages   {len(g.stages)} ({g.method}); largest slot {format_bytes(g.slot_bytes)}"
                     + ("" if g.slot_bytes <= est["slot"] else f" (estimated {format_bytes(est['slot'])})"))
-                say(f"  window   {st['window']} of {st['stages']} stages resident, {_mib(st['window'] * g.slot_bytes)} of slots")
+                say(f"  window   {st['window']} of {st['stages']} stages resident, {_mib(cm.engine.pool.total_bytes)} of slots")
                 say(
                     f"  program  {cm.program.name}: {len(cm.program.actions())} actions per step, moves "
                     f"{format_bytes(moved['h2d'])} h2d + {format_bytes(moved['d2h'])} d2h per step"

@@ -158,7 +158,7 @@ def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], 
     cold: dict[str, list[float]] = {}
     gaps: list[float] = []
     try:
-        engine.ensure_pool(1, variant.graph.slot_bytes)
+        engine.ensure_pool(probe.slot_sizes)
         # NOTE: warm costs with copies unthrottled, so no compute action follows an idle
         # processor; then, on the emulated device, cold costs after an idle stretch (an idle
         # CPU runs the next action ~1.5x slower). The simulator picks one per action.

@@ -86,21 +86,23 @@ def test_device_memory_terms_evaluate_to_hand_numbers():
     A = 4 * b * s * h
     slot = 4 * max((V + s) * h, 12 * h * h + 13 * h, 2 * h + V * h)
     assert slot == 4 * (V + s) * h  # the embedding stage is the largest
-    assert int(terms["slot_pool"].expr) == W * slot
+    block, tail = 4 * (12 * h * h + 13 * h), 4 * (2 * h + V * h)
+    # stage i sits in slot i mod W: head (slot 0) and tail (slot 49 mod 4 = 1) each beside blocks
+    assert int(terms["slot_pool"].expr) == slot + tail + (W - 2) * block
     assert int(terms["activations"].expr) == (l + 1) * A + 4
     assert int(terms["boundary_grads"].expr) == A
     assert int(terms["inputs"].expr) == 2 * 8 * b * s
     block_ws = 2 * s * b * h * (34 + 5 * a * s / h)
     assert float(terms["workspace"].expr) == pytest.approx(max(block_ws, 3 * 4 * b * s * V))
-    sim = W * slot + (l + 2) * A + 4
+    sim = slot + tail + (W - 2) * block + (l + 2) * A + 4
     assert int(fm.device_memory(W, l, h, a, s, b, V, counted_by="simulator")) == sim
     assert int(fm.device_memory(W, l, h, a, s, b, V, counted_by="emulated")) == sim + 2 * 8 * b * s
     gpu = fm.device_memory(W, l, h, a, s, b, V, counted_by="gpu", attention_scores=False, context_bytes=0)
     assert float(gpu) == pytest.approx(sim + 2 * 8 * b * s + max(2 * s * b * h * 34, 12 * b * s * V))
     # symbolic and numeric agree
     assert fm.evaluate(fm.device_memory(counted_by="simulator"), W=W, l=l, h=h, a=a, s=s, b=b, V=V) == sim
-    # a window larger than the stages holds only l + 2 slots
-    assert int(fm.device_memory(99, 3, h, a, s, b, V, counted_by="simulator")) == 5 * slot + 5 * A + 4
+    # a window larger than the stages holds only l + 2 slots, each sized to its stage
+    assert int(fm.device_memory(99, 3, h, a, s, b, V, counted_by="simulator")) == slot + 3 * block + tail + 5 * A + 4
     host = fm.host_memory(l, h, s, V)
     P = l * (12 * h * h + 13 * h) + (V + s) * h + 2 * h
     assert int(host) == 16 * P + 4 * V * h

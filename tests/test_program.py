@@ -73,7 +73,7 @@ def test_golden_eval_and_cold():
     p = schedule_window(chain(4), 2)
     assert " ".join(eval_program(p).actions()) == "PF0 PF1 F0 R0 PF2 F1 R1 PF3 F2 F3 R2 R3"
     assert " ".join(cold_backward_program(p).actions()) == (
-        "PF3 PF2 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0"
+        "PF2 PF3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0"
     )
     assert all(get_meta(n).phase == "backward" for n in cold_backward_program(p).nodes)
 
@@ -155,3 +155,19 @@ def test_window_actions_verifies_over_grid():
                 verify_program(eval_program(p), "eval")
                 verify_program(cold_backward_program(p), "backward")
                 assert window_actions(specs, w) == [get_meta(x).action for x in p.nodes]
+
+
+def test_slots_sized_to_the_stages_they_hold():
+    """Stage i sits in slot i mod W; a slot holding only blocks is block-sized even when the
+    embedding stage is larger."""
+    from dataclasses import replace
+
+    specs = chain(6, prefetch_bytes=100)
+    specs[0] = replace(specs[0], slot_bytes=500)  # the head (embeddings) is the largest stage
+    specs[5] = replace(specs[5], slot_bytes=450)  # the tail borrows it
+    p = schedule_window(specs, 3)
+    assert p.slot_sizes() == [500, 100, 450]  # head in slot 0, tail (5 mod 3 = 2) in slot 2
+    assert cold_backward_program(p).slot_sizes() == [s for s in p.slot_sizes()]
+    assert schedule_window(specs, 4).slot_sizes() == [500, 450, 100, 100]  # 5 mod 4 = 1
+    assert schedule_window(specs, 5).slot_sizes() == [500, 100, 100, 100, 100]  # 5 mod 5 = 0: the tail shares the head's slot
+    assert schedule_window(specs, 6).slot_sizes() == [500, 100, 100, 100, 100, 450]  # all resident

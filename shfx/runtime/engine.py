@@ -49,6 +49,13 @@ class Variant:
     eval: Program
     cold: Program
 
+    @property
+    def slot_sizes(self) -> list[int]:
+        """Bytes per slot that any of the variant's programs needs."""
+        progs = (self.train, self.eval, self.cold)
+        n = max(p.num_slots for p in progs)
+        return [max((p.slot_sizes()[k] if k < p.num_slots else 0) for p in progs) for k in range(n)]
+
 
 @dataclass(frozen=True)
 class TraceEvent:
@@ -209,12 +216,13 @@ class Engine:
         self._step_t0: float | None = None
 
     # ---- setup -----------------------------------------------------------------------------
-    def ensure_pool(self, num_slots: int, slot_bytes: int) -> None:
+    def ensure_pool(self, sizes: list[int]) -> None:
+        """Make slot ``k`` hold at least ``sizes[k]`` bytes."""
         if self.pool is None:
-            self.pool = SlotPool(self.backend, num_slots, slot_bytes)
-        elif num_slots > self.pool.num_slots or slot_bytes > self.pool.slot_bytes:
+            self.pool = SlotPool(self.backend, sizes)
+        elif len(sizes) > self.pool.num_slots or any(n > m for n, m in zip(sizes, self.pool.sizes)):
             self._evict()
-            self.pool.resize(num_slots, slot_bytes)
+            self.pool.resize(sizes)
 
     # ---- issuing -----------------------------------------------------------------------------
     def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
@@ -537,7 +545,7 @@ class Engine:
                 "update during backward). To defer updates to step() instead, compile with overlap_update=False."
             )
         self._evict()
-        self.ensure_pool(variant.train.num_slots, variant.graph.slot_bytes)
+        self.ensure_pool(variant.slot_sizes)
         self.trace.clear()  # the trace covers the last forward and what follows it
         if grad and not serial and self._step_t0 is None:
             self._step_t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The device slot pool: ``W`` preallocated flat buffers, each sized for the largest stage.
+"""The device slot pool: ``W`` preallocated flat buffers, each sized for the largest stage the
+step programs put into it (``Program.slot_sizes``).
 
 A stage's parameters and buffers are views into its slot (built once per slot and stage and
 cached), so the steady state allocates nothing. Which slot a stage uses, and when it may be
@@ -18,35 +19,46 @@ __all__ = ["SlotPool"]
 
 
 class SlotPool:
-    def __init__(self, backend: Backend, num_slots: int, slot_bytes: int):
+    def __init__(self, backend: Backend, sizes: list[int]):
         self.backend = backend
-        self.num_slots = 0
-        self.slot_bytes = 0
+        self.sizes: list[int] = []
         self.slots: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.resize(num_slots, slot_bytes)
+        self.resize(sizes)
 
-    def resize(self, num_slots: int, slot_bytes: int) -> None:
-        """Grow the pool to at least ``num_slots`` slots of at least ``slot_bytes``."""
-        if num_slots <= self.num_slots and slot_bytes <= self.slot_bytes:
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def slot_bytes(self) -> int:
+        """The largest slot."""
+        return max(self.sizes, default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    def resize(self, sizes: list[int]) -> None:
+        """Grow the pool so slot ``k`` holds at least ``sizes[k]`` bytes (slots only grow;
+        a slot that must grow is reallocated, the others are kept)."""
+        want = [max(a, b) for a, b in zip(sizes + [0] * len(self.sizes), self.sizes + [0] * len(sizes))]
+        want = want[: max(len(sizes), len(self.sizes))]
+        if want == self.sizes:
             return
-        num_slots = max(num_slots, self.num_slots)
-        slot_bytes = max(slot_bytes, self.slot_bytes)
-        for t in self.slots:
-            self.backend.free_device(t)
-        self.slots = []
+        for k, n in enumerate(want):
+            if k < len(self.slots) and self.sizes[k] >= n:
+                continue
+            if k < len(self.slots):
+                self.backend.free_device(self.slots[k])
+                self.sizes[k] = 0
+                self.slots[k] = torch.empty(0, dtype=torch.uint8)
+            else:
+                self.slots.append(torch.empty(0, dtype=torch.uint8))
+                self.sizes.append(0)
+            self.slots[k] = self.backend.alloc_device(n, f"device slot {k} ({len(want)} slots)")
+            self.sizes[k] = n
         self._views.clear()
-        try:
-            for i in range(num_slots):
-                self.slots.append(self.backend.alloc_device(slot_bytes, f"device slot {i} of {num_slots}"))
-        except BaseException:
-            for t in self.slots:
-                self.backend.free_device(t)
-            self.slots = []
-            self.num_slots = self.slot_bytes = 0
-            raise
-        self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
 
     def region(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
         return self.slots[slot][offset : offset + nbytes]
@@ -62,8 +74,9 @@ class SlotPool:
         return v
 
     def close(self) -> None:
-        for t in self.slots:
-            self.backend.free_device(t)
+        for t, n in zip(self.slots, self.sizes):
+            if n:
+                self.backend.free_device(t)
         self.slots = []
+        self.sizes = []
         self._views.clear()
-        self.num_slots = self.slot_bytes = 0
