@@ -139,3 +139,13 @@ def test_shfx_tune_cli_emulated(capsys):
                  "--batch", "2", "--steps", "2", "--h2d", "200MB/s", "--d2h", "200MB/s"])
     out = capsys.readouterr().out
     assert code == 0 and "window=auto" in out and "measured:" in out
+
+
+def test_report_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cost_model.report import WindowReport
+
+    r = tune_window(specs(), costs(2e9), capacity_bytes=200 * MB)
+    rep = WindowReport(r, r.window, "synthetic", "auto", [0.1, 0.1])
+    path = rep.plot(tmp_path / "w.png")
+    assert (tmp_path / "w.png").stat().st_size > 1000 and path.endswith("w.png")
