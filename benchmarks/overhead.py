@@ -9,8 +9,10 @@ run two ways:
   copies are plain memcpys, compute runs on shfx's compute worker thread, the optimizer is the
   host AdamW (torch's fused kernel on flat per-stage buffers);
 * ``eager``: plain PyTorch with every block of ``transformer.h`` wrapped in
-  ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` (the recomputation shfx
-  also does; embedding and head are not checkpointed) and ``torch.optim.AdamW(fused=True)``.
+  ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` (shfx also recomputes
+  every block in backward, though in full, where torch's default early stop skips each block's
+  last GEMM: ``--eager-full-recompute`` turns that off; embedding and head are not checkpointed)
+  and ``torch.optim.AdamW(fused=True)``.
 
 By default each runs in its own worker process (``--isolation process``) and the parent
 alternates them step by step (the order inside each pair alternates too), so drift and the
@@ -22,7 +24,8 @@ sharing its process. ``--isolation inprocess`` runs both in this process instead
 Reported per size, after warm-up steps: median, interquartile range and min of the per-step
 wall times; process CPU time per step; the ratio of the medians (shfx / eager; target <= 1.05);
 the median of the per-pair ratios; per-phase medians (forward / backward / step / zero_grad);
-a breakdown of shfx's last step from ``cm.engine.trace``; and the largest difference between
+a breakdown of shfx's last step from ``cm.engine.trace``; the share of the CPUs other processes
+used during each step pair and the ratio over the quiet pairs only; and the largest difference between
 the two runs' losses (same initial weights, same data, same kernels: they should agree to
 float rounding, usually exactly).
 
@@ -179,7 +182,10 @@ class Runner:
         elif kind == "shfx":
             device = shfx.EmulatedDevice(memory="64GiB", h2d=None, d2h=None)
             # any window >= the number of stages (blocks + head + tail) keeps every stage resident
-            self.cm = shfx.compile(model, device=device, window=cfg.n_layer + 16, optimizer=shfx.optim.AdamW(lr=LR))
+            self.cm = shfx.compile(
+                model, device=device, window=cfg.n_layer + 16, optimizer=shfx.optim.AdamW(lr=LR),
+                overlap_update=os.environ.get("SHFX_BENCH_OVERLAP", "1") == "1",
+            )  # fmt: skip
             self.model = self.opt = self.cm
         else:
             raise ValueError(kind)
@@ -476,11 +482,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="eager checkpointing without early stop (recomputes whole blocks, like shfx); default: torch's default (early stop)",
     )
     ap.add_argument("-v", "--verbose", action="store_true", help="print every step")
+    ap.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="compile shfx with overlap_update=False (host updates after the backward, as eager; on the emulated "
+        "device the updates otherwise share the cores with the backward's compute)",
+    )
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if getattr(args, "no_overlap", False):
+        os.environ["SHFX_BENCH_OVERLAP"] = "0"  # inherited by the spawned runner processes
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [SIZES[n.strip()] for n in args.sizes.split(",") if n.strip()]
@@ -514,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if not all(r["same_initial_weights"] for r in results):
         print("WARNING: the two runners did not start from the same weights")
+    busy = [r["size"]["name"] for r in results if r["others_cpu_share"] and r["others_cpu_share"]["median"] >= QUIET_SHARE]
+    if busy:
+        print(
+            f"WARNING: other processes used >= {QUIET_SHARE:.0%} of the CPUs during most steps of {', '.join(busy)}: "
+            "those numbers say more about the machine than about shfx (see the quiet column); rerun on a quiet "
+            "machine or with --omp-wait-policy passive"
+        )
     print(f"max loss difference {max(r['max_loss_diff'] for r in results):.3e}")
     print(f"worst ratio of medians {worst:.3f} (target <= {TARGET_RATIO}): {'OK' if worst <= TARGET_RATIO else 'ABOVE TARGET'}")
     if args.out:

@@ -119,6 +119,7 @@ class CompiledModel:
         optimizer_workers: int = 1,
         verify: bool = True,
         tune_tolerance: float = 0.02,
+        recompute: str = "auto",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -139,6 +140,8 @@ class CompiledModel:
                 raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
         else:
             check_window(window, 1 << 30)
+        if recompute not in ("auto", "early-stop", "full"):
+            raise ValueError(f"recompute must be 'auto', 'early-stop' or 'full', got {recompute!r}")
         if not 0 <= tune_tolerance < 1:
             raise ValueError(f"tune_tolerance must be in [0, 1), got {tune_tolerance}")
         if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
@@ -164,6 +167,7 @@ class CompiledModel:
         self.verify = verify
         self._backend = _make_backend(device, optimizer_workers)
         self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update)
+        self.recompute = recompute
         self._engine: Engine | None = None
         self._store: HostStore | None = None
         self._variants: dict[Any, Variant] = {}
@@ -195,6 +199,7 @@ class CompiledModel:
             )
             opt = HostAdamW(self.optimizer, self._store) if self.optimizer is not None else None
             self._engine = Engine(self._backend, self._store, opt, **self._engine_kwargs)
+            self._engine.recompute = self.recompute
             by_group: dict[int, list] = {}
             for key in sorted(graph.owner, key=lambda k: graph.owner[k]):
                 if key in captured.trainable:
@@ -469,6 +474,10 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         verify: check every step program's invariants before running it.
         tune_tolerance: with ``window="auto"``, how much slower (fraction) than the best window a
             smaller one may be predicted to be.
+        recompute: how a stage's backward recomputes its forward: ``"early-stop"`` (the forward
+            records its graph and the backward recomputes only what it needs, like
+            ``torch.utils.checkpoint``), ``"full"`` (recompute the whole stage), ``"auto"``
+            (early stop on CUDA, and on the emulated device for stages whose forward takes > 2 ms).
 
     Returns:
         a :class:`CompiledModel`.

@@ -12,11 +12,14 @@ from zoo import ZOO, gpt_dropout, gpt_tied, token_batch
 import shfx
 
 
+@pytest.mark.parametrize("recompute", ["early-stop", "full"])
 @pytest.mark.parametrize("window", [1, 2, 99])
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_trains_like_eager(name, window):
+def test_trains_like_eager(name, window, recompute):
     make_model, make_batch = ZOO[name]
-    losses, ref_losses, cm, _, _ = assert_trains_like_eager(make_model, make_batch, window=window, steps=5)
+    losses, ref_losses, cm, _, _ = assert_trains_like_eager(
+        make_model, make_batch, window=window, steps=5, recompute=recompute
+    )
     assert cm.program.num_slots == min(window, len(cm.stages.stages))
     assert len(cm.stages.stages) >= 3, "the zoo models should split into several stages"
     cm.close()

@@ -19,12 +19,12 @@ import torch
 from passes.units import format_bytes
 
 from ..errors import OutOfDeviceMemory
-from .streams import PoolStream, WorkerStream
+from .streams import PoolStream, WorkerStream, single_omp_thread
 
 __all__ = ["Backend"]
 
 
-def _optimizer_pool(workers: int) -> PoolStream:
+def _optimizer_pool(workers: int, threads: int | None = None) -> PoolStream:
     """The host optimizer's pool. With several workers each gets ``cores // workers`` intra-op
     threads, so the pool never oversubscribes the cores (``benchmarks/host_adam.py``: 2
     workers x 1 thread beat 2 x 2 by 5-15% on 2 cores).
@@ -33,10 +33,10 @@ def _optimizer_pool(workers: int) -> PoolStream:
     also rewrites the process default that threads initialising later start from (the compute
     stream, say); the first ``get_num_threads`` call pins the worker's own settings before the
     change, and the default is restored afterwards."""
-    if workers == 1:
-        return PoolStream("cpu", 1)
     cores = torch.get_num_threads()
-    per_worker = max(1, cores // workers)
+    per_worker = threads if threads is not None else max(1, cores // workers)
+    if workers == 1 and per_worker >= cores:
+        return PoolStream("cpu", 1)
 
     def setup() -> None:
         torch.get_num_threads()
@@ -58,6 +58,9 @@ class Backend:
     device: torch.device
     capacity_bytes: int | None = None
 
+    #: intra-op threads of each host optimizer worker (None: cores // workers)
+    optimizer_threads: int | None = None
+
     def __init__(self, optimizer_workers: int = 1):
         self._lock = threading.Lock()
         self.used_bytes = 0
@@ -66,8 +69,10 @@ class Backend:
         self.bytes_d2h = 0
         self.copies_h2d = 0
         self.copies_d2h = 0
-        self.host = WorkerStream("host")
-        self.cpu = _optimizer_pool(optimizer_workers)
+        cores = torch.get_num_threads()
+        self.host = WorkerStream("host", setup=single_omp_thread)
+        self.cpu = _optimizer_pool(optimizer_workers, self.optimizer_threads)
+        torch.set_num_threads(cores)
         self.compute: Any = None
         self.h2d: Any = None
         self.d2h: Any = None

@@ -1,6 +1,7 @@
 """The emulated device: compute on the CPU, throttled links, a memory capacity.
 
-Each device stream is a worker thread with a FIFO; events are host events. A copy takes
+The compute stream runs on the calling thread (as CUDA kernels are issued from it); each copy
+stream is a worker thread with a FIFO; events are host events. A copy takes
 ``max(real memcpy, bytes / bandwidth)``; while both directions copy, each keeps
 ``duplex`` of its bandwidth. It runs every schedule on a machine with no accelerator and
 gives the simulator a ground truth with known link speeds.
@@ -15,7 +16,7 @@ import torch
 
 from ..devices import EmulatedDevice
 from .backend import Backend
-from .streams import WorkerStream
+from .streams import InlineStream, WorkerStream, single_omp_thread
 
 __all__ = ["EmulatedBackend"]
 
@@ -24,6 +25,9 @@ _CHUNK = 4 << 20  # bytes copied between pacing checks
 
 class EmulatedBackend(Backend):
     name = "emulated"
+    # the host optimizer shares the cores with the emulated device's compute: one OpenMP
+    # thread per worker keeps a single multi-threaded pool in the process (the compute's)
+    optimizer_threads = 1
 
     def __init__(self, spec: EmulatedDevice | None = None, optimizer_workers: int = 1):
         super().__init__(optimizer_workers)
@@ -33,9 +37,14 @@ class EmulatedBackend(Backend):
         self._bw = {"h2d": self.spec.h2d_bps, "d2h": self.spec.d2h_bps}
         self._active = {"h2d": 0, "d2h": 0}
         self.throttle = True  # the profiler times compute with copies unthrottled
-        self.compute = WorkerStream("compute")
-        self.h2d = WorkerStream("h2d")
-        self.d2h = WorkerStream("d2h")
+        cores = torch.get_num_threads()
+        # NOTE: compute runs on the caller's thread and its OpenMP pool; copy threads get one
+        # OpenMP thread each, so the process keeps a single multi-threaded pool (see
+        # streams.single_omp_thread for why that matters).
+        self.compute = InlineStream("compute")
+        self.h2d = WorkerStream("h2d", setup=single_omp_thread)
+        self.d2h = WorkerStream("d2h", setup=single_omp_thread)
+        torch.set_num_threads(cores)
 
     def describe(self) -> str:
         return str(self.spec)

@@ -12,6 +12,7 @@ running against the host store).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,10 @@ from .streams import DependencyFailed, DoneToken, JoinToken, Token
 
 __all__ = ["Engine", "Variant", "StepContext", "TraceEvent"]
 
+# A forward longer than this recomputes with early stop (benchmarks/overhead.py on 2 CPU cores:
+# early stop saved 3% on stages of ~8 ms and cost 23% on stages of ~0.5 ms).
+_EARLY_STOP_MIN_S = 2e-3
+
 
 
 @dataclass
@@ -49,7 +54,7 @@ class Variant:
     eval: Program
     cold: Program
 
-    @property
+    @functools.cached_property
     def slot_sizes(self) -> list[int]:
         """Bytes per slot that any of the variant's programs needs."""
         progs = (self.train, self.eval, self.cold)
@@ -87,6 +92,7 @@ class StepContext:
         self.rng: dict[int, Any] = {}
         self.pre_buffers: dict[int, list[torch.Tensor]] = {}
         self.saved: dict[int, tuple] = {}
+        self.checkpointed: dict[int, tuple] = {}  # stage -> (outputs, param/buffer/input leaves)
         self.no_grads: set[int] = set()
         self.env: dict[fx.Node, Token] = {}
         self.accumulation = _Accumulation()
@@ -154,6 +160,7 @@ class StepContext:
         self.grads.clear()
         self.pre_buffers.clear()
         self.saved.clear()
+        self.checkpointed.clear()
         _release_ledger(self.engine.backend, self._bytes)
 
 
@@ -210,6 +217,11 @@ class Engine:
         self.trace: list[TraceEvent] = []
         self.tracing = True
         self.idle_before_compute = 0.0  # seconds a compute action sleeps before it (profiler only)
+        # "early-stop": forward records the graph (checkpoint), backward recomputes only what it
+        # needs; "full": backward recomputes the whole stage; "auto": early stop for stages whose
+        # forward takes more than _EARLY_STOP_MIN_S (its bookkeeping costs ~0.5 ms a stage on a CPU)
+        self.recompute = "auto"
+        self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list[str]] = {}
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
@@ -318,9 +330,37 @@ class Engine:
                 ]
                 outs = stage.gm(*pleaves, *bufs, *ileaves)
             ctx.saved[stage.index] = (outs, pleaves, ileaves)
+        elif ctx.grad and self._early_stop(stage):
+            # NOTE: the forward records its autograd graph without keeping activations
+            # (non-reentrant torch.utils.checkpoint); the backward recomputes only until every
+            # tensor it needs exists (a block's last matmul is not redone). Parameters and
+            # buffers reach the stage through a holder, not as checkpoint inputs: the backward
+            # points the holder at the slot the stage is in then (the forward's slot has been
+            # reused), and checkpoint's version checks see only the activation inputs (what
+            # the stage's ops save goes through checkpoint's hooks, not the slot).
+            trainable = set(stage.trainable)
+            holder = {
+                "params": [p.detach().requires_grad_(k in trainable) for k, p in zip(stage.params, params)],
+                "buffers": list(bufs),
+            }
+            pleaves = holder["params"]
+
+            def run(*inputs: torch.Tensor, holder=holder, gm=stage.gm):
+                return gm(*holder["params"], *holder["buffers"], *inputs)
+
+            ileaves = [
+                x.detach().requires_grad_(True) if g.values[v].differentiable else x for v, x in zip(stage.inputs, ins)
+            ]
+            with torch.enable_grad():
+                outs = torch.utils.checkpoint.checkpoint(
+                    run, *ileaves, use_reentrant=False, preserve_rng_state=True, determinism_check="none"
+                )
+            ctx.checkpointed[stage.index] = (outs, pleaves, ileaves, holder)
         else:
+            t0 = time.perf_counter()
             with torch.no_grad():
                 outs = stage.gm(*params, *bufs, *ins)
+            self._forward_s[id(stage)] = time.perf_counter() - t0
         for v, o in zip(stage.outputs, outs):
             ctx.put(v, o.detach())
         if not ctx.grad:
@@ -328,6 +368,13 @@ class Engine:
                 ctx.fwd_left[v] -= 1
                 if ctx.fwd_left[v] == 0 and v not in g.outputs:
                     ctx.drop(v)
+
+    def _early_stop(self, stage: Stage) -> bool:
+        if self.recompute != "auto":
+            return self.recompute == "early-stop"
+        if self.backend.name != "emulated":
+            return True  # stage times on a GPU dwarf the bookkeeping, which overlaps the kernels
+        return self._forward_s.get(id(stage), 0.0) > _EARLY_STOP_MIN_S
 
     def _backward(self, ctx: StepContext, stage: Stage, slot: int, cold: bool) -> None:
         g = ctx.variant.graph
@@ -339,8 +386,16 @@ class Engine:
                 return
             saved = None if cold else ctx.saved.pop(s, None)
             views = self.pool.views(slot, stage, g)
+            ckpt = ctx.checkpointed.pop(s, None)
             if saved is not None:
                 outs, pleaves, ileaves = saved
+            elif ckpt is not None:
+                outs, pleaves, ileaves, holder = ckpt
+                trainable = set(stage.trainable)
+                pre = dict(zip(stage.mutated_buffers, ctx.pre_buffers.get(s, [])))
+                # the recompute reads the slot the stage is in now, and pre-forward buffer values
+                holder["params"] = [views[k].detach().requires_grad_(k in trainable) for k in stage.params]
+                holder["buffers"] = [pre.get(k, views[k]) for k in stage.buffers]
             else:
                 trainable = set(stage.trainable)
                 pre = dict(zip(stage.mutated_buffers, ctx.pre_buffers.get(s, [])))

@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "HostStream", "WorkerStream", "PoolStream"]
+__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "HostStream", "WorkerStream", "PoolStream", "InlineStream", "single_omp_thread"]
 
 
 class DependencyFailed(RuntimeError):
@@ -167,8 +167,48 @@ class HostStream:
 class WorkerStream(HostStream):
     """A FIFO executed in order by one worker thread."""
 
+    def __init__(self, name: str, setup: Callable[[], None] | None = None):
+        super().__init__(name, 1, setup)
+
+
+class InlineStream:
+    """A stream run by the thread that submits to it: ``submit`` waits for the dependencies,
+    runs the task there and returns its (finished) token. Order is submission order, as for a
+    worker stream; a failure fails the token instead of raising, so dependents are skipped.
+
+    The emulated device's compute stream is one: compute then runs on the caller's OpenMP
+    thread pool, the only multi-threaded pool in the process (see :func:`single_omp_thread`).
+    Overlap is kept because a program issues each copy before the compute that precedes it.
+    """
+
     def __init__(self, name: str):
-        super().__init__(name, 1)
+        self.name = name
+
+    def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
+        err = wait_deps(deps)
+        if err is None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - surfaced through the token
+                err = e
+        return DoneToken(label, err)
+
+    def close(self) -> None:
+        pass
+
+
+def single_omp_thread() -> None:
+    """Stream setup: this thread's parallel regions run on one thread.
+
+    NOTE: libgomp lets idle OpenMP workers spin between parallel regions only while the process
+    has no more OpenMP threads than cores; past that they sleep and every region pays a
+    wake-up (``benchmarks/overhead.py``: 2x on tiny stages, ~10% on small ones). Copy and host
+    threads need no team of their own. The first ``get_num_threads`` pins this thread's
+    settings before the change; the constructing thread restores the process default after."""
+    import torch
+
+    torch.get_num_threads()
+    torch.set_num_threads(1)
 
 
 class PoolStream(HostStream):
