@@ -113,6 +113,8 @@ class CostTable:
     cold_idle_s: float | None = None  # compute that starts after this long with nothing running costs *_cold_s
     dispatch_s: float = 0.0  # hand-off of one compute or optimizer action between threads
     phase_gap_s: float = 0.0  # between the end of the forward phase and the start of the backward
+    cpu_contention: float = 0.0  # compute slows by this x the overlapping host CPU work (emulated device)
+    memcpy_bps: float | None = None  # host memcpy speed of one copy thread (the CPU part of a copy)
 
     def stage_cost(self, stage: StageSpec) -> StageCost:
         try:

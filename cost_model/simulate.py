@@ -43,9 +43,12 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
 Measured overheads (optional attributes of the cost model, see :class:`cost_model.costs.CostTable`):
 ``dispatch_s`` is added to every FORWARD, BACKWARD and CPU_STEP (the hand-off between threads),
 ``phase_gap_s`` separates the forward and backward phases (returning from the model call, the
-loss, ``backward()``), and a compute action that starts after ``cold_idle_s`` with nothing
+loss, ``backward()``), a compute action that starts after ``cold_idle_s`` with nothing
 starting or ending costs its ``*_cold_s`` (on the emulated device an idle processor runs the
-next action ~1.5x slower).
+next action ~1.5x slower), and with ``cpu_contention = k > 0`` each compute action is stretched
+by ``k`` x the host CPU work overlapping it (the memcpy part of copies at ``memcpy_bps``, host
+updates and gradient adds), iterated to a fixed point: on the emulated device all of them share
+the same cores.
 
 What it does NOT model:
 
@@ -391,8 +394,11 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
 
 
 class _Sim:
-    def __init__(self, program: Program, costs: CostModel, accumulate: bool, phase_barrier: bool):
+    def __init__(
+        self, program: Program, costs: CostModel, accumulate: bool, phase_barrier: bool, extra: dict[int, float] | None = None
+    ):
         self.program = program
+        self.extra = extra or {}  # node index -> seconds added to a compute action (CPU sharing)
         self.table, self.links, self.workers = _check_costs(program, costs)
         self.cold_idle_s = getattr(costs, "cold_idle_s", None)
         self.dispatch_s = float(getattr(costs, "dispatch_s", 0.0) or 0.0)
@@ -438,16 +444,17 @@ class _Sim:
             if s not in self.table:
                 raise SimulationError(f"action {nd.meta.action}: program {self.program.name!r} has no stage {s}")
             c = self.table[s]
+            add = self.extra.get(nd.i, 0.0)
             if k == F:
-                nd.dur = c.forward_s + self.dispatch_s
-                nd.cold_dur = None if c.forward_cold_s is None else c.forward_cold_s + self.dispatch_s
+                nd.dur = c.forward_s + self.dispatch_s + add
+                nd.cold_dur = None if c.forward_cold_s is None else c.forward_cold_s + self.dispatch_s + add
                 last_forward[s] = nd
             elif k == B:
                 f = last_forward.get(s)
                 kept = f is not None and f.meta.keep_graph
-                nd.dur = (c.backward_no_recompute_s if kept else c.backward_s) + self.dispatch_s
+                nd.dur = (c.backward_no_recompute_s if kept else c.backward_s) + self.dispatch_s + add
                 cold = c.backward_kept_cold_s if kept else c.backward_cold_s
-                nd.cold_dur = None if cold is None else cold + self.dispatch_s
+                nd.cold_dur = None if cold is None else cold + self.dispatch_s + add
             elif k == OG:
                 nd.acc = c.accumulate_s if self.accumulate else 0.0
 
@@ -838,6 +845,40 @@ class _Sim:
         return [events[i] for i in path], by
 
 
+def _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k):
+    """Stretch each compute action by ``k`` x the host CPU work that overlaps it (the memcpy
+    part of copies at ``costs.memcpy_bps``, host updates, gradient adds), to a fixed point.
+
+    NOTE: on the emulated device the "device" compute, the copies and the host optimizer share
+    the same cores; a real accelerator copies by DMA and computes elsewhere (``cpu_contention``
+    is 0 there)."""
+    memcpy = getattr(costs, "memcpy_bps", None)
+    extra: dict[int, float] = {}
+    index = {nd.name: nd.i for nd in sim.nodes}
+    for _ in range(8):
+        cpu: list[tuple[float, float]] = []
+        for e in events:
+            if e.stream in ("h2d", "d2h") and e.bytes and memcpy:
+                cpu.append((e.start, min(e.copy_end if e.copy_end is not None else e.end, e.start + e.bytes / memcpy)))
+            elif e.stream == "cpu":
+                cpu.append((e.start, e.end))
+            if e.host_start is not None and e.end > e.host_start:
+                cpu.append((e.host_start, e.end))
+        new = {}
+        for e in events:
+            if e.stream == "compute":
+                stolen = sum(max(0.0, min(b, e.end) - max(a, e.start)) for a, b in cpu)
+                if stolen > 0:
+                    new[index[e.node]] = k * stolen
+        if all(abs(new.get(i, 0.0) - extra.get(i, 0.0)) < 1e-7 for i in set(new) | set(extra)):
+            break
+        extra = new
+        sim = _Sim(program, costs, accumulate, phase_barrier, extra)
+        sim.run()
+        events = sim.events()
+    return sim, events
+
+
 def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, phase_barrier: bool = True) -> Timeline:
     """Simulate one step of ``program`` with ``costs`` (see the module docstring for the model).
 
@@ -867,6 +908,9 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
     sim = _Sim(program, costs, accumulate, phase_barrier)
     sim.run()
     events = sim.events()
+    k = float(getattr(costs, "cpu_contention", 0.0) or 0.0)
+    if k > 0:
+        sim, events = _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k)
     step_s = max((e.end for e in events), default=0.0)
     busy, util = sim.busy(step_s)
     pool, memory = sim.memory(step_s)

@@ -417,3 +417,25 @@ def test_event_loop_matches_the_recurrence(seed):
         got = [t for e in tl.events for t in (e.start, e.end)]
         assert got == pytest.approx([t for se in _reference(prog, costs, accumulate) for t in se], abs=1e-9)
         assert sum(tl.by_resource.values()) == pytest.approx(tl.step_s)
+
+
+def test_cold_rule_and_cpu_sharing_are_opt_in():
+    """A compute action after `cold_idle_s` with nothing running costs its cold cost; with
+    `cpu_contention` compute stretches by the host CPU work overlapping it."""
+    from passes.program import lower_actions
+    from passes.stages import chain
+
+    specs = chain(2, prefetch_bytes=1000)
+    prog = lower_actions(["PF0", "F0", "PF1", "F1", "B1", "OG1", "U1", "R1", "B0", "OG0", "U0", "R0"], specs, 2)
+    base = [StageCost(1.0, 3.0, update_s=0.5, forward_cold_s=1.5, backward_cold_s=4.5)] * 2
+    slow = CostTable(base, Links(100.0, 100.0))  # every copy takes 10 s: compute waits, idle
+    assert simulate(prog, slow).step_s == simulate(prog, CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 2, Links(100.0, 100.0))).step_s
+    cold = CostTable(base, Links(100.0, 100.0), cold_idle_s=4.0)
+    f1 = simulate(prog, cold).event("F1")
+    assert f1.end - f1.start == 1.5  # F1 waited 10 s for its prefetch: cold
+    fast = CostTable([StageCost(1.0, 3.0, update_s=2.0)] * 2, Links(None, None))
+    shared = CostTable([StageCost(1.0, 3.0, update_s=2.0)] * 2, Links(None, None), cpu_contention=0.5)
+    b0_fast, b0_shared = simulate(prog, fast).event("B0"), simulate(prog, shared).event("B0")
+    # U1 (2 s on the host) overlaps B0 (3 s): B0 stretches by 0.5 x the overlap
+    assert b0_shared.duration > b0_fast.duration
+    assert b0_shared.duration <= b0_fast.duration + 0.5 * 2.0 + 1e-9

@@ -149,3 +149,16 @@ def test_report_plot(tmp_path):
     rep = WindowReport(r, r.window, "synthetic", "auto", [0.1, 0.1])
     path = rep.plot(tmp_path / "w.png")
     assert (tmp_path / "w.png").stat().st_size > 1000 and path.endswith("w.png")
+
+
+def test_profiling_gives_back_device_memory():
+    torch.manual_seed(0)
+    cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB"), window=1, optimizer=shfx.optim.AdamW())
+    (x, y), _, _ = token_batch(0)
+    cm(x, y).backward()
+    cm.step()
+    pool = list(cm.engine.pool.sizes)
+    used = cm.backend.used_bytes
+    cm.report()  # profiles with a window-2 program
+    assert cm.engine.pool.sizes == pool and cm.backend.used_bytes == used
+    cm.close()

@@ -216,7 +216,6 @@ class Engine:
         self.pending_updates: list[tuple[str, Token]] = []
         self.trace: list[TraceEvent] = []
         self.tracing = True
-        self.idle_before_compute = 0.0  # seconds a compute action sleeps before it (profiler only)
         # "early-stop": forward records the graph (checkpoint), backward recomputes only what it
         # needs; "full": backward recomputes the whole stage; "auto": early stop for stages whose
         # forward takes more than _EARLY_STOP_MIN_S (its bookkeeping costs ~0.5 ms a stage on a CPU)
@@ -241,11 +240,8 @@ class Engine:
         if not self.tracing:
             return fn
         trace = self.trace
-        idle = self.idle_before_compute if meta.stream == "compute" else 0.0
 
         def run() -> None:
-            if idle:
-                time.sleep(idle)  # the profiler times compute after an idle processor
             t0 = time.perf_counter()
             fn()
             trace.append(TraceEvent(str(meta.action), meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
@@ -624,10 +620,16 @@ class Engine:
         return outs, ctx
 
     def backward(
-        self, ctx: StepContext, grad_outputs: Sequence[torch.Tensor | None], *, profile: bool = False
+        self,
+        ctx: StepContext,
+        grad_outputs: Sequence[torch.Tensor | None],
+        *,
+        profile: bool = False,
+        serial: bool | None = None,
     ) -> list[torch.Tensor | None]:
-        """Run ``ctx``'s backward phase. ``profile``: serialized, no updates, not counted as a
-        micro-step (the profiler's timing run)."""
+        """Run ``ctx``'s backward phase. ``profile``: no updates, not counted as a micro-step,
+        serialized unless ``serial=False`` (the profiler's timing runs)."""
+        serial = profile if serial is None else serial
         if ctx.backward_done:
             raise UsageError("backward() ran twice through the same shfx forward; run the model again instead")
         if not profile and self.backward_calls >= self.grad_accum_steps and self.pending_updates:
@@ -658,7 +660,7 @@ class Engine:
             for v, gr in zip(variant.graph.outputs, grad_outputs):
                 if gr is not None and variant.graph.values[v].differentiable:
                     ctx.add_grad(v, gr)
-            issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=profile)
+            issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial)
             self._wait(program, [(n, t) for n, t in issued if get_meta(n).kind != U])
         except BaseException:
             self.pending_updates.clear()

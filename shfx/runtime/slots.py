@@ -60,6 +60,28 @@ class SlotPool:
             self.sizes[k] = n
         self._views.clear()
 
+    def set_sizes(self, sizes: list[int]) -> None:
+        """Make the pool exactly ``sizes`` (free slots beyond them, reallocate those whose size
+        differs): what a temporary enlargement (the profiler's) gives back."""
+        for k in range(len(sizes), len(self.slots)):
+            if self.sizes[k]:
+                self.backend.free_device(self.slots[k])
+        self.slots, self.sizes = self.slots[: len(sizes)], self.sizes[: len(sizes)]
+        for k, n in enumerate(sizes):
+            if k < len(self.sizes) and self.sizes[k] == n:
+                continue
+            if k < len(self.sizes):
+                if self.sizes[k]:
+                    self.backend.free_device(self.slots[k])
+                self.slots[k], self.sizes[k] = torch.empty(0, dtype=torch.uint8), 0
+            else:
+                self.slots.append(torch.empty(0, dtype=torch.uint8))
+                self.sizes.append(0)
+            if n:
+                self.slots[k] = self.backend.alloc_device(n, f"device slot {k} ({len(sizes)} slots)")
+            self.sizes[k] = n
+        self._views.clear()
+
     def region(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
         return self.slots[slot][offset : offset + nbytes]
 
