@@ -7,7 +7,17 @@ node's ``meta["shfx"]``. Calling one directly is an error. Arguments are
 
 from __future__ import annotations
 
-__all__ = ["prefetch", "forward", "offload_buffers", "release", "backward", "offload_grad", "cpu_step"]
+__all__ = [
+    "prefetch",
+    "forward",
+    "offload_buffers",
+    "release",
+    "backward",
+    "offload_grad",
+    "cpu_step",
+    "device_step",
+    "offload_params",
+]
 
 
 def _marker(name: str, doc: str):
@@ -30,3 +40,5 @@ release = _marker("release", "R: the stage's slot may be reused once every reade
 backward = _marker("backward", "B: recompute a stage, then grads of its inputs and params.")
 offload_grad = _marker("offload_grad", "OG: copy a stage's param grads device -> host, accumulating.")
 cpu_step = _marker("cpu_step", "U: host optimizer update of one parameter group.")
+device_step = _marker("device_step", "DU: optimizer update of one parameter group on the device.")
+offload_params = _marker("offload_params", "OP: copy a stage's updated params device -> host.")

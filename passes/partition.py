@@ -567,6 +567,8 @@ def partition_stages(
             update_group=update_group,
             activation_bytes=sum(values[v].nbytes for v in outs),
             slot_bytes=slot.nbytes,
+            update_bytes=groups[update_group].trainable_bytes if update_group is not None else 0,
+            grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
         )
         stages.append(
             Stage(
@@ -591,7 +593,8 @@ def partition_stages(
             users = [st for st in stages if grp.index in st.spec.grad_groups]
             if users:
                 st = users[0]
-                stages[st.index].spec = _replace_spec(st.spec, update_group=grp.index) if st.spec.update_group is None else st.spec
+                if st.spec.update_group is None:
+                    stages[st.index].spec = _replace_spec(st.spec, update_group=grp.index, update_bytes=grp.trainable_bytes)
     input_names = [None] * sum(1 for p in captured.placeholders if p.kind == "input")
     for p in captured.placeholders:
         if p.kind == "input":
@@ -616,6 +619,13 @@ def partition_stages(
 def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: list[list[str]]) -> bool:
     """True when stage ``s`` uses group ``s``'s tensors (so it can own the group's update)."""
     return any(owner.get(k) == s for k in stage_keys[s])
+
+
+def _sum_by_group(copies) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for c in copies:
+        out[c.group] = out.get(c.group, 0) + c.nbytes
+    return out
 
 
 def _replace_spec(spec: StageSpec, **kw: Any) -> StageSpec:

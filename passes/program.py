@@ -45,6 +45,8 @@ __all__ = [
     "B",
     "OG",
     "U",
+    "DU",
+    "OP",
 ]
 
 
@@ -62,6 +64,8 @@ class ActionKind(str, enum.Enum):
     BACKWARD = "B"  # recompute the stage, then grads of its inputs and params
     OFFLOAD_GRAD = "OG"  # copy a stage's param grads device -> host, accumulate in fp32
     CPU_STEP = "U"  # host optimizer update of one parameter group
+    DEVICE_STEP = "DU"  # optimizer update of one parameter group on the device
+    OFFLOAD_PARAMS = "OP"  # copy a stage's updated params device -> host
 
     @property
     def stream(self) -> str:
@@ -76,6 +80,8 @@ R = ActionKind.RELEASE
 B = ActionKind.BACKWARD
 OG = ActionKind.OFFLOAD_GRAD
 U = ActionKind.CPU_STEP
+DU = ActionKind.DEVICE_STEP
+OP = ActionKind.OFFLOAD_PARAMS
 
 STREAMS = ("compute", "h2d", "d2h", "cpu", "none")
 _STREAM = {
@@ -86,6 +92,8 @@ _STREAM = {
     ActionKind.BACKWARD: "compute",
     ActionKind.OFFLOAD_GRAD: "d2h",
     ActionKind.CPU_STEP: "cpu",
+    ActionKind.DEVICE_STEP: "compute",
+    ActionKind.OFFLOAD_PARAMS: "d2h",
 }
 _OP = {
     ActionKind.PREFETCH: ops.prefetch,
@@ -95,9 +103,11 @@ _OP = {
     ActionKind.BACKWARD: ops.backward,
     ActionKind.OFFLOAD_GRAD: ops.offload_grad,
     ActionKind.CPU_STEP: ops.cpu_step,
+    ActionKind.DEVICE_STEP: ops.device_step,
+    ActionKind.OFFLOAD_PARAMS: ops.offload_params,
 }
 # Longest prefixes first so "PF3" is not read as "P" + "F3".
-_ACTION_RE = re.compile(r"^(PF|OB|OG|F|R|B|U)(\d+)$")
+_ACTION_RE = re.compile(r"^(PF|OB|OG|OP|DU|F|R|B|U)(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -139,6 +149,11 @@ class ActionMeta:
         bytes: bytes the action moves over the link (PF: h2d, OG/OB: d2h), else 0.
         keep_graph: FORWARD only: keep the stage's autograd graph so its BACKWARD does not
             recompute (set when the stage's backward is the very next compute action).
+        grads_to: BACKWARD only: ``"slot"`` (gradients overwrite the parameters in the slot: they
+            are not needed there any more) or ``"buffer"`` (a device gradient buffer beside the
+            slot: the parameters stay, for a device update or because the stage is persistent).
+        refresh: PREFETCH only: the stage is already resident (persistent) and its slot is
+            refreshed with the parameters the host optimizer updated.
         cost_s: predicted duration, filled by the cost model (None until annotated).
     """
 
@@ -148,6 +163,8 @@ class ActionMeta:
     bytes: int = 0
     keep_graph: bool = False
     cost_s: float | None = None
+    grads_to: str | None = None
+    refresh: bool = False
 
     @property
     def kind(self) -> ActionKind:
@@ -168,15 +185,25 @@ class Program:
     Attributes:
         graph: the FX graph (node order = issue order; args[1:] = dependencies).
         stages: the :class:`StageSpec` of every stage.
-        num_slots: device slots the program may use (the window W).
+        num_slots: device slots the program may use (the window W, plus persistent stages).
         name: the policy that produced it.
+        persistent: stages resident across steps, in slots ``0..len(persistent)-1``.
     """
 
-    def __init__(self, graph: fx.Graph, stages: Sequence[StageSpec], num_slots: int, name: str = "custom"):
+    def __init__(
+        self,
+        graph: fx.Graph,
+        stages: Sequence[StageSpec],
+        num_slots: int,
+        name: str = "custom",
+        persistent: Sequence[int] = (),
+    ):
         self.graph = graph
         self.stages = tuple(stages)
         self.num_slots = num_slots
         self.name = name
+        #: stages resident before the step and after it, in slots 0..len-1 (loaded once)
+        self.persistent = tuple(persistent)
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -221,11 +248,34 @@ class Program:
         block-sized even when the embedding stage is larger."""
         sizes = [0] * self.num_slots
         by_index = {s.index: s for s in self.stages}
+        for k, st in enumerate(self.persistent):
+            sizes[k] = max(sizes[k], by_index[st].slot_bytes)
         for n in self.nodes:
             m = get_meta(n)
             if m.kind == ActionKind.PREFETCH and m.slot is not None:
                 sizes[m.slot] = max(sizes[m.slot], by_index[m.stage].slot_bytes)
         return sizes
+
+    def grad_buffer_sizes(self) -> list[int]:
+        """Bytes of the device gradient buffer each slot needs: a slot whose stage's backward
+        writes to a buffer (``grads_to == "buffer"``) gets one as large as the slot."""
+        sizes = self.slot_sizes()
+        need = [0] * self.num_slots
+        for n in self.nodes:
+            m = get_meta(n)
+            if m.kind == ActionKind.BACKWARD and m.grads_to == "buffer" and m.slot is not None:
+                need[m.slot] = sizes[m.slot]
+        return need
+
+    def device_groups(self) -> set[int]:
+        """Parameter groups this program updates on the device (DEVICE_STEP)."""
+        return {get_meta(n).stage for n in self.nodes if get_meta(n).kind == ActionKind.DEVICE_STEP}
+
+    def device_state_bytes(self) -> int:
+        """Device bytes of optimizer state (AdamW m and v) for the groups updated on the device:
+        twice their gradient bytes."""
+        owners = {s.update_group: s for s in self.stages if s.update_group is not None}
+        return sum(2 * owners[g].update_bytes for g in self.device_groups() if g in owners)
 
     def count(self, kind: ActionKind, phase: str | None = None) -> int:
         return sum(1 for n in self.nodes if get_meta(n).kind == kind and (phase is None or get_meta(n).phase == phase))
@@ -259,7 +309,7 @@ class Program:
         for n in self.graph.nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
             env[n].meta = dict(n.meta)
-        return Program(g, self.stages, self.num_slots, self.name)
+        return Program(g, self.stages, self.num_slots, self.name, self.persistent)
 
     # ---- printing ------------------------------------------------------------------------
     def format(self, mark: fx.Node | None = None) -> str:
@@ -298,21 +348,30 @@ def lower_actions(
     *,
     name: str = "custom",
     keep_graph: bool = True,
+    persistent: Sequence[int] = (),
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
     Rules (each edge is a wait):
       - ``PF s`` takes the lowest free slot and waits for the ``R`` that last freed it; it also
         waits for earlier ``OB s`` (host buffers written) and ``U g`` of groups the stage reads.
+        A ``PF`` of a stage that is already resident and persistent *refreshes* its slot (the
+        host optimizer updated it): it waits for every action that read the slot since.
       - ``F s`` waits for its ``PF`` and for ``F p`` of every producer ``p``.
       - ``OB s`` waits for ``F s``; ``OG s`` waits for ``B s``.
       - ``B s`` waits for its ``PF``, for ``F s`` (when in this program) and for ``B c`` of every
         consumer ``c`` (its output gradients).
       - ``R s`` waits for every action that read the slot since its ``PF``; it frees the slot.
       - ``U g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``.
-    The phase is ``"forward"`` up to the first ``B`` and ``"backward"`` after it.
-    With ``keep_graph``, a FORWARD whose stage's BACKWARD is the next compute action keeps its
-    autograd graph instead of being recomputed.
+      - ``DU g`` (on the device, in the slot of the stage that owns ``g``) waits for ``B j`` of
+        every stage ``j`` that sends gradients to ``g``; ``OP s`` waits for ``DU`` of the group
+        stage ``s`` owns.
+    ``persistent`` stages are resident before the first action, in slots ``0..k-1``, and stay
+    resident (they may not be released). The phase is ``"forward"`` up to the first ``B`` and
+    ``"backward"`` after it. A ``B`` writes gradients into a device buffer (``grads_to``) when
+    its stage is persistent or its group is updated on the device, else over its parameters in
+    the slot. With ``keep_graph``, a FORWARD whose stage's BACKWARD is the next compute action
+    keeps its autograd graph instead of being recomputed.
 
     Raises :class:`ScheduleError` naming the action when the sequence cannot be built (a slot
     needed but none free, a stage used while not resident, a dependency that comes later).
@@ -321,13 +380,21 @@ def lower_actions(
         raise ScheduleError(f"num_slots must be an int >= 1, got {num_slots!r}")
     by_index = {s.index: s for s in stages}
     consumers = consumers_of(list(stages))
+    persistent = tuple(persistent)
+    if len(set(persistent)) != len(persistent) or any(p not in by_index for p in persistent):
+        raise ScheduleError(f"persistent stages {persistent} must be distinct stages of the program")
+    if len(persistent) > num_slots:
+        raise ScheduleError(f"{len(persistent)} persistent stages need more than the program's {num_slots} slots")
     graph = fx.Graph()
-    free = list(range(num_slots))  # free slots, lowest first
+    free = list(range(len(persistent), num_slots))  # free slots, lowest first
     last_release: dict[int, fx.Node] = {}  # slot -> R that freed it
-    resident: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # stage -> (slot, PF, readers)
+    # stage -> (slot, PF or None when loaded before the step, readers)
+    resident: dict[int, tuple[int, fx.Node | None, list[fx.Node]]] = {s: (k, None, []) for k, s in enumerate(persistent)}
     last: dict[Action, fx.Node] = {}  # most recent node of each action
     phase = "forward"
     seq = [_parse(a) for a in actions]
+    owner_of = {st.update_group: st.index for st in stages if st.update_group is not None}
+    device_groups = {a.stage for a in seq if a.kind == ActionKind.DEVICE_STEP}
 
     def fail(pos: int, act: Action, msg: str) -> ScheduleError:
         around = " ".join(str(a) for a in seq[max(0, pos - 4) : pos]) + f" [{act}] " + " ".join(
@@ -340,45 +407,68 @@ def lower_actions(
             raise fail(pos, act, f"there is no stage {act.stage} (stages are 0..{len(stages) - 1})")
         return by_index[act.stage]
 
-    def need_resident(pos: int, act: Action) -> tuple[int, fx.Node, list[fx.Node]]:
-        if act.stage not in resident:
-            raise fail(pos, act, f"stage {act.stage} is not resident; prefetch it first (PF{act.stage})")
-        return resident[act.stage]
+    def need_resident(pos: int, act: Action, stage: int | None = None) -> tuple[int, fx.Node | None, list[fx.Node]]:
+        s = act.stage if stage is None else stage
+        if s not in resident:
+            raise fail(pos, act, f"stage {s} is not resident; prefetch it first (PF{s})")
+        return resident[s]
 
     def need(pos: int, act: Action, dep: Action, why: str) -> fx.Node:
         if dep not in last:
             raise fail(pos, act, f"it needs {dep} ({why}) earlier in the program")
         return last[dep]
 
+    def contributors(g: int) -> list[int]:
+        return [st.index for st in stages if g in st.grad_groups]
+
     for pos, act in enumerate(seq):
         k, s = act.kind, act.stage
         deps: list[fx.Node] = []
         slot: int | None = None
         nbytes = 0
+        refresh = False
+        grads_to = None
+        reader_of: int | None = None  # the stage whose slot this action reads
         if k == ActionKind.BACKWARD:
             phase = "backward"
         elif k == ActionKind.FORWARD and phase == "backward":
             raise fail(pos, act, "a FORWARD cannot come after the first BACKWARD of a step")
 
         if k == ActionKind.CPU_STEP:
-            contributors = [st.index for st in stages if s in st.grad_groups]
-            if not any(st.update_group == s for st in stages):
+            if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
-            for j in contributors:
+            if s in device_groups:
+                raise fail(pos, act, f"group {s} is updated on the device (DU{s}) in this program, not on the host")
+            for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
+        elif k == ActionKind.DEVICE_STEP:
+            if s not in owner_of:
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            own = owner_of[s]
+            slot, pf, _ = need_resident(pos, act, own)
+            if pf is not None:
+                deps.append(pf)
+            for j in contributors(s):
+                deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            reader_of = own
         else:
             spec = need_stage(pos, act)
             if k == ActionKind.PREFETCH:
                 if s in resident:
-                    raise fail(pos, act, f"stage {s} is already resident in slot {resident[s][0]}")
-                if not free:
-                    held = ", ".join(f"slot {sl}: stage {st}" for st, (sl, _, _) in sorted(resident.items()))
-                    raise fail(pos, act, f"all {num_slots} slots are in use ({held}); release one first")
-                slot = free.pop(0)
-                if slot in last_release:
-                    deps.append(last_release[slot])
+                    if s not in persistent:
+                        raise fail(pos, act, f"stage {s} is already resident in slot {resident[s][0]}")
+                    slot, pf, readers = resident[s]
+                    refresh = True
+                    deps.extend(readers or ([pf] if pf is not None else []))
+                else:
+                    if not free:
+                        held = ", ".join(f"slot {sl}: stage {st}" for st, (sl, _, _) in sorted(resident.items()))
+                        raise fail(pos, act, f"all {num_slots} slots are in use ({held}); release one first")
+                    slot = free.pop(0)
+                    if slot in last_release:
+                        deps.append(last_release[slot])
                 ob = last.get(Action(ActionKind.OFFLOAD_BUFFERS, s))
-                if ob is not None:
+                if ob is not None and ob not in deps:
                     deps.append(ob)
                 for g in sorted(spec.grad_groups | ({spec.update_group} if spec.update_group is not None else set())):
                     u = last.get(Action(ActionKind.CPU_STEP, g))
@@ -387,42 +477,61 @@ def lower_actions(
                 nbytes = spec.prefetch_bytes
             elif k == ActionKind.FORWARD:
                 slot, pf, _ = need_resident(pos, act)
-                deps.append(pf)
+                if pf is not None:
+                    deps.append(pf)
                 for p in sorted(spec.producers):
                     deps.append(need(pos, act, Action(ActionKind.FORWARD, p), f"stage {s} reads stage {p}'s output"))
+                reader_of = s
             elif k == ActionKind.OFFLOAD_BUFFERS:
                 slot, _, _ = need_resident(pos, act)
                 if not spec.mutates_buffers:
                     raise fail(pos, act, f"stage {s} mutates no buffers")
                 deps.append(need(pos, act, Action(ActionKind.FORWARD, s), "the buffers it copies"))
                 nbytes = spec.buffer_out_bytes
+                reader_of = s
             elif k == ActionKind.BACKWARD:
                 slot, pf, _ = need_resident(pos, act)
-                deps.append(pf)
+                if pf is not None:
+                    deps.append(pf)
                 f = last.get(Action(ActionKind.FORWARD, s))
                 if f is not None:
                     deps.append(f)
                 for c in sorted(consumers[s]):
                     deps.append(need(pos, act, Action(ActionKind.BACKWARD, c), f"the gradient of stage {s}'s output flows back from stage {c}"))
+                grads_to = "buffer" if (s in persistent or spec.update_group in device_groups) else "slot"
+                reader_of = s
             elif k == ActionKind.OFFLOAD_GRAD:
                 slot, _, _ = need_resident(pos, act)
                 if not spec.has_grads:
                     raise fail(pos, act, f"stage {s} has no trainable parameters")
                 deps.append(need(pos, act, Action(ActionKind.BACKWARD, s), "the gradients it copies"))
-                nbytes = spec.grad_bytes
+                host_groups = set(spec.grad_groups) - device_groups
+                if not host_groups:
+                    raise fail(pos, act, f"every group stage {s} sends gradients to is updated on the device")
+                nbytes = spec.grad_bytes_to(host_groups)
+                reader_of = s
+            elif k == ActionKind.OFFLOAD_PARAMS:
+                slot, _, _ = need_resident(pos, act)
+                if spec.update_group is None:
+                    raise fail(pos, act, f"stage {s} owns no trainable parameters")
+                deps.append(need(pos, act, Action(ActionKind.DEVICE_STEP, spec.update_group), "the updated parameters it copies"))
+                nbytes = spec.update_bytes
+                reader_of = s
             elif k == ActionKind.RELEASE:
+                if s in persistent:
+                    raise fail(pos, act, f"stage {s} is persistent: it stays resident across steps")
                 slot, pf, readers = need_resident(pos, act)
                 deps.extend(readers or [pf])
             else:  # pragma: no cover - enum is closed
                 raise fail(pos, act, f"unknown action kind {k}")
 
         node = graph.create_node("call_function", _OP[k], (s, *_dedupe(deps)), {}, name=str(act).lower())
-        set_meta(node, ActionMeta(action=act, phase=phase, slot=slot, bytes=nbytes))
+        set_meta(node, ActionMeta(action=act, phase=phase, slot=slot, bytes=nbytes, grads_to=grads_to, refresh=refresh))
         last[act] = node
         if k == ActionKind.PREFETCH:
             resident[s] = (slot, node, [])
-        elif k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.OFFLOAD_GRAD, ActionKind.OFFLOAD_BUFFERS):
-            resident[s][2].append(node)
+        elif reader_of is not None:
+            resident[reader_of][2].append(node)
         elif k == ActionKind.RELEASE:
             sl = resident.pop(s)[0]
             last_release[sl] = node
@@ -432,7 +541,7 @@ def lower_actions(
     if keep_graph:
         _mark_keep_graph(graph)
     graph.output(None)
-    return Program(graph, stages, num_slots, name)
+    return Program(graph, stages, num_slots, name, persistent)
 
 
 def _dedupe(nodes: list[fx.Node]) -> list[fx.Node]:

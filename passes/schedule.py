@@ -104,8 +104,8 @@ def _checked(stages: Sequence[StageSpec]) -> list[StageSpec]:
 
 
 def resident_after_forward(program: Program) -> list[int]:
-    """Stages still resident when the forward phase ends, in slot order."""
-    held: dict[int, int] = {}
+    """Stages still resident when the forward phase ends, in slot order (persistent ones too)."""
+    held: dict[int, int] = {st: k for k, st in enumerate(program.persistent)}
     for n in program.phase_nodes("forward"):
         m = get_meta(n)
         if m.kind == PF:
@@ -122,8 +122,10 @@ def eval_program(program: Program) -> Program:
     is kept for a backward.
     """
     acts = [get_meta(n).action for n in program.phase_nodes("forward")]
-    acts += [Action(R, s) for s in resident_after_forward(program)]
-    return lower_actions(acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False)
+    acts += [Action(R, s) for s in resident_after_forward(program) if s not in program.persistent]
+    return lower_actions(
+        acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False, persistent=program.persistent
+    )
 
 
 def cold_backward_program(program: Program) -> Program:
@@ -135,10 +137,13 @@ def cold_backward_program(program: Program) -> Program:
     program).
     """
     back = [get_meta(n).action for n in program.phase_nodes("backward")]
-    acts = [Action(PF, s) for s in resident_after_forward(program)] + back
+    acts = [Action(PF, s) for s in resident_after_forward(program) if s not in program.persistent] + back
     # The leading PFs belong to the backward phase: lowering starts in "forward" until the
     # first B, so mark them by lowering and then fixing the phase.
-    prog = lower_actions(acts, program.stages, program.num_slots, name=f"{program.name}/cold-backward", keep_graph=False)
+    prog = lower_actions(
+        acts, program.stages, program.num_slots, name=f"{program.name}/cold-backward", keep_graph=False,
+        persistent=program.persistent,
+    )  # fmt: skip
     from dataclasses import replace
 
     from .meta import set_meta
@@ -150,4 +155,9 @@ def cold_backward_program(program: Program) -> Program:
     return prog
 
 
-POLICIES: dict[str, Callable[..., Program]] = {"stronghold": schedule_window}
+def __getattr__(name: str):
+    if name == "POLICIES":  # the registry lives with the policies (passes.policies)
+        from .policies import POLICIES
+
+        return POLICIES
+    raise AttributeError(name)

@@ -33,6 +33,11 @@ class StageSpec:
         activation_bytes: bytes of the boundary outputs this stage's forward keeps on the device
             for the backward (its checkpoint contribution).
         slot_bytes: bytes of the stage's slot layout (what it occupies on the device).
+        update_bytes: bytes of the trainable parameters of the group the stage owns (what its
+            optimizer update reads and writes; 0 when it owns none).
+        grad_group_bytes: ``(group, bytes)`` of the gradients the stage sends to each group
+            (empty: all of ``grad_bytes`` to its own); an OFFLOAD_GRAD moves only those of groups
+            updated on the host.
     """
 
     index: int
@@ -45,6 +50,8 @@ class StageSpec:
     update_group: int | None = None
     activation_bytes: int = 0
     slot_bytes: int = 0
+    update_bytes: int = 0
+    grad_group_bytes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if any(p >= self.index for p in self.producers):
@@ -60,6 +67,12 @@ class StageSpec:
     @property
     def mutates_buffers(self) -> bool:
         return self.buffer_out_bytes > 0
+
+    def grad_bytes_to(self, groups: frozenset[int] | set[int]) -> int:
+        """Gradient bytes this stage sends to ``groups``."""
+        if not self.grad_group_bytes:
+            return self.grad_bytes if (self.grad_groups & set(groups)) else 0
+        return sum(n for g, n in self.grad_group_bytes if g in groups)
 
 
 def chain(
@@ -83,8 +96,10 @@ def chain(
     specs = []
     for i in range(n):
         groups = {i} if grad_bytes else set()
+        by_group = ((i, grad_bytes),) if grad_bytes else ()
         if tied is not None and i == tied[1]:
             groups.add(tied[0])
+            by_group = ((i, grad_bytes // 2), (tied[0], grad_bytes - grad_bytes // 2))
         specs.append(
             StageSpec(
                 index=i,
@@ -97,6 +112,8 @@ def chain(
                 update_group=i if grad_bytes else None,
                 activation_bytes=activation_bytes,
                 slot_bytes=prefetch_bytes,
+                update_bytes=grad_bytes if not (tied is not None and i == tied[1]) else grad_bytes // 2,
+                grad_group_bytes=by_group,
             )
         )
     return specs

@@ -14,8 +14,14 @@ the lowering that built it):
 4. **data flow**: F waits for its producers' F; B waits for its consumers' B.
 5. **grads before update**: a CPU_STEP waits for the OFFLOAD_GRAD of every stage that sends
    gradients to its group.
-6. **completeness**: train programs run F and B of every stage once, OG once per stage with
-   grads, U once per trainable group, and end with every slot released.
+6. **completeness**: train programs run F and B of every stage once, OG once per stage sending
+   gradients to a host-updated group, exactly one update (U on the host or DU on the device) per
+   trainable group, and end with every slot released except the persistent stages'.
+
+Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a PREFETCH of
+one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
+stage owning its group and waits for the BACKWARD of every stage sending it gradients; an
+OFFLOAD_PARAMS waits for the DEVICE_STEP of its stage's group.
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ from typing import Literal
 import torch.fx as fx
 
 from .meta import get_meta
-from .program import B, F, OB, OG, PF, R, U, ActionKind, Program, ScheduleError
+from .program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
 from .stages import consumers_of
 
 __all__ = ["verify_program", "VerificationError"]
 
-_SLOTTED = {PF, F, OB, R, B, OG}
-_READERS = {F, OB, B, OG}
+_SLOTTED = {PF, F, OB, R, B, OG, OP}
+_READERS = {F, OB, B, OG, OP}
 
 
 class VerificationError(ScheduleError):
@@ -93,11 +99,16 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
     def waits_done(n: fx.Node, d: fx.Node) -> bool:
         return bool(done[n] >> index[d] & 1)
 
-    # 2./3. residency and slot reuse, walking in issue order
-    resident: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # stage -> (slot, PF, readers)
-    slot_holder: dict[int, int] = {}  # slot -> stage
+    # 2./3. residency and slot reuse, walking in issue order; persistent stages start resident
+    # (loaded before the step: no PF to wait for)
+    resident: dict[int, tuple[int, fx.Node | None, list[fx.Node]]] = {
+        st: (k, None, []) for k, st in enumerate(program.persistent)
+    }  # stage -> (slot, PF, readers)
+    slot_holder: dict[int, int] = {k: st for k, st in enumerate(program.persistent)}  # slot -> stage
     last_release: dict[int, fx.Node] = {}
     last: dict[tuple[ActionKind, int], fx.Node] = {}
+    owner_of = {st.update_group: st.index for st in program.stages if st.update_group is not None}
+    dev_groups = program.device_groups()
     for n in nodes:
         m = get_meta(n)
         k, s = m.kind, m.stage
@@ -110,7 +121,17 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
                 continue
         if k == PF:
             if s in resident:
-                bad.append((n, f"{act(n)} prefetches stage {s}, which is already resident in slot {resident[s][0]}"))
+                if s not in program.persistent:
+                    bad.append((n, f"{act(n)} prefetches stage {s}, which is already resident in slot {resident[s][0]}"))
+                    continue
+                slot, _, readers = resident[s]  # a refresh of a persistent stage's slot
+                if m.slot != slot:
+                    bad.append((n, f"{act(n)} refreshes stage {s} into slot {m.slot}, but it is in slot {slot}"))
+                for r in readers:
+                    if not waits(n, r):
+                        bad.append((n, f"{act(n)} overwrites stage {s}'s slot before its reader {act(r)} is done"))
+                resident[s] = (slot, n, [])
+                last[(k, s)] = n
                 continue
             if m.slot in slot_holder:
                 bad.append((n, f"{act(n)} fills slot {m.slot} while stage {slot_holder[m.slot]} still holds it"))
@@ -127,8 +148,10 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
             slot, pf, readers = resident[s]
             if m.slot != slot:
                 bad.append((n, f"{act(n)} uses slot {m.slot}, but stage {s} is in slot {slot}"))
-            if not waits(n, pf):
+            if pf is not None and not waits(n, pf):
                 bad.append((n, f"{act(n)} does not wait for {act(pf)}, which fills stage {s}'s slot"))
+            if k == R and s in program.persistent:
+                bad.append((n, f"{act(n)} releases stage {s}, which is persistent (resident across steps)"))
             if k == R:
                 for r in readers:
                     if not waits(n, r):
@@ -157,11 +180,33 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
             fs = last.get((F, s))
             if fs is None or not waits(n, fs):
                 bad.append((n, f"{act(n)} copies stage {s}'s mutated buffers but does not wait for F{s}"))
-        # 5. grads on the host before the update reads them
+        elif k == OP:
+            du = last.get((DU, stages[s].update_group))
+            if du is None or not waits(n, du):
+                bad.append((n, f"{act(n)} copies stage {s}'s parameters back before DU{stages[s].update_group} updated them"))
+        # 5. grads on the host (device) before the update reads them
+        elif k == DU:
+            own = owner_of.get(s)
+            if own is None:
+                bad.append((n, f"{act(n)} updates group {s}, which no stage owns"))
+            elif own not in resident:
+                bad.append((n, f"{act(n)} updates group {s} on the device while its stage {own} is not resident"))
+            else:
+                slot, pf, readers = resident[own]
+                if m.slot != slot:
+                    bad.append((n, f"{act(n)} uses slot {m.slot}, but stage {own} is in slot {slot}"))
+                readers.append(n)
+            for st in program.stages:
+                if s in st.grad_groups:
+                    b = last.get((B, st.index))
+                    if b is None or not waits(n, b):
+                        bad.append((n, f"{act(n)} reads group {s}'s gradients before B{st.index} produced stage {st.index}'s"))
         elif k == U:
             owners = [st.index for st in program.stages if st.update_group == s]
             if not owners:
                 bad.append((n, f"{act(n)} updates group {s}, which no stage owns"))
+            if s in dev_groups:
+                bad.append((n, f"{act(n)} updates group {s} on the host, but DU{s} updates it on the device"))
             for st in program.stages:
                 if s in st.grad_groups:
                     og = last.get((OG, st.index))
@@ -182,15 +227,17 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
         need += [(F, s) for s in stages]
     if expect in ("train", "backward"):
         need += [(B, s) for s in stages]
-        need += [(OG, s) for s, st in stages.items() if st.has_grads]
-        need += [(U, st.update_group) for st in stages.values() if st.update_group is not None]
+        # a stage's gradients go to the host when any group it sends them to is updated there
+        need += [(OG, s) for s, st in stages.items() if st.has_grads and (st.grad_groups - dev_groups)]
+        need += [(DU if st.update_group in dev_groups else U, st.update_group) for st in stages.values() if st.update_group is not None]
     for key in need:
         c = counts.get(key, 0)
         if c != 1:
             bad.append((None, f"{key[0].value}{key[1]} appears {c} times; a {expect} program needs it exactly once"))
-    if expect in ("train", "eval", "backward") and resident:
-        held = ", ".join(f"stage {s} (slot {sl})" for s, (sl, _, _) in sorted(resident.items()))
-        bad.append((None, f"the program ends with {held} still resident; release every slot"))
+    left = {s: v for s, v in resident.items() if s not in program.persistent}
+    if expect in ("train", "eval", "backward") and left:
+        held = ", ".join(f"stage {s} (slot {sl})" for s, (sl, _, _) in sorted(left.items()))
+        bad.append((None, f"the program ends with {held} still resident; release every slot but the persistent stages'"))
     if bad:
         raise VerificationError(program, bad)
     return program

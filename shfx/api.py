@@ -12,9 +12,11 @@ from torch.autograd.function import once_differentiable
 
 from passes.capture import capture_model, flatten_inputs
 from passes.partition import partition_stages
-from passes.program import Program
+from passes.meta import get_meta
+from passes.program import ActionKind, Program
 from passes.retarget import retarget_device
-from passes.schedule import POLICIES, check_window, cold_backward_program, eval_program
+from passes.policies import POLICIES
+from passes.schedule import check_window, cold_backward_program, eval_program
 from passes.units import format_bytes
 from passes.verify import verify_program
 
@@ -111,6 +113,7 @@ class CompiledModel:
         window: int | str = 2,
         optimizer: AdamW | None = None,
         policy: str | Callable[..., Program] = "stronghold",
+        resident_first: int = 0,
         blocks: Any = None,
         num_stages: int | None = None,
         grad_accum_steps: int = 1,
@@ -151,6 +154,10 @@ class CompiledModel:
                 raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}, or a function (stage_specs, window) -> Program")
         elif not callable(policy):
             raise TypeError(f"policy must be a name ({', '.join(sorted(POLICIES))}) or a function (stage_specs, window) -> Program")
+        if isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0:
+            raise ValueError(f"resident_first must be an int >= 0 (stages kept on the device with their optimizer), got {resident_first!r}")
+        if resident_first and policy != "stronghold":
+            raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; policy {policy!r} does not take it")
         if optimizer is not None and not isinstance(optimizer, AdamW):
             raise TypeError(
                 f"optimizer must be shfx.optim.AdamW(...) (it runs on the host next to the master weights), "
@@ -159,6 +166,7 @@ class CompiledModel:
         self.module = model
         self.optimizer = optimizer
         self.policy = policy
+        self.resident_first = resident_first
         self.window = window
         self.tune_tolerance = tune_tolerance
         self.blocks = blocks
@@ -213,7 +221,7 @@ class CompiledModel:
             for st in graph.stages:
                 st.gm = retarget_device(st.gm, self._backend.device)
         specs = graph.specs
-        make = POLICIES[self.policy] if isinstance(self.policy, str) else self.policy
+        make = self._policy_fn()
         report = None
         if self.window == "auto":
             self._check_capacity(graph, 1)
@@ -230,11 +238,34 @@ class CompiledModel:
             self._reports[captured.signature] = report
         return variant
 
+    def _policy_fn(self) -> Callable[..., Program]:
+        if not isinstance(self.policy, str):
+            return self.policy
+        if self.policy == "stronghold" and self.resident_first:
+            from passes.policies import schedule_stronghold
+
+            k = self.resident_first
+            return lambda specs, w: schedule_stronghold(specs, w, resident_first=k)
+        return POLICIES[self.policy]
+
     def _programs(self, captured, graph, make, w: int) -> Variant:
         train = make(graph.specs, w)
         if not isinstance(train, Program):
             raise TypeError(f"policy {self.policy!r} returned {type(train).__name__}, not a passes.Program")
         ev, cold = eval_program(train), cold_backward_program(train)
+        transient_du = [
+            get_meta(n).stage
+            for n in train.nodes
+            if get_meta(n).kind == ActionKind.DEVICE_STEP
+            and next(st.index for st in graph.stages if st.spec.update_group == get_meta(n).stage) not in train.persistent
+        ]
+        eng = self._engine_kwargs
+        if transient_du and (eng["grad_accum_steps"] > 1 or not eng["overlap_update"]):
+            raise UsageError(
+                f"policy {train.name!r} updates groups {transient_du} on the device while their stage is resident "
+                "during the backward, so it cannot defer updates: use grad_accum_steps=1 and overlap_update=True, "
+                "or another policy"
+            )
         if self.verify:
             verify_program(train, "train")
             verify_program(ev, "eval")
@@ -342,14 +373,27 @@ class CompiledModel:
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The model's state dict (its own names); the weights are the current host master."""
+        """The model's state dict (its own names); the weights are the current host master
+        (weights a policy updates on the device are copied back first)."""
         self._settle()
+        if self._engine is not None:
+            self._engine.sync_to_host()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
         """Load weights into the host store (through the model's own tensors)."""
         self._settle()
-        return self.module.load_state_dict(state_dict, strict=strict)
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        if self._engine is not None:
+            self._engine.invalidate_device_weights()
+        return result
+
+    def sync(self) -> None:
+        """Make the model's own tensors current: copy weights a policy updates on the device (the
+        ``resident`` policy, stronghold's first stages) back to the host. ``state_dict`` does it."""
+        self._settle()
+        if self._engine is not None:
+            self._engine.sync_to_host()
 
     def _settle(self) -> None:
         if self._engine is not None and self._engine.pending_updates:
@@ -390,7 +434,7 @@ class CompiledModel:
         rep = self._reports.get(v.signature)
         if rep is None:
             self._settle()
-            make = POLICIES[self.policy] if isinstance(self.policy, str) else self.policy
+            make = self._policy_fn()
             rep = self._tune(v, self._last_tensors or [], make, how="fixed")
             self._reports[v.signature] = rep
         return rep
@@ -463,8 +507,13 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             the first call, simulate every window, and take the smallest within ``tune_tolerance``
             of the fastest that fits (``cm.report()`` explains the choice).
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
-        policy: the schedule: ``"stronghold"`` (the window policy), or a function
+        policy: the schedule: ``"stronghold"`` (the window policy, default), ``"resident"``
+            (Megatron-like: everything and the optimizer on the device), ``"l2l"``,
+            ``"zero-offload"``, ``"zero-infinity"`` (see ``passes.policies``), or a function
             ``(stage_specs, window) -> passes.Program`` (e.g. built with ``passes.lower_actions``).
+        resident_first: with ``policy="stronghold"``, keep the first k stages resident with their
+            optimizer on the device, so the next forward starts without waiting for their host
+            updates (STRONGHOLD's refinement).
         blocks: module path of the repeated blocks (default: auto-detected), or False to split
             by parameter bytes into ``num_stages`` stages.
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.

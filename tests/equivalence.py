@@ -68,6 +68,7 @@ def run_pair(
         cm.zero_grad()
         opt.step()
         opt.zero_grad()
+    cm.sync()  # weights a policy updates on the device back into the model's own tensors
     return losses, ref_losses, cm, model, ref
 
 

@@ -38,6 +38,7 @@ def gpt_like_specs(l: int, h: int, s: int, b: int, V: int, **_) -> list[StageSpe
                 sp_,
                 prefetch_bytes=slot,
                 grad_bytes=int(fm.FP32 * counts[kind]["grad"]),
+                grad_group_bytes=(),  # every gradient byte goes to the host (no device updates here)
                 slot_bytes=slot,
                 activation_bytes=fm.FP32 if kind == "tail" else act,  # the tail keeps the loss
             )
@@ -175,7 +176,7 @@ def test_gpt_step_time_is_exact_for_random_heterogeneous_ends():
         d2h = rng.choice([h2d, 1.5 * h2d])
         kinds = [H] + [B] * l + [T]
         specs = [
-            replace(x, prefetch_bytes=k["nb"], grad_bytes=k["nb"], slot_bytes=k["nb"])
+            replace(x, prefetch_bytes=k["nb"], grad_bytes=k["nb"], slot_bytes=k["nb"], grad_group_bytes=())
             for x, k in zip(chain(n, tied=(0, n - 1)), kinds)
         ]
         costs = CostTable([StageCost(k["f"], k["b"], update_s=k["u"]) for k in kinds], Links(h2d, d2h))

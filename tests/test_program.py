@@ -10,7 +10,7 @@ from passes.schedule import check_window, cold_backward_program, eval_program, s
 from passes.stages import StageSpec, chain
 
 
-@pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0"])
+@pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0", "DU5", "OP1"])
 def test_action_round_trip(s):
     a = Action.from_str(s)
     assert str(a) == s
@@ -32,6 +32,8 @@ def test_streams_of_kinds():
         ActionKind.BACKWARD: "compute",
         ActionKind.OFFLOAD_GRAD: "d2h",
         ActionKind.CPU_STEP: "cpu",
+        ActionKind.DEVICE_STEP: "compute",
+        ActionKind.OFFLOAD_PARAMS: "d2h",
     }
 
 

@@ -223,10 +223,10 @@ def test_exception_in_backward_names_the_action(monkeypatch):
     cm, _ = compiled(2)
     real = Engine._backward
 
-    def boom(self, ctx, stage, slot, cold):
+    def boom(self, ctx, stage, *args):
         if stage.index == 1:
             raise ValueError("bad grad")
-        return real(self, ctx, stage, slot, cold)
+        return real(self, ctx, stage, *args)
 
     monkeypatch.setattr(Engine, "_backward", boom)
     with pytest.raises(shfx.ActionError, match="action B1") as e:

@@ -25,11 +25,12 @@ import torch.fx as fx
 from passes.capture import Captured, InputSignature
 from passes.meta import get_meta
 from passes.partition import Stage, StageGraph
-from passes.program import B, F, OB, OG, PF, R, U, ActionKind, ActionMeta, Program
+from passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
 from passes.units import format_bytes
 
 from ..errors import ActionError, OutOfDeviceMemory, UsageError
 from .backend import Backend
+from .device_optim import DeviceAdamW
 from .host_optim import HostAdamW
 from .host_store import GRAD_NONE, GRAD_VALID, HostStore
 from .slots import SlotPool
@@ -53,6 +54,22 @@ class Variant:
     train: Program
     eval: Program
     cold: Program
+
+    @functools.cached_property
+    def device_groups(self) -> frozenset[int]:
+        """Groups updated on the device by this variant's programs."""
+        return frozenset(self.train.device_groups())
+
+    @functools.cached_property
+    def owner_of(self) -> dict[int, int]:
+        """Group -> the stage that owns it (its update's stage)."""
+        return {st.spec.update_group: st.index for st in self.graph.stages if st.spec.update_group is not None}
+
+    @functools.cached_property
+    def grad_buffer_sizes(self) -> list[int]:
+        progs = (self.train, self.eval, self.cold)
+        n = max(p.num_slots for p in progs)
+        return [max((p.grad_buffer_sizes()[k] if k < p.num_slots else 0) for p in progs) for k in range(n)]
 
     @functools.cached_property
     def slot_sizes(self) -> list[int]:
@@ -93,6 +110,8 @@ class StepContext:
         self.pre_buffers: dict[int, list[torch.Tensor]] = {}
         self.saved: dict[int, tuple] = {}
         self.checkpointed: dict[int, tuple] = {}  # stage -> (outputs, param/buffer/input leaves)
+        self.grad_src: dict[int, str] = {}  # stage -> where its backward wrote param grads ("slot"/"buffer")
+        self.dev_pending: dict[str, torch.Tensor] = {}  # borrowed param -> its grad, for a device-updated owner
         self.no_grads: set[int] = set()
         self.env: dict[fx.Node, Token] = {}
         self.accumulation = _Accumulation()
@@ -223,17 +242,35 @@ class Engine:
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list[str]] = {}
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.device_optimizer = DeviceAdamW(backend) if optimizer is not None else None
+        self.grad_buffers: list[torch.Tensor | None] = []  # per slot, for backwards that keep params
+        self.dev_grad_state: dict[int, int] = {}  # group -> GRAD_NONE/GRAD_VALID of its device gradient
+        self.dirty: set[int] = set()  # groups whose device weights are newer than the host's
+        self.loaded: Variant | None = None  # the variant whose persistent stages are on the device
+        self.current: Variant | None = None  # the variant of the last forward
         self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
         self._step_t0: float | None = None
 
     # ---- setup -----------------------------------------------------------------------------
-    def ensure_pool(self, sizes: list[int]) -> None:
-        """Make slot ``k`` hold at least ``sizes[k]`` bytes."""
+    def ensure_pool(self, sizes: list[int], grad_sizes: Sequence[int] = ()) -> None:
+        """Make slot ``k`` hold at least ``sizes[k]`` bytes, and its gradient buffer
+        ``grad_sizes[k]`` (for backwards that write gradients beside the parameters)."""
         if self.pool is None:
             self.pool = SlotPool(self.backend, sizes)
         elif len(sizes) > self.pool.num_slots or any(n > m for n, m in zip(sizes, self.pool.sizes)):
             self._evict()
+            if self.loaded is not None and self.loaded.train.persistent:
+                self.sync_to_host()
+                self.loaded = None  # persistent stages reload into the new slots
             self.pool.resize(sizes)
+        while len(self.grad_buffers) < len(grad_sizes):
+            self.grad_buffers.append(None)
+        for k, n in enumerate(grad_sizes):
+            cur = self.grad_buffers[k]
+            if n and (cur is None or cur.numel() < n):
+                if cur is not None:
+                    self.backend.free_device(cur)
+                self.grad_buffers[k] = self.backend.alloc_device(n, f"gradient buffer of slot {k}")
 
     # ---- issuing -----------------------------------------------------------------------------
     def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
@@ -256,7 +293,7 @@ class Engine:
         issued: list[tuple[fx.Node, Token]] = []
         for node in nodes:
             meta = get_meta(node)
-            if meta.kind == U and skip_updates:
+            if meta.kind in (U, DU) and skip_updates:
                 continue
             deps = [ctx.env[d] for d in program.deps(node) if d in ctx.env]
             try:
@@ -266,7 +303,7 @@ class Engine:
             tok.label = str(meta.action)
             ctx.env[node] = tok
             issued.append((node, tok))
-            if meta.kind == U:
+            if meta.kind in (U, DU):
                 self.pending_updates.append((str(meta.action), tok))
             if serial:
                 tok.wait()
@@ -280,24 +317,52 @@ class Engine:
             return JoinToken([d.reads_done for d in deps], label)
         if m.kind == U:
             return b.cpu.submit(self._timed(self._update_task(m.stage), m), deps, label)
+        if m.kind == DU:
+            return b.compute.submit(self._timed(self._device_step_task(ctx.variant, m.stage, m.slot), m), deps, label)
         stage = g.stages[m.stage]
+        if m.kind == OP:
+            return b.d2h.submit(self._timed(lambda: self._offload_params(stage, m.slot), m), deps, label)
         if m.kind == PF:
-            return b.h2d.submit(self._timed(lambda: self._prefetch(stage, m.slot), m), deps, label)
+            return b.h2d.submit(self._timed(lambda: self._prefetch(stage, m.slot, ctx.variant), m), deps, label)
         if m.kind == F:
             return b.compute.submit(self._timed(lambda: self._forward(ctx, stage, m.slot, m.keep_graph), m), deps, label)
         if m.kind == OB:
             return b.d2h.submit(self._timed(lambda: self._offload_buffers(stage, m.slot), m), deps, label)
         if m.kind == B:
-            return b.compute.submit(self._timed(lambda: self._backward(ctx, stage, m.slot, cold), m), deps, label)
+            grads_to = m.grads_to or "slot"
+            return b.compute.submit(self._timed(lambda: self._backward(ctx, stage, m.slot, cold, grads_to), m), deps, label)
         if m.kind == OG:
             return self._offload_grad(ctx, stage, m, deps)
         raise AssertionError(f"unknown action {m.action}")
 
     # ---- actions ----------------------------------------------------------------------------
-    def _prefetch(self, stage: Stage, slot: int) -> None:
+    def _prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:
+        """Copy the stage's parameters and buffers into ``slot``: from the host, or, for copies of
+        a group updated on the device in a persistent owner's slot, from there (the host is stale)."""
         for c in stage.slot.prefetch:
-            src = self.store.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes]
-            self.backend.h2d_copy(self.pool.region(slot, c.slot_offset, c.nbytes), src)
+            dst = self.pool.region(slot, c.slot_offset, c.nbytes)
+            src = self._device_copy_source(variant, stage.index, c) if variant is not None else None
+            if src is not None:
+                dst.copy_(src)
+            else:
+                self.backend.h2d_copy(dst, self.store.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes])
+
+    def _group_base(self, variant: Variant, group: int) -> tuple[int, int]:
+        """(owner stage, offset of the group's first byte in the owner's slot): a group is laid
+        out in its owner's slot as on the host."""
+        owner = variant.graph.stages[variant.owner_of[group]]
+        grp = self.store.groups[group]
+        first = grp.infos[0].key
+        return owner.index, owner.slot.offsets[first] - grp.offsets[first]
+
+    def _device_copy_source(self, variant: Variant, stage: int, c: Any) -> torch.Tensor | None:
+        """Where a borrowed copy's current values are on the device, if the host's are stale."""
+        if c.group not in variant.device_groups:
+            return None
+        owner, base = self._group_base(variant, c.group)
+        if owner == stage or owner not in variant.train.persistent:
+            return None  # the owner itself, or a transient owner that copies its update back (OP)
+        return self.pool.region(variant.train.persistent.index(owner), base + c.host_offset, c.nbytes)
 
     def _offload_buffers(self, stage: Stage, slot: int) -> None:
         for c in stage.slot.buffers_out:
@@ -372,7 +437,7 @@ class Engine:
             return True  # stage times on a GPU dwarf the bookkeeping, which overlaps the kernels
         return self._forward_s.get(id(stage), 0.0) > _EARLY_STOP_MIN_S
 
-    def _backward(self, ctx: StepContext, stage: Stage, slot: int, cold: bool) -> None:
+    def _backward(self, ctx: StepContext, stage: Stage, slot: int, cold: bool, grads_to: str = "slot") -> None:
         g = ctx.variant.graph
         s = stage.index
         gouts = [ctx.grads.get(v) for v in stage.outputs]
@@ -414,14 +479,7 @@ class Engine:
             for i, gr in zip(in_idx, grads[: len(in_idx)]):
                 if gr is not None:
                     ctx.add_grad(stage.inputs[i], gr)
-            # param grads overwrite the params in the slot (they are no longer needed there)
-            with torch.no_grad():
-                for i, gr in zip(p_idx, grads[len(in_idx) :]):
-                    dst = views[stage.params[i]]
-                    if gr is None:
-                        dst.zero_()
-                    else:
-                        dst.copy_(gr)
+            self._write_param_grads(ctx, stage, slot, views, [stage.params[i] for i in p_idx], grads[len(in_idx) :], grads_to)
         finally:
             ctx.saved.pop(s, None)
             ctx.pre_buffers.pop(s, None)
@@ -430,6 +488,131 @@ class Engine:
                 ctx.drop_grad(v)
             for v in ctx.free_after_b.get(s, []):
                 ctx.drop(v)
+
+    def _write_param_grads(
+        self, ctx: StepContext, stage: Stage, slot: int, views: dict, keys: list[str], grads: Sequence, grads_to: str
+    ) -> None:
+        """Put a stage's parameter gradients where the rest of the program reads them.
+
+        ``"slot"``: over the parameters in the slot (they are not needed there any more); the OG
+        copies them to the host. ``"buffer"``: into the slot's device gradient buffer (the
+        parameters stay: the stage is persistent or updated on the device). Gradients of groups
+        updated on the device accumulate there across backward calls; a borrowed parameter whose
+        owner is updated on the device waits in ``ctx.dev_pending`` and is added to the owner's
+        contribution first (``G += own + borrowed``, as on the host)."""
+        v = ctx.variant
+        dev = v.device_groups
+        owner = v.graph.owner
+        own_group = stage.spec.update_group
+        ctx.grad_src[stage.index] = grads_to
+        first = self.dev_grad_state.get(own_group, GRAD_NONE) == GRAD_NONE
+        gbuf = self._grad_buffer(slot) if grads_to == "buffer" else None
+        with torch.no_grad():
+            for key, gr in zip(keys, grads):
+                grp = owner[key]
+                if grp in dev and grp != own_group:  # borrowed; its owner updates it on the device
+                    if gr is not None:
+                        prev = ctx.dev_pending.get(key)
+                        ctx.dev_pending[key] = gr if prev is None else prev + gr
+                    continue
+                pend = ctx.dev_pending.pop(key, None)
+                if pend is not None:
+                    gr = pend if gr is None else gr + pend
+                if gbuf is None:
+                    dst = views[key]
+                else:
+                    info = v.graph.tensors[key]
+                    off = stage.slot.offsets[key]
+                    dst = gbuf[off : off + info.nbytes].view(info.dtype).view(info.shape)
+                if grp in dev and not first:
+                    if gr is not None:
+                        dst.add_(gr)
+                elif gr is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(gr)
+        if own_group in dev:
+            self.dev_grad_state[own_group] = GRAD_VALID
+
+    def _grad_buffer(self, slot: int) -> torch.Tensor:
+        buf = self.grad_buffers[slot] if slot < len(self.grad_buffers) else None
+        if buf is None:  # pragma: no cover - ensure_pool allocates them
+            raise AssertionError(f"slot {slot} has no gradient buffer")
+        return buf
+
+    def _device_step_task(self, variant: Variant, group: int, slot: int) -> Callable[[], None]:
+        """DU: AdamW on the device for ``group``, in the slot of the stage owning it."""
+        if self.device_optimizer is None:
+            return lambda: None
+        hp = self.optimizer.config.hyperparams()
+        owner, base = self._group_base(variant, group)
+        grp = self.store.groups[group]
+
+        def run() -> None:
+            if self.dev_grad_state.get(group, GRAD_NONE) != GRAD_VALID:
+                return
+            n = grp.trainable_bytes
+            params = self.pool.region(slot, base, n).view(torch.float32)
+            grads = self._grad_buffer(slot)[base : base + n].view(torch.float32)
+            self.device_optimizer.update(grp, params, grads, hp)
+            self.dirty.add(group)
+            # persistent borrowers (tied weights) hold copies: refresh them (every contributor's
+            # backward, the last reader of those copies this step, is done)
+            for k, s in enumerate(variant.train.persistent):
+                if s == owner:
+                    continue
+                for c in variant.graph.stages[s].slot.prefetch:
+                    if c.group == group:
+                        self.pool.region(k, c.slot_offset, c.nbytes).copy_(self.pool.region(slot, base + c.host_offset, c.nbytes))
+
+        return run
+
+    def _offload_params(self, stage: Stage, slot: int) -> None:
+        """OP: the stage's updated parameters (its own group's trainable region) back to the host."""
+        g = stage.spec.update_group
+        grp = self.store.groups[g]
+        base = stage.slot.offsets[grp.infos[0].key] - grp.offsets[grp.infos[0].key]
+        self.backend.d2h_copy(self.store.group_bytes(g)[: grp.trainable_bytes], self.pool.region(slot, base, grp.trainable_bytes))
+        self.dirty.discard(g)
+
+    def sync_to_host(self) -> None:
+        """Copy the weights updated on the device (persistent stages) back to the host store."""
+        v = self.loaded
+        if v is None or not self.dirty:
+            return
+        toks = []
+        for g in sorted(self.dirty):
+            st = v.graph.stages[v.owner_of[g]]
+            slot = v.train.persistent.index(st.index)
+            toks.append(self.backend.d2h.submit(lambda st=st, slot=slot: self._offload_params(st, slot)))
+        for t in toks:
+            t.wait()
+        errors = [t.error for t in toks if t.error is not None]
+        if errors:
+            raise errors[0]
+
+    def _ensure_persistent(self, variant: Variant) -> None:
+        """Load the variant's persistent stages into their slots (once; again after another
+        variant or new weights took them)."""
+        if self.loaded is variant:
+            return
+        self.sync_to_host()
+        self.loaded = None
+        toks = [
+            self.backend.h2d.submit(lambda st=variant.graph.stages[s], k=k: self._prefetch(st, k))
+            for k, s in enumerate(variant.train.persistent)
+        ]
+        for t in toks:
+            t.wait()
+        errors = [t.error for t in toks if t.error is not None]
+        if errors:
+            raise errors[0]
+        self.loaded = variant
+
+    def invalidate_device_weights(self) -> None:
+        """The host weights changed (load_state_dict): persistent stages reload before the next step."""
+        self.dirty.clear()
+        self.loaded = None
 
     def _offload_grad(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token]) -> Token:
         """OG: copy the stage's param grads device -> host and accumulate them in fp32.
@@ -449,11 +632,19 @@ class Engine:
         acc = ctx.accumulation
         plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
 
+        dev = ctx.variant.device_groups
+
         def copy_out() -> None:
             if stage.index in ctx.no_grads:
                 return
+            from_buffer = ctx.grad_src.get(stage.index) == "buffer"
             for c in stage.slot.grads:
-                src = self.pool.region(slot, c.slot_offset, c.nbytes)
+                if c.group in dev:
+                    continue  # updated on the device: the gradient stays there
+                if from_buffer:
+                    src = self._grad_buffer(slot)[c.slot_offset : c.slot_offset + c.nbytes]
+                else:
+                    src = self.pool.region(slot, c.slot_offset, c.nbytes)
                 # the owner's copy of its whole group; borrowers' copies wait in pending
                 full = (
                     c.group == stage.spec.update_group
@@ -596,7 +787,10 @@ class Engine:
                 "update during backward). To defer updates to step() instead, compile with overlap_update=False."
             )
         self._evict()
-        self.ensure_pool(variant.slot_sizes)
+        self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
+        self._ensure_persistent(variant)
+        if not serial:
+            self.current = variant
         self.trace.clear()  # the trace covers the last forward and what follows it
         if grad and not serial and self._step_t0 is None:
             self._step_t0 = time.perf_counter()
@@ -661,7 +855,7 @@ class Engine:
                 if gr is not None and variant.graph.values[v].differentiable:
                     ctx.add_grad(v, gr)
             issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial)
-            self._wait(program, [(n, t) for n, t in issued if get_meta(n).kind != U])
+            self._wait(program, [(n, t) for n, t in issued if get_meta(n).kind not in (U, DU)])
         except BaseException:
             self.pending_updates.clear()
             self._fail_cleanup(ctx)
@@ -689,10 +883,25 @@ class Engine:
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
         if not self.pending_updates:
-            groups = [i for i, g in enumerate(self.store.groups) if g.trainable_bytes and self.store.grad_state[i] == GRAD_VALID]
+            v = self.current
+            dev = v.device_groups if v is not None else frozenset()
+            groups = [
+                i
+                for i, g in enumerate(self.store.groups)
+                if g.trainable_bytes and i not in dev and self.store.grad_state[i] == GRAD_VALID
+            ]
             for gi in groups:
                 tok = self.backend.cpu.submit(self._update_task(gi), [], f"U{gi}")
                 self.pending_updates.append((f"U{gi}", tok))
+            for gi in sorted(dev):
+                if self.dev_grad_state.get(gi, GRAD_NONE) != GRAD_VALID:
+                    continue
+                owner = v.owner_of[gi]
+                if self.loaded is not v or owner not in v.train.persistent:  # pragma: no cover - refused at compile
+                    raise UsageError(f"group {gi} is updated on the device while its stage is resident; it is not now")
+                slot = v.train.persistent.index(owner)
+                tok = self.backend.compute.submit(self._device_step_task(v, gi, slot), [], f"DU{gi}")
+                self.pending_updates.append((f"DU{gi}", tok))
         pending, self.pending_updates = self.pending_updates, []
         self.backward_calls = 0
         for _, tok in pending:
@@ -723,14 +932,29 @@ class Engine:
             for _, p in keys:
                 if set_to_none:
                     p.grad = None
+        # device gradients: the next backward copies instead of adding (0 + g == g exactly, so
+        # set_to_none=False needs no zeroing there)
+        for g in list(self.dev_grad_state):
+            self.dev_grad_state[g] = GRAD_NONE
         if not set_to_none:
             self.expose_grads()
 
     def close(self) -> None:
+        """Copy device-updated weights back to the host, then free the device."""
         self._evict()
-        if self.pool is not None:
-            self.pool.close()
-        self.backend.close()
+        try:
+            self.sync_to_host()
+        finally:
+            if self.device_optimizer is not None:
+                self.device_optimizer.close()
+            for buf in self.grad_buffers:
+                if buf is not None:
+                    self.backend.free_device(buf)
+            self.grad_buffers = []
+            if self.pool is not None:
+                self.pool.close()
+            self.loaded = None
+            self.backend.close()
 
     def memory_summary(self) -> str:
         b = self.backend

@@ -1,0 +1,71 @@
+"""The optimizer on the device, for policies that keep it there (``resident``, ``l2l``, the
+first stages of ``stronghold``).
+
+AdamW states (m, v) of a group live on the device, laid out like the group's trainable region;
+an update runs ``torch._fused_adamw_`` on the stage's parameters in its slot and the gradients
+in the slot's gradient buffer, with the same per-parameter (merged) views as the host
+optimizer, so results are bitwise those of the host update on the emulated device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from passes.layout import Group
+
+from .backend import Backend
+from .host_optim import _spans
+
+__all__ = ["DeviceAdamW"]
+
+
+class _DevState:
+    __slots__ = ("step", "m", "v", "spans")
+
+    def __init__(self, backend: Backend, group: Group):
+        n = group.trainable_bytes // 4
+        self.m = backend.alloc_device(4 * n, f"AdamW m of group {group.index} on the device").view(torch.float32)
+        self.v = backend.alloc_device(4 * n, f"AdamW v of group {group.index} on the device").view(torch.float32)
+        self.m.zero_()
+        self.v.zero_()
+        self.step = torch.zeros((), dtype=torch.float32, device=backend.device)
+        self.spans = _spans([(group.offsets[i.key] // 4, i.numel) for i in group.infos if i.kind == "param" and i.trainable])
+
+
+class DeviceAdamW:
+    """Device-side AdamW states per group; ``update`` steps one group in place."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.state: dict[int, _DevState] = {}
+
+    def update(self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict) -> None:
+        """Step ``group`` given fp32 views over its trainable region in the slot (``params``) and
+        in the gradient buffer (``grads``), both laid out like the host group."""
+        if hp["amsgrad"]:
+            raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
+        st = self.state.get(group.index)
+        if st is None:
+            st = self.state[group.index] = _DevState(self.backend, group)
+        if not st.spans:
+            return
+        st.step += 1
+        views = [[t[o : o + k] for o, k in st.spans] for t in (params, grads, st.m, st.v)]
+        torch._fused_adamw_(
+            *views,
+            [],
+            [st.step] * len(st.spans),
+            lr=hp["lr"],
+            beta1=hp["beta1"],
+            beta2=hp["beta2"],
+            weight_decay=hp["weight_decay"],
+            eps=hp["eps"],
+            amsgrad=False,
+            maximize=hp["maximize"],
+        )
+
+    def close(self) -> None:
+        for st in self.state.values():
+            self.backend.free_device(st.m.view(torch.uint8))
+            self.backend.free_device(st.v.view(torch.uint8))
+        self.state.clear()

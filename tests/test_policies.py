@@ -1,0 +1,133 @@
+"""Every policy trains exactly like eager PyTorch; golden programs; the verifier accepts them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from equivalence import assert_same_state, assert_trains_like_eager
+from zoo import ZOO, gpt_tied, token_batch
+
+import shfx
+from passes.policies import POLICIES, schedule_l2l, schedule_resident, schedule_stronghold, schedule_zero_infinity, schedule_zero_offload
+from passes.schedule import cold_backward_program, eval_program
+from passes.stages import chain
+from passes.verify import verify_program
+
+CASES = [
+    ("resident", {}),
+    ("l2l", {}),
+    ("zero-offload", {}),
+    ("zero-infinity", {}),
+    ("stronghold", {"resident_first": 1}),
+    ("stronghold", {"resident_first": 2}),
+]
+
+
+@pytest.mark.parametrize("policy,kw", CASES, ids=[f"{p}{kw.get('resident_first', '')}" for p, kw in CASES])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_policy_trains_like_eager(name, policy, kw):
+    make_model, make_batch = ZOO[name]
+    _, _, cm, model, ref = assert_trains_like_eager(make_model, make_batch, window=2, steps=4, policy=policy, **kw)
+    assert policy in cm.program.name
+    cm.close()
+    assert_same_state(model, ref)  # close() copied device-updated weights back
+
+
+@pytest.mark.parametrize("policy,kw", [("resident", {}), ("zero-offload", {}), ("stronghold", {"resident_first": 2})])
+def test_policy_gradient_accumulation(policy, kw):
+    _, _, cm, _, _ = assert_trains_like_eager(gpt_tied, token_batch, window=2, steps=3, accum=3, policy=policy, **kw)
+    cm.close()
+
+
+def test_l2l_refuses_deferred_updates():
+    cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(), policy="l2l", grad_accum_steps=2, optimizer=shfx.optim.AdamW())
+    (x, y), _, _ = token_batch(0)
+    with pytest.raises(shfx.UsageError, match="cannot defer updates"):
+        cm(x, y)
+    cm.close()
+
+
+def test_resident_state_dict_syncs_device_weights():
+    """The resident policy updates weights on the device; state_dict() reads them back."""
+    import copy
+
+    torch.manual_seed(0)
+    model = gpt_tied()
+    ref = copy.deepcopy(model)
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(), policy="resident", optimizer=shfx.optim.AdamW(lr=1e-2))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    (x, y), _, _ = token_batch(0)
+    cm(x, y).backward()
+    cm.step()
+    ref(x, y).backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sd = cm.state_dict()  # syncs
+    assert any(not torch.equal(before[k], sd[k]) for k in sd)  # the host was stale until now
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0)
+    # new weights on the host are loaded onto the device before the next step
+    cm.load_state_dict(before)
+    cm.zero_grad()
+    cm(x, y).backward()
+    cm.step()
+    cm.close()
+
+
+def test_resident_first_validation():
+    with pytest.raises(ValueError, match="refinement of the 'stronghold' policy"):
+        shfx.compile(gpt_tied(), policy="resident", resident_first=1)
+    with pytest.raises(ValueError, match="resident_first must be"):
+        shfx.compile(gpt_tied(), resident_first=-1)
+
+
+GOLDEN = {
+    "resident": "F0 F1 F2 F3 B3 DU3 B2 DU2 B1 DU1 B0 DU0",
+    "l2l": "PF0 F0 R0 PF1 F1 R1 PF2 F2 R2 PF3 F3 B3 DU3 OP3 R3 PF2 B2 DU2 OP2 R2 PF1 B1 DU1 OP1 R1 PF0 B0 DU0 OP0 R0",
+    "zero-offload": "F0 F1 F2 F3 B3 OG3 B2 OG2 B1 OG1 B0 OG0 U0 U1 U2 U3 PF0 PF1 PF2 PF3",
+    "zero-infinity": "PF0 PF1 F0 R0 PF2 F1 R1 PF3 F2 R2 F3 R3 PF3 PF2 B3 OG3 R3 PF1 B2 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0 U0 U1 U2 U3",
+    "stronghold": "PF0 PF1 F0 R0 PF2 F1 R1 PF3 F2 F3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_policy_programs(name):
+    p = POLICIES[name](chain(4), 2)
+    assert " ".join(p.actions()) == GOLDEN[name]
+    verify_program(p, "train")
+    verify_program(eval_program(p), "eval")
+    verify_program(cold_backward_program(p), "backward")
+
+
+def test_golden_stronghold_resident_first_with_tied_head():
+    """The first stage (the head, owning the tied embedding) stays resident and is updated on the
+    device after the tail's and its own backward; the tail sends the host only its own grads."""
+    specs = chain(4, tied=(0, 3))
+    p = schedule_stronghold(specs, 2, resident_first=1)
+    assert " ".join(p.actions()) == "PF1 PF2 F0 F1 R1 PF3 F2 F3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 B1 OG1 U1 R1 B0 DU0"
+    assert p.persistent == (0,) and p.device_groups() == {0}
+    og3 = p.find("OG3")
+    assert og3.meta["shfx"].bytes == specs[3].grad_bytes_to({3}) < specs[3].grad_bytes
+    verify_program(p)
+
+
+def test_policies_verify_over_a_grid():
+    for n in range(1, 6):
+        for tied in ((None, (0, n - 1)) if n > 1 else (None,)):
+            specs = chain(n, tied=tied, mutating=(0,))
+            progs = [schedule_resident(specs), schedule_l2l(specs), schedule_zero_offload(specs), schedule_zero_infinity(specs)]
+            progs += [schedule_stronghold(specs, w, resident_first=k) for w in (1, 2, 3) for k in range(n + 1)]
+            for p in progs:
+                verify_program(p, "train")
+                verify_program(eval_program(p), "eval")
+                verify_program(cold_backward_program(p), "backward")
+
+
+def test_memory_footprints_differ_as_expected():
+    """Same model, different device footprints: resident holds every stage plus gradients and
+    optimizer states; l2l one slot plus every group's optimizer states; zero-infinity two slots."""
+    specs = chain(6, prefetch_bytes=100, grad_bytes=100)
+    res, l2l, zinf = schedule_resident(specs), schedule_l2l(specs), schedule_zero_infinity(specs)
+    assert sum(res.slot_sizes()) == 600 and sum(res.grad_buffer_sizes()) == 600 and res.device_state_bytes() == 1200
+    assert sum(l2l.slot_sizes()) == 100 and sum(l2l.grad_buffer_sizes()) == 100 and l2l.device_state_bytes() == 1200
+    assert sum(zinf.slot_sizes()) == 200 and zinf.device_state_bytes() == 0
