@@ -131,6 +131,7 @@ def analytic_costs(
                 backward_s=3.0 * fwd,
                 backward_kept_s=2.0 * fwd,
                 update_s=28.0 * n_train / hw.host_mem_bps,
+                device_update_s=28.0 * n_train / hw.device_mem_bps,
                 accumulate_s=12.0 * n_train / hw.host_mem_bps,
             )
         )

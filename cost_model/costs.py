@@ -28,6 +28,8 @@ class StageCost:
         backward_kept_s: BACKWARD when the FORWARD kept its graph (no recompute); default
             ``backward_s - forward_s``.
         update_s: the host optimizer update of the group this stage owns (``CPU_STEP``).
+        device_update_s: the same update on the device (``DEVICE_STEP``, policies that keep the
+            optimizer there).
         accumulate_s: host time to add a staged gradient copy into the fp32 gradient buffer
             (only paid when gradients accumulate across backward calls).
         forward_cold_s, backward_cold_s, backward_kept_cold_s: the same actions when they start
@@ -43,6 +45,7 @@ class StageCost:
     forward_cold_s: float | None = None
     backward_cold_s: float | None = None
     backward_kept_cold_s: float | None = None
+    device_update_s: float = 0.0
 
     @property
     def backward_no_recompute_s(self) -> float:
@@ -64,6 +67,7 @@ class StageCost:
             forward_cold_s=sc(self.forward_cold_s),
             backward_cold_s=sc(self.backward_cold_s),
             backward_kept_cold_s=sc(self.backward_kept_cold_s),
+            device_update_s=self.device_update_s * compute,
         )
 
 

@@ -21,14 +21,19 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   no earlier than the end of the forward phase (``phase_barrier=True``, the default).
 - **Durations.** FORWARD: ``forward_s``. BACKWARD: ``backward_no_recompute_s`` when the stage's
   FORWARD before it in this program kept its graph (``meta.keep_graph``), else ``backward_s``.
-  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g``. Copies move
+  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g``; DEVICE_STEP
+  ``DU g`` (on the compute stream): its ``device_update_s``. OFFLOAD_PARAMS (``OP``) is a d2h
+  copy of the owner's updated parameters; a refreshing PREFETCH of a persistent stage is an
+  h2d copy like any other (it does not count as a new resident stage). Copies move
   ``meta.bytes`` over ``costs.links``: a copy of ``n > 0`` bytes first pays ``latency_s``, then
   moves its bytes at the link's rate; ``None`` bandwidth (or 0 bytes) is instantaneous.
 - **Links are a fluid model.** While transfers in both directions are moving bytes, each goes at
   ``duplex`` times its bandwidth; rates change whenever a transfer starts or ends moving bytes,
   so a copy's duration depends on what it overlaps with (the emulated backend's pacing).
 - **Memory.** The slot pool, ``sum(program.slot_sizes())`` (each slot sized to the largest stage
-  the program puts into it), is constant. Each stage's
+  the program puts into it), the gradient buffers of slots whose stage keeps its parameters
+  through the backward and the optimizer states of groups updated on the device
+  (:meth:`passes.program.Program.static_device_bytes`) are constant. Each stage's
   ``activation_bytes`` is allocated at the end of its FORWARD and freed at the end of the
   BACKWARD of its earliest consumer (its own BACKWARD when nothing consumes it); when a
   consumer's BACKWARD ends, a gradient of the producer's ``activation_bytes`` is allocated (once
@@ -88,7 +93,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from passes.meta import get_meta
-from passes.program import B, F, OB, OG, PF, R, U, ActionKind, ActionMeta, Program
+from passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
 from passes.stages import StageSpec, consumers_of
 from passes.units import format_bytes, format_seconds
 
@@ -104,7 +109,7 @@ STREAM_ORDER = ("compute", "h2d", "d2h", "host", "cpu", "none")
 """The simulated streams: the device's three, the host FIFO (gradient accumulation), the host
 optimizer pool and ``none`` (RELEASE, a join that takes no time)."""
 
-_RESOURCE = {F: "compute", B: "compute", PF: "link", OB: "link", OG: "link", U: "host optimizer", R: "idle"}
+_RESOURCE = {F: "compute", B: "compute", DU: "compute", PF: "link", OB: "link", OG: "link", OP: "link", U: "host optimizer", R: "idle"}
 _EPS = 1e-12
 
 
@@ -169,6 +174,10 @@ class Timeline:
         utilisation: ``busy_s / step_s`` (``cpu``: over ``step_s * workers``).
         workers: host optimizer workers simulated.
         slot_bytes: the constant slot pool, ``sum(program.slot_sizes())``.
+        grad_buffer_bytes: device gradient buffers (``sum(program.grad_buffer_sizes())``: slots
+            whose stage keeps its parameters through the backward), constant.
+        device_state_bytes: optimizer states on the device (``program.device_state_bytes()``),
+            constant.
         peak_device_bytes: the peak of :attr:`memory`.
         memory: ``(time, bytes)`` steps of device memory, slot pool included; several entries
             may share a time (changes at one instant, applied in order).
@@ -195,6 +204,8 @@ class Timeline:
     by_resource: dict[str, float]
     bottleneck: str
     accumulate: bool = False
+    grad_buffer_bytes: int = 0
+    device_state_bytes: int = 0
     _by_action: dict[str, list[Event]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -296,8 +307,10 @@ class Timeline:
                 f"simulated step of {self.program!r}: {format_seconds(self.step_s)}; bottleneck: {self.bottleneck} "
                 f"({share:.0%} of the critical path{': ' + cp if cp else ''})",
                 f"  busy: {busy}",
-                f"  device memory: peak {format_bytes(self.peak_device_bytes)} (slot pool {format_bytes(self.slot_bytes)}); "
-                f"peak resident stages: {self.peak_resident}",
+                f"  device memory: peak {format_bytes(self.peak_device_bytes)} (slot pool {format_bytes(self.slot_bytes)}"
+                + (f", gradient buffers {format_bytes(self.grad_buffer_bytes)}" if self.grad_buffer_bytes else "")
+                + (f", optimizer states {format_bytes(self.device_state_bytes)}" if self.device_state_bytes else "")
+                + f"); peak resident stages: {self.peak_resident}",
             ]
         )
 
@@ -385,8 +398,8 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
                 f"the cost model has no cost for stage {spec.index} ({spec.name!r}) of program {program.name!r} "
                 f"({len(program.stages)} stages): {e}"
             ) from None
-        for f in ("forward_s", "backward_s", "backward_no_recompute_s", "update_s", "accumulate_s"):
-            v = getattr(c, f)
+        for f in ("forward_s", "backward_s", "backward_no_recompute_s", "update_s", "accumulate_s", "device_update_s"):
+            v = getattr(c, f, 0.0)
             if not (v >= 0 and math.isfinite(v)):
                 raise SimulationError(f"stage {spec.index} ({spec.name!r}) has {f}={v!r}; costs must be finite and >= 0")
         table[spec.index] = c
@@ -434,12 +447,15 @@ class _Sim:
         last_forward: dict[int, _Node] = {}
         for nd in self.nodes:
             k, s = nd.kind, nd.meta.stage
-            if k == U:
+            if k in (U, DU):
                 if s not in owner:
                     raise SimulationError(
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )
-                nd.dur = owner[s].update_s + self.dispatch_s
+                if k == U:
+                    nd.dur = owner[s].update_s + self.dispatch_s
+                else:
+                    nd.dur = getattr(owner[s], "device_update_s", 0.0) + self.dispatch_s + self.extra.get(nd.i, 0.0)
                 continue
             if s not in self.table:
                 raise SimulationError(f"action {nd.meta.action}: program {self.program.name!r} has no stage {s}")
@@ -718,6 +734,7 @@ class _Sim:
     def memory(self, step_s: float) -> tuple[int, list[tuple[float, int]]]:
         stages = self.program.stages
         pool = sum(self.program.slot_sizes())
+        static = pool + sum(self.program.grad_buffer_sizes()) + self.program.device_state_bytes()
         first: dict[tuple[ActionKind, int], _Node] = {}
         for nd in self.nodes:
             first.setdefault((nd.kind, nd.meta.stage), nd)
@@ -761,7 +778,7 @@ class _Sim:
                 changes.append((g_alloc, a))
                 changes.append((max(g_free, g_alloc), -a))
         changes.sort(key=lambda c: c[0])
-        cur = pool + initial
+        cur = static + initial
         memory = [(0.0, cur)]
         for (t, _, _), delta in changes:
             cur += delta
@@ -772,6 +789,8 @@ class _Sim:
         changes: list[tuple[float, int]] = []
         open_pf: dict[int, _Node] = {}
         for nd in self.nodes:
+            if nd.kind == PF and nd.meta.refresh:
+                continue  # a persistent stage, resident all along
             if nd.kind == PF:
                 assert nd.start is not None
                 changes.append((nd.start, +1))
@@ -781,8 +800,8 @@ class _Sim:
                 changes.append((nd.end, -1))
                 del open_pf[nd.meta.stage]
         changes.sort()  # at one instant, releases (-1) before prefetches (+1)
-        cur = 0
-        out = [(0.0, 0)]
+        cur = len(self.program.persistent)
+        out = [(0.0, cur)]
         for t, d in changes:
             cur += d
             out.append((t, cur))
@@ -933,4 +952,6 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
         by_resource=by,
         bottleneck=bottleneck,
         accumulate=accumulate,
+        grad_buffer_bytes=sum(program.grad_buffer_sizes()),
+        device_state_bytes=program.device_state_bytes(),
     )

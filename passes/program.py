@@ -277,6 +277,11 @@ class Program:
         owners = {s.update_group: s for s in self.stages if s.update_group is not None}
         return sum(2 * owners[g].update_bytes for g in self.device_groups() if g in owners)
 
+    def static_device_bytes(self) -> int:
+        """Device bytes the program holds for the whole step: the slot pool, the gradient
+        buffers and the device optimizer states (activations come on top)."""
+        return sum(self.slot_sizes()) + sum(self.grad_buffer_sizes()) + self.device_state_bytes()
+
     def count(self, kind: ActionKind, phase: str | None = None) -> int:
         return sum(1 for n in self.nodes if get_meta(n).kind == kind and (phase is None or get_meta(n).phase == phase))
 

@@ -323,16 +323,24 @@ class CompiledModel:
         if make is None or sizes is None:
             return
 
-        def pool(window: int) -> list[int]:
-            return make(graph.specs, window).slot_sizes()
+        def static(window: int) -> int:
+            return make(graph.specs, window).static_device_bytes()
 
-        need = sum(sizes)
+        prog = make(graph.specs, w)
+        extra = sum(prog.grad_buffer_sizes()) + prog.device_state_bytes()
+        need = sum(sizes) + extra
         if need > cap:
-            fit = next((v for v in range(w - 1, 0, -1) if sum(pool(v)) <= cap), 1)
+            fit = next((v for v in range(w - 1, 0, -1) if static(v) <= cap), None)
+            what = f"{w} slots of {', '.join(format_bytes(n) for n in sizes)}"
+            if extra:
+                what += (
+                    f", plus {format_bytes(sum(prog.grad_buffer_sizes()))} of gradient buffers and "
+                    f"{format_bytes(prog.device_state_bytes())} of optimizer states on the device"
+                )
+            hint = f"Use window <= {fit}, or smaller stages." if fit else "Use a policy that keeps less on the device, smaller stages, or a device with more memory."
             raise OutOfDeviceMemory(
-                f"window={w} needs {w} slots of {', '.join(format_bytes(n) for n in sizes)} = {format_bytes(need)}, "
-                f"but the device has {format_bytes(cap)} ({self._backend.describe()}). Use window <= {fit}, or "
-                "smaller stages.",
+                f"window={w} needs {what} = {format_bytes(need)} (program {prog.name!r}), but the device has {format_bytes(cap)} "
+                f"({self._backend.describe()}). {hint}",
                 needed_bytes=need,
                 capacity_bytes=cap,
                 what=f"{w} slots",

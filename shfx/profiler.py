@@ -8,8 +8,9 @@
   the time includes its launch and one synchronization);
 - the links: host->device and device->host bandwidth copying a slot-sized buffer, one
   direction at a time and both at once (the duplex factor);
-- per group, the host optimizer update, run on scratch copies of the group's buffers, and the
-  host-side add of a staged gradient.
+- per group, the host optimizer update, run on scratch copies of the group's buffers, the
+  host-side add of a staged gradient, and the same update on the device (``device_update_s``,
+  for policies that keep the optimizer there).
 
 The timing step changes nothing a user can see: no optimizer update runs, buffers the forward
 mutates (BatchNorm statistics), gradients and the RNG states are restored afterwards.
@@ -107,6 +108,44 @@ def _update_s(engine: Engine, g: int, repeats: int) -> tuple[float, float]:
     t_update = engine.optimizer.time_update(g, engine.optimizer.config.hyperparams(), repeats) if engine.optimizer else 0.0
     a, c = torch.zeros(n), torch.zeros(n)
     return t_update, _timed(lambda: a.add_(c), repeats)
+
+
+def _device_update_s(engine: Engine, g: int, repeats: int) -> float:
+    """AdamW of group ``g`` on the device (``DEVICE_STEP``), on scratch device tensors. A group
+    too large for four scratch copies in the free device memory is timed on a slice and scaled
+    by its size (the update is elementwise, linear in the number of parameters)."""
+    from .errors import OutOfDeviceMemory
+
+    n = engine.store.groups[g].trainable_bytes // 4
+    if n == 0:
+        return 0.0
+    b = engine.backend
+    part = n
+    while True:
+        bufs: list[torch.Tensor] = []
+        try:
+            for _ in range(4):
+                bufs.append(b.alloc_device(4 * part, "profiling the device optimizer").view(torch.float32))
+            for t in bufs:
+                t.zero_()
+            p, gr, m, v = ([t] for t in bufs)
+            step = [torch.zeros((), dtype=torch.float32, device=b.device)]
+
+            def adam(p=p, gr=gr, m=m, v=v, step=step) -> None:
+                torch._fused_adamw_(p, gr, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+
+            def run() -> None:
+                b.compute.submit(adam).wait()
+                b.synchronize()
+
+            return _timed(run, repeats) * (n / part)
+        except OutOfDeviceMemory:
+            if part <= 1 << 14:
+                raise
+            part //= 8
+        finally:
+            for t in bufs:
+                b.free_device(t.view(torch.uint8))
 
 
 class _Snapshot:
@@ -219,10 +258,9 @@ def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], 
         f = med(compute, f"F{st.index}@forward") or 0.0
         b = med(compute, f"B{st.index}@backward") or 0.0
         upd, add = _update_s(engine, st.update_group, 3) if st.update_group is not None else (0.0, 0.0)
-        if st.index in keep:
-            costs.append(StageCost(forward_s=f, backward_s=b + f, backward_kept_s=b, update_s=upd, accumulate_s=add))
-        else:
-            costs.append(StageCost(forward_s=f, backward_s=b, update_s=upd, accumulate_s=add))
+        dev_upd = _device_update_s(engine, st.update_group, 3) if st.update_group is not None and engine.optimizer else 0.0
+        kept = {"backward_s": b + f, "backward_kept_s": b} if st.index in keep else {"backward_s": b}
+        costs.append(StageCost(forward_s=f, update_s=upd, accumulate_s=add, device_update_s=dev_upd, **kept))
     table = CostTable(
         costs,
         links,

@@ -439,3 +439,57 @@ def test_cold_rule_and_cpu_sharing_are_opt_in():
     # U1 (2 s on the host) overlaps B0 (3 s): B0 stretches by 0.5 x the overlap
     assert b0_shared.duration > b0_fast.duration
     assert b0_shared.duration <= b0_fast.duration + 0.5 * 2.0 + 1e-9
+
+
+# ---- policies: device updates, parameter copy-back, persistent stages, static memory ----------
+
+
+def test_device_step_takes_device_update_s_on_compute():
+    from passes.policies import schedule_resident
+
+    p = schedule_resident(chain(2, prefetch_bytes=100, grad_bytes=100))
+    costs = CostTable([StageCost(1.0, 3.0, backward_kept_s=2.0, update_s=9.0, device_update_s=0.5)] * 2, Links(None, None))
+    tl = simulate(p, costs)
+    # F0 F1 B1 DU1 B0 DU0 on one stream: 1 + 1 + 2 (F1 kept its graph) + 0.5 + 3 (recompute) + 0.5
+    assert tl.step_s == pytest.approx(8.0)
+    du1 = tl.event("DU1")
+    assert du1.stream == "compute" and du1.end - du1.start == pytest.approx(0.5)
+    assert tl.by_resource["compute"] == pytest.approx(8.0) and tl.bottleneck == "compute"
+    # everything resident all step, gradient buffers and optimizer states on the device
+    assert tl.peak_resident == 2 and tl.grad_buffer_bytes == 200 and tl.device_state_bytes == 400
+    assert tl.memory[0][1] == 200 + 200 + 400 == p.static_device_bytes()
+
+
+def test_l2l_copies_updated_params_back():
+    from passes.policies import schedule_l2l
+
+    p = schedule_l2l(chain(2, prefetch_bytes=1000, grad_bytes=1000))
+    costs = CostTable([StageCost(1.0, 3.0, backward_kept_s=2.0, device_update_s=0.25)] * 2, Links(1000.0, 1000.0))
+    tl = simulate(p, costs)
+    op1 = tl.event("OP1")
+    assert op1.stream == "d2h" and op1.end - op1.start == pytest.approx(1.0)  # update_bytes at 1000 B/s
+    assert op1.start == pytest.approx(tl.event("DU1").end)
+    assert tl.peak_resident == 1 and tl.device_state_bytes == 2 * 2 * 1000
+
+
+def test_zero_offload_refresh_is_a_copy_not_a_new_resident_stage():
+    from passes.policies import schedule_zero_offload
+
+    p = schedule_zero_offload(chain(3, prefetch_bytes=1000, grad_bytes=1000))
+    tl = simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 3, Links(1000.0, 1000.0)))
+    assert tl.peak_resident == 3
+    refresh = [e for e in tl.events if e.action.startswith("PF")]
+    assert len(refresh) == 3 and all(e.start >= tl.event("U2").end - 1e-9 or e.start >= tl.event("U0").end for e in refresh)
+    assert tl.busy_s["h2d"] == pytest.approx(3.0)
+
+
+def test_policies_order_when_link_bound():
+    """Same model, slow link: stronghold (overlapped window, host updates during the backward)
+    beats zero-infinity (lookahead 1, updates after the backward) and l2l (serial, both ways)."""
+    from passes.policies import POLICIES
+
+    specs = chain(8, prefetch_bytes=2000, grad_bytes=2000)
+    costs = CostTable([StageCost(1.0, 3.0, update_s=1.0, device_update_s=0.1)] * 8, Links(1000.0, 1000.0))
+    t = {name: simulate(fn(specs, 3), costs).step_s for name, fn in POLICIES.items()}
+    assert t["stronghold"] < t["zero-infinity"] < t["l2l"]
+    assert t["resident"] < t["stronghold"]
