@@ -6,6 +6,11 @@ is within ``tolerance`` (default 2%) of the best among the windows that fit the 
 The result explains the choice: what bounds the step at the chosen window (compute, link or
 host optimizer), how much slower the next smaller window would be and why, and what a larger
 window would cost in memory.
+
+With ``resident_first=[0, 1, ...]`` it tunes STRONGHOLD's refinement too: for each k (the first
+k stages resident with their optimizer on the device) and each window over the remaining
+stages, it simulates :func:`passes.policies.schedule_stronghold` and chooses, among the pairs
+that fit and are within ``tolerance`` of the fastest, the one needing the least device memory.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class WindowRow:
     bottleneck: str
     by_resource: dict
     timeline: Timeline = field(repr=False, compare=False)
+    resident_first: int = 0
 
 
 @dataclass
@@ -65,12 +71,21 @@ class TuneResult:
     capacity_bytes: int | None
     reason: str
     source: str = ""
+    resident_first: int = 0  # the chosen k (stronghold's first stages kept on the device)
 
-    def row(self, window: int) -> WindowRow:
+    def row(self, window: int, resident_first: int | None = None) -> WindowRow:
+        k = self.resident_first if resident_first is None else resident_first
         for r in self.rows:
-            if r.window == window:
+            if r.window == window and r.resident_first == k:
                 return r
-        raise KeyError(f"window {window} was not simulated (tried {[r.window for r in self.rows]})")
+        raise KeyError(
+            f"window {window} with resident_first={k} was not simulated "
+            f"(tried {[(r.resident_first, r.window) if self.tunes_k else r.window for r in self.rows]})"
+        )
+
+    @property
+    def tunes_k(self) -> bool:
+        return len({r.resident_first for r in self.rows}) > 1
 
     @property
     def chosen(self) -> WindowRow:
@@ -79,37 +94,45 @@ class TuneResult:
     def table(self, max_rows: int = 16) -> str:
         """One row per window; with more than ``max_rows`` windows, runs of windows whose
         prediction no longer changes are folded into one line."""
+        kcol = self.tunes_k
         lines = [
-            f"  {'W':>3}  {'step (pred.)':>13}  {'device memory':>14}  {'fits':>4}  {'critical path: compute/link/host':<33} {'vs best':>8}"
+            ("  k" if kcol else "")
+            + f"  {'W':>3}  {'step (pred.)':>13}  {'device memory':>14}  {'fits':>4}  {'critical path: compute/link/host':<33} {'vs best':>8}"
         ]
-        best = self.row(self.best_window).step_s if self.best_window else None
+        best = min((r.step_s for r in self.rows if r.fits), default=None)
         shown = self._shown(max_rows)
-        prev_shown = None
+        prev_shown, prev_k = None, None
         for r in self.rows:
-            if r.window not in shown:
+            if (r.resident_first, r.window) not in shown:
                 continue
-            if prev_shown is not None and r.window > prev_shown + 1:
-                skipped = [x for x in self.rows if prev_shown < x.window < r.window]
+            if prev_shown is not None and r.window > prev_shown + 1 and r.resident_first == prev_k:
+                skipped = [x for x in self.rows if prev_shown < x.window < r.window and x.resident_first == prev_k]
                 lines.append(
-                    f"  {'...':>3}  W={skipped[0].window}..{skipped[-1].window}: the same step time; memory grows "
+                    ("   " if kcol else "")
+                    + f"  {'...':>3}  W={skipped[0].window}{'..' + str(skipped[-1].window) if len(skipped) > 1 else ''}: the same step time; memory grows "
                     f"{format_bytes((skipped[-1].peak_device_bytes - skipped[0].peak_device_bytes) / max(1, len(skipped) - 1))} per window"
                 )
-            mark = "  <- chosen" if r.window == self.window else ""
+            mark = "  <- chosen" if (r.window, r.resident_first) == (self.window, self.resident_first) else ""
             rel = f"{100 * (r.step_s / best - 1):+.1f}%" if best else ""
             lines.append(
-                f"  {r.window:>3}  {format_seconds(r.step_s):>13}  {format_bytes(r.peak_device_bytes):>14}  "
+                (f"  {r.resident_first}" if kcol else "")
+                + f"  {r.window:>3}  {format_seconds(r.step_s):>13}  {format_bytes(r.peak_device_bytes):>14}  "
                 f"{'yes' if r.fits else 'no':>4}  {_shares(r):<33} {rel:>8}{mark}"
             )
-            prev_shown = r.window
+            prev_shown, prev_k = r.window, r.resident_first
         return "\n".join(lines)
 
-    def _shown(self, max_rows: int) -> set[int]:
+    def _shown(self, max_rows: int) -> set[tuple[int, int]]:
+        key = lambda r: (r.resident_first, r.window)  # noqa: E731
         if len(self.rows) <= max_rows:
-            return {r.window for r in self.rows}
-        keep = {self.rows[0].window, self.rows[-1].window, self.window, self.best_window}
-        for a, b in zip(self.rows, self.rows[1:]):
-            if abs(b.step_s - a.step_s) > 1e-3 * a.step_s or a.fits != b.fits:
-                keep |= {a.window, b.window}
+            return {key(r) for r in self.rows}
+        keep = {(self.resident_first, self.window), (self.resident_first, self.best_window)}
+        for k in {r.resident_first for r in self.rows}:
+            rs = [r for r in self.rows if r.resident_first == k]
+            keep |= {key(rs[0]), key(rs[-1])}
+            for a, b in zip(rs, rs[1:]):
+                if abs(b.step_s - a.step_s) > 1e-3 * a.step_s or a.fits != b.fits:
+                    keep |= {key(a), key(b)}
         return keep
 
     def __str__(self) -> str:
@@ -144,12 +167,17 @@ def _why(r: WindowRow) -> str:
 
 
 def _explain(rows: list[WindowRow], chosen: WindowRow, best: WindowRow, tolerance: float, capacity: int | None) -> str:
+    k = chosen.resident_first
+    all_rows = rows
+    rows = [r for r in rows if r.resident_first == k]
     parts = [
-        f"chose window {chosen.window}: predicted {format_seconds(chosen.step_s)} per step, "
+        (f"chose resident_first={k}, window {chosen.window}" if len({r.resident_first for r in all_rows}) > 1 else f"chose window {chosen.window}")
+        + f": predicted {format_seconds(chosen.step_s)} per step, "
         + (
             "the fastest that fits"
             if chosen.window == best.window
-            else f"within {100 * tolerance:.0f}% of the fastest that fits (W={best.window}, {format_seconds(best.step_s)})"
+            else f"within {100 * tolerance:.0f}% of the fastest that fits "
+            f"({'k=' + str(best.resident_first) + ', ' if best.resident_first != k else ''}W={best.window}, {format_seconds(best.step_s)})"
         )
         + f"; {_why(chosen)}."
     ]
@@ -174,6 +202,29 @@ def _explain(rows: list[WindowRow], chosen: WindowRow, best: WindowRow, toleranc
                 f"W>={unfit[0].window} does not fit: it needs {format_bytes(unfit[0].peak_device_bytes)} of "
                 f"{format_bytes(capacity)}."
             )
+    ks = sorted({r.resident_first for r in all_rows})
+    if len(ks) > 1:
+        def best_at(kk: int) -> WindowRow | None:
+            fit = [r for r in all_rows if r.resident_first == kk and r.fits]
+            return min(fit, key=lambda r: (r.step_s, r.window)) if fit else None
+
+        base = best_at(0)
+        if k > 0 and base is not None:
+            parts.append(
+                f"Keeping the first {k} stage(s) on the device with their optimizer saves "
+                f"{100 * (1 - chosen.step_s / base.step_s):.1f}% against the best k=0 (W={base.window}, "
+                f"{format_seconds(base.step_s)}): the next forward need not wait for their host updates."
+            )
+        elif k == 0:
+            others = [b for b in (best_at(kk) for kk in ks if kk > 0) if b is not None]
+            if others:
+                o = min(others, key=lambda r: r.step_s)
+                parts.append(
+                    f"Keeping first stages on the device (best: k={o.resident_first}, W={o.window}, "
+                    f"{format_seconds(o.step_s)}) gains too little for its memory."
+                )
+            else:
+                parts.append("Keeping first stages on the device does not fit the budget.")
     return " ".join(parts)
 
 
@@ -186,6 +237,7 @@ def tune_window(
     tolerance: float = 0.02,
     policy: Callable[[Sequence[StageSpec], int], Program] = schedule_window,
     windows: Sequence[int] | None = None,
+    resident_first: Sequence[int] | None = None,
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -197,6 +249,9 @@ def tune_window(
         tolerance: how much slower than the best a smaller window may be predicted.
         policy: builds the program for a window.
         windows: the windows to try (default 1..number of stages).
+        resident_first: STRONGHOLD's refinement: tune k too, over these values, with
+            :func:`passes.policies.schedule_stronghold` (``policy`` is ignored); windows run
+            over 1..(stages - k).
 
     Raises:
         NoWindowFits: when no window fits the budget.
@@ -204,13 +259,27 @@ def tune_window(
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
     n = len(specs)
-    windows = list(windows) if windows is not None else list(range(1, n + 1))
+    pairs: list[tuple[int, int]]
+    if resident_first is None:
+        pairs = [(0, w) for w in (list(windows) if windows is not None else range(1, n + 1))]
+    else:
+        from passes.policies import schedule_stronghold
+
+        ks = sorted(set(resident_first))
+        if not ks or ks[0] < 0 or ks[-1] >= n:
+            raise ValueError(f"resident_first values must be in 0..{n - 1} (the model has {n} stages), got {list(resident_first)}")
+        pairs = [(k, w) for k in ks for w in range(1, n - k + 1) if windows is None or w in windows]
+
+        def policy(specs, w, _k=None):  # noqa: F811 - rebinds per pair below
+            return schedule_stronghold(specs, w, resident_first=_k)
+
     rows = []
-    for w in windows:
-        tl = simulate(policy(specs, w), costs)
+    for k, w in pairs:
+        prog = policy(specs, w) if resident_first is None else policy(specs, w, k)
+        tl = simulate(prog, costs)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
-        rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl))
+        rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k))
     feasible = [r for r in rows if r.fits]
     if not feasible:
         smallest = min(rows, key=lambda r: r.peak_device_bytes)
@@ -220,7 +289,11 @@ def tune_window(
             rows,
         )
     best = min(feasible, key=lambda r: (r.step_s, r.window))
-    chosen = min((r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)), key=lambda r: r.window)
+    near = [r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)]
+    if resident_first is None:
+        chosen = min(near, key=lambda r: r.window)
+    else:
+        chosen = min(near, key=lambda r: (r.peak_device_bytes, r.resident_first, r.window))
     return TuneResult(
         rows=rows,
         window=chosen.window,
@@ -229,4 +302,5 @@ def tune_window(
         capacity_bytes=capacity_bytes,
         reason=_explain(rows, chosen, best, tolerance, capacity_bytes),
         source=getattr(costs, "source", ""),
+        resident_first=chosen.resident_first,
     )

@@ -113,7 +113,7 @@ class CompiledModel:
         window: int | str = 2,
         optimizer: AdamW | None = None,
         policy: str | Callable[..., Program] = "stronghold",
-        resident_first: int = 0,
+        resident_first: int | str = 0,
         blocks: Any = None,
         num_stages: int | None = None,
         grad_accum_steps: int = 1,
@@ -154,8 +154,11 @@ class CompiledModel:
                 raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}, or a function (stage_specs, window) -> Program")
         elif not callable(policy):
             raise TypeError(f"policy must be a name ({', '.join(sorted(POLICIES))}) or a function (stage_specs, window) -> Program")
-        if isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0:
-            raise ValueError(f"resident_first must be an int >= 0 (stages kept on the device with their optimizer), got {resident_first!r}")
+        if resident_first != "auto" and (isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0):
+            raise ValueError(
+                f"resident_first must be an int >= 0 (stages kept on the device with their optimizer) or 'auto' "
+                f"(chosen by the tuner), got {resident_first!r}"
+            )
         if resident_first and policy != "stronghold":
             raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; policy {policy!r} does not take it")
         if optimizer is not None and not isinstance(optimizer, AdamW):
@@ -179,7 +182,7 @@ class CompiledModel:
         self._engine: Engine | None = None
         self._store: HostStore | None = None
         self._variants: dict[Any, Variant] = {}
-        self._reports: dict[Any, WindowReport] = {}
+        self._reports: dict[Any, WindowReport] = {}  # per input signature; its tune holds the chosen k
         self._last: Variant | None = None
         self._last_tensors: list[torch.Tensor] | None = None
         self._dummy = torch.empty(0, requires_grad=True)
@@ -223,11 +226,13 @@ class CompiledModel:
         specs = graph.specs
         make = self._policy_fn()
         report = None
-        if self.window == "auto":
+        if self.window == "auto" or self.resident_first == "auto":
             self._check_capacity(graph, 1)
-            probe = self._programs(captured, graph, make, 1)
+            probe = self._programs(captured, graph, POLICIES["stronghold"] if self.resident_first == "auto" else make, 1)
             report = self._tune(probe, tensors, make, how="auto")
             w = report.window
+            if self.resident_first == "auto":
+                make = self._policy_fn(report.tune.resident_first)
         else:
             w = check_window(self.window, len(specs))
             self._check_capacity(graph, w)
@@ -238,13 +243,16 @@ class CompiledModel:
             self._reports[captured.signature] = report
         return variant
 
-    def _policy_fn(self) -> Callable[..., Program]:
+    def _policy_fn(self, resident_first: int | None = None) -> Callable[..., Program]:
         if not isinstance(self.policy, str):
             return self.policy
-        if self.policy == "stronghold" and self.resident_first:
+        k = self.resident_first if resident_first is None else resident_first
+        if self.policy == "stronghold" and k == "auto":
+            rep = self._reports.get(self._last.signature) if self._last is not None else None
+            k = rep.tune.resident_first if rep is not None else 0
+        if self.policy == "stronghold" and k:
             from passes.policies import schedule_stronghold
 
-            k = self.resident_first
             return lambda specs, w: schedule_stronghold(specs, w, resident_first=k)
         return POLICIES[self.policy]
 
@@ -292,6 +300,8 @@ class CompiledModel:
                 reserve_bytes=reserve,
                 tolerance=self.tune_tolerance,
                 policy=make,
+                windows=None if self.window == "auto" or how == "fixed" else [self.window],
+                resident_first=range(len(graph.specs)) if self.resident_first == "auto" else None,
             )
         except NoWindowFits as e:
             raise OutOfDeviceMemory(
@@ -521,7 +531,9 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             ``(stage_specs, window) -> passes.Program`` (e.g. built with ``passes.lower_actions``).
         resident_first: with ``policy="stronghold"``, keep the first k stages resident with their
             optimizer on the device, so the next forward starts without waiting for their host
-            updates (STRONGHOLD's refinement).
+            updates (STRONGHOLD's refinement); ``"auto"``: the tuner picks k (with the window, when
+            ``window="auto"``) from the profiled costs, the smallest device footprint within
+            ``tune_tolerance`` of the fastest pair that fits.
         blocks: module path of the repeated blocks (default: auto-detected), or False to split
             by parameter bytes into ``num_stages`` stages.
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.

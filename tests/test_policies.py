@@ -131,3 +131,40 @@ def test_memory_footprints_differ_as_expected():
     assert sum(res.slot_sizes()) == 600 and sum(res.grad_buffer_sizes()) == 600 and res.device_state_bytes() == 1200
     assert sum(l2l.slot_sizes()) == 100 and sum(l2l.grad_buffer_sizes()) == 100 and l2l.device_state_bytes() == 1200
     assert sum(zinf.slot_sizes()) == 200 and zinf.device_state_bytes() == 0
+
+
+def test_resident_first_auto_tunes_k_and_trains_like_eager():
+    """resident_first="auto": the tuner simulates every (k, W) pair; the chosen program trains
+    exactly like eager and the report says which k and why."""
+    _, _, cm, model, ref = assert_trains_like_eager(
+        gpt_tied, token_batch, window="auto", steps=3, resident_first="auto",
+        device=shfx.EmulatedDevice(memory="256MiB", h2d="50MB/s", d2h="50MB/s"),
+    )  # fmt: skip
+    rep = cm.report()
+    k = rep.tune.resident_first
+    assert {r.resident_first for r in rep.tune.rows} == set(range(len(cm.variant.graph.stages)))
+    assert cm.program.persistent == tuple(range(k))
+    assert cm.program.num_slots == k + rep.window
+    text = str(rep)
+    assert f"chose resident_first={k}, window {rep.window}" in text
+    cm.close()
+    assert_same_state(model, ref)
+
+
+def test_tuner_keeps_first_stages_when_host_updates_bind():
+    """With a slow host optimizer, keeping the first stage on the device hides its update."""
+    from cost_model.costs import CostTable, Links, StageCost
+    from cost_model.tune import tune_window
+
+    specs = chain(6, prefetch_bytes=2000, grad_bytes=2000)
+    costs = CostTable([StageCost(1.0, 3.0, update_s=2.5, device_update_s=0.1)] * 6, Links(4000.0, 4000.0))
+    r = tune_window(specs, costs, resident_first=range(4))
+    assert r.resident_first >= 1
+    assert r.chosen.step_s < min(x.step_s for x in r.rows if x.resident_first == 0)
+    assert "saves" in r.reason
+    # a budget that only fits k=0 leaves k=0
+    k0 = max(x.peak_device_bytes for x in r.rows if x.resident_first == 0 and x.window <= 2)
+    r2 = tune_window(specs, costs, resident_first=range(4), capacity_bytes=k0)
+    assert r2.resident_first == 0 and r2.chosen.fits
+    with pytest.raises(ValueError, match="resident_first values must be in 0..5"):
+        tune_window(specs, costs, resident_first=[7])
