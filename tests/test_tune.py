@@ -70,7 +70,7 @@ def test_host_optimizer_bound_is_reported():
 def test_auto_window_end_to_end(tmp_path):
     """window="auto" on the emulated device: profiles, tunes, trains, reports."""
     chosen = {}
-    for name, bw in (("slow", "30MB/s"), ("fast", None)):
+    for name, bw in (("slow", "10MB/s"), ("fast", None)):  # slow: link-bound even on a loaded machine
         torch.manual_seed(0)
         cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB", h2d=bw, d2h=bw), window="auto", optimizer=shfx.optim.AdamW())
         (x, y), _, _ = token_batch(0)
