@@ -341,7 +341,7 @@ class CompiledModel:
         need = sum(sizes) + extra
         if need > cap:
             fit = next((v for v in range(w - 1, 0, -1) if static(v) <= cap), None)
-            what = f"{w} slots of {', '.join(format_bytes(n) for n in sizes)}"
+            what = f"{len(sizes)} slots of {', '.join(format_bytes(n) for n in sizes)}"
             if extra:
                 what += (
                     f", plus {format_bytes(sum(prog.grad_buffer_sizes()))} of gradient buffers and "

@@ -39,6 +39,13 @@ class DeviceAdamW:
         self.backend = backend
         self.state: dict[int, _DevState] = {}
 
+    def ensure(self, groups: list[Group]) -> None:
+        """Allocate the states of ``groups`` now (they are the steady state's memory: a budget
+        that cannot hold them fails at the first forward, not in the middle of a step)."""
+        for g in groups:
+            if g.index not in self.state and g.trainable_bytes:
+                self.state[g.index] = _DevState(self.backend, g)
+
     def update(self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict) -> None:
         """Step ``group`` given fp32 views over its trainable region in the slot (``params``) and
         in the gradient buffer (``grads``), both laid out like the host group."""

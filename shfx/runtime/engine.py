@@ -788,6 +788,8 @@ class Engine:
             )
         self._evict()
         self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
+        if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
+            self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)])
         self._ensure_persistent(variant)
         if not serial:
             self.current = variant
@@ -910,10 +912,18 @@ class Engine:
             self.step_times.append(time.perf_counter() - self._step_t0)
             self._step_t0 = None
         for label, tok in pending:
-            if tok.error is not None:
-                raise ActionError(
-                    f"host optimizer update {label} failed: {type(tok.error).__name__}: {tok.error}", label
-                ) from tok.error
+            err = tok.error
+            if isinstance(err, OutOfDeviceMemory):
+                raise OutOfDeviceMemory(
+                    f"{err} This happened in the optimizer update {label}.",
+                    needed_bytes=err.needed_bytes,
+                    used_bytes=err.used_bytes,
+                    capacity_bytes=err.capacity_bytes,
+                    what=err.what,
+                ) from err
+            if err is not None:
+                where = "device" if label.startswith("DU") else "host"
+                raise ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label) from err
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.pending_updates:
