@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .program import B, DU, F, OB, OG, OP, PF, R, U, Action, Program, ScheduleError, lower_actions
-from .schedule import _update_order, check_window, schedule_window
+from .schedule import _checked, _update_order, check_window, schedule_window
 from .stages import StageSpec
 
 __all__ = [
@@ -33,16 +33,6 @@ __all__ = [
     "POLICIES",
     "get_policy",
 ]
-
-
-def _checked(stages: Sequence[StageSpec]) -> list[StageSpec]:
-    stages = list(stages)
-    if not stages:
-        raise ScheduleError("a program needs at least one stage")
-    for i, s in enumerate(stages):
-        if s.index != i:
-            raise ScheduleError(f"stage specs must be indexed 0..n-1 in order; position {i} holds stage {s.index}")
-    return stages
 
 
 def _sends_to_host(st: StageSpec, device: set[int]) -> bool:
@@ -103,7 +93,6 @@ def schedule_l2l(stages: Sequence[StageSpec], window: int | None = None) -> Prog
             acts.append(Action(R, i))
     order = list(range(n - 1, -1, -1))
     ups = _device_updates_after(stages, order, device)
-    pending_op: dict[int, int] = {}  # group -> owner stage waiting for its DU to copy back
     for i in order:
         if i < n - 1:
             acts.append(Action(PF, i))
@@ -119,7 +108,6 @@ def schedule_l2l(stages: Sequence[StageSpec], window: int | None = None) -> Prog
                     "cannot be updated while the stage is resident; l2l needs each group's owner to be its last contributor"
                 )
         acts.append(Action(R, i))
-    del pending_op
     return lower_actions(acts, stages, 1, name="l2l")
 
 
