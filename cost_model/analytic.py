@@ -176,7 +176,10 @@ def repeat_blocks(
     for j in range(n):
         idx = first + j
         prods = frozenset(p for p in (remap(p, idx, tpl.index) for p in tpl.producers) if 0 <= p < idx)
-        groups = frozenset(g if g < first else idx - (tpl.index - g) if g <= last else g + shift for g in tpl.grad_groups)
+        def block_group(g: int, idx: int = idx) -> int:
+            return g if g < first else idx - (tpl.index - g) if g <= last else g + shift
+
+        groups = frozenset(block_group(g) for g in tpl.grad_groups)
         out.append(
             replace(
                 tpl,
@@ -184,6 +187,7 @@ def repeat_blocks(
                 name=f"block.{j}",
                 producers=prods,
                 grad_groups=frozenset(g for g in groups if g >= 0),
+                grad_group_bytes=tuple((block_group(g), b) for g, b in tpl.grad_group_bytes if block_group(g) >= 0),
                 update_group=None if tpl.update_group is None else idx,
             )
         )
@@ -191,13 +195,17 @@ def repeat_blocks(
     for st in specs[last + 1 :]:
         idx = st.index + shift
         prods = frozenset(p if p < first else (new_last - (last - p) if p <= last else p + shift) for p in st.producers)
-        groups = frozenset(g if g < first else (new_last - (last - g) if g <= last else g + shift) for g in st.grad_groups)
+        def tail_group(g: int) -> int:
+            return g if g < first else (new_last - (last - g) if g <= last else g + shift)
+
+        groups = frozenset(tail_group(g) for g in st.grad_groups)
         out.append(
             replace(
                 st,
                 index=idx,
                 producers=prods,
                 grad_groups=groups,
+                grad_group_bytes=tuple((tail_group(g), b) for g, b in st.grad_group_bytes),
                 update_group=None if st.update_group is None else st.update_group + shift,
             )
         )

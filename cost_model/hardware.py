@@ -33,6 +33,8 @@ class Hardware:
         host_mem_bps: host memory bandwidth (AdamW moves ~28 bytes per parameter).
         host_memory_bytes: host RAM.
         ssd_read_bps, ssd_write_bps: NVMe bandwidth (0: none).
+        ssd_bytes: NVMe capacity usable for offloaded optimizer states (0: none; the
+            planner's ``zero-infinity`` spills there when host RAM overflows).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Hardware:
     host_memory_bytes: int
     ssd_read_bps: float = 0.0
     ssd_write_bps: float = 0.0
+    ssd_bytes: int = 0
 
     def matmul_flops(self, dtype: str = "float32") -> float:
         try:

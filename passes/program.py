@@ -480,6 +480,14 @@ def lower_actions(
                     if u is not None:
                         deps.append(u)
                 nbytes = spec.prefetch_bytes
+                if s not in persistent:
+                    # copies of groups updated on the device in a persistent owner's slot come
+                    # from there (device to device), not over the link
+                    nbytes -= sum(
+                        b
+                        for g, b in spec.grad_group_bytes
+                        if g in device_groups and g != spec.update_group and owner_of.get(g) in persistent
+                    )
             elif k == ActionKind.FORWARD:
                 slot, pf, _ = need_resident(pos, act)
                 if pf is not None:

@@ -11,7 +11,9 @@ A re-implementation of STRONGHOLD (SC22) as a compiler over torch.fx::
 
 from . import optim
 from .api import CompiledModel, compile
+from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
+from cost_model.planner import GPTFamily, plan
 from .errors import (
     ActionError,
     CaptureError,
@@ -28,9 +30,13 @@ __version__ = "0.1.0"
 __all__ = [
     "compile",
     "CompiledModel",
+    "compare",
+    "CompareResult",
     "optim",
     "EmulatedDevice",
     "CudaDevice",
+    "plan",
+    "GPTFamily",
     "ShfxError",
     "CaptureError",
     "PartitionError",

@@ -349,7 +349,8 @@ class CompiledModel:
                 )
             hint = f"Use window <= {fit}, or smaller stages." if fit else "Use a policy that keeps less on the device, smaller stages, or a device with more memory."
             raise OutOfDeviceMemory(
-                f"window={w} needs {what} = {format_bytes(need)} (program {prog.name!r}), but the device has {format_bytes(cap)} "
+                f"{'window=' + str(w) if prog.name.startswith('stronghold') else 'policy ' + repr(prog.name)} needs {what} = "
+                f"{format_bytes(need)}, but the device has {format_bytes(cap)} "
                 f"({self._backend.describe()}). {hint}",
                 needed_bytes=need,
                 capacity_bytes=cap,

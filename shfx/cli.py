@@ -5,6 +5,10 @@ Commands:
             sources (no download, no GPU needed: an emulated device otherwise).
     tune    the window report for a GPT: profiled and measured on a device, or predicted for a
             named hardware profile (--hardware V100-32GB-PCIe3).
+    compare the policies side by side for a GPT: predicted (and, on a device, measured) step
+            time, bottleneck, device and host memory, bytes moved per step.
+    plan    the capacity planner: the largest GPT each policy trains on given hardware (device,
+            host and SSD memory), and the term that limits it.
 
 Each command is a module-level ``_add_<name>(subparsers)`` that registers its parser and sets
 ``func`` to a ``(args) -> int`` handler; add new commands (``tune``, ``plan``, ``compare``) the
@@ -209,9 +213,235 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- compare ----------------------------------------------------------------------------------
+
+
+def _policies_arg(text: str) -> list[str]:
+    from passes.policies import POLICIES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of policies ({', '.join(sorted(POLICIES))}), got {text!r}"
+        )
+    return names
+
+
+def _window_arg(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    from cost_model.hardware import PROFILES
+
+    from .compare import DEFAULT_POLICIES
+
+    p = sub.add_parser(
+        "compare",
+        help="the policies side by side for a GPT: predicted and measured step time, memory, traffic",
+        description=(
+            "Compare the schedule policies (resident, l2l, zero-offload, zero-infinity, stronghold) on one GPT: "
+            "per policy the predicted step time, bottleneck, peak device memory, host memory and bytes moved per "
+            "step, and, on a device, the same measured over a few real steps. With --hardware the costs come from "
+            "the analytic model of a named profile and nothing is built or run (any size); otherwise they are "
+            "profiled on the device. A policy that does not fit says why."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=_positive_int, default=8)
+    p.add_argument("--hidden", type=_positive_int, default=256)
+    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--seq", type=_positive_int, default=128)
+    p.add_argument("--batch", type=_positive_int, default=4)
+    p.add_argument("--vocab", type=_positive_int, default=256)
+    p.add_argument("--policies", type=_policies_arg, default=",".join(DEFAULT_POLICIES), help="comma-separated, in table order")
+    p.add_argument("--window", type=_window_arg, default=2, help="stronghold's window: an int, or 'auto' (the tuner's choice)")
+    p.add_argument("--resident-first", type=_nonneg_int, default=0, help="stronghold: first k stages resident with their optimizer")
+    p.add_argument("--hardware", choices=sorted(PROFILES), default=None, help="predict for this profile; nothing runs")
+    p.add_argument("--device", default="auto", help="'auto', 'emulated' or 'cuda' (when not --hardware)")
+    p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device budget (emulated default 16GiB)")
+    p.add_argument("--h2d", type=_bandwidth_arg, default="12GB/s", help="emulated host->device bandwidth")
+    p.add_argument("--d2h", type=_bandwidth_arg, default="12GB/s", help="emulated device->host bandwidth")
+    p.add_argument("--steps", type=_positive_int, default=3, help="measured steps per policy, after the warm-up")
+    p.add_argument("--warmup", type=_positive_int, default=1, help="unmeasured steps per policy (the first captures)")
+    p.add_argument("--no-measure", action="store_true", help="predict from the profile only; run no training steps")
+    p.add_argument("--sequential", action="store_true", help="run the policies one after the other, not interleaved")
+    p.add_argument("--json", default=None, help="write the comparison as JSON to this file ('-': stdout, no table)")
+    p.add_argument("--csv", default=None, help="write one CSV line per policy to this file ('-': stdout, no table)")
+    p.set_defaults(func=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .compare import compare
+    from .devices import CudaDevice, EmulatedDevice
+
+    device = None
+    if args.hardware is None:
+        kind = args.device
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "emulated"
+        if kind == "emulated":
+            device = EmulatedDevice(memory=args.device_memory or "16GiB", h2d=args.h2d, d2h=args.d2h)
+        elif kind.startswith("cuda"):
+            device = CudaDevice(index=torch.device(kind).index or 0, memory=args.device_memory)
+        else:
+            raise ValueError(f"--device must be 'auto', 'emulated' or 'cuda', got {args.device!r}")
+    res = compare(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        batch=args.batch,
+        vocab=args.vocab,
+        policies=args.policies,
+        window=args.window,
+        resident_first=args.resident_first,
+        hardware=args.hardware,
+        device=device,
+        measure=not args.no_measure,
+        steps=args.steps,
+        warmup=args.warmup,
+        interleave=not args.sequential,
+    )
+    outputs = [(args.json, lambda: json.dumps(res.to_dict(), indent=2) + "\n"), (args.csv, res.to_csv)]
+    if "-" not in (args.json, args.csv):
+        print(res.table())
+    for path, text in outputs:
+        if path == "-":
+            sys.stdout.write(text())
+        elif path:
+            with open(path, "w") as f:
+                f.write(text())
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {v}")
+    return v
+
+
+def _planner_policies_arg(text: str) -> list[str]:
+    from cost_model.planner import POLICY_NAMES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in POLICY_NAMES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of policies ({', '.join(POLICY_NAMES)}), got {text!r}"
+        )
+    return names
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from cost_model.hardware import PROFILES
+    from cost_model.planner import POLICY_NAMES, PRECISIONS
+
+    p = sub.add_parser(
+        "plan",
+        help="the largest GPT each policy can train on given hardware, and what limits it",
+        description=(
+            "Capacity planner: for each policy, the largest number of layers of a GPT (the other "
+            "dimensions fixed) whose device, host and SSD memory fit, the memory at that size, and the term "
+            "that stops one layer more. Defaults: STRONGHOLD's setup (hidden 2048, 16 heads, seq 1024, "
+            "batch 4, fp32) on V100-32GB-PCIe3 (32 GiB device, 90 GiB host). Nothing runs."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--layers", type=_positive_int, default=None, help="also show each policy's memory at this many layers")
+    p.add_argument("--hidden", type=_positive_int, default=2048)
+    p.add_argument("--heads", type=_positive_int, default=16)
+    p.add_argument("--seq", type=_positive_int, default=1024)
+    p.add_argument("--batch", type=_positive_int, default=4)
+    p.add_argument("--vocab", type=_positive_int, default=50304)
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32",
+                   help="device compute dtype (16-bit: mixed precision, modelled; the runtime trains fp32)")
+    p.add_argument("--hardware", choices=sorted(PROFILES), default=None,
+                   help="hardware profile (default V100-32GB-PCIe3 unless --device-memory is given)")
+    p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device memory, e.g. '32GiB' (overrides the profile's)")
+    p.add_argument("--host-memory", type=_bytes_arg, default=None, help="host RAM, e.g. '90GiB' (overrides the profile's)")
+    p.add_argument("--ssd", type=_bytes_arg, default=None, help="NVMe capacity for zero-infinity's spilled optimizer states")
+    p.add_argument("--emulated", action="store_true",
+                   help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
+    p.add_argument("--policies", type=_planner_policies_arg, default=list(POLICY_NAMES), help="comma-separated")
+    p.add_argument("--window", type=_positive_int, default=2, help="stronghold's window")
+    p.add_argument("--resident-first", type=_nonneg_int, default=0, help="stronghold: first k stages resident with their optimizer")
+    p.add_argument("--workspace", type=_bytes_arg, default=None, help="CUDA context and workspaces (default 512MiB; 0 emulated)")
+    p.add_argument("--slack", type=_fraction_arg, default=0.0, help="fraction of device memory lost to allocator fragmentation")
+    p.add_argument("--max-layers", type=_positive_int, default=100_000)
+    p.add_argument("--csv", default=None, help="write the table as CSV (every term a column)")
+    p.add_argument("--json", nargs="?", const="-", default=None, help="write the plan as JSON to this file ('-' or no value: stdout)")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from cost_model.hardware import get_profile
+    from cost_model.planner import GPTFamily, Target, memory_model, plan
+
+    if args.emulated:
+        if args.device_memory is None:
+            raise ValueError("--emulated needs --device-memory (the emulated device's capacity)")
+        if args.hardware is not None:
+            raise ValueError("--emulated and --hardware exclude each other")
+        target = Target("emulated device", args.device_memory, args.host_memory, args.ssd or 0, emulated=True)
+    elif args.hardware is not None or args.device_memory is None:
+        hw = get_profile(args.hardware or "V100-32GB-PCIe3")
+        over = {}
+        if args.device_memory is not None:
+            over["device_memory_bytes"] = args.device_memory
+        if args.host_memory is not None:
+            over["host_memory_bytes"] = args.host_memory
+        if args.ssd is not None:
+            over["ssd_bytes"] = args.ssd
+        target = replace(hw, **over) if over else hw
+    else:
+        target = Target("custom", args.device_memory, args.host_memory, args.ssd or 0)
+    family = GPTFamily(
+        hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab, precision=args.precision
+    )
+    kw = dict(workspace_bytes=args.workspace, allocator_slack=args.slack)
+    result = plan(
+        family, target, policies=args.policies, window=args.window, resident_first=args.resident_first,
+        max_layers=args.max_layers, **kw,
+    )
+    if args.json != "-":
+        print(result)
+    if args.layers is not None:
+        print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")
+        for pol in args.policies:
+            bd = memory_model(
+                pol, family.with_layers(args.layers), target, window=args.window,
+                resident_first=args.resident_first if pol == "stronghold" else 0, **kw,
+            )
+            print(bd)
+    if args.csv:
+        print(f"csv: {result.to_csv(args.csv)}")
+    if args.json == "-":
+        print(result.to_json())
+    elif args.json:
+        result.to_json(args.json)
+        print(f"json: {args.json}")
+    return 0
+
+
 # ---- wiring -----------------------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_tune]
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_tune, _add_compare, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

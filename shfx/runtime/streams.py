@@ -152,12 +152,20 @@ class HostStream:
                 except BaseException as e:  # noqa: BLE001 - surfaced through the token
                     err = e
             tok.set(err)
+            # NOTE: drop the task before waiting for the next: an idle thread holding the last
+            # closure (tensors with autograd graphs) would free it at interpreter shutdown, when
+            # the thread cannot take the GIL any more, and the process aborts.
+            del item, fn, deps, tok, err
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Stop the workers after the tasks already queued, and wait for them (a worker
+        still running at interpreter shutdown can abort the process)."""
         if not self._closed:
             self._closed = True
             for _ in self._threads:
                 self._q.put(None)
+        if threading.current_thread() not in self._threads:
+            self.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         for t in self._threads:

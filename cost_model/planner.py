@@ -1,0 +1,959 @@
+"""The capacity planner: how large a model each policy can train on given hardware, and why.
+
+A **memory model** (:func:`memory_model`) gives, for one policy and one GPT size, the bytes each
+tier holds at the step's peak, term by term: on the device the slot pool, gradient buffers,
+optimizer states, boundary activations and their gradients, the working set of the stage being
+computed, the CUDA workspace and allocator slack; on the host the fp32 master weights, gradients,
+AdamW moments, staging buffers; on an SSD what ZeRO-Infinity spills there. The **planner**
+(:func:`largest_trainable`, :func:`plan`) searches the largest layer count that fits and names
+the term that stops it.
+
+On the emulated device (``shfx.EmulatedDevice``) the model is exact: it counts what the runtime
+reserves, byte for byte (slots sized to the largest stage each holds, 64-byte aligned tensors,
+per-slot gradient buffers, device AdamW states, boundary activations, their gradients and the
+model's inputs), and the emulated device counts nothing else (no temporaries inside a stage, no
+workspace, no fragmentation). ``tests/test_planner.py`` trains the largest size it predicts and
+checks that one layer more raises ``OutOfDeviceMemory``. On a real GPU it adds the terms the
+emulated device cannot see (see ``docs/planner.md``).
+
+>>> fam = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4)       # STRONGHOLD's setup
+>>> row = largest_trainable("stronghold", fam, "V100-32GB-PCIe3")
+>>> row.layers, row.binding
+(116, 'host: optimizer states (m, v)')
+>>> print(plan(fam, "V100-32GB-PCIe3"))                             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from passes.units import format_bytes
+
+from .hardware import Hardware, get_profile
+
+__all__ = [
+    "POLICY_NAMES",
+    "PRECISIONS",
+    "DEFAULT_WORKSPACE_BYTES",
+    "GPTFamily",
+    "Target",
+    "as_target",
+    "MemoryBreakdown",
+    "memory_model",
+    "PlanRow",
+    "Plan",
+    "largest_trainable",
+    "plan",
+    "memory_for_model",
+    "plan_for_model",
+]
+
+POLICY_NAMES = ("resident", "l2l", "zero-offload", "zero-infinity", "stronghold")
+"""Policies the planner models (the names of :data:`passes.policies.POLICIES`)."""
+
+PRECISIONS = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Compute dtype of the parameters on the device -> bytes per element. ``bfloat16``/``float16``
+model mixed precision (16-bit working copy on the device, fp32 master and states); the shfx
+runtime itself trains fp32 only."""
+
+DEFAULT_WORKSPACE_BYTES = 512 * 2**20
+"""Device memory a real GPU loses before any tensor: the CUDA context (~300-400 MiB on a V100
+with PyTorch's kernels loaded) plus cuBLAS/cuDNN workspaces (a few MiB per stream). The same
+figure :func:`cost_model.formulas.device_memory_terms` uses for ``cuda_context``. 0 on the
+emulated device."""
+
+ALIGN = 64  # passes.layout.ALIGN: every tensor in a host group and a slot starts on 64 bytes
+_GROUP_STATE_BYTES = 8  # AdamW m and v, fp32, per parameter
+_STAGING_BUFFERS = 2  # shfx.runtime.host_store.HostStore(staging_buffers=2)
+
+DEVICE_TERMS = (
+    "parameters (slots)",
+    "gradients",
+    "optimizer states",
+    "activations (checkpoints)",
+    "activation gradients",
+    "working set (one block)",
+    "workspace",
+    "allocator slack",
+)
+HOST_TERMS = (
+    "master parameters (fp32)",
+    "gradients (fp32)",
+    "optimizer states (m, v)",
+    "working copy (16-bit)",
+    "gradient staging (pinned)",
+    "pending tied gradient",
+)
+SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+def _format_params(n: int) -> str:
+    """2522320896 -> '2.52 B'; 294816 -> '0.29 M'."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n else "0"
+
+
+def _check_policy(policy: str) -> str:
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {policy!r}; the planner knows: {', '.join(POLICY_NAMES)}")
+    return policy
+
+
+# ---- the model family ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTFamily:
+    """GPT models of one shape (:class:`shfx.models.gpt.GPT` with ``bias=True``,
+    ``tie_weights=True``, ``block_size = seq``); ``layers`` is what varies.
+
+    Attributes:
+        hidden, heads, seq, batch, vocab: the shape and the micro-batch.
+        layers: transformer blocks.
+        precision: compute dtype of the parameters on the device: ``"float32"``, or
+            ``"bfloat16"``/``"float16"`` modelled as mixed precision (16-bit parameters,
+            gradients and activations on the device, fp32 master and AdamW states). The shfx
+            runtime trains fp32 only; 16-bit rows are a model of what peers do.
+        checkpointing: keep only stage-boundary activations (what shfx does); ``False`` keeps
+            every layer's activations (Korthikanti et al.'s ``s b h (34 + 5 a s / h)``).
+        loss_in_model: the model is called as ``model(idx, targets)`` and returns the scalar
+            loss (the targets are an input, the loss a 4-byte output); ``False``: it returns the
+            logits ``[b, s, V]`` and the loss is computed outside.
+
+    >>> GPTFamily(hidden=2048, heads=16, seq=1024, batch=4, layers=48).num_params()
+    2522320896
+    """
+
+    hidden: int
+    heads: int
+    seq: int
+    batch: int
+    vocab: int = 50304
+    layers: int = 1
+    precision: str = "float32"
+    checkpointing: bool = True
+    loss_in_model: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "heads", "seq", "batch", "vocab", "layers"):
+            _positive_int(f"GPTFamily.{name}", getattr(self, name))
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTFamily.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"GPTFamily.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    def with_layers(self, n: int) -> GPTFamily:
+        return replace(self, layers=n)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter element on the device."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "float32"
+
+    @property
+    def params_per_layer(self) -> int:
+        return 12 * self.hidden**2 + 13 * self.hidden
+
+    def num_params(self) -> int:
+        """``l (12h^2 + 13h) + (V + s) h + 2h`` (REFERENCE.md; embedding tied to the head)."""
+        h = self.hidden
+        return self.layers * self.params_per_layer + (self.vocab + self.seq) * h + 2 * h
+
+    def describe(self) -> str:
+        how = "activation checkpointing" if self.checkpointing else "no checkpointing"
+        return (
+            f"GPT hidden {self.hidden}, {self.heads} heads, seq {self.seq}, batch {self.batch}, vocab {self.vocab}, "
+            f"{self.precision}, {how}"
+        )
+
+    # per-stage bytes, laid out as shfx lays them out (passes.layout: each tensor 64-byte aligned)
+    def _block_numels(self) -> list[int]:
+        h = self.hidden
+        # ln_1 (w, b), c_attn (w, b), attn.c_proj (w, b), ln_2 (w, b), c_fc (w, b), mlp.c_proj (w, b)
+        return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+
+    def _stage_bytes(self, elt: int) -> dict[str, int]:
+        """Slot bytes of the head, a block and the tail (the tail's slot holds a copy of the tied
+        embedding it borrows), and ``tail_own``: the tail's own group (the final LayerNorm)."""
+        h, V, s = self.hidden, self.vocab, self.seq
+        tail_own = 2 * _align(h * elt)
+        return {
+            "head": _align(V * h * elt) + _align(s * h * elt),
+            "block": sum(_align(n * elt) for n in self._block_numels()),
+            "tail": tail_own + _align(V * h * elt),
+            "tail_own": tail_own,
+        }
+
+
+# ---- what the plan is checked against --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Capacities a memory model is checked against.
+
+    Attributes:
+        name: what it is (a profile name, the emulated device's description).
+        device_bytes: accelerator memory.
+        host_bytes: host RAM (None: not limited, e.g. the emulated device).
+        ssd_bytes: NVMe capacity for spilled optimizer states (0: none).
+        emulated: the emulated device: it counts only what shfx reserves (no working set,
+            workspace or fragmentation), so the planner's defaults for those are 0.
+    """
+
+    name: str
+    device_bytes: int
+    host_bytes: int | None = None
+    ssd_bytes: int = 0
+    emulated: bool = False
+
+    def describe(self) -> str:
+        host = "host not limited" if self.host_bytes is None else f"{format_bytes(self.host_bytes)} host"
+        ssd = f"{format_bytes(self.ssd_bytes)} SSD" if self.ssd_bytes else "no SSD"
+        return f"{self.name}: {format_bytes(self.device_bytes)} device, {host}, {ssd}"
+
+
+def as_target(hardware: Any) -> Target:
+    """A :class:`Target` from a :class:`~cost_model.hardware.Hardware`, a profile name
+    (:data:`cost_model.hardware.PROFILES`), an emulated device (``shfx.EmulatedDevice``: anything
+    with ``memory_bytes`` and ``h2d_bps``), or a Target."""
+    if isinstance(hardware, Target):
+        return hardware
+    if isinstance(hardware, str):
+        hardware = get_profile(hardware)
+    if isinstance(hardware, Hardware):
+        return Target(hardware.name, int(hardware.device_memory_bytes), int(hardware.host_memory_bytes), int(hardware.ssd_bytes))
+    if hasattr(hardware, "memory_bytes") and hasattr(hardware, "h2d_bps"):  # shfx.EmulatedDevice (cost_model never imports shfx)
+        return Target(str(hardware), int(hardware.memory_bytes), None, 0, emulated=True)
+    raise TypeError(
+        f"hardware must be a cost_model.hardware.Hardware, a profile name, a shfx.EmulatedDevice or a "
+        f"planner.Target, got {hardware!r}"
+    )
+
+
+# ---- one policy at one size ------------------------------------------------------------------
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per tier and term at the step's peak for one policy and one model size.
+
+    Attributes:
+        policy: the policy.
+        family: the GPT family (with its layer count), or None for :func:`memory_for_model`.
+        device, host, ssd: term -> bytes (see ``docs/planner.md`` for each term).
+        target: the capacities it was computed for (the allocator slack depends on them).
+        slot_sizes: bytes of each device slot; ``grad_buffer_sizes``: of each slot's gradient buffer.
+        settings: window, resident_first, workspace, slack, whether the working set is counted.
+        name: what was modelled (for :func:`memory_for_model`, the model's class).
+    """
+
+    policy: str
+    family: GPTFamily | None
+    device: dict[str, int]
+    host: dict[str, int]
+    ssd: dict[str, int]
+    target: Target | None = None
+    slot_sizes: tuple[int, ...] = ()
+    grad_buffer_sizes: tuple[int, ...] = ()
+    settings: dict = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def ssd_total(self) -> int:
+        return sum(self.ssd.values())
+
+    def _tiers(self, hw: Any) -> list[tuple[str, dict[str, int], int | None]]:
+        t = as_target(hw) if hw is not None else self.target
+        if t is None:
+            raise ValueError("fits()/binding() need the hardware to check against")
+        return [("device", self.device, t.device_bytes), ("host", self.host, t.host_bytes), ("ssd", self.ssd, t.ssd_bytes)]
+
+    def fits(self, hw: Any = None) -> bool:
+        """Every tier within its capacity (a host of unknown size always fits)."""
+        return all(cap is None or sum(terms.values()) <= cap for _, terms, cap in self._tiers(hw))
+
+    def utilization(self, hw: Any = None) -> dict[str, float]:
+        """Tier -> used / capacity (tiers without a limit left out; an SSD tier with terms and no
+        SSD is ``inf``)."""
+        out = {}
+        for tier, terms, cap in self._tiers(hw):
+            total = sum(terms.values())
+            if cap is None or (cap == 0 and total == 0):
+                continue
+            out[tier] = math.inf if cap == 0 else total / cap
+        return out
+
+    def binding(self, hw: Any = None) -> str:
+        """``"tier: term"``: the tier most over (or, if all fit, closest to) its capacity, and its
+        largest term (terms within 1% of the largest are named together: ``"a + b"``)."""
+        util = self.utilization(hw)
+        tier = max(util, key=lambda k: util[k])
+        terms = {"device": self.device, "host": self.host, "ssd": self.ssd}[tier]
+        top = max(terms.values())
+        return f"{tier}: " + " + ".join(k for k, v in terms.items() if v >= 0.99 * top)
+
+    def table(self) -> str:
+        what = self.family.describe() + f", {self.family.layers} layers" if self.family else self.name
+        rows = [f"{self.policy}: {what}"]
+        for tier, terms in (("device", self.device), ("host", self.host), ("ssd", self.ssd)):
+            if not terms:
+                continue
+            rows.append(f"  {tier:<7} {format_bytes(sum(terms.values())):>11}")
+            rows += [f"    {k:<28} {format_bytes(v):>11}" for k, v in terms.items() if v]
+        if self.target is not None:
+            rows.append(f"  {'fits' if self.fits() else 'does not fit'} {self.target.describe()} (limited by {self.binding()})")
+        return "\n".join(rows)
+
+    __str__ = table
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "family": asdict(self.family) if self.family else None,
+            "name": self.name,
+            "device": dict(self.device),
+            "host": dict(self.host),
+            "ssd": dict(self.ssd),
+            "device_total": self.device_total,
+            "host_total": self.host_total,
+            "ssd_total": self.ssd_total,
+            "slot_sizes": list(self.slot_sizes),
+            "grad_buffer_sizes": list(self.grad_buffer_sizes),
+            "settings": dict(self.settings),
+        }
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Which stage kinds each slot holds (runs of ``(kinds, count)`` slots), whether those slots
+    get a gradient buffer, which stage kinds' groups are updated on the device, and which stages
+    are persistent (kind -> count)."""
+
+    runs: tuple[tuple[frozenset[str], int, bool], ...]
+    device_groups: dict[str, int]
+    persistent: dict[str, int]
+
+
+def _kind(i: int, n: int) -> str:
+    return "head" if i == 0 else "tail" if i == n - 1 else "block"
+
+
+def _layout(policy: str, layers: int, window: int, resident_first: int) -> _Layout:
+    """The slot assignment shfx's policies make for a GPT (head, ``layers`` blocks, tail), in
+    closed form; equal to what :func:`passes.program.lower_actions` assigns (free slots are taken
+    lowest first), over the train, eval and cold-backward programs
+    (``tests/test_planner.py`` checks it against the programs on a grid).
+
+    - ``resident``, ``zero-offload``: stage i persistent in slot i.
+    - ``l2l``: one slot for every stage.
+    - ``zero-infinity``: two slots; stage i in slot ``i % 2`` in forward and ``(n-1-i) % 2`` in
+      backward (the backward prefetches the last two stages first).
+    - ``stronghold``: the first ``k`` stages persistent in slots ``0..k-1``; stage ``i >= k``
+      in slot ``k + (i - k) % w`` (a released slot goes to the stage ``w`` ahead, in both phases).
+    """
+    n = layers + 2
+    everything = {"head": 1, "block": layers, "tail": 1}
+    none = {"head": 0, "block": 0, "tail": 0}
+    if policy in ("resident", "zero-offload"):
+        runs = ((frozenset({"head"}), 1, True), (frozenset({"block"}), layers, True), (frozenset({"tail"}), 1, True))
+        return _Layout(runs, everything if policy == "resident" else none, everything)
+    # the other assignments are periodic in the stage index: the head, the tail and the first few
+    # blocks reach every slot a block can reach
+    probe = sorted({0, n - 1} | set(range(1, min(layers, resident_first + 2 * max(window, 2) + 2) + 1)))
+
+    def assign(where, grad_slots=lambda k: False) -> tuple[tuple[frozenset[str], int, bool], ...]:
+        kinds: dict[int, set[str]] = {}
+        for i in probe:
+            for k in where(i):
+                kinds.setdefault(k, set()).add(_kind(i, n))
+        return tuple((frozenset(kinds[k]), 1, grad_slots(k)) for k in range(len(kinds)))
+
+    if policy == "l2l":
+        return _Layout(assign(lambda i: (0,), lambda k: True), everything, none)
+    if policy == "zero-infinity":
+        return _Layout(assign(lambda i: {i % 2, (n - 1 - i) % 2}), none, none)
+    k = max(0, min(resident_first, n))
+    w = min(window, n - k)
+    pers = {"head": 0, "block": 0, "tail": 0}
+    for i in range(k):
+        pers[_kind(i, n)] += 1
+    runs = assign(lambda i: (i,) if i < k else (k + (i - k) % w,), lambda j: j < k)
+    return _Layout(runs, pers, pers)
+
+
+def _staging_buffers(grad_accum_steps: int, borrowed_to_host: bool, host_trainable: int) -> int:
+    """Host staging buffers the runtime allocates (``HostStore.acquire_staging``, each as large as
+    the largest group): a gradient copy that is added rather than copied in needs one - the tied
+    embedding's gradient from the tail, or every copy after the first under gradient
+    accumulation, when up to two are in flight."""
+    if not host_trainable:
+        return 0
+    return _STAGING_BUFFERS if grad_accum_steps > 1 else int(borrowed_to_host)
+
+
+def _resolve(target: Target, workspace_bytes: int | None, allocator_slack: float, working_set: bool | None):
+    if workspace_bytes is None:
+        workspace_bytes = 0 if target.emulated else DEFAULT_WORKSPACE_BYTES
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, int) or workspace_bytes < 0:
+        raise ValueError(f"workspace_bytes must be an int >= 0 (bytes), got {workspace_bytes!r}")
+    if isinstance(allocator_slack, bool) or not isinstance(allocator_slack, (int, float)) or not 0 <= allocator_slack < 1:
+        raise ValueError(f"allocator_slack must be a fraction of device memory in [0, 1), got {allocator_slack!r}")
+    if working_set is None:
+        working_set = not target.emulated
+    return workspace_bytes, float(allocator_slack), bool(working_set)
+
+
+def _check_common(policy: str, window: int, resident_first: int) -> None:
+    _check_policy(policy)
+    _positive_int("window", window)
+    if isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0:
+        raise ValueError(f"resident_first must be an int >= 0, got {resident_first!r}")
+    if resident_first and policy != "stronghold":
+        raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; policy {policy!r} does not take it")
+
+
+def memory_model(
+    policy: str,
+    family: GPTFamily,
+    hardware: Any,
+    *,
+    window: int = 2,
+    resident_first: int = 0,
+    workspace_bytes: int | None = None,
+    allocator_slack: float = 0.0,
+    working_set: bool | None = None,
+    attention_scores: bool = True,
+    nvme: bool | None = None,
+    grad_accum_steps: int = 1,
+) -> MemoryBreakdown:
+    """Peak bytes per tier and term when ``policy`` trains ``family`` (at ``family.layers``) on
+    ``hardware``.
+
+    Args:
+        policy: one of :data:`POLICY_NAMES`.
+        family: the model.
+        hardware: a :class:`~cost_model.hardware.Hardware`, a profile name, ``shfx.EmulatedDevice``
+            or a :class:`Target`.
+        window: stages streamed through the device at once (``stronghold``; the other policies
+            have a fixed number of slots).
+        resident_first: ``stronghold`` only: the first k stages persistent with their optimizer on
+            the device.
+        workspace_bytes: CUDA context and library workspaces; default
+            :data:`DEFAULT_WORKSPACE_BYTES` on real hardware, 0 on the emulated device.
+        allocator_slack: fraction of device memory lost to the caching allocator's fragmentation
+            (default 0: slots, gradient buffers and states are allocated once; see docs/planner.md).
+        working_set: count the temporaries of the stage being computed (a block's recompute, the
+            tail's logits); default on for real hardware, off for the emulated device (it does
+            not see them).
+        attention_scores: the working set includes the ``5 a s / h`` attention-score term
+            (materialised scores, as Megatron does; fused attention kernels never hold them).
+        nvme: ``zero-infinity``: spill the fp32 master and AdamW states to the SSD; None: only
+            when host RAM overflows and the target has an SSD. (The shfx runtime has no NVMe tier.)
+        grad_accum_steps: with more than one, gradients are added on the host through up to two
+            staging buffers (one otherwise, for the tied embedding's gradient from the tail).
+
+    >>> m = memory_model("resident", GPTFamily(2048, 16, 1024, 4, layers=30), "V100-32GB-PCIe3")
+    >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
+    8.0
+    """
+    _check_common(policy, window, resident_first)
+    _positive_int("grad_accum_steps", grad_accum_steps)
+    if not isinstance(family, GPTFamily):
+        raise TypeError(f"family must be a GPTFamily, got {type(family).__name__}")
+    if nvme is not None and not isinstance(nvme, bool):
+        raise ValueError(f"nvme must be True, False or None, got {nvme!r}")
+    tgt = as_target(hardware)
+    workspace_bytes, allocator_slack, working_set = _resolve(tgt, workspace_bytes, allocator_slack, working_set)
+    fam = family
+    L, h, a, s, b, V = fam.layers, fam.hidden, fam.heads, fam.seq, fam.batch, fam.vocab
+    n = L + 2
+    elt = fam.param_bytes
+    # NOTE: l2l updates each stage on the device and copies it back (OP): in mixed precision the
+    # slot carries the fp32 master it updates, so its slot and gradient buffer are fp32.
+    slot_elt = 4 if policy == "l2l" else elt
+    size = fam._stage_bytes(slot_elt)
+    own32 = fam._stage_bytes(4)
+    group32 = {"head": own32["head"], "block": own32["block"], "tail": own32["tail_own"]}
+    lay = _layout(policy, L, window, resident_first)
+
+    # ---- device
+    slot_sizes: tuple[int, ...] = ()
+    grad_sizes: tuple[int, ...] = ()
+    for kinds, count, grad in lay.runs:
+        sz = max(size[k] for k in kinds)
+        slot_sizes += (sz,) * count
+        grad_sizes += (sz if grad else 0,) * count
+    # device AdamW: m and v (fp32) per group; in mixed precision its fp32 master too, except in
+    # l2l, whose fp32 master is what the slot holds
+    per_group = 3 if fam.mixed and policy != "l2l" else 2
+    states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
+    A = b * s * h * elt  # one boundary activation [b, s, h]
+    inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
+    out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (fp32 scalar) or the logits
+    korthikanti = s * b * h * (34 + (5 * a * s / h if attention_scores else 0)) * elt / 2  # bytes per layer
+    if fam.checkpointing:
+        acts = inputs + (L + 1) * A + out  # the head's and every block's output, kept for the backward
+    else:
+        acts = inputs + A + int(L * korthikanti) + out  # every layer's activations
+    act_grads = out + A  # the output's gradient and one boundary gradient (the peak is the tail's backward)
+    ws = 0
+    if working_set:
+        tail_ws = (3 if fam.loss_in_model else 1) * b * s * V * elt  # logits, log-softmax, their gradient
+        ws = max(int(korthikanti), tail_ws) if fam.checkpointing else tail_ws
+        if policy == "stronghold" and lay.device_groups["head"] and not lay.persistent["tail"]:
+            ws += V * h * elt  # the tail's tied-embedding gradient waits for the head's device update
+    device = {
+        "parameters (slots)": sum(slot_sizes),
+        "gradients": sum(grad_sizes),
+        "optimizer states": states,
+        "activations (checkpoints)": int(acts),
+        "activation gradients": int(act_grads),
+        "working set (one block)": int(ws),
+        "workspace": workspace_bytes,
+        "allocator slack": int(round(allocator_slack * tgt.device_bytes)),
+    }
+
+    # ---- host (fp32; shfx's host store keeps every group's master weights)
+    host_groups = {k: (1 if k != "block" else L) - lay.device_groups[k] for k in ("head", "block", "tail")}
+    if policy in ("resident", "l2l"):
+        host_groups = {"head": 0, "block": 0, "tail": 0}
+    master = sum(group32[k] * c for k, c in {"head": 1, "block": L, "tail": 1}.items())
+    host_trainable = sum(group32[k] * c for k, c in host_groups.items())
+    streamed = {"resident": 0, "l2l": 0}.get(policy)
+    if streamed is None:  # what is prefetched from the host: everything not persistent (zero-offload refreshes all)
+        streamed = master if policy == "zero-offload" else master - sum(group32[k] * c for k, c in lay.persistent.items())
+    largest_group = max(group32.values())
+    host = {
+        "master parameters (fp32)": master,
+        "gradients (fp32)": host_trainable,
+        "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * host_trainable,
+        "working copy (16-bit)": streamed // 2 if fam.mixed else 0,
+        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, bool(host_groups["head"]), host_trainable) * largest_group,
+        "pending tied gradient": 4 * V * h if host_groups["head"] else 0,
+    }
+    ssd: dict[str, int] = {}
+    if policy == "zero-infinity":
+        over = tgt.host_bytes is not None and sum(host.values()) > tgt.host_bytes
+        if nvme or (nvme is None and over and tgt.ssd_bytes > 0):
+            ssd = {
+                "master parameters (fp32)": host.pop("master parameters (fp32)"),
+                "optimizer states (m, v)": host.pop("optimizer states (m, v)"),
+            }
+            host = {"master parameters (fp32)": 0, "optimizer states (m, v)": 0, **host}
+    settings = {
+        "window": window,
+        "resident_first": resident_first,
+        "workspace_bytes": workspace_bytes,
+        "allocator_slack": allocator_slack,
+        "working_set": working_set,
+        "attention_scores": attention_scores,
+        "grad_accum_steps": grad_accum_steps,
+    }
+    return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanRow:
+    """The largest size one policy trains: ``layers`` (0: not even one), its parameter count,
+    its memory, and what stops one layer more (``"tier: term"``)."""
+
+    policy: str
+    layers: int
+    params: int
+    breakdown: MemoryBreakdown
+    binding: str
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "layers": self.layers,
+            "params": self.params,
+            "binding": self.binding,
+            **{k: v for k, v in self.breakdown.to_dict().items() if k not in ("policy", "family")},
+        }
+
+
+def largest_trainable(policy: str, family: GPTFamily, hardware: Any, *, max_layers: int = 100_000, **memory_kw) -> PlanRow:
+    """The largest layer count of ``family`` that ``policy`` fits on ``hardware`` (at most
+    ``max_layers``), and the term that stops one layer more.
+
+    ``memory_kw`` are :func:`memory_model`'s options. With 0 layers (even one does not fit), the
+    row's breakdown is that of one layer, and its binding says what overflows.
+
+    Memory is not monotone in the layer count: whether the tail shares a slot with the head or
+    with a block depends on ``(layers + 1) mod window``, so a model can fit when one layer
+    smaller does not. It is monotone along each residue class ``mod lcm(window, 2)`` once the
+    window is full, so the search tries every size up to a few windows, then gallops and
+    bisects along each residue class.
+    """
+    _positive_int("max_layers", max_layers)
+    tgt = as_target(hardware)
+    window = memory_kw.get("window", 2)
+    resident_first = memory_kw.get("resident_first", 0)
+    _check_common(policy, window, resident_first)
+
+    def at(n_layers: int) -> MemoryBreakdown:
+        return memory_model(policy, family.with_layers(n_layers), tgt, **memory_kw)
+
+    def fits(n_layers: int) -> bool:
+        return at(n_layers).fits(tgt)
+
+    period = window * 2 // math.gcd(window, 2)
+    small = min(max_layers, resident_first + 2 * period + 4)
+    best = max((n_layers for n_layers in range(1, small + 1) if fits(n_layers)), default=0)
+    for r in range(period):
+        start = small + 1 + r
+        if start > max_layers or not fits(start):
+            continue
+        steps_max = (max_layers - start) // period
+        lo, hi = 0, 1  # fits(start + lo*period); find the first hi that does not (or the end)
+        while hi <= steps_max and fits(start + hi * period):
+            lo, hi = hi, hi * 2
+        hi = min(hi, steps_max + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(start + mid * period):
+                lo = mid
+            else:
+                hi = mid
+        best = max(best, start + lo * period)
+    if best == 0:
+        bd = at(1)
+        return PlanRow(policy, 0, 0, bd, bd.binding(tgt))
+    bd = at(best)
+    binding = at(best + 1).binding(tgt) if best < max_layers else f"max_layers ({max_layers}) reached"
+    return PlanRow(policy, best, family.with_layers(best).num_params(), bd, binding)
+
+
+@dataclass
+class Plan:
+    """The largest trainable size of each policy on one target (:func:`plan`)."""
+
+    family: GPTFamily | None
+    hardware: Target
+    rows: list[PlanRow]
+    settings: dict
+
+    def row(self, policy: str) -> PlanRow:
+        for r in self.rows:
+            if r.policy == policy:
+                return r
+        raise KeyError(f"no row for policy {policy!r} in this plan; it has: {', '.join(r.policy for r in self.rows)}")
+
+    def table(self) -> str:
+        st = self.settings
+        what = self.family.describe() if self.family is not None else st.get("model", "model")
+        ws = format_bytes(st["workspace_bytes"]) if st.get("workspace_bytes") is not None else "auto"
+        head = [
+            what,
+            f"on {self.hardware.describe()}",
+            f"window {st.get('window')}, resident_first {st.get('resident_first')}, workspace {ws}, "
+            f"allocator slack {100 * st.get('allocator_slack', 0):.0f}%"
+            + ("" if self.hardware.emulated else f", working set {'on' if st.get('working_set', True) else 'off'}"),
+            "",
+            f"{'policy':<16} {'layers':>7} {'params':>9} {'device':>11} {'host':>11} {'SSD':>11}  limited by",
+        ]
+        for r in self.rows:
+            bd = r.breakdown
+            if r.layers == 0:
+                dev = host = ssd = "-"
+            else:
+                dev, host = format_bytes(bd.device_total), format_bytes(bd.host_total)
+                ssd = format_bytes(bd.ssd_total) if bd.ssd else "-"
+            head.append(f"{r.policy:<16} {r.layers:>7} {_format_params(r.params):>9} {dev:>11} {host:>11} {ssd:>11}  {r.binding}")
+        return "\n".join(head)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        return {
+            "family": asdict(self.family) if self.family is not None else None,
+            "hardware": asdict(self.hardware),
+            "settings": dict(self.settings),
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    def to_csv(self, path: str) -> str:
+        """One row per policy: layers, params, totals, binding, then every term as
+        ``tier:term`` columns (bytes)."""
+        cols = [f"device:{t}" for t in DEVICE_TERMS] + [f"host:{t}" for t in HOST_TERMS] + [f"ssd:{t}" for t in SSD_TERMS]
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["policy", "layers", "params", "device_bytes", "host_bytes", "ssd_bytes", "binding", *cols])
+            for r in self.rows:
+                bd = r.breakdown
+                terms = {f"device:{k}": v for k, v in bd.device.items()}
+                terms.update({f"host:{k}": v for k, v in bd.host.items()})
+                terms.update({f"ssd:{k}": v for k, v in bd.ssd.items()})
+                w.writerow(
+                    [r.policy, r.layers, r.params, bd.device_total, bd.host_total, bd.ssd_total, r.binding]
+                    + [terms.get(c, 0) for c in cols]
+                )
+        return path
+
+
+def plan(
+    family: GPTFamily,
+    hardware: Any,
+    *,
+    policies: Sequence[str] = POLICY_NAMES,
+    max_layers: int = 100_000,
+    window: int = 2,
+    resident_first: int = 0,
+    **memory_kw,
+) -> Plan:
+    """:func:`largest_trainable` for each policy. ``resident_first`` applies to ``stronghold``
+    only (the other policies do not take it); ``memory_kw`` go to :func:`memory_model`.
+
+    >>> p = plan(GPTFamily(2048, 16, 1024, 4), "V100-32GB-PCIe3")
+    >>> [(r.policy, r.layers) for r in p.rows]
+    [('resident', 34), ('l2l', 67), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
+    """
+    if isinstance(policies, str):
+        policies = (policies,)
+    for p in policies:
+        _check_policy(p)
+    tgt = as_target(hardware)
+    rows = []
+    for p in policies:
+        kw = dict(memory_kw, window=window, resident_first=resident_first if p == "stronghold" else 0)
+        rows.append(largest_trainable(p, family, tgt, max_layers=max_layers, **kw))
+    ws, slack, wset = _resolve(tgt, memory_kw.get("workspace_bytes"), memory_kw.get("allocator_slack", 0.0), memory_kw.get("working_set"))
+    settings = dict(
+        window=window,
+        resident_first=resident_first,
+        workspace_bytes=ws,
+        allocator_slack=slack,
+        working_set=wset,
+        max_layers=max_layers,
+        **{k: v for k, v in memory_kw.items() if k not in ("workspace_bytes", "allocator_slack", "working_set")},
+    )
+    return Plan(family, tgt, rows, settings)
+
+
+# ---- any model, from its capture ----------------------------------------------------------------
+
+
+def _policy_program(policy: str, specs: list, window: int, resident_first: int):
+    from passes.policies import POLICIES, schedule_stronghold
+
+    if policy == "stronghold" and resident_first:
+        return schedule_stronghold(specs, window, resident_first=resident_first)
+    return POLICIES[policy](specs, window)
+
+
+def _boundary_peak(graph, program) -> tuple[int, int, int]:
+    """Replay the runtime's device accounting of boundary values (``StepContext``: ``put``,
+    ``drop``, ``add_grad``, ``drop_grad``, ``keep``) over ``program``'s forward and backward and
+    return (activations, gradients, pre-forward buffer copies) at the peak."""
+    from passes.meta import get_meta
+    from passes.program import ActionKind
+
+    vals: dict[str, int] = {}
+    grads: dict[str, int] = {}
+    keeps: dict[int, int] = {}
+    best = (0, 0, 0)
+
+    def mark() -> None:
+        nonlocal best
+        cur = (sum(vals.values()), sum(grads.values()), sum(keeps.values()))
+        if sum(cur) > sum(best):
+            best = cur
+
+    def add_grad(v: str) -> None:
+        if v not in grads:
+            grads[v] = graph.values[v].nbytes
+            mark()
+
+    free_after_b: dict[int, list[str]] = {}
+    for v, info in graph.values.items():
+        if info.consumers and v not in graph.outputs:
+            free_after_b.setdefault(min(info.consumers), []).append(v)
+    for v in graph.inputs:
+        vals[v] = graph.values[v].nbytes
+        mark()
+    for node in program.phase_nodes("forward"):
+        m = get_meta(node)
+        if m.kind != ActionKind.FORWARD:
+            continue
+        st = graph.stages[m.stage]
+        if st.mutated_buffers and not m.keep_graph:
+            keeps[st.index] = sum(graph.tensors[k].nbytes for k in st.mutated_buffers)
+            mark()
+        for v in st.outputs:
+            vals[v] = graph.values[v].nbytes
+            mark()
+    for v in graph.outputs:
+        if graph.values[v].differentiable:
+            add_grad(v)
+    for node in program.phase_nodes("backward"):
+        m = get_meta(node)
+        if m.kind != ActionKind.BACKWARD:
+            continue
+        st = graph.stages[m.stage]
+        if any(v in grads for v in st.outputs):
+            for v in st.inputs:
+                if graph.values[v].differentiable:
+                    add_grad(v)
+        keeps.pop(st.index, None)
+        for v in st.outputs:
+            grads.pop(v, None)
+        for v in free_after_b.get(st.index, []):
+            vals.pop(v, None)
+    return best
+
+
+def memory_for_model(
+    policy: str,
+    model: Any,
+    example_inputs: tuple,
+    hardware: Any,
+    *,
+    window: int = 2,
+    resident_first: int = 0,
+    blocks: Any = None,
+    workspace_bytes: int | None = None,
+    allocator_slack: float = 0.0,
+    grad_accum_steps: int = 1,
+    graph: Any = None,
+) -> MemoryBreakdown:
+    """The memory model of any model shfx can capture, from its real stages and step program.
+
+    Captures ``model(*example_inputs)`` (meta tensors are fine) and partitions it as
+    ``shfx.compile`` does, builds ``policy``'s programs (train, eval, cold backward), and counts
+    what the engine reserves: the slot pool and gradient buffers as :class:`shfx.runtime.engine.Variant`
+    sizes them, the device AdamW states of the groups updated there, and the boundary values,
+    their gradients and pre-forward buffer copies replayed in program order. Exact on the
+    emulated device for every model; on a real GPU the working set of a stage is not known here
+    (pass it in ``workspace_bytes``). ``graph``: a :class:`passes.partition.StageGraph` already
+    partitioned (skips the capture).
+    """
+    _check_common(policy, window, resident_first)
+    tgt = as_target(hardware)
+    workspace_bytes, allocator_slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
+    if graph is None:
+        from passes.capture import capture_model
+        from passes.partition import partition_stages
+
+        graph = partition_stages(capture_model(model, tuple(example_inputs)), blocks=blocks, model=model)
+    from passes.schedule import cold_backward_program, eval_program
+
+    train = _policy_program(policy, graph.specs, window, resident_first)
+    progs = (train, eval_program(train), cold_backward_program(train))
+    nslots = max(p.num_slots for p in progs)
+
+    def per_slot(fn) -> tuple[int, ...]:
+        return tuple(max((fn(p)[k] if k < p.num_slots else 0) for p in progs) for k in range(nslots))
+
+    slot_sizes = per_slot(lambda p: p.slot_sizes())
+    grad_sizes = per_slot(lambda p: p.grad_buffer_sizes())
+    acts, act_grads, pre = _boundary_peak(graph, train)
+    device = {
+        "parameters (slots)": sum(slot_sizes),
+        "gradients": sum(grad_sizes),
+        "optimizer states": train.device_state_bytes(),
+        "activations (checkpoints)": acts + pre,
+        "activation gradients": act_grads,
+        "working set (one block)": 0,
+        "workspace": workspace_bytes,
+        "allocator slack": int(round(allocator_slack * tgt.device_bytes)),
+    }
+    dev_groups = train.device_groups()
+    host_groups = [g for g in graph.groups if g.trainable_bytes and g.index not in dev_groups]
+    host_trainable = sum(g.trainable_bytes for g in host_groups)
+    hg = {g.index for g in host_groups}
+    pending = sum(
+        nb for st in graph.specs for g, nb in st.grad_group_bytes if g != st.update_group and g in hg
+    )
+    host = {
+        "master parameters (fp32)": sum(g.nbytes for g in graph.groups),
+        "gradients (fp32)": host_trainable,
+        "optimizer states (m, v)": 2 * host_trainable,
+        "working copy (16-bit)": 0,
+        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, pending > 0, host_trainable)
+        * max(g.trainable_bytes for g in graph.groups),
+        "pending tied gradient": pending,
+    }
+    name = type(model).__name__ if model is not None else "model"
+    settings = {"window": window, "resident_first": resident_first, "workspace_bytes": workspace_bytes,
+                "allocator_slack": allocator_slack, "working_set": False, "stages": len(graph.stages)}
+    return MemoryBreakdown(policy, None, device, host, {}, tgt, slot_sizes, grad_sizes, settings, name=name)
+
+
+def plan_for_model(
+    model: Any,
+    example_inputs: tuple,
+    hardware: Any,
+    *,
+    policies: Sequence[str] = POLICY_NAMES,
+    window: int = 2,
+    resident_first: int = 0,
+    blocks: Any = None,
+    workspace_bytes: int | None = None,
+    allocator_slack: float = 0.0,
+) -> Plan:
+    """Does ``model`` (at its own size) fit with each policy? One capture, then
+    :func:`memory_for_model` per policy; each row's ``layers`` is the number of stages if it
+    fits, else 0, and its binding the tightest tier and term."""
+    from passes.capture import capture_model
+    from passes.partition import partition_stages
+
+    if isinstance(policies, str):
+        policies = (policies,)
+    for p in policies:
+        _check_policy(p)
+    tgt = as_target(hardware)
+    graph = partition_stages(capture_model(model, tuple(example_inputs)), blocks=blocks, model=model)
+    n_params = sum(
+        info.numel for k, info in graph.tensors.items() if info.kind == "param" and info.trainable
+    )
+    rows = []
+    for p in policies:
+        bd = memory_for_model(
+            p, model, example_inputs, tgt, window=window, resident_first=resident_first if p == "stronghold" else 0,
+            workspace_bytes=workspace_bytes, allocator_slack=allocator_slack, graph=graph,
+        )
+        ok = bd.fits(tgt)
+        rows.append(PlanRow(p, len(graph.stages) if ok else 0, n_params if ok else 0, bd, bd.binding(tgt)))
+    ws, slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
+    settings = dict(window=window, resident_first=resident_first, workspace_bytes=ws, allocator_slack=slack,
+                    working_set=False, model=f"{type(model).__name__} ({len(graph.stages)} stages, {n_params / 1e6:.1f} M params)")
+    return Plan(None, tgt, rows, settings)

@@ -1,0 +1,350 @@
+"""The capacity planner: formulas against REFERENCE.md, the closed-form slot layout against the
+step programs, the search against brute force, and the predicted boundary against the runtime
+(the largest size trains, one layer more raises OutOfDeviceMemory)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shfx
+from cost_model.analytic import repeat_blocks
+from cost_model.hardware import PROFILES, get_profile
+from cost_model.planner import (
+    POLICY_NAMES,
+    GPTFamily,
+    Target,
+    _policy_program,
+    largest_trainable,
+    memory_for_model,
+    memory_model,
+    plan,
+    plan_for_model,
+)
+from passes.capture import capture_model
+from passes.partition import partition_stages
+from passes.schedule import cold_backward_program, eval_program
+from shfx.models import GPT, GPTConfig
+
+REF = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
+V100 = "V100-32GB-PCIe3"
+SMALL = GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=64)
+HUGE = Target("no limit", 1 << 50)
+EMU = Target("emulated", 1 << 40, emulated=True)
+
+
+# ---- formulas ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("h,a,s,V,L", [(2048, 16, 1024, 50304, 48), (32, 2, 16, 64, 3), (48, 4, 24, 100, 5)])
+def test_num_params_matches_gpt_config(h, a, s, V, L):
+    fam = GPTFamily(hidden=h, heads=a, seq=s, batch=1, vocab=V, layers=L)
+    cfg = GPTConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h, bias=True, tie_weights=True)
+    assert fam.num_params() == cfg.num_params()
+    assert fam.params_per_layer == 12 * h * h + 13 * h
+
+
+def test_reference_formulas():
+    """REFERENCE.md: 12h^2+13h per layer; 16 bytes per parameter with AdamW (fp32 and mixed);
+    with full recompute only the layer input is kept, 2sbh bytes at 16-bit (double for fp32)."""
+    h, s, b, V, a = 2048, 1024, 4, 50304, 16
+    fam = REF.with_layers(48)
+    P = fam.num_params()
+    assert P == 48 * (12 * h * h + 13 * h) + V * h + s * h + 2 * h == 2522320896
+    res = memory_model("resident", fam, V100)
+    # every tensor of this shape is 64-byte aligned; the tail's slot also holds a copy of wte
+    assert res.device["parameters (slots)"] == 4 * (P + V * h) == res.device["gradients"]
+    assert res.device["optimizer states"] == 8 * P
+    mixed = memory_model("resident", replace(fam, precision="bfloat16"), V100)
+    assert mixed.device["parameters (slots)"] + mixed.device["gradients"] + mixed.device["optimizer states"] == 16 * P + 4 * V * h
+    sh = memory_model("stronghold", fam, V100)
+    host = sh.host
+    assert host["master parameters (fp32)"] + host["gradients (fp32)"] + host["optimizer states (m, v)"] == 16 * P
+    one_more = memory_model("stronghold", REF.with_layers(49), V100)
+    assert one_more.device["activations (checkpoints)"] - sh.device["activations (checkpoints)"] == 2 * s * b * h * 2
+    no_ckpt = GPTFamily(h, a, s, b, V, layers=48, checkpointing=False)
+    per_layer = memory_model("stronghold", no_ckpt.with_layers(49), V100).device["activations (checkpoints)"] - memory_model(
+        "stronghold", no_ckpt, V100
+    ).device["activations (checkpoints)"]
+    assert per_layer == pytest.approx(s * b * h * (34 + 5 * a * s / h) * 2, abs=1)
+    # the working set: the larger of a block's activations and the tail's logits (x3)
+    assert sh.device["working set (one block)"] == max(int(s * b * h * (34 + 5 * a * s / h) * 2), 3 * 4 * b * s * V)
+    assert sh.device["workspace"] == 512 * 2**20 and sh.device["allocator slack"] == 0
+
+
+def test_reference_plan():
+    p = plan(REF, V100)
+    got = {r.policy: (r.layers, r.binding) for r in p.rows}
+    assert got == {
+        "resident": (34, "device: optimizer states"),
+        "l2l": (67, "device: optimizer states"),
+        "zero-offload": (67, "device: parameters (slots) + gradients"),
+        "zero-infinity": (116, "host: optimizer states (m, v)"),
+        "stronghold": (116, "host: optimizer states (m, v)"),
+    }
+    for r in p.rows:
+        assert r.breakdown.fits(V100)
+        assert not memory_model(r.policy, REF.with_layers(r.layers + 1), V100).fits(V100)
+    # without the host limit, stronghold's device allows ~8x more layers: activations bind
+    dev_only = largest_trainable("stronghold", REF, Target("V100 device", get_profile(V100).device_memory_bytes))
+    assert dev_only.layers > 800 and dev_only.binding == "device: activations (checkpoints)"
+
+
+def test_monotone():
+    kinds = ("hidden", "seq", "batch", "vocab")
+    for pol in POLICY_NAMES:
+        base = memory_model(pol, REF.with_layers(40), V100)
+        for k in kinds:
+            bigger = memory_model(pol, replace(REF, layers=40, **{k: getattr(REF, k) * 2}), V100)
+            assert bigger.device_total >= base.device_total, (pol, k)
+            assert bigger.host_total >= base.host_total, (pol, k)
+        # more layers never need less host memory; more device memory never trains fewer layers
+        assert memory_model(pol, REF.with_layers(41), V100).host_total > base.host_total
+        hw = get_profile(V100)
+        small = largest_trainable(pol, REF, hw).layers
+        large = largest_trainable(pol, REF, Target("bigger", 2 * hw.device_memory_bytes, 2 * hw.host_memory_bytes)).layers
+        assert large >= small
+    rows = [largest_trainable("stronghold", replace(REF, batch=b), Target("dev", 32 << 30)).layers for b in (1, 4, 16)]
+    assert rows[0] >= rows[1] >= rows[2]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="unknown policy 'megatron'.*resident, l2l, zero-offload, zero-infinity, stronghold"):
+        memory_model("megatron", REF, V100)
+    with pytest.raises(ValueError, match="unknown policy"):
+        plan(REF, V100, policies=("stronghold", "nope"))
+    for bad in ({"hidden": 0}, {"heads": -1}, {"seq": 0}, {"batch": 0}, {"vocab": 0}, {"layers": 0}):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            replace(REF, **bad)
+    with pytest.raises(ValueError, match="divisible"):
+        GPTFamily(hidden=30, heads=4, seq=8, batch=1)
+    with pytest.raises(ValueError, match="precision"):
+        replace(REF, precision="int8")
+    with pytest.raises(ValueError, match="refinement of the 'stronghold' policy"):
+        memory_model("resident", REF, V100, resident_first=1)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        memory_model("stronghold", REF, V100, window=0)
+    with pytest.raises(ValueError, match="allocator_slack"):
+        memory_model("stronghold", REF, V100, allocator_slack=1.5)
+    with pytest.raises(ValueError, match="max_layers"):
+        largest_trainable("stronghold", REF, V100, max_layers=0)
+    with pytest.raises(KeyError, match="unknown hardware profile"):
+        memory_model("stronghold", REF, "TPU")
+    with pytest.raises(TypeError, match="hardware must be"):
+        memory_model("stronghold", REF, 12)
+    with pytest.raises(KeyError, match="no row for policy 'l2l'"):
+        plan(REF, V100, policies=("stronghold",)).row("l2l")
+
+
+def test_zero_layers_explains_why():
+    row = largest_trainable("resident", SMALL, Target("tiny", 100_000, emulated=True))
+    assert row.layers == 0 and row.params == 0
+    assert row.binding == "device: optimizer states"
+    assert row.breakdown.family.layers == 1 and not row.breakdown.fits()
+
+
+def test_zero_infinity_spills_to_ssd():
+    hw = PROFILES[V100]
+    no_ssd = largest_trainable("zero-infinity", REF, hw)
+    with_ssd = largest_trainable("zero-infinity", REF, replace(hw, ssd_bytes=2 * 10**12))
+    assert with_ssd.layers > no_ssd.layers
+    bd = with_ssd.breakdown
+    assert bd.ssd and bd.ssd["optimizer states (m, v)"] == 2 * bd.ssd["master parameters (fp32)"]
+    assert bd.host["optimizer states (m, v)"] == 0
+    # other policies never use the SSD
+    assert not largest_trainable("stronghold", REF, replace(hw, ssd_bytes=2 * 10**12)).breakdown.ssd
+
+
+# ---- the closed-form layout against the step programs --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def template():
+    """A captured two-block GPT (meta device) whose block stage repeat_blocks copies to any depth."""
+
+    def capture(fam: GPTFamily):
+        cfg = GPTConfig(vocab_size=fam.vocab, block_size=fam.seq, n_layer=2, n_head=fam.heads, n_embd=fam.hidden)
+        with torch.device("meta"):
+            model = GPT(cfg)
+            idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+        return partition_stages(capture_model(model, (idx, idx)), model=model)
+
+    # vocab 512 > 12h + 11: the tail's slot (with the tied embedding) is larger than a block's
+    return {fam: capture(fam) for fam in (SMALL, GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=512))}
+
+
+def _program_layout(policy, specs, window, k):
+    train = _policy_program(policy, specs, window, k)
+    progs = (train, eval_program(train), cold_backward_program(train))
+    n = max(p.num_slots for p in progs)
+    slots = tuple(max((p.slot_sizes()[j] if j < p.num_slots else 0) for p in progs) for j in range(n))
+    grads = tuple(max((p.grad_buffer_sizes()[j] if j < p.num_slots else 0) for p in progs) for j in range(n))
+    return slots, grads, train.device_state_bytes()
+
+
+def test_layout_matches_programs(template):
+    for fam, graph in template.items():
+        for L in range(1, 9):
+            specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
+            for policy in POLICY_NAMES:
+                for window in (1, 2, 3, 4) if policy == "stronghold" else (2,):
+                    for k in (0, 1, 2, 3) if policy == "stronghold" else (0,):
+                        bd = memory_model(policy, fam.with_layers(L), EMU, window=window, resident_first=k)
+                        want = _program_layout(policy, specs, window, k)
+                        got = (bd.slot_sizes, bd.grad_buffer_sizes, bd.device["optimizer states"])
+                        assert got == want, (fam.vocab, L, policy, window, k)
+
+
+def test_memory_for_model_matches_family(template):
+    """The generic path (real stages, programs, boundary values replayed) equals the GPT closed form."""
+    fam = SMALL.with_layers(2)
+    graph = template[SMALL]
+    for policy, kw in [(p, {}) for p in POLICY_NAMES] + [("stronghold", {"resident_first": 1, "window": 3})]:
+        want = memory_model(policy, fam, EMU, **kw)
+        got = memory_for_model(policy, None, (), EMU, graph=graph, **kw)
+        assert got.device == want.device, policy
+        assert got.host == want.host, policy
+        assert (got.slot_sizes, got.grad_buffer_sizes) == (want.slot_sizes, want.grad_buffer_sizes)
+
+
+def test_search_matches_brute_force():
+    """Memory is not monotone in layers when the tail's slot is larger than a block's: the search
+    must still find the largest size that fits."""
+    fam = GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=512)
+    cases = [("stronghold", {"window": 2}, True), ("stronghold", {"window": 3}, True), ("zero-infinity", {}, True),
+             ("stronghold", {"window": 2, "resident_first": 1}, False), ("l2l", {}, False)]
+    for policy, kw, dips in cases:
+        totals = [memory_model(policy, fam.with_layers(L), EMU, **kw).device_total for L in range(1, 90)]
+        assert any(b < a for a, b in zip(totals, totals[1:])) == dips, (policy, kw)
+        for cap in sorted(set(totals[5:40:3])):
+            tgt = Target("emulated", cap, emulated=True)
+            brute = max((L for L, t in enumerate(totals, start=1) if t <= cap), default=0)
+            assert largest_trainable(policy, fam, tgt, **kw).layers == brute, (policy, kw, cap)
+
+
+def test_max_layers_caps_the_search():
+    row = largest_trainable("stronghold", SMALL, Target("big", 1 << 40, emulated=True), max_layers=50)
+    assert row.layers == 50 and "max_layers" in row.binding
+
+
+# ---- the runtime: the predicted boundary is the real one -------------------------------------------
+
+
+def _host_bytes(cm) -> int:
+    """What the runtime holds on the host: the store (master weights, gradients), host AdamW
+    states, gradient staging buffers and pending buffers of borrowed (tied) gradients."""
+    e = cm.engine
+    st = e.store
+    states = sum(s.exp_avg.numel() * 8 for s in e.optimizer.state.values())
+    staging = st._staging_count * max(g.trainable_bytes for g in st.groups)
+    pending = sum(t.numel() * t.element_size() for t in e._pending_bufs.values())
+    return st.host_bytes + states + staging + pending
+
+
+def _train(policy: str, fam: GPTFamily, device: shfx.EmulatedDevice, steps: int = 2, **kw) -> tuple[int, int]:
+    """Train ``steps`` steps (device states are allocated at the first device update, so the
+    steady state starts at step 2); return the device peak and the host bytes."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=fam.vocab, block_size=fam.seq, n_layer=fam.layers, n_head=fam.heads, n_embd=fam.hidden)
+    cm = shfx.compile(GPT(cfg), device=device, policy=policy, optimizer=shfx.optim.AdamW(), **kw)
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randint(0, fam.vocab, (fam.batch, fam.seq), generator=g)
+            y = torch.randint(0, fam.vocab, (fam.batch, fam.seq), generator=g)
+            if fam.loss_in_model:
+                loss = cm(x, y)
+            else:
+                loss = F.cross_entropy(cm(x).reshape(-1, fam.vocab), y.reshape(-1))
+            loss.backward()
+            cm.step()
+            cm.zero_grad()
+        return cm.backend.peak_bytes, _host_bytes(cm)
+    finally:
+        cm.close()
+
+
+BOUNDARY = [
+    ("resident", {}, SMALL),
+    ("l2l", {}, SMALL),
+    ("zero-offload", {}, SMALL),
+    ("zero-infinity", {}, SMALL),
+    ("stronghold", {"window": 2}, SMALL),
+    ("stronghold", {"window": 2, "resident_first": 1}, SMALL),
+    ("stronghold", {"window": 3}, GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=96, loss_in_model=False)),
+]
+
+
+@pytest.mark.parametrize("policy,kw,fam", BOUNDARY, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}-{f.vocab}" for p, kw, f in BOUNDARY])
+def test_predicted_boundary_is_the_runtime_boundary(policy, kw, fam):
+    # a budget a little above what two layers need: the planner says how many layers fit
+    cap = memory_model(policy, fam.with_layers(2), EMU, **kw).device_total + 64
+    device = shfx.EmulatedDevice(memory=cap, h2d=None, d2h=None)
+    row = largest_trainable(policy, fam, device, **kw)
+    assert 2 <= row.layers <= 4
+    peak, host = _train(policy, fam.with_layers(row.layers), device, **kw)
+    assert peak == row.breakdown.device_total  # byte-exact
+    assert host == row.breakdown.host_total
+    with pytest.raises(shfx.OutOfDeviceMemory):
+        _train(policy, fam.with_layers(row.layers + 1), device, **kw)
+
+
+def test_plan_for_model(template):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    x = torch.zeros(2, 16, dtype=torch.long)
+    fam = SMALL.with_layers(2)
+    cap = memory_model("zero-offload", fam, EMU).device_total  # zero-offload fits exactly; resident and l2l do not
+    p = plan_for_model(model, (x, x), Target("emulated", cap, emulated=True))
+    fits = {r.policy: r.layers > 0 for r in p.rows}
+    assert fits == {"resident": False, "l2l": False, "zero-offload": True, "zero-infinity": True, "stronghold": True}
+    assert "GPT (4 stages" in p.table()
+
+
+# ---- presentation and the CLI ------------------------------------------------------------------------
+
+
+def test_plan_exports(tmp_path):
+    p = plan(SMALL, shfx.EmulatedDevice(memory="300KiB"))
+    text = str(p)
+    for pol in POLICY_NAMES:
+        assert pol in text
+    d = p.to_dict()
+    assert json.loads(json.dumps(d))["rows"][4]["policy"] == "stronghold"
+    assert d["hardware"]["emulated"] and d["settings"]["workspace_bytes"] == 0
+    rows = list(csv.DictReader(open(p.to_csv(tmp_path / "plan.csv"))))
+    assert [r["policy"] for r in rows] == list(POLICY_NAMES)
+    r = rows[4]
+    terms = sum(int(v) for k, v in r.items() if k.startswith("device:"))
+    assert terms == int(r["device_bytes"]) == p.row("stronghold").breakdown.device_total
+    assert "activations (checkpoints)" in str(p.row("stronghold").breakdown)
+
+
+def test_cli_plan(tmp_path, capsys):
+    from shfx.cli import main
+
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "V100-32GB-PCIe3" in out and "stronghold" in out and "116" in out
+    args = ["plan", "--emulated", "--device-memory", "300KiB", "--hidden", "32", "--heads", "2", "--seq", "16",
+            "--batch", "2", "--vocab", "64", "--layers", "2", "--policies", "resident,stronghold",
+            "--resident-first", "1", "--csv", str(tmp_path / "p.csv"), "--json", str(tmp_path / "p.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "emulated device" in out and "at 2 layers" in out
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert [r["policy"] for r in data["rows"]] == ["resident", "stronghold"]
+    assert data["settings"]["resident_first"] == 1
+    assert (tmp_path / "p.csv").read_text().startswith("policy,layers,params")
+    assert main(["plan", "--hardware", "A100-80GB-PCIe4", "--host-memory", "64GiB", "--ssd", "1TB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hardware"]["ssd_bytes"] == 10**12
+    assert main(["plan", "--emulated"]) == 1
+    assert "--emulated needs --device-memory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--policies", "megatron"])
+    assert "expected a comma-separated list of policies" in capsys.readouterr().err
