@@ -247,8 +247,8 @@ def _host_bytes(cm) -> int:
 
 
 def _train(policy: str, fam: GPTFamily, device: shfx.EmulatedDevice, steps: int = 2, **kw) -> tuple[int, int]:
-    """Train ``steps`` steps (device states are allocated at the first device update, so the
-    steady state starts at step 2); return the device peak and the host bytes."""
+    """Train ``steps`` steps (the second reuses everything the first allocated); return the
+    device peak and the host bytes."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=fam.vocab, block_size=fam.seq, n_layer=fam.layers, n_head=fam.heads, n_embd=fam.hidden)
     cm = shfx.compile(GPT(cfg), device=device, policy=policy, optimizer=shfx.optim.AdamW(), **kw)
