@@ -5,8 +5,9 @@
 The setup of ../shared/REFERENCE.md: GPT with hidden 2048, 16 heads, sequence 1024, micro-batch 4,
 fp32, vocabulary 50304, on the V100-32GB-PCIe3 profile with 90 GB of host RAM. Stage specs and
 costs come from :func:`cost_model.analytic.plan_inputs` (the model is built on the meta device
-and captured with two blocks, then repeated), the step from :func:`passes.schedule.schedule_window`
-+ :func:`cost_model.simulate.simulate`, and next to it the formulas of :mod:`cost_model.formulas`.
+and captured with two blocks, then repeated: :class:`cost_model.depth.DepthModel`), the step from
+:func:`passes.schedule.schedule_window` + :func:`cost_model.simulate.simulate`, and next to it the
+formulas of :mod:`cost_model.formulas`.
 
 Prints (i) iteration time vs layers at a fixed window, (ii) iteration time vs window at a fixed
 size (also over a pageable-memory link, where the window matters more), (iii) the largest
@@ -26,11 +27,9 @@ import sympy as sp
 import torch
 
 from cost_model import formulas as fm
-from cost_model.analytic import links_of, plan_inputs, repeat_blocks
-from cost_model.costs import CostTable
+from cost_model.analytic import links_of
+from cost_model.depth import DepthModel
 from cost_model.hardware import get_profile
-from cost_model.simulate import simulate
-from passes.schedule import schedule_window
 from shfx.models.gpt import GPT, GPTConfig
 
 H, A, S, B, V = 2048, 16, 1024, 4, 50304
@@ -38,7 +37,6 @@ PROFILE = "V100-32GB-PCIe3"
 HOST_BYTES_GB = 90e9  # "90 GB host RAM" (the profile says 90 GiB; both are reported)
 WINDOW = 4  # fixed window for the layer sweep
 FIXED_LAYERS = 48  # fixed size for the window sweep
-TEMPLATE_LAYERS = 8
 OUT = Path(__file__).resolve().parent / "out"
 GB, GiB = 1e9, 2**30
 
@@ -52,24 +50,9 @@ def inputs() -> tuple:
     return idx, idx
 
 
-class Model:
+def Model(hw) -> DepthModel:
     """Specs and costs for any layer count from one capture (plan_inputs + repeat_blocks)."""
-
-    def __init__(self, hw):
-        self.hw = hw
-        self.specs, self.table = plan_inputs(
-            build, inputs, blocks="transformer.h", layers=TEMPLATE_LAYERS, hardware=hw
-        )
-        self.blocks = range(1, 1 + TEMPLATE_LAYERS)
-
-    def at(self, layers: int, links=None) -> tuple[list, CostTable]:
-        specs, costs = repeat_blocks(self.specs, self.table.costs, self.blocks, layers)
-        table = replace(self.table, costs=costs)
-        return specs, table if links is None else table.with_links(links)
-
-    def step(self, layers: int, window: int, links=None):
-        specs, table = self.at(layers, links)
-        return simulate(schedule_window(specs, window), table)
+    return DepthModel(build, inputs, blocks="transformer.h", hardware=hw)
 
 
 def fmt_table(headers: list[str], rows: list[list], title: str) -> str:
@@ -166,7 +149,7 @@ def main() -> None:
     rows = []
     xs, ys = [], []
     for L in range(8, 129, 8):
-        tl = model.step(L, WINDOW)
+        tl = model.simulate(L, window=WINDOW)
         T_f = formula_T(L, WINDOW)
         flops = float(fm.flops_per_iteration(L, H, S, B, V))
         dev_sim = float(fm.device_memory(WINDOW, L, H, A, S, B, V, counted_by="simulator"))
@@ -193,10 +176,10 @@ def main() -> None:
     rows = []
     resident = {}
     for name, links in (("pinned", None), ("pageable", pageable)):
-        resident[name] = model.step(FIXED_LAYERS, FIXED_LAYERS + 2, links).step_s
+        resident[name] = model.simulate(FIXED_LAYERS, window=FIXED_LAYERS + 2, links=links).step_s
     for Wn in range(1, 17):
-        tl = model.step(FIXED_LAYERS, Wn)
-        tl_pg = model.step(FIXED_LAYERS, Wn, pageable)
+        tl = model.simulate(FIXED_LAYERS, window=Wn)
+        tl_pg = model.simulate(FIXED_LAYERS, window=Wn, links=pageable)
         rows.append([
             Wn, tl.step_s, formula_T(FIXED_LAYERS, Wn), tl.bottleneck, tl.peak_device_bytes / GiB,
             tl_pg.step_s, formula_T(FIXED_LAYERS, Wn, st_pg), formula_T(FIXED_LAYERS, Wn, st_pg, duplex=hw.duplex),
@@ -230,13 +213,13 @@ def main() -> None:
           f"{host_need / GB:.2f} GB <= {HOST_BYTES_GB / GB:.0f} GB < {host_next / GB:.2f} GB at l={L + 1}")
     extra_gpu = float(fm.device_memory(WINDOW, L, H, A, S, B, V, counted_by="gpu")
                       - fm.device_memory(WINDOW, L, H, A, S, B, V, counted_by="simulator"))
-    tl = model.step(L, WINDOW)
+    tl = model.simulate(L, window=WINDOW)
     print(f"  cross-check, device at l={L}: simulated peak {tl.peak_device_bytes / GiB:.2f} GiB "
           f"(formula {float(fm.device_memory(WINDOW, L, H, A, S, B, V, counted_by='simulator')) / GiB:.2f}) "
           f"+ GPU-only terms {extra_gpu / GiB:.2f} GiB = {(tl.peak_device_bytes + extra_gpu) / GiB:.2f} GiB of "
           f"{hw.device_memory_bytes / GiB:.0f} GiB")
     Ld = fit.by_constraint["device"]
-    pk = [model.step(x, WINDOW).peak_device_bytes + extra_gpu for x in (Ld, Ld + 1)]
+    pk = [model.simulate(x, window=WINDOW).peak_device_bytes + extra_gpu for x in (Ld, Ld + 1)]
     print(f"  cross-check, device alone: simulated peak + GPU-only terms at l={Ld}: {pk[0] / GiB:.3f} GiB, "
           f"l={Ld + 1}: {pk[1] / GiB:.3f} GiB (capacity {hw.device_memory_bytes / GiB:.0f} GiB)")
 
@@ -273,7 +256,7 @@ def main() -> None:
              if float(st["tail"].pf) > float(blk.f)
              else f"is within a block's forward ({float(blk.f) * 1e3:.1f} ms), so it hides at the blocks' window"))
     specs48, table48 = model.at(FIXED_LAYERS)
-    tlw = model.step(FIXED_LAYERS, WINDOW)
+    tlw = model.simulate(FIXED_LAYERS, window=WINDOW)
     compute = sum(c.forward_s + c.backward_s for c in table48.costs) - table48.costs[-1].forward_s
     hd = st["head"]
     print(f"  cold start every step: {1e3 * (tlw.step_s - compute):.0f} ms of the step is not compute "

@@ -354,7 +354,7 @@ class CompiledModel:
                 f"({self._backend.describe()}). {hint}",
                 needed_bytes=need,
                 capacity_bytes=cap,
-                what=f"{w} slots",
+                what=f"{len(sizes)} slots",
             )
 
     # ---- running ---------------------------------------------------------------------------

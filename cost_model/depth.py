@@ -1,0 +1,118 @@
+"""Specs, analytic costs and simulated steps of a model at any depth, from one capture.
+
+A what-if study over layer counts (STRONGHOLD's experiments vary only the number of layers)
+should not build, capture or cost the model once per size: :class:`DepthModel` captures a
+small version on the meta device once (:func:`cost_model.analytic.plan_inputs`) and repeats its
+block stage to any number of blocks (:func:`cost_model.analytic.repeat_blocks`). Programs of any
+policy of :mod:`passes.policies` are built from those specs and simulated with those costs.
+
+>>> import torch
+>>> class Net(torch.nn.Module):
+...     def __init__(self, n):
+...         super().__init__()
+...         self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+...     def forward(self, x):
+...         for b in self.blocks:
+...             x = b(x)
+...         return x.sum()
+>>> dm = DepthModel(Net, lambda: (torch.zeros(2, 8),), blocks="blocks", hardware="V100-32GB-PCIe3")
+>>> specs, costs = dm.at(40)
+>>> len(specs), len(costs.costs)
+(40, 40)
+>>> dm.simulate(40, "resident").step_s > 0
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from passes.policies import POLICIES, schedule_stronghold
+from passes.program import Program
+from passes.stages import StageSpec
+
+from .analytic import plan_inputs, repeat_blocks
+from .costs import CostTable, Links
+from .hardware import Hardware, get_profile
+from .simulate import Timeline, simulate
+
+__all__ = ["DepthModel", "policy_program"]
+
+
+def policy_program(policy: str, specs: list[StageSpec], window: int = 2, resident_first: int = 0) -> Program:
+    """The step program of a named policy (:data:`passes.policies.POLICIES`); ``resident_first``
+    is the ``stronghold`` refinement (first k stages persistent, optimizer on the device).
+    ``window`` is clamped to the stages that stream; policies without a window ignore it."""
+    if policy == "stronghold":
+        k = max(0, min(resident_first, len(specs)))
+        w = max(1, min(window, len(specs) - k)) if len(specs) > k else 1
+        return schedule_stronghold(specs, w, resident_first=k)
+    if resident_first:
+        raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; {policy!r} does not take it")
+    try:
+        make = POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}") from None
+    return make(specs, window)
+
+
+class DepthModel:
+    """Stage specs and analytic costs of ``build(n)`` for any ``n`` blocks, from one capture.
+
+    Args:
+        build: ``build(n)`` makes the model with ``n`` blocks (called once, on the meta device).
+        inputs: returns its example arguments (meta tensors are fine).
+        blocks: module path of the repeated blocks (e.g. ``"transformer.h"``).
+        hardware: a :class:`cost_model.hardware.Hardware` or a profile name.
+        dtype: the dtype whose FLOP/s the analytic model uses.
+        template_layers: blocks in the captured template (at least 2).
+    """
+
+    def __init__(
+        self,
+        build: Callable[[int], torch.nn.Module],
+        inputs: Callable[[], tuple],
+        *,
+        blocks: str,
+        hardware: Hardware | str,
+        dtype: str = "float32",
+        template_layers: int = 2,
+    ):
+        self.hw = get_profile(hardware)
+        self.specs, self.table = plan_inputs(
+            build, inputs, blocks=blocks, layers=template_layers, hardware=self.hw, dtype=dtype
+        )
+        idx = [s.index for s in self.specs if s.name.startswith("block.")]
+        if not idx or idx != list(range(idx[0], idx[-1] + 1)):
+            raise ValueError(f"expected consecutive block stages named 'block.*', got {[s.name for s in self.specs]}")
+        self.blocks = range(idx[0], idx[-1] + 1)
+
+    @property
+    def extra_stages(self) -> int:
+        """Stages that are not blocks (a GPT's head and tail: 2)."""
+        return len(self.specs) - len(self.blocks)
+
+    def at(self, layers: int, links: Links | None = None) -> tuple[list[StageSpec], CostTable]:
+        """Specs and costs with ``layers`` blocks (``links`` replaces the profile's links)."""
+        specs, costs = repeat_blocks(self.specs, self.table.costs, self.blocks, layers)
+        table = replace(self.table, costs=costs, source=f"{self.table.source.rsplit(', ', 1)[0]}, {layers} blocks")
+        return specs, table if links is None else table.with_links(links)
+
+    def program(self, layers: int, policy: str = "stronghold", window: int = 2, resident_first: int = 0) -> Program:
+        specs, _ = self.at(layers)
+        return policy_program(policy, specs, window, resident_first)
+
+    def simulate(
+        self,
+        layers: int,
+        policy: str = "stronghold",
+        window: int = 2,
+        resident_first: int = 0,
+        links: Links | None = None,
+    ) -> Timeline:
+        """One simulated step of ``policy`` at ``layers`` blocks (:func:`cost_model.simulate.simulate`)."""
+        specs, table = self.at(layers, links)
+        return simulate(policy_program(policy, specs, window, resident_first), table)
