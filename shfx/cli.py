@@ -175,23 +175,26 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_tune)
 
 
-def _run_tune(args: argparse.Namespace) -> int:
+def _device_from_args(args: argparse.Namespace):
+    """``--device auto|emulated|cuda[:i]`` with ``--device-memory``, ``--h2d``, ``--d2h``."""
     import torch
 
-    from .commands import tune_gpt
     from .devices import CudaDevice, EmulatedDevice
 
-    device = None
-    if args.hardware is None:
-        kind = args.device
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "emulated"
-        if kind == "emulated":
-            device = EmulatedDevice(memory=args.device_memory or "16GiB", h2d=args.h2d, d2h=args.d2h)
-        elif kind.startswith("cuda"):
-            device = CudaDevice(index=torch.device(kind).index or 0, memory=args.device_memory)
-        else:
-            raise ValueError(f"--device must be 'auto', 'emulated' or 'cuda', got {args.device!r}")
+    kind = args.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "emulated"
+    if kind == "emulated":
+        return EmulatedDevice(memory=args.device_memory or "16GiB", h2d=args.h2d, d2h=args.d2h)
+    if kind.startswith("cuda"):
+        return CudaDevice(index=torch.device(kind).index or 0, memory=args.device_memory)
+    raise ValueError(f"--device must be 'auto', 'emulated' or 'cuda', got {args.device!r}")
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from .commands import tune_gpt
+
+    device = None if args.hardware is not None else _device_from_args(args)
     rep = tune_gpt(
         layers=args.layers,
         hidden=args.hidden,
@@ -275,22 +278,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 def _run_compare(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from .compare import compare
-    from .devices import CudaDevice, EmulatedDevice
 
-    device = None
-    if args.hardware is None:
-        kind = args.device
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "emulated"
-        if kind == "emulated":
-            device = EmulatedDevice(memory=args.device_memory or "16GiB", h2d=args.h2d, d2h=args.d2h)
-        elif kind.startswith("cuda"):
-            device = CudaDevice(index=torch.device(kind).index or 0, memory=args.device_memory)
-        else:
-            raise ValueError(f"--device must be 'auto', 'emulated' or 'cuda', got {args.device!r}")
+    device = None if args.hardware is not None else _device_from_args(args)
     res = compare(
         layers=args.layers,
         hidden=args.hidden,

@@ -15,7 +15,18 @@ from passes.units import format_bytes
 
 from .models import GPT, GPTConfig
 
-__all__ = ["tune_gpt"]
+__all__ = ["tune_gpt", "gpt_plan_inputs"]
+
+
+def gpt_plan_inputs(layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int, hardware) -> tuple:
+    """Stage specs and analytic costs of the built-in GPT at any depth (one meta capture)."""
+    return plan_inputs(
+        lambda n: GPT(GPTConfig(n_layer=n, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)),
+        lambda: (torch.zeros(batch, seq, dtype=torch.long),) * 2,
+        blocks="transformer.h",
+        layers=layers,
+        hardware=hardware,
+    )
 
 
 def tune_gpt(
@@ -43,13 +54,7 @@ def tune_gpt(
     out = file if file is not None else sys.stdout
     if hardware is not None:
         hw = get_profile(hardware)
-        specs, costs = plan_inputs(
-            lambda n: GPT(GPTConfig(n_layer=n, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)),
-            lambda: (torch.zeros(batch, seq, dtype=torch.long),) * 2,
-            blocks="transformer.h",
-            layers=layers,
-            hardware=hw,
-        )
+        specs, costs = gpt_plan_inputs(layers, hidden, heads, seq, batch, vocab, hw)
         reserve = 2 * 8 * batch * seq
         tune = tune_window(specs, costs, capacity_bytes=hw.device_memory_bytes, reserve_bytes=reserve, tolerance=tolerance)
         rep = WindowReport(tune, tune.window, hw.describe(), "analytic")

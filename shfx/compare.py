@@ -549,17 +549,12 @@ def compare(
 
     notes: list[str] = []
     if hardware is not None:
-        from cost_model.analytic import plan_inputs
         from cost_model.hardware import get_profile
 
+        from .commands import gpt_plan_inputs
+
         hw = get_profile(hardware)
-        specs, costs = plan_inputs(
-            lambda n: GPT(GPTConfig(n_layer=n, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)),
-            lambda: (torch.zeros(batch, seq, dtype=torch.long),) * 2,
-            blocks="transformer.h",
-            layers=layers,
-            hardware=hw,
-        )
+        specs, costs = gpt_plan_inputs(layers, hidden, heads, seq, batch, vocab, hw)
         capacity, host_capacity, where, source = hw.device_memory_bytes, hw.host_memory_bytes, hw.describe(), costs.source
         params = cfg.num_params()
         measure = False

@@ -86,11 +86,15 @@ def test_auto_window_end_to_end(tmp_path):
         assert "window=auto" in text and "<- chosen" in text and "measured:" in text
         if name == "slow":
             assert rep.tune.chosen.bottleneck == "link"
+            # one slot cannot overlap any transfer: clearly slower than the choice
+            assert rep.tune.row(1).step_s > 1.2 * rep.tune.chosen.step_s
             trace = json.loads(open(rep.save_trace(tmp_path / "trace.json")).read())
             assert trace["traceEvents"]
             rep.save_json(tmp_path / "report.json")
         cm.close()
-    assert chosen["slow"] > chosen["fast"]
+    # NOTE: >=, not >: how much W=3 gains over W=2 on the slow link (~3% here, against a 2%
+    # tolerance) depends on compute speed, which other processes on the machine change
+    assert chosen["slow"] >= chosen["fast"] >= 1
 
 
 def test_report_for_a_fixed_window():
