@@ -111,14 +111,22 @@ def schedule_l2l(stages: Sequence[StageSpec], window: int | None = None) -> Prog
     return lower_actions(acts, stages, 1, name="l2l")
 
 
-def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None, *, delayed_update: bool = False) -> Program:
     """ZeRO-Offload: parameters and gradients on the device (every stage persistent); each
     stage's gradients go to the host after its backward; the host updates every group after the
     backward and the updated parameters are copied back into the resident slots.
 
+    With ``delayed_update`` (ZeRO-Offload's DPU) the program ends with the gradient copies: the
+    runtime starts the host update of step i in ``step()`` and lets it run during step i+1's
+    forward and backward (which train on the weights before it), then refreshes the slots in the
+    next ``step()``. Each gradient copy of step i+1 waits for the update of step i that reads
+    the same host buffer.
+
     >>> from passes.stages import chain
     >>> " ".join(schedule_zero_offload(chain(2)).actions())
     'F0 F1 B1 OG1 B0 OG0 U0 U1 PF0 PF1'
+    >>> " ".join(schedule_zero_offload(chain(2), delayed_update=True).actions())
+    'F0 F1 B1 OG1 B0 OG0'
     """
     stages = _checked(stages)
     n = len(stages)
@@ -131,6 +139,10 @@ def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None
         acts.append(Action(B, i))
         if stages[i].has_grads:
             acts.append(Action(OG, i))
+    if delayed_update:
+        p = lower_actions(acts, stages, n, name="zero-offload(delayed update)", persistent=list(range(n)))
+        p.updates_outside = True
+        return p
     groups = sorted({s.update_group for s in stages if s.update_group is not None})
     acts += [Action(U, g) for g in groups]
     acts += [Action(PF, i) for i in range(n)]  # refresh every resident stage with the new weights

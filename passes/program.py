@@ -188,6 +188,8 @@ class Program:
         num_slots: device slots the program may use (the window W, plus persistent stages).
         name: the policy that produced it.
         persistent: stages resident across steps, in slots ``0..len(persistent)-1``.
+        updates_outside: the host updates are not in the program: the runtime runs them
+            between steps (ZeRO-Offload's delayed update); the verifier does not ask for them.
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class Program:
         num_slots: int,
         name: str = "custom",
         persistent: Sequence[int] = (),
+        updates_outside: bool = False,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -204,6 +207,7 @@ class Program:
         self.name = name
         #: stages resident before the step and after it, in slots 0..len-1 (loaded once)
         self.persistent = tuple(persistent)
+        self.updates_outside = updates_outside
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -314,7 +318,7 @@ class Program:
         for n in self.graph.nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
             env[n].meta = dict(n.meta)
-        return Program(g, self.stages, self.num_slots, self.name, self.persistent)
+        return Program(g, self.stages, self.num_slots, self.name, self.persistent, self.updates_outside)
 
     # ---- printing ------------------------------------------------------------------------
     def format(self, mark: fx.Node | None = None) -> str:

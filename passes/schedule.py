@@ -123,9 +123,11 @@ def eval_program(program: Program) -> Program:
     """
     acts = [get_meta(n).action for n in program.phase_nodes("forward")]
     acts += [Action(R, s) for s in resident_after_forward(program) if s not in program.persistent]
-    return lower_actions(
+    ev = lower_actions(
         acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False, persistent=program.persistent
     )
+    ev.updates_outside = program.updates_outside
+    return ev
 
 
 def cold_backward_program(program: Program) -> Program:
@@ -152,6 +154,7 @@ def cold_backward_program(program: Program) -> Program:
         m = get_meta(n)
         if m.phase != "backward":
             set_meta(n, replace(m, phase="backward"))
+    prog.updates_outside = program.updates_outside
     return prog
 
 

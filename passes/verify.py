@@ -229,7 +229,11 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
         need += [(B, s) for s in stages]
         # a stage's gradients go to the host when any group it sends them to is updated there
         need += [(OG, s) for s, st in stages.items() if st.has_grads and (st.grad_groups - dev_groups)]
-        need += [(DU if st.update_group in dev_groups else U, st.update_group) for st in stages.values() if st.update_group is not None]
+        need += [
+            (DU if st.update_group in dev_groups else U, st.update_group)
+            for st in stages.values()
+            if st.update_group is not None and not (program.updates_outside and st.update_group not in dev_groups)
+        ]
     for key in need:
         c = counts.get(key, 0)
         if c != 1:

@@ -114,6 +114,7 @@ class CompiledModel:
         optimizer: AdamW | None = None,
         policy: str | Callable[..., Program] = "stronghold",
         resident_first: int | str = 0,
+        delayed_update: bool = False,
         blocks: Any = None,
         num_stages: int | None = None,
         grad_accum_steps: int = 1,
@@ -159,6 +160,12 @@ class CompiledModel:
                 f"resident_first must be an int >= 0 (stages kept on the device with their optimizer) or 'auto' "
                 f"(chosen by the tuner), got {resident_first!r}"
             )
+        if not isinstance(delayed_update, bool):
+            raise TypeError(f"delayed_update must be True or False, got {delayed_update!r}")
+        if delayed_update and policy != "zero-offload":
+            raise ValueError(
+                f"delayed_update is ZeRO-Offload's delayed parameter update: it needs policy='zero-offload', not {policy!r}"
+            )
         if resident_first and policy != "stronghold":
             raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; policy {policy!r} does not take it")
         if optimizer is not None and not isinstance(optimizer, AdamW):
@@ -177,7 +184,8 @@ class CompiledModel:
         self.pin_memory = pin_memory
         self.verify = verify
         self._backend = _make_backend(device, optimizer_workers)
-        self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update)
+        self.delayed_update = delayed_update
+        self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed_update)
         self.recompute = recompute
         self._engine: Engine | None = None
         self._store: HostStore | None = None
@@ -254,6 +262,10 @@ class CompiledModel:
             from passes.policies import schedule_stronghold
 
             return lambda specs, w: schedule_stronghold(specs, w, resident_first=k)
+        if self.delayed_update:
+            from passes.policies import schedule_zero_offload
+
+            return lambda specs, w: schedule_zero_offload(specs, w, delayed_update=True)
         return POLICIES[self.policy]
 
     def _programs(self, captured, graph, make, w: int) -> Variant:
@@ -417,6 +429,8 @@ class CompiledModel:
     def _settle(self) -> None:
         if self._engine is not None and self._engine.pending_updates:
             raise UsageError("the host update started by backward() is pending; call cm.step() first")
+        if self._engine is not None:
+            self._engine.wait_delayed()  # delayed_update: the host weights include every step()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
@@ -535,6 +549,10 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             updates (STRONGHOLD's refinement); ``"auto"``: the tuner picks k (with the window, when
             ``window="auto"``) from the profiled costs, the smallest device footprint within
             ``tune_tolerance`` of the fastest pair that fits.
+        delayed_update: with ``policy="zero-offload"``, ZeRO-Offload's delayed parameter update:
+            ``step()`` starts the host update and returns, it overlaps the next step's forward and
+            backward, which train on the weights before it (one step stale); ``state_dict()``
+            includes every update. Not eager-equivalent by design (see docs/policies.md).
         blocks: module path of the repeated blocks (default: auto-detected), or False to split
             by parameter bytes into ``num_stages`` stages.
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.

@@ -8,6 +8,7 @@ from equivalence import assert_same_state, assert_trains_like_eager
 from zoo import ZOO, gpt_tied, token_batch
 
 import shfx
+from passes.program import ActionKind
 from passes.policies import POLICIES, schedule_l2l, schedule_resident, schedule_stronghold, schedule_zero_infinity, schedule_zero_offload
 from passes.schedule import cold_backward_program, eval_program
 from passes.stages import chain
@@ -168,3 +169,109 @@ def test_tuner_keeps_first_stages_when_host_updates_bind():
     assert r2.resident_first == 0 and r2.chosen.fits
     with pytest.raises(ValueError, match="resident_first values must be in 0..5"):
         tune_window(specs, costs, resident_first=[7])
+
+
+# ---- ZeRO-Offload's delayed parameter update -----------------------------------------------
+
+
+def _eager_delayed(ref, make_batch, steps, lr=1e-2, weight_decay=0.01):
+    """Eager PyTorch with a one-step delayed update: the update with step i's gradients is
+    applied after step i+1's backward (step i+1 trains on the weights before it)."""
+    from zoo import loss_of
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    losses, prev = [], None
+    for step in range(steps):
+        args, kwargs, aux = make_batch(step, 0)
+        torch.manual_seed(10_000 + 100 * step)
+        loss = loss_of(ref(*args, **kwargs), aux)
+        loss.backward()
+        losses.append(loss.item())
+        cur = [p.grad.clone() if p.grad is not None else None for p in params]
+        if prev is not None:
+            for p, g in zip(params, prev):
+                p.grad = g
+            opt.step()
+        prev = cur
+        opt.zero_grad()
+    for p, g in zip(params, prev):
+        p.grad = g
+    opt.step()  # the last step's update, which close() waits for
+    return losses
+
+
+@pytest.mark.parametrize("name", ["gpt_tied", "gpt_dropout", "bn_net"])
+def test_zero_offload_delayed_update_matches_eager_delayed(name):
+    import copy
+
+    from zoo import loss_of
+
+    make_model, make_batch = ZOO[name]
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    cm = shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="256MiB"), policy="zero-offload", delayed_update=True,
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01),
+    )  # fmt: skip
+    losses = []
+    for step in range(4):
+        args, kwargs, aux = make_batch(step, 0)
+        torch.manual_seed(10_000 + 100 * step)
+        loss = loss_of(cm(*args, **kwargs), aux)
+        loss.backward()
+        losses.append(loss.item())
+        cm.step()  # returns while the update runs
+        cm.zero_grad()
+    assert "delayed update" in cm.program.name and cm.program.count(ActionKind.CPU_STEP) == 0
+    cm.close()
+    ref_losses = _eager_delayed(ref, make_batch, 4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=0)
+    assert_same_state(model, ref, rtol=0, atol=0)
+    # not the undelayed trajectory: step 1 trains on the initial weights
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    plain_losses = []
+    for step in range(2):
+        args, kwargs, aux = make_batch(step, 0)
+        torch.manual_seed(10_000 + 100 * step)
+        loss = loss_of(plain(*args, **kwargs), aux)
+        loss.backward()
+        plain_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert losses[0] == plain_losses[0] and losses[1] != plain_losses[1]
+
+
+def test_delayed_update_state_dict_waits_without_moving_the_device():
+    """state_dict() mid-training includes the running update; the device keeps the weights
+    before it until the next step(), so the trajectory is unchanged."""
+    import copy
+
+    torch.manual_seed(0)
+    model = gpt_tied()
+    ref = copy.deepcopy(model)
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(), policy="zero-offload", delayed_update=True, optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01))
+    (x, y), _, _ = token_batch(0)
+    losses = []
+    for step in range(3):
+        args, kwargs, aux = token_batch(step, 0)
+        torch.manual_seed(10_000 + 100 * step)
+        from zoo import loss_of
+
+        loss = loss_of(cm(*args, **kwargs), aux)
+        loss.backward()
+        losses.append(loss.item())
+        cm.step()
+        sd = cm.state_dict()  # waits for the delayed update
+        assert sd.keys() == model.state_dict().keys()
+        cm.zero_grad()
+    cm.close()
+    assert losses == _eager_delayed(ref, token_batch, 3)
+    assert_same_state(model, ref, rtol=0, atol=0)
+
+
+def test_delayed_update_needs_zero_offload():
+    with pytest.raises(ValueError, match="needs policy='zero-offload'"):
+        shfx.compile(gpt_tied(), policy="stronghold", delayed_update=True)

@@ -223,6 +223,7 @@ class Engine:
         *,
         grad_accum_steps: int = 1,
         overlap_update: bool = True,
+        delayed_update: bool = False,
     ):
         self.backend = backend
         self.store = store
@@ -230,6 +231,11 @@ class Engine:
         self.pool: SlotPool | None = None
         self.grad_accum_steps = grad_accum_steps
         self.overlap_update = overlap_update
+        # ZeRO-Offload's delayed parameter update: step() starts the host updates and returns;
+        # they run during the next forward and backward and are waited for (and the persistent
+        # slots refreshed) by the next step(). Group -> the update still running.
+        self.delayed_update = delayed_update
+        self.delayed: dict[int, Token] = {}
         self.holder: StepContext | None = None  # context whose stages are resident
         self.backward_calls = 0
         self.pending_updates: list[tuple[str, Token]] = []
@@ -596,6 +602,7 @@ class Engine:
         variant or new weights took them)."""
         if self.loaded is variant:
             return
+        self.finish_delayed(refresh=False)  # the host weights must be final before loading them
         self.sync_to_host()
         self.loaded = None
         toks = [
@@ -611,10 +618,17 @@ class Engine:
 
     def invalidate_device_weights(self) -> None:
         """The host weights changed (load_state_dict): persistent stages reload before the next step."""
+        self.wait_delayed()
+        self.delayed.clear()
         self.dirty.clear()
         self.loaded = None
 
     def _offload_grad(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token]) -> Token:
+        if self.delayed:  # the previous step's update still reads these host gradients
+            deps = deps + [t for g, t in self.delayed.items() if g in stage.spec.grad_groups]
+        return self._offload_grad_now(ctx, stage, m, deps)
+
+    def _offload_grad_now(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token]) -> Token:
         """OG: copy the stage's param grads device -> host and accumulate them in fp32.
 
         Two tasks: the copy on the d2h stream (its token frees the slot), and the accumulation
@@ -721,14 +735,16 @@ class Engine:
             self._pending_bufs[key] = t
         return t
 
-    def _update_task(self, group: int) -> Callable[[], None]:
+    def _update_task(self, group: int, check: bool = True) -> Callable[[], None]:
+        """The host update of ``group``; with ``check``, only if its gradient is valid when the
+        task runs (a delayed update was checked when issued: zero_grad() may run before it)."""
         if self.optimizer is None:
             return lambda: None
         hp = self.optimizer.config.hyperparams()
         opt, store = self.optimizer, self.store
 
         def run() -> None:
-            if store.grad_state[group] == GRAD_VALID:
+            if not check or store.grad_state[group] == GRAD_VALID:
                 opt.update(group, hp)
 
         return run
@@ -884,6 +900,9 @@ class Engine:
         """Apply the optimizer: wait for updates started during backward, or run them now."""
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
+        if self.delayed_update:
+            self._delayed_step()
+            return
         if not self.pending_updates:
             v = self.current
             dev = v.device_groups if v is not None else frozenset()
@@ -925,6 +944,54 @@ class Engine:
                 where = "device" if label.startswith("DU") else "host"
                 raise ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label) from err
 
+    def _delayed_step(self) -> None:
+        """DPU: finish the previous step's updates, refresh the persistent slots with their
+        weights, start this step's updates and return while they run."""
+        self.finish_delayed(refresh=True)
+        v = self.current
+        dev = v.device_groups if v is not None else frozenset()
+        for gi, g in enumerate(self.store.groups):
+            if g.trainable_bytes and gi not in dev and self.store.grad_state[gi] == GRAD_VALID:
+                self.delayed[gi] = self.backend.cpu.submit(self._update_task(gi, check=False), [], f"U{gi} (delayed)")
+        self.backward_calls = 0
+        if self._step_t0 is not None:
+            self.step_times.append(time.perf_counter() - self._step_t0)
+            self._step_t0 = None
+
+    def wait_delayed(self) -> None:
+        """Wait for the delayed updates to reach the host weights (state_dict), leaving the
+        device on the weights before them until the next step() refreshes it."""
+        for g, tok in self.delayed.items():
+            tok.wait()
+            if tok.error is not None:
+                raise ActionError(f"host optimizer update U{g} (delayed) failed: {type(tok.error).__name__}: {tok.error}", f"U{g}") from tok.error
+
+    def finish_delayed(self, refresh: bool = True) -> None:
+        """Wait for the delayed updates; with ``refresh``, copy the updated weights into the
+        persistent slots (otherwise they reload before the next step)."""
+        if not self.delayed:
+            return
+        pending, self.delayed = self.delayed, {}
+        for tok in pending.values():
+            tok.wait()
+        for g, tok in pending.items():
+            if tok.error is not None:
+                self.loaded = None
+                raise ActionError(f"host optimizer update U{g} (delayed) failed: {type(tok.error).__name__}: {tok.error}", f"U{g}") from tok.error
+        v = self.loaded
+        if v is None:
+            return
+        if not refresh:
+            self.loaded = None
+            return
+        toks = [self.backend.h2d.submit(lambda st=v.graph.stages[s], k=k: self._prefetch(st, k)) for k, s in enumerate(v.train.persistent)]
+        for t in toks:
+            t.wait()
+        errors = [t.error for t in toks if t.error is not None]
+        if errors:
+            self.loaded = None
+            raise errors[0]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.pending_updates:
             raise UsageError(
@@ -932,6 +999,8 @@ class Engine:
                 "pending; call cm.step() first (or compile with overlap_update=False)"
             )
         st = self.store
+        if not set_to_none:
+            self.finish_delayed()  # zeroing the host gradients: the delayed updates read them
         for g in range(len(st.groups)):
             if set_to_none:
                 st.grad_state[g] = GRAD_NONE
@@ -953,6 +1022,7 @@ class Engine:
         """Copy device-updated weights back to the host, then free the device."""
         self._evict()
         try:
+            self.finish_delayed(refresh=False)
             self.sync_to_host()
         finally:
             if self.device_optimizer is not None:
