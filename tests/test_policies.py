@@ -275,3 +275,25 @@ def test_delayed_update_state_dict_waits_without_moving_the_device():
 def test_delayed_update_needs_zero_offload():
     with pytest.raises(ValueError, match="needs policy='zero-offload'"):
         shfx.compile(gpt_tied(), policy="stronghold", delayed_update=True)
+
+
+def test_capacity_check_counts_gradient_buffers_and_device_states():
+    """resident needs slots + gradient buffers + optimizer states on the device: a budget that
+    holds the slots alone is refused up front, naming the policy and every term."""
+    from shfx.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    probe = shfx.compile(GPT(cfg), device=shfx.EmulatedDevice(), policy="resident", optimizer=shfx.optim.AdamW())
+    idx = torch.zeros(2, 16, dtype=torch.long)
+    probe(idx, idx)
+    prog = probe.program
+    slots = sum(prog.slot_sizes())
+    assert sum(prog.grad_buffer_sizes()) == slots  # every stage keeps its params through the backward
+    assert prog.device_state_bytes() == 2 * sum(s.update_bytes for s in prog.stages)  # AdamW m and v
+    assert prog.static_device_bytes() == 2 * slots + prog.device_state_bytes()
+    probe.close()
+    cm = shfx.compile(GPT(cfg), device=shfx.EmulatedDevice(memory=slots + 1024), policy="resident", optimizer=shfx.optim.AdamW())
+    with pytest.raises(shfx.OutOfDeviceMemory, match=r"policy 'resident' needs 4 slots .* gradient buffers and .* optimizer states"):
+        cm(idx, idx)
+    cm.close()
