@@ -603,6 +603,9 @@ class PlanRow:
         }
 
 
+_AUTO_K_MAX = 256  # resident_first="auto" tries k = 0, 1, ... until two in a row gain nothing
+
+
 def largest_trainable(policy: str, family: GPTFamily, hardware: Any, *, max_layers: int = 100_000, **memory_kw) -> PlanRow:
     """The largest layer count of ``family`` that ``policy`` fits on ``hardware`` (at most
     ``max_layers``), and the term that stops one layer more.
@@ -617,6 +620,23 @@ def largest_trainable(policy: str, family: GPTFamily, hardware: Any, *, max_laye
     bisects along each residue class.
     """
     _positive_int("max_layers", max_layers)
+    if memory_kw.get("resident_first") == "auto":
+        # STRONGHOLD's k, chosen under the budget: the k that trains the most layers (the first
+        # k stages need 4 instead of 16 host bytes per parameter, but their optimizer on the
+        # device), the smallest such k
+        if policy != "stronghold":
+            raise ValueError(f"resident_first='auto' is for the 'stronghold' policy, not {policy!r}")
+        best, worse = None, 0
+        for k in range(_AUTO_K_MAX + 1):  # more k helps while the host binds, then costs the device
+            row = largest_trainable(policy, family, hardware, max_layers=max_layers, **dict(memory_kw, resident_first=k))
+            if best is None or row.layers > best.layers:
+                best, worse = row, 0
+            else:
+                worse += 1
+                if worse >= 2 or row.layers < k:
+                    break
+        assert best is not None
+        return best
     tgt = as_target(hardware)
     window = memory_kw.get("window", 2)
     resident_first = memory_kw.get("resident_first", 0)
@@ -690,7 +710,9 @@ class Plan:
             else:
                 dev, host = format_bytes(bd.device_total), format_bytes(bd.host_total)
                 ssd = format_bytes(bd.ssd_total) if bd.ssd else "-"
-            head.append(f"{r.policy:<16} {r.layers:>7} {_format_params(r.params):>9} {dev:>11} {host:>11} {ssd:>11}  {r.binding}")
+            k = r.breakdown.settings.get("resident_first", 0)
+            label = f"{r.policy} k={k}" if k and self.settings.get("resident_first") == "auto" else r.policy
+            head.append(f"{label:<16} {r.layers:>7} {_format_params(r.params):>9} {dev:>11} {host:>11} {ssd:>11}  {r.binding}")
         return "\n".join(head)
 
     def __str__(self) -> str:
@@ -737,11 +759,12 @@ def plan(
     policies: Sequence[str] = POLICY_NAMES,
     max_layers: int = 100_000,
     window: int = 2,
-    resident_first: int = 0,
+    resident_first: int | str = 0,
     **memory_kw,
 ) -> Plan:
     """:func:`largest_trainable` for each policy. ``resident_first`` applies to ``stronghold``
-    only (the other policies do not take it); ``memory_kw`` go to :func:`memory_model`.
+    only (the other policies do not take it; ``"auto"``: the smallest k that trains the most
+    layers, trying k = 0, 1, ... until two in a row gain nothing); ``memory_kw`` go to :func:`memory_model`.
 
     >>> p = plan(GPTFamily(2048, 16, 1024, 4), "V100-32GB-PCIe3")
     >>> [(r.policy, r.layers) for r in p.rows]

@@ -231,6 +231,10 @@ def _policies_arg(text: str) -> list[str]:
     return names
 
 
+def _k_arg(text: str) -> int | str:
+    return "auto" if text == "auto" else _nonneg_int(text)
+
+
 def _window_arg(text: str) -> int | str:
     return "auto" if text == "auto" else _positive_int(text)
 
@@ -368,7 +372,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
     p.add_argument("--policies", type=_planner_policies_arg, default=list(POLICY_NAMES), help="comma-separated")
     p.add_argument("--window", type=_positive_int, default=2, help="stronghold's window")
-    p.add_argument("--resident-first", type=_nonneg_int, default=0, help="stronghold: first k stages resident with their optimizer")
+    p.add_argument("--resident-first", type=_k_arg, default=0, help="stronghold: first k stages resident with their optimizer, or 'auto' (the k that trains the most)")
     p.add_argument("--workspace", type=_bytes_arg, default=None, help="CUDA context and workspaces (default 512MiB; 0 emulated)")
     p.add_argument("--slack", type=_fraction_arg, default=0.0, help="fraction of device memory lost to allocator fragmentation")
     p.add_argument("--max-layers", type=_positive_int, default=100_000)
@@ -416,7 +420,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         for pol in args.policies:
             bd = memory_model(
                 pol, family.with_layers(args.layers), target, window=args.window,
-                resident_first=args.resident_first if pol == "stronghold" else 0, **kw,
+                resident_first=(result.row(pol).breakdown.settings.get("resident_first", 0) if pol == "stronghold" else 0), **kw,
             )
             print(bd)
     if args.csv:

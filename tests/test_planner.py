@@ -348,3 +348,24 @@ def test_cli_plan(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--policies", "megatron"])
     assert "expected a comma-separated list of policies" in capsys.readouterr().err
+
+
+def test_resident_first_auto_picks_the_k_that_trains_most():
+    """STRONGHOLD's k chosen under the budget: on the reference setup the host binds, and the
+    first k stages need 4 instead of 16 host bytes per parameter, so k > 0 trains more layers
+    until their optimizer states fill the device."""
+    from cost_model.planner import largest_trainable
+
+    fam = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4)
+    auto = largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first="auto")
+    k = auto.breakdown.settings["resident_first"]
+    k0 = largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first=0)
+    assert k > 0 and auto.layers > k0.layers
+    same = largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first=k)
+    assert same.layers == auto.layers
+    for kk in (k - 1, k + 1):
+        assert largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first=kk).layers <= auto.layers
+    p = plan(fam, "V100-32GB-PCIe3", resident_first="auto")
+    assert p.row("stronghold").layers == auto.layers and f"stronghold k={k}" in p.table()
+    with pytest.raises(ValueError, match="'auto' is for the 'stronghold' policy"):
+        largest_trainable("l2l", fam, "V100-32GB-PCIe3", resident_first="auto")
