@@ -139,6 +139,27 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if result.losses else 1
 
 
+# ---- shared options ---------------------------------------------------------------------------
+
+
+def _add_gpt_args(p: argparse.ArgumentParser) -> None:
+    """The built-in GPT's dimensions (``shfx.models.GPT``, tied embedding)."""
+    p.add_argument("--layers", type=_positive_int, default=8)
+    p.add_argument("--hidden", type=_positive_int, default=256)
+    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--seq", type=_positive_int, default=128)
+    p.add_argument("--batch", type=_positive_int, default=4)
+    p.add_argument("--vocab", type=_positive_int, default=256)
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    """The device to run on when not predicting for ``--hardware`` (see :func:`_device_from_args`)."""
+    p.add_argument("--device", default="auto", help="'auto', 'emulated' or 'cuda' (when not --hardware)")
+    p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device budget (emulated default 16GiB)")
+    p.add_argument("--h2d", type=_bandwidth_arg, default="12GB/s", help="emulated host->device bandwidth")
+    p.add_argument("--d2h", type=_bandwidth_arg, default="12GB/s", help="emulated device->host bandwidth")
+
+
 # ---- tune -------------------------------------------------------------------------------------
 
 
@@ -156,17 +177,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--layers", type=_positive_int, default=8)
-    p.add_argument("--hidden", type=_positive_int, default=256)
-    p.add_argument("--heads", type=_positive_int, default=4)
-    p.add_argument("--seq", type=_positive_int, default=128)
-    p.add_argument("--batch", type=_positive_int, default=4)
-    p.add_argument("--vocab", type=_positive_int, default=256)
+    _add_gpt_args(p)
     p.add_argument("--hardware", choices=sorted(PROFILES), default=None, help="predict for this profile instead of running")
-    p.add_argument("--device", default="auto", help="'auto', 'emulated' or 'cuda' (when not --hardware)")
-    p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device budget (emulated default 16GiB)")
-    p.add_argument("--h2d", type=_bandwidth_arg, default="12GB/s", help="emulated host->device bandwidth")
-    p.add_argument("--d2h", type=_bandwidth_arg, default="12GB/s", help="emulated device->host bandwidth")
+    _add_device_args(p)
     p.add_argument("--steps", type=_positive_int, default=5, help="measured steps (when not --hardware)")
     p.add_argument("--tolerance", type=float, default=0.02, help="a smaller window may be this much slower than the best")
     p.add_argument("--trace", default=None, help="write the chosen window's simulated step as a Chrome trace (JSON)")
@@ -256,20 +269,12 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--layers", type=_positive_int, default=8)
-    p.add_argument("--hidden", type=_positive_int, default=256)
-    p.add_argument("--heads", type=_positive_int, default=4)
-    p.add_argument("--seq", type=_positive_int, default=128)
-    p.add_argument("--batch", type=_positive_int, default=4)
-    p.add_argument("--vocab", type=_positive_int, default=256)
+    _add_gpt_args(p)
     p.add_argument("--policies", type=_policies_arg, default=",".join(DEFAULT_POLICIES), help="comma-separated, in table order")
     p.add_argument("--window", type=_window_arg, default=2, help="stronghold's window: an int, or 'auto' (the tuner's choice)")
     p.add_argument("--resident-first", type=_nonneg_int, default=0, help="stronghold: first k stages resident with their optimizer")
     p.add_argument("--hardware", choices=sorted(PROFILES), default=None, help="predict for this profile; nothing runs")
-    p.add_argument("--device", default="auto", help="'auto', 'emulated' or 'cuda' (when not --hardware)")
-    p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device budget (emulated default 16GiB)")
-    p.add_argument("--h2d", type=_bandwidth_arg, default="12GB/s", help="emulated host->device bandwidth")
-    p.add_argument("--d2h", type=_bandwidth_arg, default="12GB/s", help="emulated device->host bandwidth")
+    _add_device_args(p)
     p.add_argument("--steps", type=_positive_int, default=3, help="measured steps per policy, after the warm-up")
     p.add_argument("--warmup", type=_positive_int, default=1, help="unmeasured steps per policy (the first captures)")
     p.add_argument("--no-measure", action="store_true", help="predict from the profile only; run no training steps")
