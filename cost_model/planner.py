@@ -77,6 +77,7 @@ DEVICE_TERMS = (
     "optimizer states",
     "activations (checkpoints)",
     "activation gradients",
+    "pending tied gradient",
     "working set (one block)",
     "workspace",
     "allocator slack",
@@ -527,14 +528,17 @@ def memory_model(
     if working_set:
         tail_ws = (3 if fam.loss_in_model else 1) * b * s * V * elt  # logits, log-softmax, their gradient
         ws = max(int(korthikanti), tail_ws) if fam.checkpointing else tail_ws
-        if policy == "stronghold" and lay.device_groups["head"] and not lay.persistent["tail"]:
-            ws += V * h * elt  # the tail's tied-embedding gradient waits for the head's device update
+    # the tail's gradient of the tied embedding waits on the device for the head's backward when
+    # the head is updated there (resident, l2l, stronghold's first k): allocated at the end of the
+    # tail's backward, on top of the peak
+    pending_dev = V * h * elt if lay.device_groups["head"] else 0
     device = {
         "parameters (slots)": sum(slot_sizes),
         "gradients": sum(grad_sizes),
         "optimizer states": states,
         "activations (checkpoints)": int(acts),
         "activation gradients": int(act_grads),
+        "pending tied gradient": int(pending_dev),
         "working set (one block)": int(ws),
         "workspace": workspace_bytes,
         "allocator slack": int(round(allocator_slack * tgt.device_bytes)),
@@ -768,7 +772,7 @@ def plan(
 
     >>> p = plan(GPTFamily(2048, 16, 1024, 4), "V100-32GB-PCIe3")
     >>> [(r.policy, r.layers) for r in p.rows]
-    [('resident', 34), ('l2l', 67), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
+    [('resident', 33), ('l2l', 66), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
     """
     if isinstance(policies, str):
         policies = (policies,)
@@ -909,17 +913,20 @@ def memory_for_model(
     slot_sizes = per_slot(lambda p: p.slot_sizes())
     grad_sizes = per_slot(lambda p: p.grad_buffer_sizes())
     acts, act_grads, pre = _boundary_peak(graph, train)
+    dev_groups = train.device_groups()
+    # borrowed gradients of groups updated on the device wait there for their owner's backward
+    pending_dev = sum(nb for st in graph.specs for g, nb in st.grad_group_bytes if g != st.update_group and g in dev_groups)
     device = {
         "parameters (slots)": sum(slot_sizes),
         "gradients": sum(grad_sizes),
         "optimizer states": train.device_state_bytes(),
         "activations (checkpoints)": acts + pre,
         "activation gradients": act_grads,
+        "pending tied gradient": pending_dev,
         "working set (one block)": 0,
         "workspace": workspace_bytes,
         "allocator slack": int(round(allocator_slack * tgt.device_bytes)),
     }
-    dev_groups = train.device_groups()
     host_groups = [g for g in graph.groups if g.trainable_bytes and g.index not in dev_groups]
     host_trainable = sum(g.trainable_bytes for g in host_groups)
     hg = {g.index for g in host_groups}

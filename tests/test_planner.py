@@ -81,8 +81,8 @@ def test_reference_plan():
     p = plan(REF, V100)
     got = {r.policy: (r.layers, r.binding) for r in p.rows}
     assert got == {
-        "resident": (34, "device: optimizer states"),
-        "l2l": (67, "device: optimizer states"),
+        "resident": (33, "device: optimizer states"),
+        "l2l": (66, "device: optimizer states"),
         "zero-offload": (67, "device: parameters (slots) + gradients"),
         "zero-infinity": (116, "host: optimizer states (m, v)"),
         "stronghold": (116, "host: optimizer states (m, v)"),

@@ -519,9 +519,13 @@ class Engine:
                 if grp in dev and grp != own_group:  # borrowed; its owner updates it on the device
                     if gr is not None:
                         prev = ctx.dev_pending.get(key)
+                        if prev is None:
+                            ctx.keep(f"pending gradient of {key!r}", [gr])  # device memory until the owner's backward
                         ctx.dev_pending[key] = gr if prev is None else prev + gr
                     continue
                 pend = ctx.dev_pending.pop(key, None)
+                if pend is not None:
+                    ctx.unkeep(f"pending gradient of {key!r}")
                 if pend is not None:
                     gr = pend if gr is None else gr + pend
                 if gbuf is None:
