@@ -38,7 +38,9 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   BACKWARD of its earliest consumer (its own BACKWARD when nothing consumes it); when a
   consumer's BACKWARD ends, a gradient of the producer's ``activation_bytes`` is allocated (once
   per producer, at the first consumer's end) and freed at the end of the producer's BACKWARD.
-  At one instant, changes apply in issue order of the actions causing them, and within one
+  A borrowed gradient of a group updated on the device (the tail's tied embedding, when the
+  head is) is allocated at the end of the borrower's BACKWARD and freed at the end of the
+  owner's. At one instant, changes apply in issue order of the actions causing them, and within one
   BACKWARD's end the new input gradients are allocated before its output gradients and its
   inputs are freed (as ``Engine._backward`` does), so the peak counts both. Programs without any
   BACKWARD (inference) free a value once all its consumers' FORWARDs ended; a program without
@@ -777,6 +779,16 @@ class _Sim:
                 g_free = at(first[(B, s)], 1) if (B, s) in first else end_key
                 changes.append((g_alloc, a))
                 changes.append((max(g_free, g_alloc), -a))
+        # a borrowed gradient of a group updated on the device waits there for its owner's backward
+        dev_groups = self.program.device_groups()
+        owner_of = {sp.update_group: sp.index for sp in stages if sp.update_group is not None}
+        for spec in stages:
+            for g, nb in getattr(spec, "grad_group_bytes", ()):
+                if g == spec.update_group or g not in dev_groups or nb <= 0 or (B, spec.index) not in first:
+                    continue
+                changes.append((at(first[(B, spec.index)], 1), nb))
+                own = first.get((B, owner_of.get(g, -1)))
+                changes.append((max(at(own, 1), at(first[(B, spec.index)], 1)) if own is not None else end_key, -nb))
         changes.sort(key=lambda c: c[0])
         cur = static + initial
         memory = [(0.0, cur)]

@@ -493,3 +493,16 @@ def test_policies_order_when_link_bound():
     t = {name: simulate(fn(specs, 3), costs).step_s for name, fn in POLICIES.items()}
     assert t["stronghold"] < t["zero-infinity"] < t["l2l"]
     assert t["resident"] < t["stronghold"]
+
+
+def test_borrowed_gradient_of_a_device_group_waits_on_the_device():
+    """resident with a tied head and tail: the tail's gradient of the head's weight (50 bytes)
+    is held from the end of the tail's backward to the end of the head's, as the runtime does."""
+    from passes.policies import schedule_resident
+
+    p = schedule_resident(chain(3, tied=(0, 2), prefetch_bytes=100, grad_bytes=100))
+    tl = simulate(p, CostTable([StageCost(1.0, 3.0)] * 3, Links(None, None)))
+    b2, b0 = tl.event("B2"), tl.event("B0")
+    assert tl.memory[0] == (0.0, p.static_device_bytes())
+    assert (b2.end, p.static_device_bytes() + 50) in tl.memory
+    assert tl.memory[-1] == (b0.end, p.static_device_bytes())
