@@ -183,6 +183,17 @@ class StepContext:
         _release_ledger(self.engine.backend, self._bytes)
 
 
+def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
+    """The same out-of-memory error, saying where in the step it happened."""
+    return OutOfDeviceMemory(
+        f"{err} This happened in {where}.",
+        needed_bytes=err.needed_bytes,
+        used_bytes=err.used_bytes,
+        capacity_bytes=err.capacity_bytes,
+        what=err.what,
+    )
+
+
 def _release_ledger(backend: Backend, ledger: dict[str, int]) -> None:
     for n in ledger.values():
         backend.unreserve(n)
@@ -766,13 +777,7 @@ class Engine:
         action = str(get_meta(node).action)
         where = f"action {action} of program {program.name!r} failed"
         if isinstance(err, OutOfDeviceMemory):
-            raise OutOfDeviceMemory(
-                f"{err} This happened in action {action} of program {program.name!r}.",
-                needed_bytes=err.needed_bytes,
-                used_bytes=err.used_bytes,
-                capacity_bytes=err.capacity_bytes,
-                what=err.what,
-            ) from err
+            raise _oom_in(err, f"action {action} of program {program.name!r}") from err
         raise ActionError(f"{where}: {type(err).__name__}: {err}\n\n{program.format(mark=node)}", action) from err
 
     def _evict(self) -> None:
@@ -937,13 +942,7 @@ class Engine:
         for label, tok in pending:
             err = tok.error
             if isinstance(err, OutOfDeviceMemory):
-                raise OutOfDeviceMemory(
-                    f"{err} This happened in the optimizer update {label}.",
-                    needed_bytes=err.needed_bytes,
-                    used_bytes=err.used_bytes,
-                    capacity_bytes=err.capacity_bytes,
-                    what=err.what,
-                ) from err
+                raise _oom_in(err, f"the optimizer update {label}") from err
             if err is not None:
                 where = "device" if label.startswith("DU") else "host"
                 raise ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label) from err
