@@ -84,7 +84,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import shfx  # noqa: E402
-from passes.layout import TensorInfo, plan_groups  # noqa: E402
+from shfx.passes.layout import TensorInfo, plan_groups  # noqa: E402
 from shfx.runtime.emulated import EmulatedBackend  # noqa: E402
 from shfx.runtime.host_optim import HostAdamW  # noqa: E402
 from shfx.runtime.host_store import GRAD_VALID, HostStore  # noqa: E402

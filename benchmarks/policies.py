@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import shfx
-from passes.units import format_bytes, format_seconds
+from shfx.passes.units import format_bytes, format_seconds
 
 EXPECTED_SLOWER = ("zero-infinity", "l2l")  # than stronghold, when link-bound
 

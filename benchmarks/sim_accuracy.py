@@ -10,7 +10,7 @@ link speeds chosen from the model's own measured costs so that they really are
 (``--ratios``; or give bandwidths with ``--links``), and at every window W = 1 .. number of
 stages. Per link speed the costs are profiled ONCE with ``shfx.profiler.profile_costs`` on that
 device (what ``window="auto"`` uses), and every W is predicted with
-``cost_model.simulate(cm.program, costs)``. Per (link, W) row the script reports the predicted
+``shfx.cost_model.simulate(cm.program, costs)``. Per (link, W) row the script reports the predicted
 and the measured step time (median of the measured steps; ``cm.engine.step_times``: first
 train forward -> end of ``cm.step()``), the error, the predicted bottleneck, the predicted slot
 pool (``timeline.slot_bytes``) against the runtime's (``pool.total_bytes``,
@@ -77,12 +77,12 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 import shfx  # noqa: E402
-from cost_model.costs import CostTable, Links, StageCost  # noqa: E402
-from cost_model.simulate import Timeline, simulate  # noqa: E402
-from passes.capture import flatten_inputs  # noqa: E402
-from passes.meta import get_meta  # noqa: E402
-from passes.program import ActionKind, Program  # noqa: E402
-from passes.units import format_bandwidth, parse_bandwidth  # noqa: E402
+from shfx.cost_model.costs import CostTable, Links, StageCost  # noqa: E402
+from shfx.cost_model.simulate import Timeline, simulate  # noqa: E402
+from shfx.passes.capture import flatten_inputs  # noqa: E402
+from shfx.passes.meta import get_meta  # noqa: E402
+from shfx.passes.program import ActionKind, Program  # noqa: E402
+from shfx.passes.units import format_bandwidth, parse_bandwidth  # noqa: E402
 from shfx.models import GPT, GPTConfig  # noqa: E402
 from shfx.profiler import clear_cache, profile_costs  # noqa: E402
 

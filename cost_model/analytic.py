@@ -2,7 +2,7 @@
 
 Per stage, one run of its graph on fake tensors counts matmul-class FLOPs
 (``torch.utils.flop_counter``) and the bytes written by every other op; on a
-:class:`cost_model.hardware.Hardware` profile
+:class:`shfx.cost_model.hardware.Hardware` profile
 
 - FORWARD = matmul FLOPs / achieved FLOP/s + 2 x other bytes / device memory bandwidth,
 - BACKWARD = 3 x FORWARD with recompute (forward again, then about twice its work), 2 x without,
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from passes.partition import StageGraph
-from passes.stages import StageSpec
+from shfx.passes.partition import StageGraph
+from shfx.passes.stages import StageSpec
 
 from .costs import CostTable, Links, StageCost
 from .hardware import Hardware, get_profile
@@ -232,8 +232,8 @@ def plan_inputs(
     ``blocks`` names the block container. The captured template's block stage is repeated to
     ``layers`` blocks by :func:`repeat_blocks`.
     """
-    from passes.capture import capture_model
-    from passes.partition import partition_stages
+    from shfx.passes.capture import capture_model
+    from shfx.passes.partition import partition_stages
 
     with torch.device("meta"):
         model = build(template_layers)

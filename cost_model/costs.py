@@ -4,7 +4,7 @@ A cost model answers two questions for the simulator and the tuner: how long a s
 and updates (:meth:`CostModel.stage_cost`), and how fast the links are (:attr:`CostModel.links`).
 Passes and the simulator receive a cost model as an argument and never build one themselves;
 concrete ones come from the profiler (measured on a backend, :mod:`shfx.profiler`) or from the
-analytic model (FLOPs and bytes over a :class:`cost_model.hardware.Hardware` profile).
+analytic model (FLOPs and bytes over a :class:`shfx.cost_model.hardware.Hardware` profile).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from passes.stages import StageSpec
+from shfx.passes.stages import StageSpec
 
 __all__ = ["StageCost", "Links", "CostModel", "CostTable"]
 

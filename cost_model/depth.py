@@ -2,9 +2,9 @@
 
 A what-if study over layer counts (STRONGHOLD's experiments vary only the number of layers)
 should not build, capture or cost the model once per size: :class:`DepthModel` captures a
-small version on the meta device once (:func:`cost_model.analytic.plan_inputs`) and repeats its
-block stage to any number of blocks (:func:`cost_model.analytic.repeat_blocks`). Programs of any
-policy of :mod:`passes.policies` are built from those specs and simulated with those costs.
+small version on the meta device once (:func:`shfx.cost_model.analytic.plan_inputs`) and repeats its
+block stage to any number of blocks (:func:`shfx.cost_model.analytic.repeat_blocks`). Programs of any
+policy of :mod:`shfx.passes.policies` are built from those specs and simulated with those costs.
 
 >>> import torch
 >>> class Net(torch.nn.Module):
@@ -30,9 +30,9 @@ from dataclasses import replace
 
 import torch
 
-from passes.policies import POLICIES, schedule_stronghold
-from passes.program import Program
-from passes.stages import StageSpec
+from shfx.passes.policies import POLICIES, schedule_stronghold
+from shfx.passes.program import Program
+from shfx.passes.stages import StageSpec
 
 from .analytic import plan_inputs, repeat_blocks
 from .costs import CostTable, Links
@@ -43,7 +43,7 @@ __all__ = ["DepthModel", "policy_program"]
 
 
 def policy_program(policy: str, specs: list[StageSpec], window: int = 2, resident_first: int = 0) -> Program:
-    """The step program of a named policy (:data:`passes.policies.POLICIES`); ``resident_first``
+    """The step program of a named policy (:data:`shfx.passes.policies.POLICIES`); ``resident_first``
     is the ``stronghold`` refinement (first k stages persistent, optimizer on the device).
     ``window`` is clamped to the stages that stream; policies without a window ignore it."""
     if policy == "stronghold":
@@ -66,7 +66,7 @@ class DepthModel:
         build: ``build(n)`` makes the model with ``n`` blocks (called once, on the meta device).
         inputs: returns its example arguments (meta tensors are fine).
         blocks: module path of the repeated blocks (e.g. ``"transformer.h"``).
-        hardware: a :class:`cost_model.hardware.Hardware` or a profile name.
+        hardware: a :class:`shfx.cost_model.hardware.Hardware` or a profile name.
         dtype: the dtype whose FLOP/s the analytic model uses.
         template_layers: blocks in the captured template (at least 2).
     """
@@ -113,6 +113,6 @@ class DepthModel:
         resident_first: int = 0,
         links: Links | None = None,
     ) -> Timeline:
-        """One simulated step of ``policy`` at ``layers`` blocks (:func:`cost_model.simulate.simulate`)."""
+        """One simulated step of ``policy`` at ``layers`` blocks (:func:`shfx.cost_model.simulate.simulate`)."""
         specs, table = self.at(layers, links)
         return simulate(policy_program(policy, specs, window, resident_first), table)

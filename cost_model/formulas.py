@@ -23,10 +23,10 @@ How shfx lays out a GPT (:mod:`shfx.models.gpt`), and so what the formulas assum
 - Host: parameters, gradients and AdamW's two moments, 16 bytes per parameter, all pinned; a
   pending buffer for the tied embedding's gradient from the tail; gradient staging buffers when
   gradients accumulate.
-- Step: the "stronghold" window schedule (:func:`passes.schedule.window_actions`), one step from
+- Step: the "stronghold" window schedule (:func:`shfx.passes.schedule.window_actions`), one step from
   a cold start (nothing resident), updates overlapped with the backward, one host optimizer
   worker, full-duplex links (``duplex=1``; see :func:`step_time_gpt` for the coupling), and the
-  simulator's execution model (:mod:`cost_model.simulate`): each stream runs its actions in
+  simulator's execution model (:mod:`shfx.cost_model.simulate`): each stream runs its actions in
   issue order, the backward starts when the forward phase is done.
 
 Step time (derivation, :func:`forward_time` and :func:`backward_time`). Given a schedule, the
@@ -213,7 +213,7 @@ class MemoryTerm:
     Attributes:
         name: short name (``slot_pool``, ``activations``, ...).
         expr: bytes, a sympy expression.
-        counted_by: who accounts for it: ``simulator`` (:func:`cost_model.simulate.simulate`'s
+        counted_by: who accounts for it: ``simulator`` (:func:`shfx.cost_model.simulate.simulate`'s
             peak), ``emulated`` (the emulated device's capacity check), ``gpu`` (a real device).
         note: what it is.
     """
@@ -611,7 +611,7 @@ def flops_per_iteration(l=l, h=h, s=s, b=b, V=V, *, recompute: bool = True):
 
 def gpt_stage_work(h=h, s=s, b=b, V=V, *, attention_flops: bool = True) -> dict:
     """Per stage kind, one FORWARD's matmul FLOPs and bytes written by other ops, as
-    :func:`cost_model.analytic.stage_work` counts them for :class:`shfx.models.gpt.GPT`:
+    :func:`shfx.cost_model.analytic.stage_work` counts them for :class:`shfx.models.gpt.GPT`:
 
     - head: no matmuls; ``4(2bsh + sh) + 8s`` bytes (the two lookups, their sum, the positions);
     - block: ``24 b s h^2`` + ``4 b s^2 h`` for attention scores and values
@@ -634,9 +634,9 @@ bandwidth, per-copy latency, host->device and device->host bandwidth, host memor
 
 def gpt_stage_times(hw=None, h=h, s=s, b=b, V=V, *, dtype: str = "float32", attention_flops: bool = True,
                     duplex_copies: bool = False) -> dict:
-    """:class:`StageTimes` of the head, a block and the tail on a :class:`cost_model.hardware.Hardware`
+    """:class:`StageTimes` of the head, a block and the tail on a :class:`shfx.cost_model.hardware.Hardware`
     profile (``None``: the symbols :data:`HW_SYMBOLS`), with the analytic model's rules
-    (:mod:`cost_model.analytic`):
+    (:mod:`shfx.cost_model.analytic`):
 
     ``t_f = FLOPs / rate + 2 bytes / device_mem_bps``, ``t_b = 3 t_f`` (recompute, then twice the
     work), ``t_pf = latency + 4 P_slot / h2d``, ``t_og = latency + 4 P_grad / d2h``,
@@ -669,7 +669,7 @@ def step_time_gpt_hw(l=l, W=W, hw=None, h=h, s=s, b=b, V=V, *, attention_flops: 
     """:func:`step_time_gpt` with the stage times of :func:`gpt_stage_times` (FLOPs and bytes over a
     hardware profile). ``duplex=hw.duplex`` gives the pessimistic coupled-link bound.
 
-    >>> from cost_model.hardware import get_profile
+    >>> from shfx.cost_model.hardware import get_profile
     >>> round(float(step_time_gpt_hw(32, 4, get_profile("V100-32GB-PCIe3"), 2048, 1024, 4, 50304,
     ...                              attention_flops=False)), 3)
     4.676

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from passes.units import format_bandwidth, format_bytes
+from shfx.passes.units import format_bandwidth, format_bytes
 
 __all__ = ["Hardware", "PROFILES", "get_profile"]
 

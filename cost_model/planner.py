@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from passes.units import format_bytes
+from shfx.passes.units import format_bytes
 
 from .hardware import Hardware, get_profile
 
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 POLICY_NAMES = ("resident", "l2l", "zero-offload", "zero-infinity", "stronghold")
-"""Policies the planner models (the names of :data:`passes.policies.POLICIES`)."""
+"""Policies the planner models (the names of :data:`shfx.passes.policies.POLICIES`)."""
 
 PRECISIONS = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Compute dtype of the parameters on the device -> bytes per element. ``bfloat16``/``float16``
@@ -64,10 +64,10 @@ runtime itself trains fp32 only."""
 DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 """Device memory a real GPU loses before any tensor: the CUDA context (~300-400 MiB on a V100
 with PyTorch's kernels loaded) plus cuBLAS/cuDNN workspaces (a few MiB per stream). The same
-figure :func:`cost_model.formulas.device_memory_terms` uses for ``cuda_context``. 0 on the
+figure :func:`shfx.cost_model.formulas.device_memory_terms` uses for ``cuda_context``. 0 on the
 emulated device."""
 
-ALIGN = 64  # passes.layout.ALIGN: every tensor in a host group and a slot starts on 64 bytes
+ALIGN = 64  # shfx.passes.layout.ALIGN: every tensor in a host group and a slot starts on 64 bytes
 _GROUP_STATE_BYTES = 8  # AdamW m and v, fp32, per parameter
 _STAGING_BUFFERS = 2  # shfx.runtime.host_store.HostStore(staging_buffers=2)
 
@@ -185,7 +185,7 @@ class GPTFamily:
             f"{self.precision}, {how}"
         )
 
-    # per-stage bytes, laid out as shfx lays them out (passes.layout: each tensor 64-byte aligned)
+    # per-stage bytes, laid out as shfx lays them out (shfx.passes.layout: each tensor 64-byte aligned)
     def _block_numels(self) -> list[int]:
         h = self.hidden
         # ln_1 (w, b), c_attn (w, b), attn.c_proj (w, b), ln_2 (w, b), c_fc (w, b), mlp.c_proj (w, b)
@@ -233,8 +233,8 @@ class Target:
 
 
 def as_target(hardware: Any) -> Target:
-    """A :class:`Target` from a :class:`~cost_model.hardware.Hardware`, a profile name
-    (:data:`cost_model.hardware.PROFILES`), an emulated device (``shfx.EmulatedDevice``: anything
+    """A :class:`Target` from a :class:`~shfx.cost_model.hardware.Hardware`, a profile name
+    (:data:`shfx.cost_model.hardware.PROFILES`), an emulated device (``shfx.EmulatedDevice``: anything
     with ``memory_bytes`` and ``h2d_bps``), or a Target."""
     if isinstance(hardware, Target):
         return hardware
@@ -245,7 +245,7 @@ def as_target(hardware: Any) -> Target:
     if hasattr(hardware, "memory_bytes") and hasattr(hardware, "h2d_bps"):  # shfx.EmulatedDevice (cost_model never imports shfx)
         return Target(str(hardware), int(hardware.memory_bytes), None, 0, emulated=True)
     raise TypeError(
-        f"hardware must be a cost_model.hardware.Hardware, a profile name, a shfx.EmulatedDevice or a "
+        f"hardware must be a shfx.cost_model.hardware.Hardware, a profile name, a shfx.EmulatedDevice or a "
         f"planner.Target, got {hardware!r}"
     )
 
@@ -368,7 +368,7 @@ def _kind(i: int, n: int) -> str:
 
 def _layout(policy: str, layers: int, window: int, resident_first: int) -> _Layout:
     """The slot assignment shfx's policies make for a GPT (head, ``layers`` blocks, tail), in
-    closed form; equal to what :func:`passes.program.lower_actions` assigns (free slots are taken
+    closed form; equal to what :func:`shfx.passes.program.lower_actions` assigns (free slots are taken
     lowest first), over the train, eval and cold-backward programs
     (``tests/test_planner.py`` checks it against the programs on a grid).
 
@@ -460,7 +460,7 @@ def memory_model(
     Args:
         policy: one of :data:`POLICY_NAMES`.
         family: the model.
-        hardware: a :class:`~cost_model.hardware.Hardware`, a profile name, ``shfx.EmulatedDevice``
+        hardware: a :class:`~shfx.cost_model.hardware.Hardware`, a profile name, ``shfx.EmulatedDevice``
             or a :class:`Target`.
         window: stages streamed through the device at once (``stronghold``; the other policies
             have a fixed number of slots).
@@ -800,7 +800,7 @@ def plan(
 
 
 def _policy_program(policy: str, specs: list, window: int, resident_first: int):
-    from passes.policies import POLICIES, schedule_stronghold
+    from shfx.passes.policies import POLICIES, schedule_stronghold
 
     if policy == "stronghold" and resident_first:
         return schedule_stronghold(specs, window, resident_first=resident_first)
@@ -811,8 +811,8 @@ def _boundary_peak(graph, program) -> tuple[int, int, int]:
     """Replay the runtime's device accounting of boundary values (``StepContext``: ``put``,
     ``drop``, ``add_grad``, ``drop_grad``, ``keep``) over ``program``'s forward and backward and
     return (activations, gradients, pre-forward buffer copies) at the peak."""
-    from passes.meta import get_meta
-    from passes.program import ActionKind
+    from shfx.passes.meta import get_meta
+    from shfx.passes.program import ActionKind
 
     vals: dict[str, int] = {}
     grads: dict[str, int] = {}
@@ -890,18 +890,18 @@ def memory_for_model(
     sizes them, the device AdamW states of the groups updated there, and the boundary values,
     their gradients and pre-forward buffer copies replayed in program order. Exact on the
     emulated device for every model; on a real GPU the working set of a stage is not known here
-    (pass it in ``workspace_bytes``). ``graph``: a :class:`passes.partition.StageGraph` already
+    (pass it in ``workspace_bytes``). ``graph``: a :class:`shfx.passes.partition.StageGraph` already
     partitioned (skips the capture).
     """
     _check_common(policy, window, resident_first)
     tgt = as_target(hardware)
     workspace_bytes, allocator_slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
     if graph is None:
-        from passes.capture import capture_model
-        from passes.partition import partition_stages
+        from shfx.passes.capture import capture_model
+        from shfx.passes.partition import partition_stages
 
         graph = partition_stages(capture_model(model, tuple(example_inputs)), blocks=blocks, model=model)
-    from passes.schedule import cold_backward_program, eval_program
+    from shfx.passes.schedule import cold_backward_program, eval_program
 
     train = _policy_program(policy, graph.specs, window, resident_first)
     progs = (train, eval_program(train), cold_backward_program(train))
@@ -963,8 +963,8 @@ def plan_for_model(
     """Does ``model`` (at its own size) fit with each policy? One capture, then
     :func:`memory_for_model` per policy; each row's ``layers`` is the number of stages if it
     fits, else 0, and its binding the tightest tier and term."""
-    from passes.capture import capture_model
-    from passes.partition import partition_stages
+    from shfx.passes.capture import capture_model
+    from shfx.passes.partition import partition_stages
 
     if isinstance(policies, str):
         policies = (policies,)

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from passes.units import format_bytes, format_seconds
+from shfx.passes.units import format_bytes, format_seconds
 
 from .tune import TuneResult
 

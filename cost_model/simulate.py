@@ -7,7 +7,7 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   order, one at a time: ``compute`` (FORWARD, BACKWARD), ``h2d`` (PREFETCH), ``d2h``
   (OFFLOAD_BUFFERS, the copy part of OFFLOAD_GRAD) and ``host`` (the accumulation part of
   OFFLOAD_GRAD). An action starts when its stream is free *and* every dependency
-  (:meth:`passes.program.Program.deps`) is done, so an action whose dependencies are done still
+  (:meth:`shfx.passes.program.Program.deps`) is done, so an action whose dependencies are done still
   waits behind the previous action of its stream (a ``WorkerStream``).
 - **The host optimizer** (``cpu``) is a pool of ``costs.optimizer_workers`` workers. Workers take
   CPU_STEP tasks in issue order; a worker that took a task waits for its dependencies and then
@@ -33,7 +33,7 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
 - **Memory.** The slot pool, ``sum(program.slot_sizes())`` (each slot sized to the largest stage
   the program puts into it), the gradient buffers of slots whose stage keeps its parameters
   through the backward and the optimizer states of groups updated on the device
-  (:meth:`passes.program.Program.static_device_bytes`) are constant. Each stage's
+  (:meth:`shfx.passes.program.Program.static_device_bytes`) are constant. Each stage's
   ``activation_bytes`` is allocated at the end of its FORWARD and freed at the end of the
   BACKWARD of its earliest consumer (its own BACKWARD when nothing consumes it); when a
   consumer's BACKWARD ends, a gradient of the producer's ``activation_bytes`` is allocated (once
@@ -47,7 +47,7 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   FORWARDs (the cold backward) starts with the activations its BACKWARDs need already allocated.
   Stages are *resident* from the start of their PREFETCH to the end of their RELEASE.
 
-Measured overheads (optional attributes of the cost model, see :class:`cost_model.costs.CostTable`):
+Measured overheads (optional attributes of the cost model, see :class:`shfx.cost_model.costs.CostTable`):
 ``dispatch_s`` is added to every FORWARD, BACKWARD and CPU_STEP (the hand-off between threads),
 ``phase_gap_s`` separates the forward and backward phases (returning from the model call, the
 loss, ``backward()``), a compute action that starts after ``cold_idle_s`` with nothing
@@ -76,9 +76,9 @@ What it does NOT model:
   a real GPU's memory bandwidth.
 - ``meta.cost_s`` annotations: durations always come from ``costs``.
 
->>> from passes.stages import chain
->>> from passes.schedule import schedule_window
->>> from cost_model.costs import CostTable, Links, StageCost
+>>> from shfx.passes.stages import chain
+>>> from shfx.passes.schedule import schedule_window
+>>> from shfx.cost_model.costs import CostTable, Links, StageCost
 >>> costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 4, Links(1e6, 1e6))
 >>> tl = simulate(schedule_window(chain(4, prefetch_bytes=500_000), 2), costs)
 >>> round(tl.step_s, 3), tl.bottleneck, tl.peak_resident
@@ -94,10 +94,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from passes.meta import get_meta
-from passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
-from passes.stages import StageSpec, consumers_of
-from passes.units import format_bytes, format_seconds
+from shfx.passes.meta import get_meta
+from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
+from shfx.passes.stages import StageSpec, consumers_of
+from shfx.passes.units import format_bytes, format_seconds
 
 from .costs import CostModel, Links, StageCost
 
@@ -367,11 +367,11 @@ class _Copy:
 
 def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCost], Links, int]:
     if not isinstance(program, Program):
-        raise SimulationError(f"simulate() needs a passes.program.Program, got {type(program).__name__}")
+        raise SimulationError(f"simulate() needs a shfx.passes.program.Program, got {type(program).__name__}")
     for attr in ("links", "optimizer_workers", "stage_cost"):
         if not hasattr(costs, attr):
             raise SimulationError(
-                f"the cost model {type(costs).__name__} has no {attr!r}: pass a CostModel (e.g. cost_model.costs.CostTable)"
+                f"the cost model {type(costs).__name__} has no {attr!r}: pass a CostModel (e.g. shfx.cost_model.costs.CostTable)"
             )
     n_costs = getattr(costs, "num_stages", None)
     if isinstance(n_costs, int) and n_costs < len(program.stages):
@@ -914,10 +914,10 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
     """Simulate one step of ``program`` with ``costs`` (see the module docstring for the model).
 
     Args:
-        program: a step program (:func:`passes.schedule.schedule_window`,
-            :func:`passes.program.lower_actions`, ...).
+        program: a step program (:func:`shfx.passes.schedule.schedule_window`,
+            :func:`shfx.passes.program.lower_actions`, ...).
         costs: per-stage costs, links and host optimizer workers
-            (:class:`cost_model.costs.CostTable` or any :class:`cost_model.costs.CostModel`).
+            (:class:`shfx.cost_model.costs.CostTable` or any :class:`shfx.cost_model.costs.CostModel`).
         accumulate: gradients accumulate into an existing fp32 buffer (each OFFLOAD_GRAD pays
             ``accumulate_s`` on the host FIFO); False: the first backward after ``zero_grad``.
         phase_barrier: backward-phase actions wait until every forward-phase action is done,
@@ -927,9 +927,9 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
         SimulationError: the cost model lacks stages of the program, has negative or
             non-finite costs, or the program cannot finish.
 
-    >>> from passes.program import lower_actions
-    >>> from passes.stages import chain
-    >>> from cost_model.costs import CostTable, Links, StageCost
+    >>> from shfx.passes.program import lower_actions
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.cost_model.costs import CostTable, Links, StageCost
     >>> p = lower_actions(["PF0", "F0", "B0", "OG0", "U0", "R0"], chain(1, prefetch_bytes=10**6), 1)
     >>> tl = simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5)], Links(1e6, 2e6)))
     >>> [(e.action, e.start, e.end) for e in tl.events]  # doctest: +NORMALIZE_WHITESPACE

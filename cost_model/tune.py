@@ -9,7 +9,7 @@ window would cost in memory.
 
 With ``resident_first=[0, 1, ...]`` it tunes STRONGHOLD's refinement too: for each k (the first
 k stages resident with their optimizer on the device) and each window over the remaining
-stages, it simulates :func:`passes.policies.schedule_stronghold` and chooses, among the pairs
+stages, it simulates :func:`shfx.passes.policies.schedule_stronghold` and chooses, among the pairs
 that fit and are within ``tolerance`` of the fastest, the one needing the least device memory.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from passes.program import Program
-from passes.schedule import schedule_window
-from passes.stages import StageSpec
-from passes.units import format_bytes, format_seconds
+from shfx.passes.program import Program
+from shfx.passes.schedule import schedule_window
+from shfx.passes.stages import StageSpec
+from shfx.passes.units import format_bytes, format_seconds
 
 from .costs import CostModel
 from .simulate import Timeline, simulate
@@ -250,7 +250,7 @@ def tune_window(
         policy: builds the program for a window.
         windows: the windows to try (default 1..number of stages).
         resident_first: STRONGHOLD's refinement: tune k too, over these values, with
-            :func:`passes.policies.schedule_stronghold` (``policy`` is ignored); windows run
+            :func:`shfx.passes.policies.schedule_stronghold` (``policy`` is ignored); windows run
             over 1..(stages - k).
 
     Raises:
@@ -263,7 +263,7 @@ def tune_window(
     if resident_first is None:
         pairs = [(0, w) for w in (list(windows) if windows is not None else range(1, n + 1))]
     else:
-        from passes.policies import schedule_stronghold
+        from shfx.passes.policies import schedule_stronghold
 
         ks = sorted(set(resident_first))
         if not ks or ks[0] < 0 or ks[-1] >= n:

@@ -14,8 +14,8 @@ import time
 import torch
 
 import shfx
-from passes import lower_actions
-from passes.verify import VerificationError, verify_program
+from shfx.passes import lower_actions
+from shfx.passes.verify import VerificationError, verify_program
 from shfx.models import GPT, GPTConfig
 
 

@@ -4,10 +4,10 @@
 
 The setup of ../shared/REFERENCE.md: GPT with hidden 2048, 16 heads, sequence 1024, micro-batch 4,
 fp32, vocabulary 50304, on the V100-32GB-PCIe3 profile with 90 GB of host RAM. Stage specs and
-costs come from :func:`cost_model.analytic.plan_inputs` (the model is built on the meta device
-and captured with two blocks, then repeated: :class:`cost_model.depth.DepthModel`), the step from
-:func:`passes.schedule.schedule_window` + :func:`cost_model.simulate.simulate`, and next to it the
-formulas of :mod:`cost_model.formulas`.
+costs come from :func:`shfx.cost_model.analytic.plan_inputs` (the model is built on the meta device
+and captured with two blocks, then repeated: :class:`shfx.cost_model.depth.DepthModel`), the step from
+:func:`shfx.passes.schedule.schedule_window` + :func:`shfx.cost_model.simulate.simulate`, and next to it the
+formulas of :mod:`shfx.cost_model.formulas`.
 
 Prints (i) iteration time vs layers at a fixed window, (ii) iteration time vs window at a fixed
 size (also over a pageable-memory link, where the window matters more), (iii) the largest
@@ -26,10 +26,10 @@ from pathlib import Path
 import sympy as sp
 import torch
 
-from cost_model import formulas as fm
-from cost_model.analytic import links_of
-from cost_model.depth import DepthModel
-from cost_model.hardware import get_profile
+from shfx.cost_model import formulas as fm
+from shfx.cost_model.analytic import links_of
+from shfx.cost_model.depth import DepthModel
+from shfx.cost_model.hardware import get_profile
 from shfx.models.gpt import GPT, GPTConfig
 
 H, A, S, B, V = 2048, 16, 1024, 4, 50304
@@ -101,7 +101,7 @@ def print_formulas() -> None:
         ("T (GPT, readable form)", fm.step_time_gpt_steady()),
         ("smallest hiding W", fm.smallest_hiding_window()),
     ]
-    print(f"Formulas (cost_model.formulas; hardware symbols {', '.join(map(str, fm.HW_SYMBOLS))})")
+    print(f"Formulas (shfx.cost_model.formulas; hardware symbols {', '.join(map(str, fm.HW_SYMBOLS))})")
     for name, expr in lines:
         print(f"  {name:26s} = {expr}")
     print()

@@ -23,8 +23,8 @@ __all__ = [
 def _marker(name: str, doc: str):
     def op(stage: int, *tokens: object) -> object:
         raise RuntimeError(
-            f"passes.ops.{name} is a step-program marker; run a program with the shfx runtime "
-            "(shfx.compile) or simulate it with cost_model.simulate"
+            f"shfx.passes.ops.{name} is a step-program marker; run a program with the shfx runtime "
+            "(shfx.compile) or simulate it with shfx.cost_model.simulate"
         )
 
     op.__name__ = op.__qualname__ = name

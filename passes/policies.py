@@ -12,7 +12,7 @@ simulator and train exactly like eager PyTorch (they differ in memory and time o
 | ``stronghold`` | a window of W stages; the first k persistent | host (window stages, during the backward), device (first k) | the window schedule |
 
 Add a policy by writing a function ``(stage_specs, window) -> Program`` that emits an action
-order and lowers it with :func:`passes.program.lower_actions`; register it in :data:`POLICIES`.
+order and lowers it with :func:`shfx.passes.program.lower_actions`; register it in :data:`POLICIES`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def schedule_resident(stages: Sequence[StageSpec], window: int | None = None) ->
     """Everything on the device, the optimizer too (Megatron-like): every stage persistent, each
     group updated on the device right after the last backward that sends it gradients.
 
-    >>> from passes.stages import chain
+    >>> from shfx.passes.stages import chain
     >>> " ".join(schedule_resident(chain(3)).actions())
     'F0 F1 F2 B2 DU2 B1 DU1 B0 DU0'
     """
@@ -77,7 +77,7 @@ def schedule_l2l(stages: Sequence[StageSpec], window: int | None = None) -> Prog
     device, a stage is updated there right after its backward and its parameters are copied
     back to the host (``OP``) before it leaves.
 
-    >>> from passes.stages import chain
+    >>> from shfx.passes.stages import chain
     >>> " ".join(schedule_l2l(chain(2)).actions())
     'PF0 F0 R0 PF1 F1 B1 DU1 OP1 R1 PF0 B0 DU0 OP0 R0'
     """
@@ -122,7 +122,7 @@ def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None
     next ``step()``. Each gradient copy of step i+1 waits for the update of step i that reads
     the same host buffer.
 
-    >>> from passes.stages import chain
+    >>> from shfx.passes.stages import chain
     >>> " ".join(schedule_zero_offload(chain(2)).actions())
     'F0 F1 B1 OG1 B0 OG0 U0 U1 PF0 PF1'
     >>> " ".join(schedule_zero_offload(chain(2), delayed_update=True).actions())
@@ -154,7 +154,7 @@ def schedule_zero_infinity(stages: Sequence[StageSpec], window: int | None = Non
     on demand just before use with one stage of lookahead (two slots), released right after; the
     host updates every group after the backward.
 
-    >>> from passes.stages import chain
+    >>> from shfx.passes.stages import chain
     >>> " ".join(schedule_zero_infinity(chain(3)).actions())
     'PF0 PF1 F0 R0 PF2 F1 R1 F2 R2 PF2 PF1 B2 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0 U0 U1 U2'
     """
@@ -220,7 +220,7 @@ def schedule_stronghold(stages: Sequence[StageSpec], window: int, resident_first
     ``resident_first`` stages kept resident with their optimizer on the device so the next
     forward starts without waiting for the host updates of the first stages.
 
-    >>> from passes.stages import chain
+    >>> from shfx.passes.stages import chain
     >>> " ".join(schedule_stronghold(chain(4), 2, resident_first=1).actions())
     'PF1 PF2 F0 F1 R1 PF3 F2 F3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 B1 OG1 U1 R1 B0 DU0'
     """

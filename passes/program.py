@@ -1,7 +1,7 @@
 """The step program: the IR every schedule is written in.
 
 A step program is a :class:`torch.fx.Graph` whose nodes call a small set of action ops
-(:mod:`passes.ops`). Each node's ``meta["shfx"]`` holds an :class:`ActionMeta`; a node's
+(:mod:`shfx.passes.ops`). Each node's ``meta["shfx"]`` holds an :class:`ActionMeta`; a node's
 arguments after the stage index are the nodes it must wait for (tokens), so the dependency
 DAG *is* the FX graph. Node order is issue order.
 
@@ -9,7 +9,7 @@ The compact string form follows torch.distributed.pipelining (``PF3``, ``F3``, `
 :meth:`Program.actions` gives it and :func:`lower_actions` builds a program back from it,
 adding the dependency edges and slot assignments, so a schedule can be written by hand.
 
->>> from passes.stages import chain
+>>> from shfx.passes.stages import chain
 >>> p = lower_actions(["PF0", "F0", "PF1", "F1", "B1", "OG1", "U1", "R1", "B0", "OG0", "U0", "R0"],
 ...                   chain(2), num_slots=2)
 >>> p.actions()[:4]

@@ -1,8 +1,8 @@
 """Schedule policies: each turns stage specs into a step program (one rewrite pass each),
 plus the passes that derive the inference and the "cold" backward variants of a program.
 
-A policy only decides the *order* of actions; :func:`passes.program.lower_actions` adds the
-dependency edges and slots, and :func:`passes.verify.verify_program` checks the result.
+A policy only decides the *order* of actions; :func:`shfx.passes.program.lower_actions` adds the
+dependency edges and slots, and :func:`shfx.passes.verify.verify_program` checks the result.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def window_actions(stages: Sequence[StageSpec], window: int) -> list[Action]:
 def schedule_window(stages: Sequence[StageSpec], window: int) -> Program:
     """The "stronghold" policy: a sliding window of ``window`` resident stages.
 
-    >>> from passes.stages import chain
+    >>> from shfx.passes.stages import chain
     >>> " ".join(schedule_window(chain(3), 2).actions())
     'PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0'
     """
@@ -159,7 +159,7 @@ def cold_backward_program(program: Program) -> Program:
 
 
 def __getattr__(name: str):
-    if name == "POLICIES":  # the registry lives with the policies (passes.policies)
+    if name == "POLICIES":  # the registry lives with the policies (shfx.passes.policies)
         from .policies import POLICIES
 
         return POLICIES

@@ -2,7 +2,7 @@
 
 A :class:`StageSpec` is the summary that policies, the lowering pass, the verifier and the
 simulator read: which stages feed which, how many bytes each transfer moves, which host
-parameter groups a stage's gradients land in. :func:`passes.partition.partition_stages`
+parameter groups a stage's gradients land in. :func:`shfx.passes.partition.partition_stages`
 produces them from a captured model; tests and the simulator can also build synthetic ones
 with :func:`chain`.
 """

@@ -13,7 +13,7 @@ from . import optim
 from .api import CompiledModel, compile
 from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
-from cost_model.planner import GPTFamily, plan
+from shfx.cost_model.planner import GPTFamily, plan
 from .errors import (
     ActionError,
     CaptureError,

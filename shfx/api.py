@@ -10,18 +10,18 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from passes.capture import capture_model, flatten_inputs
-from passes.partition import partition_stages
-from passes.meta import get_meta
-from passes.program import ActionKind, Program
-from passes.retarget import retarget_device
-from passes.policies import POLICIES
-from passes.schedule import check_window, cold_backward_program, eval_program
-from passes.units import format_bytes
-from passes.verify import verify_program
+from shfx.passes.capture import capture_model, flatten_inputs
+from shfx.passes.partition import partition_stages
+from shfx.passes.meta import get_meta
+from shfx.passes.program import ActionKind, Program
+from shfx.passes.retarget import retarget_device
+from shfx.passes.policies import POLICIES
+from shfx.passes.schedule import check_window, cold_backward_program, eval_program
+from shfx.passes.units import format_bytes
+from shfx.passes.verify import verify_program
 
-from cost_model.report import WindowReport
-from cost_model.tune import NoWindowFits, tune_window
+from shfx.cost_model.report import WindowReport
+from shfx.cost_model.tune import NoWindowFits, tune_window
 
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
@@ -259,11 +259,11 @@ class CompiledModel:
             rep = self._reports.get(self._last.signature) if self._last is not None else None
             k = rep.tune.resident_first if rep is not None else 0
         if self.policy == "stronghold" and k:
-            from passes.policies import schedule_stronghold
+            from shfx.passes.policies import schedule_stronghold
 
             return lambda specs, w: schedule_stronghold(specs, w, resident_first=k)
         if self.delayed_update:
-            from passes.policies import schedule_zero_offload
+            from shfx.passes.policies import schedule_zero_offload
 
             return lambda specs, w: schedule_zero_offload(specs, w, delayed_update=True)
         return POLICIES[self.policy]
@@ -271,7 +271,7 @@ class CompiledModel:
     def _programs(self, captured, graph, make, w: int) -> Variant:
         train = make(graph.specs, w)
         if not isinstance(train, Program):
-            raise TypeError(f"policy {self.policy!r} returned {type(train).__name__}, not a passes.Program")
+            raise TypeError(f"policy {self.policy!r} returned {type(train).__name__}, not a shfx.passes.Program")
         ev, cold = eval_program(train), cold_backward_program(train)
         transient_du = [
             get_meta(n).stage
@@ -542,8 +542,8 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
         policy: the schedule: ``"stronghold"`` (the window policy, default), ``"resident"``
             (Megatron-like: everything and the optimizer on the device), ``"l2l"``,
-            ``"zero-offload"``, ``"zero-infinity"`` (see ``passes.policies``), or a function
-            ``(stage_specs, window) -> passes.Program`` (e.g. built with ``passes.lower_actions``).
+            ``"zero-offload"``, ``"zero-infinity"`` (see ``shfx.passes.policies``), or a function
+            ``(stage_specs, window) -> shfx.passes.Program`` (e.g. built with ``shfx.passes.lower_actions``).
         resident_first: with ``policy="stronghold"``, keep the first k stages resident with their
             optimizer on the device, so the next forward starts without waiting for their host
             updates (STRONGHOLD's refinement); ``"auto"``: the tuner picks k (with the window, when

@@ -49,7 +49,7 @@ def _nonneg_int(text: str) -> int:
 
 
 def _bytes_arg(text: str) -> int:
-    from passes.units import parse_bytes
+    from shfx.passes.units import parse_bytes
 
     try:
         return parse_bytes(text, what="device memory")
@@ -58,7 +58,7 @@ def _bytes_arg(text: str) -> int:
 
 
 def _bandwidth_arg(text: str) -> str:
-    from passes.units import parse_bandwidth
+    from shfx.passes.units import parse_bandwidth
 
     try:
         parse_bandwidth(text)
@@ -164,7 +164,7 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
-    from cost_model.hardware import PROFILES
+    from shfx.cost_model.hardware import PROFILES
 
     p = sub.add_parser(
         "tune",
@@ -233,7 +233,7 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _policies_arg(text: str) -> list[str]:
-    from passes.policies import POLICIES
+    from shfx.passes.policies import POLICIES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in POLICIES]
@@ -253,7 +253,7 @@ def _window_arg(text: str) -> int | str:
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
-    from cost_model.hardware import PROFILES
+    from shfx.cost_model.hardware import PROFILES
 
     from .compare import DEFAULT_POLICIES
 
@@ -334,7 +334,7 @@ def _fraction_arg(text: str) -> float:
 
 
 def _planner_policies_arg(text: str) -> list[str]:
-    from cost_model.planner import POLICY_NAMES
+    from shfx.cost_model.planner import POLICY_NAMES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in POLICY_NAMES]
@@ -346,8 +346,8 @@ def _planner_policies_arg(text: str) -> list[str]:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from cost_model.hardware import PROFILES
-    from cost_model.planner import POLICY_NAMES, PRECISIONS
+    from shfx.cost_model.hardware import PROFILES
+    from shfx.cost_model.planner import POLICY_NAMES, PRECISIONS
 
     p = sub.add_parser(
         "plan",
@@ -389,8 +389,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from cost_model.hardware import get_profile
-    from cost_model.planner import GPTFamily, Target, memory_model, plan
+    from shfx.cost_model.hardware import get_profile
+    from shfx.cost_model.planner import GPTFamily, Target, memory_model, plan
 
     if args.emulated:
         if args.device_memory is None:

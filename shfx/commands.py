@@ -7,11 +7,11 @@ from typing import Any, TextIO
 
 import torch
 
-from cost_model.analytic import plan_inputs
-from cost_model.hardware import get_profile
-from cost_model.report import WindowReport
-from cost_model.tune import tune_window
-from passes.units import format_bytes
+from shfx.cost_model.analytic import plan_inputs
+from shfx.cost_model.hardware import get_profile
+from shfx.cost_model.report import WindowReport
+from shfx.cost_model.tune import tune_window
+from shfx.passes.units import format_bytes
 
 from .models import GPT, GPTConfig
 

@@ -1,10 +1,10 @@
 """The policies side by side: predicted and measured step time, memory and traffic of one GPT.
 
 :func:`compare` builds one GPT, turns it into the step program of every policy
-(``passes.policies``) and, per policy,
+(``shfx.passes.policies``) and, per policy,
 
 - **predicts** (always): the simulator's step time and bottleneck, device memory (the larger
-  of the simulated peak and the memory model of ``cost_model.planner``), host memory (the
+  of the simulated peak and the memory model of ``shfx.cost_model.planner``), host memory (the
   memory model), and the bytes one step moves each way (``Program.bytes_moved``). The costs
   come from a profile of the model on the device (costs do not depend on the policy, so one
   profile serves all), or, with ``hardware=``, from the analytic model of a named profile
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from passes.units import format_bytes, format_seconds
+from shfx.passes.units import format_bytes, format_seconds
 
 __all__ = ["compare", "CompareResult", "PolicyResult", "Predicted", "Measured", "DEFAULT_POLICIES"]
 
@@ -56,7 +56,7 @@ class Predicted:
             memory model's total (on real hardware the latter adds the CUDA workspace and the
             working set of the stage being computed, which the simulator does not see).
         peak_device_bytes: the simulated peak plus the model's inputs (None: the simulation failed).
-        host_bytes: host memory (``cost_model.planner``): fp32 weights of every group, plus the
+        host_bytes: host memory (``shfx.cost_model.planner``): fp32 weights of every group, plus the
             gradients and AdamW states of the groups updated on the host, staging buffers and
             the pending tied-embedding gradient.
         ssd_bytes: what zero-infinity spills to an SSD (hardware profiles with one; else 0).
@@ -295,7 +295,7 @@ class CompareResult:
 
 
 def _policy_fn(policy: str, resident_first: int) -> Callable[..., Any]:
-    from passes.policies import get_policy, schedule_stronghold
+    from shfx.passes.policies import get_policy, schedule_stronghold
 
     if policy == "stronghold" and resident_first:
         return lambda specs, w: schedule_stronghold(specs, w, resident_first=resident_first)
@@ -322,8 +322,8 @@ def _predict(
     capacity_bytes: int | None,
     host_capacity_bytes: int | None,
 ) -> Predicted:
-    """Simulate ``program`` with ``costs``; ``memory`` is its :class:`cost_model.planner.MemoryBreakdown`."""
-    from cost_model.simulate import simulate
+    """Simulate ``program`` with ``costs``; ``memory`` is its :class:`shfx.cost_model.planner.MemoryBreakdown`."""
+    from shfx.cost_model.simulate import simulate
 
     moved = program.bytes_moved()
     step_s = bottleneck = peak = error = None
@@ -494,9 +494,9 @@ def compare(
         layers, hidden, heads, seq, batch, vocab: the GPT (``shfx.models.GPT``, tied embedding).
         policies: policy names (default :data:`DEFAULT_POLICIES`), in table order.
         window: stronghold's window (int), or ``"auto"``: the tuner's choice from the predicted
-            costs (``cost_model.tune.tune_window``). Other policies have a fixed slot count.
+            costs (``shfx.cost_model.tune.tune_window``). Other policies have a fixed slot count.
         resident_first: stronghold's first k stages resident with their optimizer on the device.
-        hardware: a profile name (``"V100-32GB-PCIe3"``) or ``cost_model.hardware.Hardware``:
+        hardware: a profile name (``"V100-32GB-PCIe3"``) or ``shfx.cost_model.hardware.Hardware``:
             predict with the analytic model, nothing is built or run (any size).
         device: where to profile and measure (``shfx.EmulatedDevice(...)``, ``shfx.CudaDevice``,
             ``"emulated"``, ``"cuda"``; default CUDA when available, else emulated). Ignored with
@@ -518,8 +518,8 @@ def compare(
     """
     import torch
 
-    from cost_model.planner import GPTFamily, Target, as_target, memory_for_model, memory_model
-    from passes.schedule import check_window
+    from shfx.cost_model.planner import GPTFamily, Target, as_target, memory_for_model, memory_model
+    from shfx.passes.schedule import check_window
 
     from .devices import EmulatedDevice
     from .models import GPT, GPTConfig
@@ -527,7 +527,7 @@ def compare(
     policies = list(policies)
     if not policies:
         raise ValueError("policies must name at least one policy")
-    from passes.policies import POLICIES
+    from shfx.passes.policies import POLICIES
 
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -549,7 +549,7 @@ def compare(
 
     notes: list[str] = []
     if hardware is not None:
-        from cost_model.hardware import get_profile
+        from shfx.cost_model.hardware import get_profile
 
         from .commands import gpt_plan_inputs
 
@@ -624,7 +624,7 @@ def compare(
 
 
 def _auto_window(specs, costs, make, capacity, reserve, k) -> tuple[int, str]:
-    from cost_model.tune import NoWindowFits, tune_window
+    from shfx.cost_model.tune import NoWindowFits, tune_window
 
     n = max(1, len(specs) - k)
     try:

@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import torch
 
-from passes.units import format_bytes, parse_bandwidth, parse_bytes
+from shfx.passes.units import format_bytes, parse_bandwidth, parse_bytes
 
 from .data import DEFAULT_MAX_BYTES, TextDataset
 from .devices import CudaDevice, EmulatedDevice

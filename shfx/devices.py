@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+from shfx.passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["EmulatedDevice", "CudaDevice"]
 

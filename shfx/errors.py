@@ -3,10 +3,10 @@ was available, and what to change."""
 
 from __future__ import annotations
 
-from passes.capture import CaptureError
-from passes.partition import PartitionError
-from passes.program import ScheduleError
-from passes.verify import VerificationError
+from shfx.passes.capture import CaptureError
+from shfx.passes.partition import PartitionError
+from shfx.passes.program import ScheduleError
+from shfx.passes.verify import VerificationError
 
 __all__ = [
     "ShfxError",

@@ -1,6 +1,6 @@
 """The profiler: measure a compiled model's costs on its actual backend.
 
-``profile_costs(cm_engine, variant, inputs)`` returns a :class:`cost_model.CostTable`:
+``profile_costs(cm_engine, variant, inputs)`` returns a :class:`shfx.cost_model.costs.CostTable`:
 
 - per stage, FORWARD and BACKWARD (with recompute; without for a stage whose forward keeps its
   graph) from one timing step of a window-1 program with every action serialized, so each is
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from cost_model.costs import CostTable, Links, StageCost
-from passes.meta import get_meta
-from passes.program import ActionKind
-from passes.schedule import cold_backward_program, eval_program, schedule_window
+from shfx.cost_model.costs import CostTable, Links, StageCost
+from shfx.passes.meta import get_meta
+from shfx.passes.program import ActionKind
+from shfx.passes.schedule import cold_backward_program, eval_program, schedule_window
 
 from .runtime.engine import Engine, Variant
 from .runtime.host_store import GRAD_NONE, GRAD_VALID

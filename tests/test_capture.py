@@ -10,7 +10,7 @@ import torch.nn as nn
 from zoo import HFStyleLM, LMOutput, gpt_tied, hf_batch, token_batch
 
 import shfx
-from passes.capture import OutputStructure, capture_model, flatten_inputs
+from shfx.passes.capture import OutputStructure, capture_model, flatten_inputs
 
 
 def emulated():

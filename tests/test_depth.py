@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cost_model.depth import DepthModel, policy_program
-from passes.meta import get_meta
-from passes.program import ActionKind
+from shfx.cost_model.depth import DepthModel, policy_program
+from shfx.passes.meta import get_meta
+from shfx.passes.program import ActionKind
 from shfx.models.gpt import GPT, GPTConfig
 
 

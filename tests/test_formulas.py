@@ -1,4 +1,4 @@
-"""The closed-form formulas of :mod:`cost_model.formulas` against brute force: numeric
+"""The closed-form formulas of :mod:`shfx.cost_model.formulas` against brute force: numeric
 evaluation, the simulator's memory peaks and step times, searches over layers and windows."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import sympy as sp
 import torch
 
-from cost_model import formulas as fm
-from cost_model.costs import CostTable, Links, StageCost
-from cost_model.formulas import StageTimes
-from cost_model.hardware import Hardware, get_profile
-from cost_model.simulate import simulate
-from passes.schedule import schedule_window
-from passes.stages import StageSpec, chain
+from shfx.cost_model import formulas as fm
+from shfx.cost_model.costs import CostTable, Links, StageCost
+from shfx.cost_model.formulas import StageTimes
+from shfx.cost_model.hardware import Hardware, get_profile
+from shfx.cost_model.simulate import simulate
+from shfx.passes.schedule import schedule_window
+from shfx.passes.stages import StageSpec, chain
 
 # A small GPT shape: formulas are checked at these numbers (bytes stay small and exact).
 SMALL = dict(h=64, a=4, s=32, b=2, V=97)
@@ -54,7 +54,7 @@ def uniform_table(n, f, bk, u, bw, *, duplex=1.0, latency=0.0):
 def test_parameter_counts_match_a_captured_gpt():
     """Slot, gradient and activation bytes of a captured GPT equal the formulas', and its
     analytic stage costs equal gpt_stage_times (with the analytic model's FLOP count)."""
-    from cost_model.analytic import plan_inputs
+    from shfx.cost_model.analytic import plan_inputs
     from shfx.models.gpt import GPT, GPTConfig
 
     h, a, s, b, V = (SMALL[k] for k in "hasbV")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shfx
-from passes.layout import TensorInfo, plan_groups
+from shfx.passes.layout import TensorInfo, plan_groups
 from shfx.runtime.emulated import EmulatedBackend
 from shfx.runtime.host_optim import HostAdamW, _spans
 from shfx.runtime.host_store import GRAD_VALID, HostStore

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from passes.layout import ALIGN, TensorInfo, plan_groups, plan_slot
+from shfx.passes.layout import ALIGN, TensorInfo, plan_groups, plan_slot
 
 
 def info(key, shape, kind="param", trainable=True, mutable=False, dtype=torch.float32):

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 from zoo import BNNet, SkipCNN, gpt_mask, gpt_tied, image_batch, token_batch, vector_batch
 
-from passes.capture import capture_model
-from passes.partition import PartitionError, find_blocks, partition_stages
+from shfx.passes.capture import capture_model
+from shfx.passes.partition import PartitionError, find_blocks, partition_stages
 
 
 def stages_of(model, args, **kw):

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import shfx
-from cost_model.analytic import repeat_blocks
-from cost_model.hardware import PROFILES, get_profile
-from cost_model.planner import (
+from shfx.cost_model.analytic import repeat_blocks
+from shfx.cost_model.hardware import PROFILES, get_profile
+from shfx.cost_model.planner import (
     POLICY_NAMES,
     GPTFamily,
     Target,
@@ -26,9 +26,9 @@ from cost_model.planner import (
     plan,
     plan_for_model,
 )
-from passes.capture import capture_model
-from passes.partition import partition_stages
-from passes.schedule import cold_backward_program, eval_program
+from shfx.passes.capture import capture_model
+from shfx.passes.partition import partition_stages
+from shfx.passes.schedule import cold_backward_program, eval_program
 from shfx.models import GPT, GPTConfig
 
 REF = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
@@ -354,7 +354,7 @@ def test_resident_first_auto_picks_the_k_that_trains_most():
     """STRONGHOLD's k chosen under the budget: on the reference setup the host binds, and the
     first k stages need 4 instead of 16 host bytes per parameter, so k > 0 trains more layers
     until their optimizer states fill the device."""
-    from cost_model.planner import largest_trainable
+    from shfx.cost_model.planner import largest_trainable
 
     fam = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4)
     auto = largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first="auto")

@@ -8,11 +8,11 @@ from equivalence import assert_same_state, assert_trains_like_eager
 from zoo import ZOO, gpt_tied, token_batch
 
 import shfx
-from passes.program import ActionKind
-from passes.policies import POLICIES, schedule_l2l, schedule_resident, schedule_stronghold, schedule_zero_infinity, schedule_zero_offload
-from passes.schedule import cold_backward_program, eval_program
-from passes.stages import chain
-from passes.verify import verify_program
+from shfx.passes.program import ActionKind
+from shfx.passes.policies import POLICIES, schedule_l2l, schedule_resident, schedule_stronghold, schedule_zero_infinity, schedule_zero_offload
+from shfx.passes.schedule import cold_backward_program, eval_program
+from shfx.passes.stages import chain
+from shfx.passes.verify import verify_program
 
 CASES = [
     ("resident", {}),
@@ -154,8 +154,8 @@ def test_resident_first_auto_tunes_k_and_trains_like_eager():
 
 def test_tuner_keeps_first_stages_when_host_updates_bind():
     """With a slow host optimizer, keeping the first stage on the device hides its update."""
-    from cost_model.costs import CostTable, Links, StageCost
-    from cost_model.tune import tune_window
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    from shfx.cost_model.tune import tune_window
 
     specs = chain(6, prefetch_bytes=2000, grad_bytes=2000)
     costs = CostTable([StageCost(1.0, 3.0, update_s=2.5, device_update_s=0.1)] * 6, Links(4000.0, 4000.0))

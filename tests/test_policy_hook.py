@@ -8,7 +8,7 @@ from equivalence import assert_trains_like_eager
 from zoo import gpt_tied, token_batch
 
 import shfx
-from passes import Action, ActionKind, lower_actions
+from shfx.passes import Action, ActionKind, lower_actions
 
 
 def just_in_time(specs, window):
@@ -44,6 +44,6 @@ def test_unknown_policy():
 def test_policy_must_return_a_program():
     cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(), policy=lambda specs, w: ["PF0"])
     (x, y), _, _ = token_batch(0)
-    with pytest.raises(TypeError, match="not a passes.Program"):
+    with pytest.raises(TypeError, match="not a shfx.passes.Program"):
         cm(x, y)
     cm.close()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from passes.meta import get_meta
-from passes.program import Action, ActionKind, ScheduleError, lower_actions
-from passes.schedule import check_window, cold_backward_program, eval_program, schedule_window, window_actions
-from passes.stages import StageSpec, chain
+from shfx.passes.meta import get_meta
+from shfx.passes.program import Action, ActionKind, ScheduleError, lower_actions
+from shfx.passes.schedule import check_window, cold_backward_program, eval_program, schedule_window, window_actions
+from shfx.passes.stages import StageSpec, chain
 
 
 @pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0", "DU5", "OP1"])
@@ -146,7 +146,7 @@ def test_program_prints_a_table():
 
 
 def test_window_actions_verifies_over_grid():
-    from passes.verify import verify_program
+    from shfx.passes.verify import verify_program
 
     for n in range(1, 7):
         for w in range(1, n + 2):

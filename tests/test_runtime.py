@@ -12,8 +12,8 @@ from equivalence import assert_same_state
 from zoo import BNNet, gpt_tied, token_batch, vector_batch
 
 import shfx
-from passes.meta import get_meta
-from passes.program import ActionKind
+from shfx.passes.meta import get_meta
+from shfx.passes.program import ActionKind
 from shfx.runtime.engine import Engine
 from shfx.runtime.host_optim import HostAdamW
 

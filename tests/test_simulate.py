@@ -10,13 +10,13 @@ import random
 
 import pytest
 
-from cost_model.costs import CostTable, Links, StageCost
-from cost_model.simulate import Event, SimulationError, Timeline, simulate
-from passes.meta import get_meta
-from passes.program import ActionKind as K
-from passes.program import lower_actions
-from passes.schedule import cold_backward_program, eval_program, schedule_window
-from passes.stages import StageSpec, chain
+from shfx.cost_model.costs import CostTable, Links, StageCost
+from shfx.cost_model.simulate import Event, SimulationError, Timeline, simulate
+from shfx.passes.meta import get_meta
+from shfx.passes.program import ActionKind as K
+from shfx.passes.program import lower_actions
+from shfx.passes.schedule import cold_backward_program, eval_program, schedule_window
+from shfx.passes.stages import StageSpec, chain
 
 MB = 10**6
 LINK = Links(1e6, 1e6)
@@ -422,8 +422,8 @@ def test_event_loop_matches_the_recurrence(seed):
 def test_cold_rule_and_cpu_sharing_are_opt_in():
     """A compute action after `cold_idle_s` with nothing running costs its cold cost; with
     `cpu_contention` compute stretches by the host CPU work overlapping it."""
-    from passes.program import lower_actions
-    from passes.stages import chain
+    from shfx.passes.program import lower_actions
+    from shfx.passes.stages import chain
 
     specs = chain(2, prefetch_bytes=1000)
     prog = lower_actions(["PF0", "F0", "PF1", "F1", "B1", "OG1", "U1", "R1", "B0", "OG0", "U0", "R0"], specs, 2)
@@ -445,7 +445,7 @@ def test_cold_rule_and_cpu_sharing_are_opt_in():
 
 
 def test_device_step_takes_device_update_s_on_compute():
-    from passes.policies import schedule_resident
+    from shfx.passes.policies import schedule_resident
 
     p = schedule_resident(chain(2, prefetch_bytes=100, grad_bytes=100))
     costs = CostTable([StageCost(1.0, 3.0, backward_kept_s=2.0, update_s=9.0, device_update_s=0.5)] * 2, Links(None, None))
@@ -461,7 +461,7 @@ def test_device_step_takes_device_update_s_on_compute():
 
 
 def test_l2l_copies_updated_params_back():
-    from passes.policies import schedule_l2l
+    from shfx.passes.policies import schedule_l2l
 
     p = schedule_l2l(chain(2, prefetch_bytes=1000, grad_bytes=1000))
     costs = CostTable([StageCost(1.0, 3.0, backward_kept_s=2.0, device_update_s=0.25)] * 2, Links(1000.0, 1000.0))
@@ -473,7 +473,7 @@ def test_l2l_copies_updated_params_back():
 
 
 def test_zero_offload_refresh_is_a_copy_not_a_new_resident_stage():
-    from passes.policies import schedule_zero_offload
+    from shfx.passes.policies import schedule_zero_offload
 
     p = schedule_zero_offload(chain(3, prefetch_bytes=1000, grad_bytes=1000))
     tl = simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 3, Links(1000.0, 1000.0)))
@@ -486,7 +486,7 @@ def test_zero_offload_refresh_is_a_copy_not_a_new_resident_stage():
 def test_policies_order_when_link_bound():
     """Same model, slow link: stronghold (overlapped window, host updates during the backward)
     beats zero-infinity (lookahead 1, updates after the backward) and l2l (serial, both ways)."""
-    from passes.policies import POLICIES
+    from shfx.passes.policies import POLICIES
 
     specs = chain(8, prefetch_bytes=2000, grad_bytes=2000)
     costs = CostTable([StageCost(1.0, 3.0, update_s=1.0, device_update_s=0.1)] * 8, Links(1000.0, 1000.0))
@@ -498,7 +498,7 @@ def test_policies_order_when_link_bound():
 def test_borrowed_gradient_of_a_device_group_waits_on_the_device():
     """resident with a tied head and tail: the tail's gradient of the head's weight (50 bytes)
     is held from the end of the tail's backward to the end of the head's, as the runtime does."""
-    from passes.policies import schedule_resident
+    from shfx.passes.policies import schedule_resident
 
     p = schedule_resident(chain(3, tied=(0, 2), prefetch_bytes=100, grad_bytes=100))
     tl = simulate(p, CostTable([StageCost(1.0, 3.0)] * 3, Links(None, None)))

@@ -9,9 +9,9 @@ import torch
 from zoo import gpt_tied, token_batch
 
 import shfx
-from cost_model.costs import CostTable, Links, StageCost
-from cost_model.tune import NoWindowFits, tune_window
-from passes.stages import chain
+from shfx.cost_model.costs import CostTable, Links, StageCost
+from shfx.cost_model.tune import NoWindowFits, tune_window
+from shfx.passes.stages import chain
 
 MB = 1 << 20
 
@@ -147,7 +147,7 @@ def test_shfx_tune_cli_emulated(capsys):
 
 def test_report_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    from cost_model.report import WindowReport
+    from shfx.cost_model.report import WindowReport
 
     r = tune_window(specs(), costs(2e9), capacity_bytes=200 * MB)
     rep = WindowReport(r, r.window, "synthetic", "auto", [0.1, 0.1])

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from passes.meta import get_meta, set_meta
-from passes.program import Program
-from passes.schedule import cold_backward_program, eval_program, schedule_window
-from passes.stages import chain
-from passes.verify import VerificationError, verify_program
+from shfx.passes.meta import get_meta, set_meta
+from shfx.passes.program import Program
+from shfx.passes.schedule import cold_backward_program, eval_program, schedule_window
+from shfx.passes.stages import chain
+from shfx.passes.verify import VerificationError, verify_program
 
 
 def program(n=4, w=2, **kw) -> Program:

@@ -4,10 +4,10 @@ Two modes, the same tables:
 
 - **simulation** (default): the GPT of ``shared/REFERENCE.md`` (hidden 2048, 16 heads, sequence
   1024, micro-batch 4, vocabulary 50304, fp32, activation checkpointing per layer) on a named
-  hardware profile (``--hardware``, :data:`cost_model.hardware.PROFILES`). Sizes come from the
-  memory planner (:mod:`cost_model.planner`); step times from the analytic costs of one
-  meta-device capture repeated to any depth (:class:`cost_model.depth.DepthModel`) and the
-  simulator (:func:`cost_model.simulate.simulate`) run on each policy's step program.
+  hardware profile (``--hardware``, :data:`shfx.cost_model.hardware.PROFILES`). Sizes come from the
+  memory planner (:mod:`shfx.cost_model.planner`); step times from the analytic costs of one
+  meta-device capture repeated to any depth (:class:`shfx.cost_model.depth.DepthModel`) and the
+  simulator (:func:`shfx.cost_model.simulate.simulate`) run on each policy's step program.
 - **real** (``--real``): a small GPT (hidden 64, 4 heads, sequence 32, batch 4, vocabulary 256)
   trained by shfx on :class:`shfx.EmulatedDevice` with a small memory budget and throttled
   links, so offloading matters. Step times are the median (``--stat``) of a few measured steps
@@ -45,10 +45,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import torch  # noqa: E402
 
-from cost_model.depth import DepthModel  # noqa: E402
-from cost_model.hardware import PROFILES, Hardware, get_profile  # noqa: E402
-from cost_model.planner import GPTFamily, Target, largest_trainable, memory_model  # noqa: E402
-from passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes  # noqa: E402
+from shfx.cost_model.depth import DepthModel  # noqa: E402
+from shfx.cost_model.hardware import PROFILES, Hardware, get_profile  # noqa: E402
+from shfx.cost_model.planner import GPTFamily, Target, largest_trainable, memory_model  # noqa: E402
+from shfx.passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes  # noqa: E402
 
 __all__ = [
     "POLICIES", "BASELINES", "PAPER_NAME", "REFERENCE", "SMALL", "REAL_DEVICE", "OUT", "GiB", "MiB",
@@ -507,7 +507,7 @@ def largest_tried(setup: Setup, policy: str, start: int, *, log: Callable[[str],
     then in growing strides, then bisecting. Returns (layers, the failing run just above, all runs);
     layers is 0 when not even one layer fits. Assumes fitting is monotone in the layer count (the
     planner's search does not: which slot the tail shares can let a model fit when one layer
-    less does not, see :func:`cost_model.planner.largest_trainable`)."""
+    less does not, see :func:`shfx.cost_model.planner.largest_trainable`)."""
     tried: dict[int, Run] = {}
 
     def ok(n: int) -> bool:

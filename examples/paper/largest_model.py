@@ -1,10 +1,10 @@
 """STRONGHOLD experiment 1: the largest model each method can train.
 
     python examples/paper/largest_model.py                             # REFERENCE GPT on V100-32GB-PCIe3, planned
-    python examples/paper/largest_model.py --hardware A100-80GB-PCIe4  # any profile of cost_model.hardware
+    python examples/paper/largest_model.py --hardware A100-80GB-PCIe4  # any profile of shfx.cost_model.hardware
     python examples/paper/largest_model.py --real                      # small GPT on the emulated device, by trying
 
-Simulation: :func:`cost_model.planner.largest_trainable` per policy: the most layers whose
+Simulation: :func:`shfx.cost_model.planner.largest_trainable` per policy: the most layers whose
 device, host (and SSD) memory fit, and which of them binds; next to it the simulator's device
 peak at that size (slots, activations, gradient buffers, device optimizer states: no GPU
 workspace) as a cross-check. ``--real``: the largest layer count at which the small GPT trains

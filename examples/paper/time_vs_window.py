@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_model.analytic import links_of
+from shfx.cost_model.analytic import links_of
 
 from common import GiB, MiB, Clock, Table, finish, int_list, parse_args, run_policies, run_policy, save_plot
 

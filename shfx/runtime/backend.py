@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from passes.units import format_bytes
+from shfx.passes.units import format_bytes
 
 from ..errors import OutOfDeviceMemory
 from .streams import PoolStream, WorkerStream, single_omp_thread

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from passes.layout import Group
+from shfx.passes.layout import Group
 
 from .backend import Backend
 from .host_optim import _spans

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from passes.capture import Captured, InputSignature
-from passes.meta import get_meta
-from passes.partition import Stage, StageGraph
-from passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
-from passes.units import format_bytes
+from shfx.passes.capture import Captured, InputSignature
+from shfx.passes.meta import get_meta
+from shfx.passes.partition import Stage, StageGraph
+from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
+from shfx.passes.units import format_bytes
 
 from ..errors import ActionError, OutOfDeviceMemory, UsageError
 from .backend import Backend

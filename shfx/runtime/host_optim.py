@@ -16,7 +16,7 @@ splits a tensor into chunks of whole cache lines (:data:`_UNIT` = 16 fp32 elemen
 vector body over each chunk and the scalar path only over the last ``numel % vec`` elements of
 the tensor (``vec`` = 4, 8 or 16 fp32 lanes, a divisor of 16). A parameter whose ``numel`` is a multiple
 of 16 has no scalar tail, and if the next parameter starts right after it (no padding, which
-:data:`passes.layout.ALIGN` = 64 bytes guarantees for such sizes) the next one keeps its
+:data:`shfx.passes.layout.ALIGN` = 64 bytes guarantees for such sizes) the next one keeps its
 position modulo 16 inside the merged view: every element takes the same path, bitwise. Typical
 transformer groups (hidden sizes multiple of 16) become a single view, so a group update is one
 kernel call and one OpenMP parallel region instead of one per parameter: less per-call cost,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from passes.layout import Group, TensorInfo
+from shfx.passes.layout import Group, TensorInfo
 
 from .backend import Backend
 

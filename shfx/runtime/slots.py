@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from passes.partition import Stage, StageGraph
+from shfx.passes.partition import Stage, StageGraph
 
 from .backend import Backend
 from .host_store import typed_view
