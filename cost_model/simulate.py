@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shfx.passes.meta import get_meta
+from shfx.passes.actions import KINDS, RESOURCES, STREAMS
 from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
 from shfx.passes.stages import StageSpec, consumers_of
 from shfx.passes.units import format_bytes, format_seconds
@@ -104,14 +105,8 @@ from .costs import CostModel, Links, StageCost
 __all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER"]
 
 
-RESOURCES = ("compute", "link", "host optimizer")
-"""What the critical path's time is attributed to (plus ``"idle"`` for time nothing explains)."""
-
-STREAM_ORDER = ("compute", "h2d", "d2h", "host", "cpu", "none")
-"""The simulated streams: the device's three, the host FIFO (gradient accumulation), the host
-optimizer pool and ``none`` (RELEASE, a join that takes no time)."""
-
-_RESOURCE = {F: "compute", B: "compute", DU: "compute", PF: "link", OB: "link", OG: "link", OP: "link", U: "host optimizer", R: "idle"}
+STREAM_ORDER = STREAMS
+"""The simulated streams (:data:`shfx.passes.actions.STREAMS`)."""
 _EPS = 1e-12
 
 
@@ -323,7 +318,7 @@ class Timeline:
 # ---- simulation ------------------------------------------------------------------------------
 class _Node:
     __slots__ = (
-        "i", "name", "meta", "kind", "stream", "deps", "dur", "acc", "nbytes", "forward",
+        "i", "name", "meta", "kind", "stream", "deps", "dur", "acc", "nbytes", "forward", "accumulates",
         "issued", "start", "end", "copy_end", "host_start", "worker", "stream_pred", "host_pred", "cold_dur", "cold",
     )  # fmt: skip
 
@@ -333,6 +328,7 @@ class _Node:
         self.meta = meta
         self.kind: ActionKind = meta.kind
         self.stream: str = meta.stream
+        self.accumulates = KINDS[meta.kind].accumulates  # OG: a copy, then an add on the host FIFO
         self.deps = deps
         self.dur = 0.0  # fixed duration (compute, cpu)
         self.cold_dur: float | None = None  # compute: duration after an idle stretch
@@ -351,7 +347,7 @@ class _Node:
 
     @property
     def reads(self) -> float | None:
-        return self.copy_end if self.kind == OG else self.end
+        return self.copy_end if self.accumulates else self.end
 
 
 class _Copy:
@@ -449,15 +445,14 @@ class _Sim:
         last_forward: dict[int, _Node] = {}
         for nd in self.nodes:
             k, s = nd.kind, nd.meta.stage
-            if k in (U, DU):
+            if KINDS[k].update:
                 if s not in owner:
                     raise SimulationError(
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )
-                if k == U:
-                    nd.dur = owner[s].update_s + self.dispatch_s
-                else:
-                    nd.dur = getattr(owner[s], "device_update_s", 0.0) + self.dispatch_s + self.extra.get(nd.i, 0.0)
+                info = KINDS[k]
+                add = self.extra.get(nd.i, 0.0) if info.stream == "compute" else 0.0
+                nd.dur = getattr(owner[s], info.cost, 0.0) + self.dispatch_s + add
                 continue
             if s not in self.table:
                 raise SimulationError(f"action {nd.meta.action}: program {self.program.name!r} has no stage {s}")
@@ -473,7 +468,7 @@ class _Sim:
                 nd.dur = (c.backward_no_recompute_s if kept else c.backward_s) + self.dispatch_s + add
                 cold = c.backward_kept_cold_s if kept else c.backward_cold_s
                 nd.cold_dur = None if cold is None else cold + self.dispatch_s + add
-            elif k == OG:
+            elif nd.accumulates:
                 nd.acc = c.accumulate_s if self.accumulate else 0.0
 
     def _bandwidth(self, direction: str) -> float | None:
@@ -482,7 +477,7 @@ class _Sim:
     # ---- the event loop --------------------------------------------------------------------
     def run(self) -> None:
         nodes = self.nodes
-        queues: dict[str, deque[int]] = {s: deque() for s in ("compute", "h2d", "d2h", "host", "cpu")}
+        queues: dict[str, deque[int]] = {s: deque() for s in STREAMS if s != "none"}
         readers: dict[int, list[int]] = {}  # node -> the RELEASEs waiting for its reads
         missing: dict[int, int] = {}  # RELEASE -> dependencies still reading
         ready_r: list[int] = []  # RELEASEs whose dependencies finished reading
@@ -501,7 +496,7 @@ class _Sim:
             if nd.stream != "cpu":
                 nd.stream_pred = last_on.get(nd.stream)
                 last_on[nd.stream] = nd.i
-            if nd.kind == OG:
+            if nd.accumulates:
                 queues["host"].append(nd.i)
                 nd.host_pred = last_on.get("host")
                 last_on["host"] = nd.i
@@ -538,7 +533,7 @@ class _Sim:
             nd = nodes[j]
             nd.end = now
             left -= 1
-            if nd.kind != OG:  # an OG's reads ended with its copy
+            if not nd.accumulates:  # an OG's reads ended with its copy
                 reads_now(j)
             if nd.forward:
                 fwd_left -= 1
@@ -556,7 +551,7 @@ class _Sim:
 
         def end_copy(j: int) -> None:
             nd = nodes[j]
-            if nd.kind == OG:
+            if nd.accumulates:
                 nd.copy_end = now
                 reads_now(j)
             else:
@@ -709,8 +704,8 @@ class _Sim:
                     start=nd.start,
                     end=nd.end,
                     bytes=nd.nbytes,
-                    copy_end=nd.copy_end if nd.kind == OG else None,
-                    host_start=nd.host_start if nd.kind == OG else None,
+                    copy_end=nd.copy_end if nd.accumulates else None,
+                    host_start=nd.host_start if nd.accumulates else None,
                     worker=nd.worker,
                     deps=tuple(self.nodes[d].name for d in nd.deps),
                 )
@@ -718,10 +713,10 @@ class _Sim:
         return out
 
     def busy(self, step_s: float) -> tuple[dict[str, float], dict[str, float]]:
-        busy = dict.fromkeys(("compute", "h2d", "d2h", "host", "cpu", "none"), 0.0)
+        busy = dict.fromkeys(STREAMS, 0.0)
         for nd in self.nodes:
             assert nd.start is not None and nd.end is not None
-            if nd.kind == OG:
+            if nd.accumulates:
                 assert nd.copy_end is not None and nd.host_start is not None
                 busy["d2h"] += nd.copy_end - nd.start
                 busy["host"] += nd.end - nd.host_start
@@ -842,7 +837,7 @@ class _Sim:
             if nd.kind == R:
                 cands = [(time_of(d, "reads"), d, "reads") for d in nd.deps]
             else:
-                if nd.kind == OG:
+                if nd.accumulates:
                     assert nd.copy_end is not None and nd.host_start is not None
                     if mode == "done":
                         by["host optimizer"] += nd.end - nd.host_start
@@ -853,7 +848,7 @@ class _Sim:
                         by["idle"] += max(0.0, nd.host_start - nd.copy_end)
                     by["link"] += nd.copy_end - nd.start
                 else:
-                    by[_RESOURCE[nd.kind]] += nd.end - nd.start
+                    by[KINDS[nd.kind].resource] += nd.end - nd.start
                 cands = [(time_of(d, "done"), d, "done") for d in nd.deps]
                 sp = nd.stream_pred
                 if sp is not None:

@@ -1,4 +1,4 @@
-"""The action ops step-program nodes call.
+"""The action ops step-program nodes call, one per kind of :data:`shfx.passes.actions.KINDS`.
 
 They are markers, not kernels: the runtime's interpreter and the simulator dispatch on a
 node's ``meta["shfx"]``. Calling one directly is an error. Arguments are
@@ -7,17 +7,7 @@ node's ``meta["shfx"]``. Calling one directly is an error. Arguments are
 
 from __future__ import annotations
 
-__all__ = [
-    "prefetch",
-    "forward",
-    "offload_buffers",
-    "release",
-    "backward",
-    "offload_grad",
-    "cpu_step",
-    "device_step",
-    "offload_params",
-]
+from .actions import KINDS
 
 
 def _marker(name: str, doc: str):
@@ -33,12 +23,7 @@ def _marker(name: str, doc: str):
     return op
 
 
-prefetch = _marker("prefetch", "PF: copy a stage's working params and buffers host -> its device slot.")
-forward = _marker("forward", "F: run a stage; keep only its boundary outputs.")
-offload_buffers = _marker("offload_buffers", "OB: copy buffers the forward mutated device -> host.")
-release = _marker("release", "R: the stage's slot may be reused once every reader is done.")
-backward = _marker("backward", "B: recompute a stage, then grads of its inputs and params.")
-offload_grad = _marker("offload_grad", "OG: copy a stage's param grads device -> host, accumulating.")
-cpu_step = _marker("cpu_step", "U: host optimizer update of one parameter group.")
-device_step = _marker("device_step", "DU: optimizer update of one parameter group on the device.")
-offload_params = _marker("offload_params", "OP: copy a stage's updated params device -> host.")
+__all__ = [info.name for info in KINDS.values()]
+for _info in KINDS.values():
+    globals()[_info.name] = _marker(_info.name, f"{_info.kind.value}: {_info.doc}.")
+del _info

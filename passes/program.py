@@ -18,14 +18,12 @@ adding the dependency edges and slot assignments, so a schedule can be written b
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from . import ops
+from .actions import B, DU, F, KINDS, OB, OG, OP, PF, R, STREAMS, U, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, consumers_of
 from .units import format_bytes
@@ -52,89 +50,6 @@ __all__ = [
 
 class ScheduleError(ValueError):
     """A step program that cannot be built or that breaks an invariant."""
-
-
-class ActionKind(str, enum.Enum):
-    """The kinds of step-program actions; the value is the short string prefix."""
-
-    PREFETCH = "PF"  # copy a stage's params/buffers host -> a device slot
-    FORWARD = "F"  # run a stage, keep its boundary outputs
-    OFFLOAD_BUFFERS = "OB"  # copy buffers the forward mutated (BatchNorm stats) device -> host
-    RELEASE = "R"  # the stage's slot may be reused (a pure join of the slot's readers)
-    BACKWARD = "B"  # recompute the stage, then grads of its inputs and params
-    OFFLOAD_GRAD = "OG"  # copy a stage's param grads device -> host, accumulate in fp32
-    CPU_STEP = "U"  # host optimizer update of one parameter group
-    DEVICE_STEP = "DU"  # optimizer update of one parameter group on the device
-    OFFLOAD_PARAMS = "OP"  # copy a stage's updated params device -> host
-
-    @property
-    def stream(self) -> str:
-        return _STREAM[self]
-
-
-# Short aliases for the kinds, as in the action strings (PF3, F3, ...).
-PF = ActionKind.PREFETCH
-F = ActionKind.FORWARD
-OB = ActionKind.OFFLOAD_BUFFERS
-R = ActionKind.RELEASE
-B = ActionKind.BACKWARD
-OG = ActionKind.OFFLOAD_GRAD
-U = ActionKind.CPU_STEP
-DU = ActionKind.DEVICE_STEP
-OP = ActionKind.OFFLOAD_PARAMS
-
-STREAMS = ("compute", "h2d", "d2h", "cpu", "none")
-_STREAM = {
-    ActionKind.PREFETCH: "h2d",
-    ActionKind.FORWARD: "compute",
-    ActionKind.OFFLOAD_BUFFERS: "d2h",
-    ActionKind.RELEASE: "none",
-    ActionKind.BACKWARD: "compute",
-    ActionKind.OFFLOAD_GRAD: "d2h",
-    ActionKind.CPU_STEP: "cpu",
-    ActionKind.DEVICE_STEP: "compute",
-    ActionKind.OFFLOAD_PARAMS: "d2h",
-}
-_OP = {
-    ActionKind.PREFETCH: ops.prefetch,
-    ActionKind.FORWARD: ops.forward,
-    ActionKind.OFFLOAD_BUFFERS: ops.offload_buffers,
-    ActionKind.RELEASE: ops.release,
-    ActionKind.BACKWARD: ops.backward,
-    ActionKind.OFFLOAD_GRAD: ops.offload_grad,
-    ActionKind.CPU_STEP: ops.cpu_step,
-    ActionKind.DEVICE_STEP: ops.device_step,
-    ActionKind.OFFLOAD_PARAMS: ops.offload_params,
-}
-# Longest prefixes first so "PF3" is not read as "P" + "F3".
-_ACTION_RE = re.compile(r"^(PF|OB|OG|OP|DU|F|R|B|U)(\d+)$")
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One action on one stage (or, for ``U``, one host parameter group).
-
-    >>> str(Action(ActionKind.PREFETCH, 3))
-    'PF3'
-    >>> Action.from_str("OG12")
-    Action(kind=<ActionKind.OFFLOAD_GRAD: 'OG'>, stage=12)
-    """
-
-    kind: ActionKind
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}{self.stage}"
-
-    @classmethod
-    def from_str(cls, s: str) -> Action:
-        m = _ACTION_RE.match(s.strip())
-        if not m:
-            raise ValueError(
-                f"cannot read action {s!r}: expected a kind ({', '.join(k.value for k in ActionKind)}) "
-                "followed by a stage number, e.g. 'PF3'"
-            )
-        return cls(ActionKind(m.group(1)), int(m.group(2)))
 
 
 @dataclass(frozen=True)
@@ -242,8 +157,9 @@ class Program:
             m = get_meta(n)
             if phase is not None and m.phase != phase:
                 continue
-            if m.stream in out:
-                out[m.stream] += m.bytes
+            moves = KINDS[m.kind].moves
+            if moves is not None:
+                out[moves] += m.bytes
         return out
 
     def slot_sizes(self) -> list[int]:
@@ -542,7 +458,7 @@ def lower_actions(
             else:  # pragma: no cover - enum is closed
                 raise fail(pos, act, f"unknown action kind {k}")
 
-        node = graph.create_node("call_function", _OP[k], (s, *_dedupe(deps)), {}, name=str(act).lower())
+        node = graph.create_node("call_function", KINDS[k].op, (s, *_dedupe(deps)), {}, name=str(act).lower())
         set_meta(node, ActionMeta(action=act, phase=phase, slot=slot, bytes=nbytes, grads_to=grads_to, refresh=refresh))
         last[act] = node
         if k == ActionKind.PREFETCH:

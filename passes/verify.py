@@ -31,13 +31,15 @@ from typing import Literal
 import torch.fx as fx
 
 from .meta import get_meta
+from .actions import KINDS
 from .program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
 from .stages import consumers_of
 
 __all__ = ["verify_program", "VerificationError"]
 
-_SLOTTED = {PF, F, OB, R, B, OG, OP}
-_READERS = {F, OB, B, OG, OP}
+# kinds whose slot is their own stage's (a DEVICE_STEP names the slot of its group's owner)
+_SLOTTED = {k for k, i in KINDS.items() if i.slotted and not i.update}
+_READERS = {k for k, i in KINDS.items() if i.reads_slot and not i.update}
 
 
 class VerificationError(ScheduleError):
@@ -89,7 +91,7 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
                 bad.append((n, f"{act(n)} waits for {act(d)}, which is issued later (deadlock or cycle)"))
                 continue
             a |= anc[d] | (1 << index[d])
-            dn |= done[d] | (0 if (is_release and get_meta(d).kind == OG) else 1 << index[d])
+            dn |= done[d] | (0 if (is_release and KINDS[get_meta(d).kind].accumulates) else 1 << index[d])
         anc[n] = a
         done[n] = dn
 

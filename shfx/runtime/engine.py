@@ -25,6 +25,7 @@ import torch.fx as fx
 from shfx.passes.capture import Captured, InputSignature
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage, StageGraph
+from shfx.passes.actions import KINDS
 from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
 from shfx.passes.units import format_bytes
 
@@ -267,6 +268,8 @@ class Engine:
         self.current: Variant | None = None  # the variant of the last forward
         self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
         self._step_t0: float | None = None
+        # the interpreter's dispatch table: one handler per kind of action
+        self._handlers = {kind: getattr(self, f"_run_{info.name}") for kind, info in KINDS.items()}
 
     # ---- setup -----------------------------------------------------------------------------
     def ensure_pool(self, sizes: list[int], grad_sizes: Sequence[int] = ()) -> None:
@@ -310,7 +313,7 @@ class Engine:
         issued: list[tuple[fx.Node, Token]] = []
         for node in nodes:
             meta = get_meta(node)
-            if meta.kind in (U, DU) and skip_updates:
+            if KINDS[meta.kind].update and skip_updates:
                 continue
             deps = [ctx.env[d] for d in program.deps(node) if d in ctx.env]
             try:
@@ -320,37 +323,53 @@ class Engine:
             tok.label = str(meta.action)
             ctx.env[node] = tok
             issued.append((node, tok))
-            if meta.kind in (U, DU):
+            if KINDS[meta.kind].update:
                 self.pending_updates.append((str(meta.action), tok))
             if serial:
                 tok.wait()
         return issued
 
     def _issue_action(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        g = ctx.variant.graph
-        b = self.backend
-        label = str(m.action)
-        if m.kind == R:
-            return JoinToken([d.reads_done for d in deps], label)
-        if m.kind == U:
-            return b.cpu.submit(self._timed(self._update_task(m.stage), m), deps, label)
-        if m.kind == DU:
-            return b.compute.submit(self._timed(self._device_step_task(ctx.variant, m.stage, m.slot), m), deps, label)
-        stage = g.stages[m.stage]
-        if m.kind == OP:
-            return b.d2h.submit(self._timed(lambda: self._offload_params(stage, m.slot), m), deps, label)
-        if m.kind == PF:
-            return b.h2d.submit(self._timed(lambda: self._prefetch(stage, m.slot, ctx.variant), m), deps, label)
-        if m.kind == F:
-            return b.compute.submit(self._timed(lambda: self._forward(ctx, stage, m.slot, m.keep_graph), m), deps, label)
-        if m.kind == OB:
-            return b.d2h.submit(self._timed(lambda: self._offload_buffers(stage, m.slot), m), deps, label)
-        if m.kind == B:
-            grads_to = m.grads_to or "slot"
-            return b.compute.submit(self._timed(lambda: self._backward(ctx, stage, m.slot, cold, grads_to), m), deps, label)
-        if m.kind == OG:
-            return self._offload_grad(ctx, stage, m, deps)
-        raise AssertionError(f"unknown action {m.action}")
+        return self._handlers[m.kind](ctx, m, deps, cold)
+
+    def _submit(self, m: ActionMeta, fn: Callable[[], None], deps: list[Token]) -> Token:
+        """Run ``fn`` on the action's stream (:data:`shfx.passes.actions.KINDS`) after ``deps``."""
+        stream = getattr(self.backend, KINDS[m.kind].stream)
+        return stream.submit(self._timed(fn, m), deps, str(m.action))
+
+    # ---- one handler per action kind (``_run_<KINDS[kind].name>``) ------------------------------
+    def _run_release(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        return JoinToken([d.reads_done for d in deps], str(m.action))
+
+    def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        return self._submit(m, self._update_task(m.stage), deps)
+
+    def _run_device_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        return self._submit(m, self._device_step_task(ctx.variant, m.stage, m.slot), deps)
+
+    def _run_offload_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        return self._submit(m, lambda: self._offload_params(stage, m.slot), deps)
+
+    def _run_prefetch(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        return self._submit(m, lambda: self._prefetch(stage, m.slot, ctx.variant), deps)
+
+    def _run_forward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        return self._submit(m, lambda: self._forward(ctx, stage, m.slot, m.keep_graph), deps)
+
+    def _run_offload_buffers(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        return self._submit(m, lambda: self._offload_buffers(stage, m.slot), deps)
+
+    def _run_backward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        grads_to = m.grads_to or "slot"
+        return self._submit(m, lambda: self._backward(ctx, stage, m.slot, cold, grads_to), deps)
+
+    def _run_offload_grad(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        return self._offload_grad(ctx, ctx.variant.graph.stages[m.stage], m, deps)
 
     # ---- actions ----------------------------------------------------------------------------
     def _prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:
@@ -882,7 +901,7 @@ class Engine:
                 if gr is not None and variant.graph.values[v].differentiable:
                     ctx.add_grad(v, gr)
             issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial)
-            self._wait(program, [(n, t) for n, t in issued if get_meta(n).kind not in (U, DU)])
+            self._wait(program, [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update])
         except BaseException:
             self.pending_updates.clear()
             self._fail_cleanup(ctx)

@@ -1,0 +1,184 @@
+"""The action kinds of a step program and everything known about each kind, in one table.
+
+:data:`KINDS` holds, per :class:`ActionKind`, the facts every reader of a program needs: the
+stream it runs on, the resource the simulator charges it to, whether it uses and reads its
+stage's slot, which link its bytes cross, which :class:`shfx.cost_model.costs.StageCost` field
+gives its duration, and the marker op its FX node calls. :mod:`shfx.passes.program` (lowering,
+printing), :mod:`shfx.passes.verify`, :mod:`shfx.cost_model.simulate` and the runtime's
+interpreter (``shfx.runtime.engine``, which dispatches on :attr:`KindInfo.name`) all read it.
+
+>>> KINDS[ActionKind.PREFETCH].stream, KINDS[ActionKind.OFFLOAD_GRAD].moves
+('h2d', 'd2h')
+>>> [k.value for k in ActionKind if KINDS[k].reads_slot]
+['F', 'OB', 'B', 'OG', 'DU', 'OP']
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "ActionKind",
+    "Action",
+    "KindInfo",
+    "KINDS",
+    "STREAMS",
+    "RESOURCES",
+    "PF",
+    "F",
+    "OB",
+    "R",
+    "B",
+    "OG",
+    "U",
+    "DU",
+    "OP",
+]
+
+
+class ActionKind(str, enum.Enum):
+    """The kinds of step-program actions; the value is the short string prefix."""
+
+    PREFETCH = "PF"  # copy a stage's params/buffers host -> a device slot
+    FORWARD = "F"  # run a stage, keep its boundary outputs
+    OFFLOAD_BUFFERS = "OB"  # copy buffers the forward mutated (BatchNorm stats) device -> host
+    RELEASE = "R"  # the stage's slot may be reused (a pure join of the slot's readers)
+    BACKWARD = "B"  # recompute the stage, then grads of its inputs and params
+    OFFLOAD_GRAD = "OG"  # copy a stage's param grads device -> host, accumulate in fp32
+    CPU_STEP = "U"  # host optimizer update of one parameter group
+    DEVICE_STEP = "DU"  # optimizer update of one parameter group on the device
+    OFFLOAD_PARAMS = "OP"  # copy a stage's updated params device -> host
+
+    @property
+    def info(self) -> KindInfo:
+        return KINDS[self]
+
+    @property
+    def stream(self) -> str:
+        return KINDS[self].stream
+
+
+# Short aliases for the kinds, as in the action strings (PF3, F3, ...).
+PF = ActionKind.PREFETCH
+F = ActionKind.FORWARD
+OB = ActionKind.OFFLOAD_BUFFERS
+R = ActionKind.RELEASE
+B = ActionKind.BACKWARD
+OG = ActionKind.OFFLOAD_GRAD
+U = ActionKind.CPU_STEP
+DU = ActionKind.DEVICE_STEP
+OP = ActionKind.OFFLOAD_PARAMS
+
+STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none")
+"""Where actions run: the device's compute stream and two copy streams, the host FIFO that
+accumulates copied gradients (the second part of an OFFLOAD_GRAD), the host optimizer's pool,
+and ``none`` (a RELEASE: a join that takes no time)."""
+
+RESOURCES = ("compute", "link", "host optimizer")
+"""What the simulator attributes critical-path time to (plus ``"idle"``, for a RELEASE and for
+time nothing explains)."""
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    """What every reader of a program knows about one kind of action.
+
+    Attributes:
+        kind: the kind.
+        name: its verb (``"prefetch"``); the marker op's name, and the interpreter's handler.
+        stream: the stream it runs on (:data:`STREAMS`); an OFFLOAD_GRAD also runs its
+            accumulation on ``host`` (``accumulates``).
+        resource: what the simulator charges its time to (:data:`RESOURCES` or ``"idle"``).
+        slotted: it names a slot (``ActionMeta.slot``): its stage's, or for a DEVICE_STEP the
+            slot of the stage owning its group.
+        reads_slot: it reads the slot it names: a RELEASE of the slot, and a PREFETCH that
+            refreshes it, wait for it.
+        update: an optimizer update; its index is a parameter group (the update group of the stage
+            owning it), not a stage, and the runtime issues it only in the backward that
+            completes a step (``grad_accum_steps``).
+        moves: the link direction ``ActionMeta.bytes`` cross (``"h2d"``, ``"d2h"``), or None.
+        cost: the :class:`~shfx.cost_model.costs.StageCost` field that gives its duration
+            (of the stage, or of the stage owning the group), or None for copies (bytes over
+            the link) and RELEASE (no time). A BACKWARD whose forward kept its graph takes
+            ``backward_no_recompute_s`` instead.
+        accumulates: its copy is followed by an accumulation on the host FIFO, and it is done
+            (for an update) only when that ends; a RELEASE waits only for the copy.
+        op: the marker op its FX node calls (:mod:`shfx.passes.ops`).
+        doc: one line.
+    """
+
+    kind: ActionKind
+    name: str
+    stream: str
+    resource: str
+    slotted: bool
+    reads_slot: bool
+    update: bool
+    moves: str | None
+    cost: str | None
+    accumulates: bool
+    doc: str
+
+    @property
+    def op(self) -> Callable[..., object]:
+        from . import ops
+
+        return getattr(ops, self.name)
+
+
+def _info(kind, name, stream, resource, *, slotted=True, reads=True, update=False, moves=None, cost=None, acc=False, doc=""):
+    return KindInfo(kind, name, stream, resource, slotted, reads, update, moves, cost, acc, doc)
+
+
+KINDS: dict[ActionKind, KindInfo] = {
+    i.kind: i
+    for i in (
+        _info(PF, "prefetch", "h2d", "link", reads=False, moves="h2d",
+              doc="copy a stage's working params and buffers host -> its device slot"),
+        _info(F, "forward", "compute", "compute", cost="forward_s", doc="run a stage; keep only its boundary outputs"),
+        _info(OB, "offload_buffers", "d2h", "link", moves="d2h", doc="copy buffers the forward mutated device -> host"),
+        _info(R, "release", "none", "idle", reads=False, doc="the stage's slot may be reused once every reader is done"),
+        _info(B, "backward", "compute", "compute", cost="backward_s",
+              doc="recompute a stage, then grads of its inputs and params"),
+        _info(OG, "offload_grad", "d2h", "link", moves="d2h", acc=True,
+              doc="copy a stage's param grads device -> host, accumulating"),
+        _info(U, "cpu_step", "cpu", "host optimizer", slotted=False, reads=False, update=True, cost="update_s",
+              doc="host optimizer update of one parameter group"),
+        _info(DU, "device_step", "compute", "compute", update=True, cost="device_update_s",
+              doc="optimizer update of one parameter group on the device"),
+        _info(OP, "offload_params", "d2h", "link", moves="d2h", doc="copy a stage's updated params device -> host"),
+    )
+}  # fmt: skip
+
+# Longest prefixes first so "PF3" is not read as "P" + "F3".
+_ACTION_RE = re.compile(r"^(%s)(\d+)$" % "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True)))
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One action on one stage (or, for ``U`` and ``DU``, one parameter group).
+
+    >>> str(Action(ActionKind.PREFETCH, 3))
+    'PF3'
+    >>> Action.from_str("OG12")
+    Action(kind=<ActionKind.OFFLOAD_GRAD: 'OG'>, stage=12)
+    """
+
+    kind: ActionKind
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.stage}"
+
+    @classmethod
+    def from_str(cls, s: str) -> Action:
+        m = _ACTION_RE.match(s.strip())
+        if not m:
+            raise ValueError(
+                f"cannot read action {s!r}: expected a kind ({', '.join(k.value for k in ActionKind)}) "
+                "followed by a stage number, e.g. 'PF3'"
+            )
+        return cls(ActionKind(m.group(1)), int(m.group(2)))
