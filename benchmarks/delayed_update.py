@@ -12,7 +12,7 @@ torch.set_num_threads(1)
 def make(delayed):
     torch.manual_seed(0)
     m = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256))
-    return shfx.compile(m, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy="zero-offload", delayed_update=delayed, optimizer=shfx.optim.AdamW())
+    return shfx.compile(m, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.ZeroOffload(delayed_update=delayed), optimizer=shfx.optim.AdamW())
 cms = {"zero-offload": make(False), "zero-offload delayed": make(True)}
 x = torch.randint(0, 256, (4, 64))
 for step in range(12):

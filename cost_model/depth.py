@@ -4,7 +4,8 @@ A what-if study over layer counts (STRONGHOLD's experiments vary only the number
 should not build, capture or cost the model once per size: :class:`DepthModel` captures a
 small version on the meta device once (:func:`shfx.cost_model.analytic.plan_inputs`) and repeats its
 block stage to any number of blocks (:func:`shfx.cost_model.analytic.repeat_blocks`). Programs of any
-policy of :mod:`shfx.passes.policies` are built from those specs and simulated with those costs.
+policy of :mod:`shfx.passes.policies` are built from those specs (:func:`shfx.passes.policies.policy_program`)
+and simulated with those costs.
 
 >>> import torch
 >>> class Net(torch.nn.Module):
@@ -30,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from shfx.passes.policies import POLICIES, schedule_stronghold
+from shfx.passes.policies import policy_program
 from shfx.passes.program import Program
 from shfx.passes.stages import StageSpec
 
@@ -39,24 +40,7 @@ from .costs import CostTable, Links
 from .hardware import Hardware, get_profile
 from .simulate import Timeline, simulate
 
-__all__ = ["DepthModel", "policy_program"]
-
-
-def policy_program(policy: str, specs: list[StageSpec], window: int = 2, resident_first: int = 0) -> Program:
-    """The step program of a named policy (:data:`shfx.passes.policies.POLICIES`); ``resident_first``
-    is the ``stronghold`` refinement (first k stages persistent, optimizer on the device).
-    ``window`` is clamped to the stages that stream; policies without a window ignore it."""
-    if policy == "stronghold":
-        k = max(0, min(resident_first, len(specs)))
-        w = max(1, min(window, len(specs) - k)) if len(specs) > k else 1
-        return schedule_stronghold(specs, w, resident_first=k)
-    if resident_first:
-        raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; {policy!r} does not take it")
-    try:
-        make = POLICIES[policy]
-    except KeyError:
-        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}") from None
-    return make(specs, window)
+__all__ = ["DepthModel"]
 
 
 class DepthModel:

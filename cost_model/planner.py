@@ -34,10 +34,11 @@ from typing import Any
 
 from shfx.passes.units import format_bytes
 
+from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
+
 from .hardware import Hardware, get_profile
 
 __all__ = [
-    "POLICY_NAMES",
     "PRECISIONS",
     "DEFAULT_WORKSPACE_BYTES",
     "GPTFamily",
@@ -53,8 +54,6 @@ __all__ = [
     "plan_for_model",
 ]
 
-POLICY_NAMES = ("resident", "l2l", "zero-offload", "zero-infinity", "stronghold")
-"""Policies the planner models (the names of :data:`shfx.passes.policies.POLICIES`)."""
 
 PRECISIONS = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Compute dtype of the parameters on the device -> bytes per element. ``bfloat16``/``float16``
@@ -108,10 +107,36 @@ def _format_params(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n else "0"
 
 
-def _check_policy(policy: str) -> str:
-    if policy not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {policy!r}; the planner knows: {', '.join(POLICY_NAMES)}")
-    return policy
+def _unpack(policy: str | Policy, window: int | None = None, resident_first: int | str | None = None) -> tuple[str, int, int | str]:
+    """``(name, window, k)`` of a policy given by name (with stronghold's ``window`` and
+    ``resident_first``, defaults 2 and 0) or as an object (``window`` and ``resident_first``,
+    if given, must agree with it). The closed form knows the registered policies."""
+    if isinstance(policy, Policy):
+        name = policy.name
+        if type(policy) is not POLICIES.get(name) or (isinstance(policy, ZeroInfinity) and policy.lookahead != 1):
+            raise ValueError(
+                f"the planner's closed form knows the registered policies ({', '.join(POLICIES)}, ZeroInfinity with "
+                f"lookahead=1); for {policy!r} use memory_for_model, which replays its program through the ledger"
+            )
+        own = {"window": getattr(policy, "window", None), "resident_first": getattr(policy, "resident_first", None)}
+        for key, given in (("window", window), ("resident_first", resident_first)):
+            if given is not None and own[key] is not None and given != own[key]:
+                raise ValueError(f"{key}={given!r} disagrees with {policy!r}; give it in one place")
+        w = own["window"] if own["window"] is not None else (2 if window is None else window)
+        k = own["resident_first"] if own["resident_first"] is not None else (0 if resident_first is None else resident_first)
+        return name, w, k
+    get_policy(policy)  # a clear error for an unknown name
+    return policy, 2 if window is None else window, 0 if resident_first is None else resident_first
+
+
+def _policy_of(name: str, window: int, resident_first: int) -> Policy:
+    """The policy object of a (name, window, k) triple, for the program replay."""
+    pol = make_policy(name)
+    if pol.windowed:
+        pol = pol.replace(window=window)
+    if resident_first:
+        pol = pol.replace(resident_first=resident_first)
+    return pol
 
 
 # ---- the model family ------------------------------------------------------------------------
@@ -432,7 +457,7 @@ def _resolve(target: Target, workspace_bytes: int | None, allocator_slack: float
 
 
 def _check_common(policy: str, window: int, resident_first: int) -> None:
-    _check_policy(policy)
+    get_policy(policy)
     _positive_int("window", window)
     if isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0:
         raise ValueError(f"resident_first must be an int >= 0, got {resident_first!r}")
@@ -441,12 +466,12 @@ def _check_common(policy: str, window: int, resident_first: int) -> None:
 
 
 def memory_model(
-    policy: str,
+    policy: str | Policy,
     family: GPTFamily,
     hardware: Any,
     *,
-    window: int = 2,
-    resident_first: int = 0,
+    window: int | None = None,
+    resident_first: int | None = None,
     workspace_bytes: int | None = None,
     allocator_slack: float = 0.0,
     working_set: bool | None = None,
@@ -458,7 +483,7 @@ def memory_model(
     ``hardware``.
 
     Args:
-        policy: one of :data:`POLICY_NAMES`.
+        policy: a registered policy: its name (:func:`shfx.passes.policies.policy_names`) or object.
         family: the model.
         hardware: a :class:`~shfx.cost_model.hardware.Hardware`, a profile name, ``shfx.EmulatedDevice``
             or a :class:`Target`.
@@ -484,6 +509,7 @@ def memory_model(
     >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
     8.0
     """
+    policy, window, resident_first = _unpack(policy, window, resident_first)
     _check_common(policy, window, resident_first)
     _positive_int("grad_accum_steps", grad_accum_steps)
     if not isinstance(family, GPTFamily):
@@ -610,7 +636,7 @@ class PlanRow:
 _AUTO_K_MAX = 256  # resident_first="auto" tries k = 0, 1, ... until two in a row gain nothing
 
 
-def largest_trainable(policy: str, family: GPTFamily, hardware: Any, *, max_layers: int = 100_000, **memory_kw) -> PlanRow:
+def largest_trainable(policy: str | Policy, family: GPTFamily, hardware: Any, *, max_layers: int = 100_000, **memory_kw) -> PlanRow:
     """The largest layer count of ``family`` that ``policy`` fits on ``hardware`` (at most
     ``max_layers``), and the term that stops one layer more.
 
@@ -624,6 +650,8 @@ def largest_trainable(policy: str, family: GPTFamily, hardware: Any, *, max_laye
     bisects along each residue class.
     """
     _positive_int("max_layers", max_layers)
+    policy, w, k = _unpack(policy, memory_kw.pop("window", None), memory_kw.pop("resident_first", None))
+    memory_kw = dict(memory_kw, window=w, resident_first=k)
     if memory_kw.get("resident_first") == "auto":
         # STRONGHOLD's k, chosen under the budget: the k that trains the most layers (the first
         # k stages need 4 instead of 16 host bytes per parameter, but their optimizer on the
@@ -760,7 +788,7 @@ def plan(
     family: GPTFamily,
     hardware: Any,
     *,
-    policies: Sequence[str] = POLICY_NAMES,
+    policies: Sequence[str | Policy] | None = None,
     max_layers: int = 100_000,
     window: int = 2,
     resident_first: int | str = 0,
@@ -774,15 +802,12 @@ def plan(
     >>> [(r.policy, r.layers) for r in p.rows]
     [('resident', 33), ('l2l', 66), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
     """
-    if isinstance(policies, str):
-        policies = (policies,)
-    for p in policies:
-        _check_policy(p)
+    policies = policy_names() if policies is None else (policies,) if isinstance(policies, (str, Policy)) else policies
+    unpacked = [_unpack(p, *((window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else ())) for p in policies]
     tgt = as_target(hardware)
     rows = []
-    for p in policies:
-        kw = dict(memory_kw, window=window, resident_first=resident_first if p == "stronghold" else 0)
-        rows.append(largest_trainable(p, family, tgt, max_layers=max_layers, **kw))
+    for name, w, k in unpacked:
+        rows.append(largest_trainable(name, family, tgt, max_layers=max_layers, **dict(memory_kw, window=w, resident_first=k)))
     ws, slack, wset = _resolve(tgt, memory_kw.get("workspace_bytes"), memory_kw.get("allocator_slack", 0.0), memory_kw.get("working_set"))
     settings = dict(
         window=window,
@@ -797,14 +822,6 @@ def plan(
 
 
 # ---- any model, from its capture ----------------------------------------------------------------
-
-
-def _policy_program(policy: str, specs: list, window: int, resident_first: int):
-    from shfx.passes.policies import POLICIES, schedule_stronghold
-
-    if policy == "stronghold" and resident_first:
-        return schedule_stronghold(specs, window, resident_first=resident_first)
-    return POLICIES[policy](specs, window)
 
 
 def _boundary_peak(graph, program) -> tuple[int, int, int]:
@@ -868,14 +885,28 @@ def _boundary_peak(graph, program) -> tuple[int, int, int]:
     return best
 
 
+def _any_policy(policy: str | Policy, window: int | None, resident_first: int | None) -> Policy:
+    """A policy object for the program replay: any Policy (registered or not), or a name with
+    stronghold's window and k."""
+    if isinstance(policy, Policy):
+        for key, given in (("window", window), ("resident_first", resident_first)):
+            own = getattr(policy, key, None)
+            if given is not None and given != own:
+                raise ValueError(f"{key}={given!r} disagrees with {policy!r}; give it in one place")
+        return policy
+    name, w, k = _unpack(policy, window, resident_first)
+    _check_common(name, w, k)
+    return _policy_of(name, w, k)
+
+
 def memory_for_model(
-    policy: str,
+    policy: str | Policy,
     model: Any,
     example_inputs: tuple,
     hardware: Any,
     *,
-    window: int = 2,
-    resident_first: int = 0,
+    window: int | None = None,
+    resident_first: int | None = None,
     blocks: Any = None,
     workspace_bytes: int | None = None,
     allocator_slack: float = 0.0,
@@ -885,26 +916,26 @@ def memory_for_model(
     """The memory model of any model shfx can capture, from its real stages and step program.
 
     Captures ``model(*example_inputs)`` (meta tensors are fine) and partitions it as
-    ``shfx.compile`` does, builds ``policy``'s programs (train, eval, cold backward), and counts
-    what the engine reserves: the slot pool and gradient buffers as :class:`shfx.runtime.engine.Variant`
+    ``shfx.compile`` does (:func:`shfx.passes.pipeline.compile_variant`), builds ``policy``'s
+    programs (train, eval, cold backward; any policy, by name or as an object), and counts
+    what the engine reserves: the slot pool and gradient buffers as :class:`shfx.passes.pipeline.Variant`
     sizes them, the device AdamW states of the groups updated there, and the boundary values,
     their gradients and pre-forward buffer copies replayed in program order. Exact on the
     emulated device for every model; on a real GPU the working set of a stage is not known here
     (pass it in ``workspace_bytes``). ``graph``: a :class:`shfx.passes.partition.StageGraph` already
     partitioned (skips the capture).
     """
-    _check_common(policy, window, resident_first)
+    from shfx.passes.pipeline import PipelineOptions, build_programs, compile_variant
+
+    pol = _any_policy(policy, window, resident_first)
     tgt = as_target(hardware)
     workspace_bytes, allocator_slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
     if graph is None:
-        from shfx.passes.capture import capture_model
-        from shfx.passes.partition import partition_stages
-
-        graph = partition_stages(capture_model(model, tuple(example_inputs)), blocks=blocks, model=model)
-    from shfx.passes.schedule import cold_backward_program, eval_program
-
-    train = _policy_program(policy, graph.specs, window, resident_first)
-    progs = (train, eval_program(train), cold_backward_program(train))
+        variant = compile_variant(model, tuple(example_inputs), {}, PipelineOptions(policy=pol, blocks=blocks, verify=False))
+        graph, progs = variant.graph, variant.programs
+    else:
+        progs = build_programs(graph.specs, pol, verify=False)
+    train = progs[0]
     nslots = max(p.num_slots for p in progs)
 
     def per_slot(fn) -> tuple[int, ...]:
@@ -943,9 +974,10 @@ def memory_for_model(
         "pending tied gradient": pending,
     }
     name = type(model).__name__ if model is not None else "model"
-    settings = {"window": window, "resident_first": resident_first, "workspace_bytes": workspace_bytes,
-                "allocator_slack": allocator_slack, "working_set": False, "stages": len(graph.stages)}
-    return MemoryBreakdown(policy, None, device, host, {}, tgt, slot_sizes, grad_sizes, settings, name=name)
+    settings = {"window": getattr(pol, "window", None), "resident_first": getattr(pol, "resident_first", 0),
+                "workspace_bytes": workspace_bytes, "allocator_slack": allocator_slack, "working_set": False,
+                "stages": len(graph.stages)}
+    return MemoryBreakdown(pol.name, None, device, host, {}, tgt, slot_sizes, grad_sizes, settings, name=name)
 
 
 def plan_for_model(
@@ -953,7 +985,7 @@ def plan_for_model(
     example_inputs: tuple,
     hardware: Any,
     *,
-    policies: Sequence[str] = POLICY_NAMES,
+    policies: Sequence[str | Policy] | None = None,
     window: int = 2,
     resident_first: int = 0,
     blocks: Any = None,
@@ -963,26 +995,20 @@ def plan_for_model(
     """Does ``model`` (at its own size) fit with each policy? One capture, then
     :func:`memory_for_model` per policy; each row's ``layers`` is the number of stages if it
     fits, else 0, and its binding the tightest tier and term."""
-    from shfx.passes.capture import capture_model
-    from shfx.passes.partition import partition_stages
+    from shfx.passes.pipeline import PipelineOptions, compile_variant
 
-    if isinstance(policies, str):
-        policies = (policies,)
-    for p in policies:
-        _check_policy(p)
+    policies = policy_names() if policies is None else (policies,) if isinstance(policies, (str, Policy)) else policies
+    pols = [_any_policy(p, window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else p for p in policies]
     tgt = as_target(hardware)
-    graph = partition_stages(capture_model(model, tuple(example_inputs)), blocks=blocks, model=model)
+    graph = compile_variant(model, tuple(example_inputs), {}, PipelineOptions(policy=pols[0], blocks=blocks, verify=False)).graph
     n_params = sum(
         info.numel for k, info in graph.tensors.items() if info.kind == "param" and info.trainable
     )
     rows = []
-    for p in policies:
-        bd = memory_for_model(
-            p, model, example_inputs, tgt, window=window, resident_first=resident_first if p == "stronghold" else 0,
-            workspace_bytes=workspace_bytes, allocator_slack=allocator_slack, graph=graph,
-        )
+    for p in pols:
+        bd = memory_for_model(p, model, example_inputs, tgt, workspace_bytes=workspace_bytes, allocator_slack=allocator_slack, graph=graph)
         ok = bd.fits(tgt)
-        rows.append(PlanRow(p, len(graph.stages) if ok else 0, n_params if ok else 0, bd, bd.binding(tgt)))
+        rows.append(PlanRow(p.name, len(graph.stages) if ok else 0, n_params if ok else 0, bd, bd.binding(tgt)))
     ws, slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
     settings = dict(window=window, resident_first=resident_first, workspace_bytes=ws, allocator_slack=slack,
                     working_set=False, model=f"{type(model).__name__} ({len(graph.stages)} stages, {n_params / 1e6:.1f} M params)")

@@ -7,10 +7,11 @@ The result explains the choice: what bounds the step at the chosen window (compu
 host optimizer), how much slower the next smaller window would be and why, and what a larger
 window would cost in memory.
 
-With ``resident_first=[0, 1, ...]`` it tunes STRONGHOLD's refinement too: for each k (the first
-k stages resident with their optimizer on the device) and each window over the remaining
-stages, it simulates :func:`shfx.passes.policies.schedule_stronghold` and chooses, among the pairs
-that fit and are within ``tolerance`` of the fastest, the one needing the least device memory.
+The policy says what to tune: ``Stronghold(window="auto")`` (the default) tunes the window,
+``Stronghold(window="auto", resident_first="auto")`` STRONGHOLD's refinement too: for each k (the
+first k stages resident with their optimizer on the device) and each window over the remaining
+stages, it simulates the program and chooses, among the pairs that fit and are within
+``tolerance`` of the fastest, the one needing the least device memory.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from shfx.passes.policies import Policy, Stronghold, resolve_policy
 from shfx.passes.program import Program
-from shfx.passes.schedule import schedule_window
 from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
 
@@ -49,6 +50,7 @@ class WindowRow:
     by_resource: dict
     timeline: Timeline = field(repr=False, compare=False)
     resident_first: int = 0
+    policy: Policy | None = field(default=None, repr=False, compare=False)  # the concrete policy simulated
 
 
 @dataclass
@@ -72,6 +74,7 @@ class TuneResult:
     reason: str
     source: str = ""
     resident_first: int = 0  # the chosen k (stronghold's first stages kept on the device)
+    policy: Policy | None = None  # the chosen policy, every "auto" field a number
 
     def row(self, window: int, resident_first: int | None = None) -> WindowRow:
         k = self.resident_first if resident_first is None else resident_first
@@ -235,7 +238,7 @@ def tune_window(
     capacity_bytes: int | None = None,
     reserve_bytes: int = 0,
     tolerance: float = 0.02,
-    policy: Callable[[Sequence[StageSpec], int], Program] = schedule_window,
+    policy: Policy | Callable[[Sequence[StageSpec], int], Program] = Stronghold(window="auto"),
     windows: Sequence[int] | None = None,
     resident_first: Sequence[int] | None = None,
 ) -> TuneResult:
@@ -247,11 +250,14 @@ def tune_window(
         capacity_bytes: device budget; a window fits when its simulated peak plus
             ``reserve_bytes`` (inputs, buffers the model keeps) is at most this.
         tolerance: how much slower than the best a smaller window may be predicted.
-        policy: builds the program for a window.
-        windows: the windows to try (default 1..number of stages).
-        resident_first: STRONGHOLD's refinement: tune k too, over these values, with
-            :func:`shfx.passes.policies.schedule_stronghold` (``policy`` is ignored); windows run
-            over 1..(stages - k).
+        policy: the policy to tune, a windowed :class:`~shfx.passes.policies.Policy`
+            (default ``Stronghold(window="auto")``) or a function ``(specs, window) -> Program``.
+            Its ``"auto"`` fields are tuned: the window over 1..stages, and STRONGHOLD's
+            ``resident_first`` (k) too; a number stays fixed.
+        windows: the windows to try (default 1..number of stages, or the policy's window when
+            it is a number).
+        resident_first: the k to try for :class:`~shfx.passes.policies.Stronghold` (default: all
+            when the policy's is ``"auto"``, else its own); windows then run over 1..(stages - k).
 
     Raises:
         NoWindowFits: when no window fits the budget.
@@ -259,27 +265,37 @@ def tune_window(
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
     n = len(specs)
-    pairs: list[tuple[int, int]]
-    if resident_first is None:
-        pairs = [(0, w) for w in (list(windows) if windows is not None else range(1, n + 1))]
-    else:
-        from shfx.passes.policies import schedule_stronghold
-
+    pol = resolve_policy(policy, "auto") if not isinstance(policy, Policy) else policy
+    if not pol.windowed:
+        raise ValueError(f"policy {pol.name!r} has no window to tune")
+    has_k = "resident_first" in pol.options()
+    if resident_first is not None:
+        if not has_k:
+            raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; {pol.name!r} does not take it")
         ks = sorted(set(resident_first))
         if not ks or ks[0] < 0 or ks[-1] >= n:
             raise ValueError(f"resident_first values must be in 0..{n - 1} (the model has {n} stages), got {list(resident_first)}")
-        pairs = [(k, w) for k in ks for w in range(1, n - k + 1) if windows is None or w in windows]
-
-        def policy(specs, w, _k=None):  # noqa: F811 - rebinds per pair below
-            return schedule_stronghold(specs, w, resident_first=_k)
+    elif has_k and pol.resident_first == "auto":
+        ks = list(range(n))
+    else:
+        ks = [int(pol.resident_first) if has_k else 0]
+    pairs: list[tuple[int, int]] = []
+    for k in ks:
+        if windows is not None:
+            ws = list(windows)
+        elif pol.window == "auto" or len(ks) > 1:
+            ws = list(range(1, n - k + 1))
+        else:
+            ws = [pol.window]
+        pairs += [(k, w) for w in ws]
 
     rows = []
     for k, w in pairs:
-        prog = policy(specs, w) if resident_first is None else policy(specs, w, k)
-        tl = simulate(prog, costs)
+        concrete = pol.replace(window=w, **({"resident_first": k} if has_k else {}))
+        tl = simulate(concrete.program(specs), costs)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
-        rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k))
+        rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k, concrete))
     feasible = [r for r in rows if r.fits]
     if not feasible:
         smallest = min(rows, key=lambda r: r.peak_device_bytes)
@@ -290,7 +306,7 @@ def tune_window(
         )
     best = min(feasible, key=lambda r: (r.step_s, r.window))
     near = [r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)]
-    if resident_first is None:
+    if len(ks) == 1:
         chosen = min(near, key=lambda r: r.window)
     else:
         chosen = min(near, key=lambda r: (r.peak_device_bytes, r.resident_first, r.window))
@@ -303,4 +319,5 @@ def tune_window(
         reason=_explain(rows, chosen, best, tolerance, capacity_bytes),
         source=getattr(costs, "source", ""),
         resident_first=chosen.resident_first,
+        policy=chosen.policy,
     )

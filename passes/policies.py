@@ -1,117 +1,238 @@
-"""Schedule policies: the systems STRONGHOLD was compared with, as rewrite passes over the same IR.
+"""Schedule policies as data: where each stage's parameters, gradients and optimizer states
+live, the window, and when updates run; lowered to step programs by the shared passes of
+:mod:`shfx.passes.lowering`.
 
-Each policy turns stage specs into a step program; they run on the same runtime and the same
-simulator and train exactly like eager PyTorch (they differ in memory and time only):
+STRONGHOLD and the systems it was compared with, on the same runtime and the same simulator;
+they train exactly like eager PyTorch and differ in memory and time only:
 
 | policy | on the device | optimizer | program |
 | --- | --- | --- | --- |
-| ``resident`` (Megatron-like) | every stage, persistent | on the device (``DU``) | F..., B DU... |
-| ``l2l`` | one stage at a time | states on the device; params back to the host (``OP``) | PF F R ..., B DU OP R PF ... |
-| ``zero-offload`` | every stage, persistent (params and grads) | on the host after the backward; params refreshed | F..., B OG..., U..., PF (refresh)... |
-| ``zero-infinity`` | fetched on demand, one-stage lookahead | on the host after the backward | PF PF F R PF ..., PF PF B OG R PF ..., U... |
-| ``stronghold`` | a window of W stages; the first k persistent | host (window stages, during the backward), device (first k) | the window schedule |
+| :class:`Resident` (Megatron-like) | every stage, persistent | on the device (``DU``) | F..., B DU... |
+| :class:`L2L` | one stage at a time | states on the device; params back to the host (``OP``) | PF F R ..., B DU OP R PF ... |
+| :class:`ZeroOffload` | every stage, persistent (params and grads) | on the host after the backward; params refreshed | F..., B OG..., U..., PF (refresh)... |
+| :class:`ZeroInfinity` | fetched on demand, ``lookahead`` stages ahead | on the host after the backward | PF PF F R PF ..., PF PF B OG R PF ..., U... |
+| :class:`Stronghold` | a window of W stages; the first k persistent | host (window stages, during the backward), device (first k) | the window schedule |
 
-Add a policy by writing a function ``(stage_specs, window) -> Program`` that emits an action
-order and lowers it with :func:`shfx.passes.program.lower_actions`; register it in :data:`POLICIES`.
+A policy is a frozen object: ``shfx.compile(model, policy=shfx.Stronghold(window=2,
+resident_first=1))``; the names (``"stronghold"``, ...) are shorthands for the defaults
+(:data:`POLICIES`, :func:`make_policy`). Its :meth:`Policy.placement` says, for given stage
+specs, which stages stay resident, which stream through how many slots, which groups are
+updated on the device and when updates run; :func:`lower_policy` turns that into a program
+with the passes of :mod:`shfx.passes.lowering`. A new policy is a subclass with a
+``placement`` (see ``docs/design.md``, "Adding a policy").
+
+>>> from shfx.passes.stages import chain
+>>> " ".join(Stronghold(window=2).program(chain(3)).actions())
+'PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0'
+>>> make_policy("zero-offload", delayed_update=True)
+ZeroOffload(delayed_update=True)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from .program import B, DU, F, OB, OG, OP, PF, R, U, Action, Program, ScheduleError, lower_actions
-from .schedule import _checked, _update_order, check_window, schedule_window
+from .lowering import (
+    add_buffer_offloads,
+    add_grad_offloads,
+    add_param_copyback,
+    add_prefetch_release,
+    add_refresh,
+    add_updates_after_backward,
+    add_updates_in_backward,
+    check_window,
+    checked_stages,
+    compute_order,
+)
+from .actions import Action
+from .program import Program, ScheduleError, lower_actions
 from .stages import StageSpec
 
 __all__ = [
+    "Placement",
+    "Policy",
+    "FunctionPolicy",
+    "Stronghold",
+    "Resident",
+    "L2L",
+    "ZeroOffload",
+    "ZeroInfinity",
+    "POLICIES",
+    "policy_names",
+    "get_policy",
+    "make_policy",
+    "resolve_policy",
+    "policy_program",
+    "lower_policy",
+    "policy_actions",
+    "window_actions",
+    "schedule_window",
+    "schedule_stronghold",
     "schedule_resident",
     "schedule_l2l",
     "schedule_zero_offload",
     "schedule_zero_infinity",
-    "schedule_stronghold",
-    "stronghold_actions",
-    "POLICIES",
-    "get_policy",
 ]
 
-
-def _sends_to_host(st: StageSpec, device: set[int]) -> bool:
-    return st.has_grads and bool(set(st.grad_groups) - device)
+Updates = Literal["backward", "after-backward", "next-step"]
 
 
-def _device_updates_after(stages: Sequence[StageSpec], order: Sequence[int], device: set[int]) -> dict[int, list[int]]:
-    """Stage -> the device-updated groups whose last contributor (in ``order``) it is."""
-    return {s: [g for g in gs if g in device] for s, gs in _update_order(stages, order).items()}
+@dataclass(frozen=True)
+class Placement:
+    """What a policy decides for one model's stages.
+
+    Attributes:
+        persistent: stages resident across steps, in slots ``0..len-1`` (loaded once).
+        streamed: stages fetched into the window's slots when used.
+        slots: the window: slots for the streamed stages (after the persistent ones).
+        keep: streamed stages whose forward residency lasts into their backward (the last
+            ``keep`` of the forward); 0: every stage is fetched again for its backward.
+        device_groups: trainable groups updated on the device (their gradients and optimizer
+            states stay there); the others are updated on the host.
+        updates: when the host updates run: ``"backward"`` (each as soon as its gradients are
+            on the host), ``"after-backward"`` (all after the backward), ``"next-step"`` (the
+            runtime runs them between steps: ZeRO-Offload's delayed update).
+        refresh: after the host updates, refresh the persistent stages' slots with the new
+            weights (a PREFETCH of each).
+    """
+
+    persistent: tuple[int, ...]
+    streamed: tuple[int, ...]
+    slots: int
+    keep: int
+    device_groups: frozenset[int]
+    updates: Updates
+    refresh: bool = False
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.persistent) + self.slots
 
 
-def _host_updates_after(stages: Sequence[StageSpec], order: Sequence[int], device: set[int]) -> dict[int, list[int]]:
-    return {s: [g for g in gs if g not in device] for s, gs in _update_order(stages, order).items()}
+class Policy:
+    """A schedule policy: frozen data, lowered by :func:`lower_policy`.
+
+    Subclasses are frozen dataclasses with a class attribute ``name`` and a :meth:`placement`;
+    ``windowed`` ones have a ``window`` field (an int, or ``"auto"`` for the tuner)."""
+
+    name: ClassVar[str]
+    windowed: ClassVar[bool] = False
+
+    def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        raise NotImplementedError
+
+    def program_name(self, placement: Placement) -> str:
+        return self.name
+
+    def program(self, stages: Sequence[StageSpec]) -> Program:
+        """The step program for ``stages`` (:func:`lower_policy`)."""
+        return lower_policy(self, stages)
+
+    @property
+    def auto(self) -> tuple[str, ...]:
+        """The fields left to the tuner (``"auto"``)."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) == "auto")  # type: ignore[arg-type]
+
+    def replace(self, **changes: Any) -> Policy:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
 
-def schedule_resident(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+def _positive_or_auto(cls: str, field: str, v: object, minimum: int) -> None:
+    if v == "auto":
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{field} must be an int >= {minimum} or 'auto' (in {cls}(...)), got {v!r}")
+
+
+def _update_groups(stages: Sequence[StageSpec], which: Sequence[int] | None = None) -> frozenset[int]:
+    idx = range(len(stages)) if which is None else which
+    return frozenset(stages[i].update_group for i in idx if stages[i].update_group is not None)
+
+
+def _concrete(policy: Policy) -> None:
+    if policy.auto:
+        raise ScheduleError(
+            f"{policy!r} leaves {', '.join(policy.auto)} to the tuner: choose with cost_model.tune.tune_window "
+            "(shfx.compile does it at the first call) or give a number"
+        )
+
+
+@dataclass(frozen=True)
+class Stronghold(Policy):
+    """STRONGHOLD: a sliding window of ``window`` stages on the device, transfers overlapped
+    with compute, each group updated on the host as soon as its gradients land; the first
+    ``resident_first`` stages stay on the device with their optimizer, so the next forward
+    starts without waiting for their host updates.
+
+    >>> from shfx.passes.stages import chain
+    >>> " ".join(Stronghold(window=2, resident_first=1).program(chain(4)).actions())
+    'PF1 PF2 F0 F1 R1 PF3 F2 F3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 B1 OG1 U1 R1 B0 DU0'
+    """
+
+    name: ClassVar[str] = "stronghold"
+    windowed: ClassVar[bool] = True
+    window: int | Literal["auto"] = 2
+    resident_first: int | Literal["auto"] = 0
+
+    def __post_init__(self) -> None:
+        _positive_or_auto("Stronghold", "window", self.window, 1)
+        _positive_or_auto("Stronghold", "resident_first", self.resident_first, 0)
+
+    def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        _concrete(self)
+        n = len(stages)
+        k = min(int(self.resident_first), n)
+        rest = n - k
+        w = check_window(self.window, rest) if rest else 0
+        return Placement(tuple(range(k)), tuple(range(k, n)), w, w, _update_groups(stages, range(k)), "backward")
+
+    def program_name(self, placement: Placement) -> str:
+        k = len(placement.persistent)
+        return f"stronghold(W={placement.slots})" if k == 0 else f"stronghold(W={placement.slots}, k={k})"
+
+
+@dataclass(frozen=True)
+class Resident(Policy):
     """Everything on the device, the optimizer too (Megatron-like): every stage persistent, each
     group updated on the device right after the last backward that sends it gradients.
 
     >>> from shfx.passes.stages import chain
-    >>> " ".join(schedule_resident(chain(3)).actions())
+    >>> " ".join(Resident().program(chain(3)).actions())
     'F0 F1 F2 B2 DU2 B1 DU1 B0 DU0'
     """
-    stages = _checked(stages)
-    n = len(stages)
-    device = {s.update_group for s in stages if s.update_group is not None}
-    acts: list[Action] = []
-    for i in range(n):
-        acts.append(Action(F, i))
-        if stages[i].mutates_buffers:
-            acts.append(Action(OB, i))
-    order = list(range(n - 1, -1, -1))
-    ups = _device_updates_after(stages, order, device)
-    for i in order:
-        acts.append(Action(B, i))
-        acts.extend(Action(DU, g) for g in ups.get(i, []))
-    return lower_actions(acts, stages, n, name="resident", persistent=list(range(n)))
+
+    name: ClassVar[str] = "resident"
+
+    def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        n = len(stages)
+        return Placement(tuple(range(n)), (), 0, 0, _update_groups(stages), "backward")
 
 
-def schedule_l2l(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+@dataclass(frozen=True)
+class L2L(Policy):
     """L2L: one stage on the device at a time; the optimizer states of every group live on the
     device, a stage is updated there right after its backward and its parameters are copied
     back to the host (``OP``) before it leaves.
 
     >>> from shfx.passes.stages import chain
-    >>> " ".join(schedule_l2l(chain(2)).actions())
+    >>> " ".join(L2L().program(chain(2)).actions())
     'PF0 F0 R0 PF1 F1 B1 DU1 OP1 R1 PF0 B0 DU0 OP0 R0'
     """
-    stages = _checked(stages)
-    n = len(stages)
-    device = {s.update_group for s in stages if s.update_group is not None}
-    acts: list[Action] = []
-    for i in range(n):
-        acts += [Action(PF, i), Action(F, i)]
-        if stages[i].mutates_buffers:
-            acts.append(Action(OB, i))
-        if i < n - 1:
-            acts.append(Action(R, i))
-    order = list(range(n - 1, -1, -1))
-    ups = _device_updates_after(stages, order, device)
-    for i in order:
-        if i < n - 1:
-            acts.append(Action(PF, i))
-        acts.append(Action(B, i))
-        for g in ups.get(i, []):
-            acts.append(Action(DU, g))
-        if stages[i].update_group is not None:
-            if stages[i].update_group in ups.get(i, []):
-                acts.append(Action(OP, i))
-            else:
-                raise ScheduleError(
-                    f"l2l: stage {i}'s group {stages[i].update_group} also gets gradients from an earlier stage, so it "
-                    "cannot be updated while the stage is resident; l2l needs each group's owner to be its last contributor"
-                )
-        acts.append(Action(R, i))
-    return lower_actions(acts, stages, 1, name="l2l")
+
+    name: ClassVar[str] = "l2l"
+
+    def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        return Placement((), tuple(range(len(stages))), 1, 1, _update_groups(stages), "backward")
 
 
-def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None, *, delayed_update: bool = False) -> Program:
+@dataclass(frozen=True)
+class ZeroOffload(Policy):
     """ZeRO-Offload: parameters and gradients on the device (every stage persistent); each
     stage's gradients go to the host after its backward; the host updates every group after the
     backward and the updated parameters are copied back into the resident slots.
@@ -120,134 +241,231 @@ def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None
     runtime starts the host update of step i in ``step()`` and lets it run during step i+1's
     forward and backward (which train on the weights before it), then refreshes the slots in the
     next ``step()``. Each gradient copy of step i+1 waits for the update of step i that reads
-    the same host buffer.
+    the same host buffer. Not eager-equivalent by design (one step stale).
 
     >>> from shfx.passes.stages import chain
-    >>> " ".join(schedule_zero_offload(chain(2)).actions())
+    >>> " ".join(ZeroOffload().program(chain(2)).actions())
     'F0 F1 B1 OG1 B0 OG0 U0 U1 PF0 PF1'
-    >>> " ".join(schedule_zero_offload(chain(2), delayed_update=True).actions())
+    >>> " ".join(ZeroOffload(delayed_update=True).program(chain(2)).actions())
     'F0 F1 B1 OG1 B0 OG0'
     """
-    stages = _checked(stages)
-    n = len(stages)
-    acts: list[Action] = []
-    for i in range(n):
-        acts.append(Action(F, i))
-        if stages[i].mutates_buffers:
-            acts.append(Action(OB, i))
-    for i in range(n - 1, -1, -1):
-        acts.append(Action(B, i))
-        if stages[i].has_grads:
-            acts.append(Action(OG, i))
-    if delayed_update:
-        p = lower_actions(acts, stages, n, name="zero-offload(delayed update)", persistent=list(range(n)))
-        p.updates_outside = True
-        return p
-    groups = sorted({s.update_group for s in stages if s.update_group is not None})
-    acts += [Action(U, g) for g in groups]
-    acts += [Action(PF, i) for i in range(n)]  # refresh every resident stage with the new weights
-    return lower_actions(acts, stages, n, name="zero-offload", persistent=list(range(n)))
+
+    name: ClassVar[str] = "zero-offload"
+    delayed_update: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.delayed_update, bool):
+            raise TypeError(f"ZeroOffload(delayed_update=...) must be True or False, got {self.delayed_update!r}")
+
+    def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        n = len(stages)
+        when: Updates = "next-step" if self.delayed_update else "after-backward"
+        return Placement(tuple(range(n)), (), 0, 0, frozenset(), when, refresh=not self.delayed_update)
+
+    def program_name(self, placement: Placement) -> str:
+        return "zero-offload(delayed update)" if self.delayed_update else "zero-offload"
 
 
-def schedule_zero_infinity(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+@dataclass(frozen=True)
+class ZeroInfinity(Policy):
     """ZeRO-Infinity: parameters, gradients and optimizer states on the host; each stage fetched
-    on demand just before use with one stage of lookahead (two slots), released right after; the
-    host updates every group after the backward.
+    on demand ``lookahead`` stages ahead of its use and released right after it; the host
+    updates every group after the backward.
 
     >>> from shfx.passes.stages import chain
-    >>> " ".join(schedule_zero_infinity(chain(3)).actions())
+    >>> " ".join(ZeroInfinity().program(chain(3)).actions())
     'PF0 PF1 F0 R0 PF2 F1 R1 F2 R2 PF2 PF1 B2 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0 U0 U1 U2'
     """
-    stages = _checked(stages)
-    n = len(stages)
-    acts: list[Action] = [Action(PF, i) for i in range(min(2, n))]
-    for i in range(n):
-        acts.append(Action(F, i))
-        if stages[i].mutates_buffers:
-            acts.append(Action(OB, i))
-        acts.append(Action(R, i))
-        if i + 2 < n:
-            acts.append(Action(PF, i + 2))
-    order = list(range(n - 1, -1, -1))
-    acts += [Action(PF, i) for i in order[:2]]
-    for k, i in enumerate(order):
-        acts.append(Action(B, i))
-        if stages[i].has_grads:
-            acts.append(Action(OG, i))
-        acts.append(Action(R, i))
-        if k + 2 < n:
-            acts.append(Action(PF, order[k + 2]))
-    groups = sorted({s.update_group for s in stages if s.update_group is not None})
-    acts += [Action(U, g) for g in groups]
-    return lower_actions(acts, stages, min(2, n), name="zero-infinity", keep_graph=False)
+
+    name: ClassVar[str] = "zero-infinity"
+    lookahead: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise ValueError(f"ZeroInfinity(lookahead=...) must be an int >= 1, got {self.lookahead!r}")
+
+    def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        n = len(stages)
+        return Placement((), tuple(range(n)), min(self.lookahead + 1, n), 0, frozenset(), "after-backward")
+
+    def program_name(self, placement: Placement) -> str:
+        return "zero-infinity" if self.lookahead == 1 else f"zero-infinity(lookahead={self.lookahead})"
 
 
-def stronghold_actions(stages: Sequence[StageSpec], window: int, resident_first: int = 0) -> list[Action]:
-    """The stronghold order: the first ``resident_first`` stages persistent with their optimizer
-    on the device; the rest streamed through a window of ``window`` slots, updated on the host
-    as soon as their gradients land."""
-    n = len(stages)
-    k = max(0, min(resident_first, n))
-    rest = n - k
-    w = check_window(window, max(rest, 1)) if rest else 0
-    device = {stages[i].update_group for i in range(k) if stages[i].update_group is not None}
-    acts: list[Action] = [Action(PF, k + i) for i in range(w)]
-    for i in range(n):
-        acts.append(Action(F, i))
-        if stages[i].mutates_buffers:
-            acts.append(Action(OB, i))
-        if i >= k and i < n - w:
-            acts.append(Action(R, i))
-            acts.append(Action(PF, i + w))
-    order = list(range(n - 1, -1, -1))
-    host_ups = _host_updates_after(stages, order, device)
-    dev_ups = _device_updates_after(stages, order, device)
-    for i in order:
-        acts.append(Action(B, i))
-        if _sends_to_host(stages[i], device):
-            acts.append(Action(OG, i))
-        acts.extend(Action(U, g) for g in host_ups.get(i, []))
-        acts.extend(Action(DU, g) for g in dev_ups.get(i, []))
-        if i >= k:
-            acts.append(Action(R, i))
-            if i - w >= k:
-                acts.append(Action(PF, i - w))
+@dataclass(frozen=True)
+class FunctionPolicy(Policy):
+    """A policy written as a function ``fn(stage_specs, window) -> Program`` (an action order
+    lowered with :func:`shfx.passes.program.lower_actions`, say); ``shfx.compile(policy=fn)``
+    wraps it in one. Its window may be ``"auto"`` like any other.
+
+    >>> from shfx.passes.stages import chain
+    >>> FunctionPolicy(schedule_window, window=3).program(chain(3)).name
+    'stronghold(W=3)'
+    """
+
+    name: ClassVar[str] = "custom"
+    windowed: ClassVar[bool] = True
+    fn: Callable[..., Program] = None  # type: ignore[assignment]
+    window: int | Literal["auto"] = 2
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"FunctionPolicy needs a function (stage_specs, window) -> Program, got {self.fn!r}")
+        _positive_or_auto("FunctionPolicy", "window", self.window, 1)
+
+    def program(self, stages: Sequence[StageSpec]) -> Program:
+        _concrete(self)
+        stages = checked_stages(stages)
+        prog = self.fn(stages, check_window(self.window, len(stages)))
+        if not isinstance(prog, Program):
+            raise TypeError(f"policy {self.fn!r} returned {type(prog).__name__}, not a shfx.passes.Program")
+        return prog
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Resident, L2L, ZeroOffload, ZeroInfinity, Stronghold)}
+"""The registry: policy name -> class, in the order tables list them. ``compile``, the CLI,
+``plan``, ``compare``, the tuner and the paper examples take their names from here."""
+
+
+def policy_names() -> tuple[str, ...]:
+    """The registered policy names, in table order."""
+    return tuple(POLICIES)
+
+
+def get_policy(name: str) -> type[Policy]:
+    """The policy class registered as ``name``."""
+    try:
+        return POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown policy {name!r}; available: {', '.join(POLICIES)}, a shfx.passes.policies.Policy "
+            "object, or a function (stage_specs, window) -> Program"
+        ) from None
+
+
+def make_policy(policy: str | Policy, **options: Any) -> Policy:
+    """A policy object from a name and its options (``make_policy("stronghold", window=3)``), or
+    a policy object with ``options`` replaced. An option the policy does not have is an error
+    that lists the ones it has."""
+    cls = type(policy) if isinstance(policy, Policy) else get_policy(policy)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    bad = sorted(set(options) - fields)
+    if bad:
+        has = ", ".join(sorted(fields)) or "none"
+        raise ValueError(f"policy {cls.name!r} has no option {', '.join(bad)} (its options: {has})")
+    return policy.replace(**options) if isinstance(policy, Policy) else cls(**options)
+
+
+def resolve_policy(policy: str | Policy | Callable[..., Program], window: int | str | None = None) -> Policy:
+    """What ``shfx.compile(policy=..., window=...)`` runs: a name becomes its policy with the
+    window (for a policy that has one); a policy object is taken as it is (a window given
+    besides must agree with it); a function ``(stage_specs, window) -> Program`` becomes a
+    :class:`FunctionPolicy` (its window defaults to 2)."""
+    if callable(policy) and not isinstance(policy, (Policy, str)):
+        return FunctionPolicy(policy, 2 if window is None else window)
+    if not isinstance(policy, (str, Policy)):
+        raise TypeError(
+            f"policy must be a name ({', '.join(POLICIES)}), a shfx.passes.policies.Policy object, or a function "
+            f"(stage_specs, window) -> Program; got {type(policy).__name__}"
+        )
+    cls = get_policy(policy) if isinstance(policy, str) else type(policy)
+    if window is not None and not cls.windowed:
+        raise ValueError(
+            f"policy {cls.name!r} has no window (window={window!r} was given): "
+            + ("every stage stays on the device" if cls in (Resident, ZeroOffload) else "its slots are fixed")
+            + "; drop window=, or use policy='stronghold'"
+        )
+    if isinstance(policy, str):
+        return cls(window=window) if window is not None else cls()  # type: ignore[call-arg]
+    if window is not None and getattr(policy, "window", window) != window:
+        raise ValueError(f"window={window!r} disagrees with {policy!r}; give the window in one place")
+    return policy
+
+
+def policy_program(
+    policy: str | Policy, stages: Sequence[StageSpec], window: int | None = None, resident_first: int | None = None, **options: Any
+) -> Program:
+    """The program of a policy (a name or an object) for what-if tools that compare every policy
+    at one window: ``window`` applies to the policies that have one (clamped to the stages that
+    stream) and the others ignore it; ``resident_first`` is STRONGHOLD's refinement."""
+    pol = make_policy(policy, **options)
+    if window is not None and pol.windowed:
+        pol = pol.replace(window=window)
+    if resident_first:
+        if "resident_first" not in pol.options():
+            raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; {pol.name!r} does not take it")
+        pol = pol.replace(resident_first=resident_first)
+    return pol.program(stages)
+
+
+def policy_actions(policy: Policy, stages: Sequence[StageSpec]) -> list[Action]:
+    """Given a policy and the stages, its action order: the compute order, then the passes of
+    :mod:`shfx.passes.lowering` the policy's :class:`Placement` asks for."""
+    stages = checked_stages(stages)
+    pl = policy.placement(stages)
+    acts = compute_order(stages)
+    acts = add_buffer_offloads(acts, stages)
+    acts = add_grad_offloads(acts, stages, pl.device_groups)
+    if pl.updates == "backward":
+        acts = add_updates_in_backward(acts, stages, pl.device_groups)
+        acts = add_param_copyback(acts, stages, pl.device_groups, pl.persistent, policy.name)
+    acts = add_prefetch_release(acts, stages, streamed=pl.streamed, slots=pl.slots, keep=pl.keep)
+    if pl.updates == "after-backward":
+        acts = add_updates_after_backward(acts, stages, pl.device_groups)
+    if pl.refresh:
+        acts = add_refresh(acts, pl.persistent)
     return acts
 
 
-def schedule_stronghold(stages: Sequence[StageSpec], window: int, resident_first: int = 0) -> Program:
-    """The stronghold policy: the window schedule, plus its refinement, the first
-    ``resident_first`` stages kept resident with their optimizer on the device so the next
-    forward starts without waiting for the host updates of the first stages.
+def lower_policy(policy: Policy, stages: Sequence[StageSpec]) -> Program:
+    """Given a policy and the stages, the step program: :func:`policy_actions`, then
+    :func:`shfx.passes.program.lower_actions` (dependency edges and slots)."""
+    stages = checked_stages(stages)
+    pl = policy.placement(stages)
+    acts = policy_actions(policy, stages)
+    prog = lower_actions(acts, stages, pl.num_slots, name=policy.program_name(pl), persistent=pl.persistent)
+    prog.updates_outside = pl.updates == "next-step"
+    return prog
+
+
+# ---- shorthands: the policies as functions (stage_specs, window) -> Program -------------------------
+
+
+def schedule_window(stages: Sequence[StageSpec], window: int) -> Program:
+    """The "stronghold" policy: a sliding window of ``window`` resident stages.
 
     >>> from shfx.passes.stages import chain
-    >>> " ".join(schedule_stronghold(chain(4), 2, resident_first=1).actions())
-    'PF1 PF2 F0 F1 R1 PF3 F2 F3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 B1 OG1 U1 R1 B0 DU0'
+    >>> " ".join(schedule_window(chain(3), 2).actions())
+    'PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0'
     """
-    stages = _checked(stages)
-    if resident_first == 0:
-        return schedule_window(stages, window)
-    n = len(stages)
-    k = max(0, min(resident_first, n))
-    rest = n - k
-    w = check_window(window, rest) if rest else 0
-    acts = stronghold_actions(stages, window, k)
-    return lower_actions(acts, stages, k + w, name=f"stronghold(W={w}, k={k})", persistent=list(range(k)))
+    return Stronghold(window=window).program(stages)
 
 
-POLICIES: dict[str, Callable[..., Program]] = {
-    "stronghold": schedule_window,
-    "resident": schedule_resident,
-    "l2l": schedule_l2l,
-    "zero-offload": schedule_zero_offload,
-    "zero-infinity": schedule_zero_infinity,
-}
+def window_actions(stages: Sequence[StageSpec], window: int) -> list[Action]:
+    """The stronghold window order (before lowering): at most ``window`` stages resident."""
+    return policy_actions(Stronghold(window=window), stages)
 
 
-def get_policy(name: str) -> Callable[..., Program]:
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r}; available: {', '.join(sorted(POLICIES))}, or a function (stage_specs, window) -> Program"
-        ) from None
+def schedule_stronghold(stages: Sequence[StageSpec], window: int, resident_first: int = 0) -> Program:
+    """:class:`Stronghold` with ``window`` and ``resident_first``."""
+    return Stronghold(window=window, resident_first=resident_first).program(stages)
+
+
+def schedule_resident(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+    """:class:`Resident` (``window`` is ignored)."""
+    return Resident().program(stages)
+
+
+def schedule_l2l(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+    """:class:`L2L` (``window`` is ignored)."""
+    return L2L().program(stages)
+
+
+def schedule_zero_offload(stages: Sequence[StageSpec], window: int | None = None, *, delayed_update: bool = False) -> Program:
+    """:class:`ZeroOffload` (``window`` is ignored)."""
+    return ZeroOffload(delayed_update=delayed_update).program(stages)
+
+
+def schedule_zero_infinity(stages: Sequence[StageSpec], window: int | None = None) -> Program:
+    """:class:`ZeroInfinity` (``window`` is ignored)."""
+    return ZeroInfinity().program(stages)

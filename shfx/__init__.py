@@ -3,7 +3,7 @@
 A re-implementation of STRONGHOLD (SC22) as a compiler over torch.fx::
 
     import shfx
-    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="512MiB"), window=2,
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="512MiB"), policy=shfx.Stronghold(window=2),
                       optimizer=shfx.optim.AdamW(lr=1e-3))
     loss = cm(x, y); loss.backward(); cm.step(); cm.zero_grad()
     print(cm.program)        # the step program
@@ -14,6 +14,7 @@ from .api import CompiledModel, compile
 from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
 from shfx.cost_model.planner import GPTFamily, plan
+from shfx.passes.policies import L2L, Policy, Resident, Stronghold, ZeroInfinity, ZeroOffload
 from .errors import (
     ActionError,
     CaptureError,
@@ -30,6 +31,12 @@ __version__ = "0.1.0"
 __all__ = [
     "compile",
     "CompiledModel",
+    "Policy",
+    "Stronghold",
+    "Resident",
+    "L2L",
+    "ZeroOffload",
+    "ZeroInfinity",
     "compare",
     "CompareResult",
     "optim",

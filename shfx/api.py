@@ -10,15 +10,13 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from shfx.passes.capture import capture_model, flatten_inputs
-from shfx.passes.partition import partition_stages
+from shfx.passes.capture import Captured, flatten_inputs
 from shfx.passes.meta import get_meta
+from shfx.passes.partition import StageGraph
+from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant
+from shfx.passes.policies import Policy, Stronghold
 from shfx.passes.program import ActionKind, Program
-from shfx.passes.retarget import retarget_device
-from shfx.passes.policies import POLICIES
-from shfx.passes.schedule import check_window, cold_backward_program, eval_program
 from shfx.passes.units import format_bytes
-from shfx.passes.verify import verify_program
 
 from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import NoWindowFits, tune_window
@@ -27,11 +25,18 @@ from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
 from .optim import AdamW
 from .runtime.backend import Backend
-from .runtime.engine import Engine, StepContext, Variant
+from .runtime.engine import Engine, StepContext
 from .runtime.host_optim import HostAdamW
 from .runtime.host_store import HostStore
 
 __all__ = ["compile", "CompiledModel"]
+
+# options that belong to one policy: shfx.compile takes them on the policy object
+_POLICY_OPTIONS = {
+    "resident_first": "policy=shfx.Stronghold(window=2, resident_first=1)",
+    "delayed_update": "policy=shfx.ZeroOffload(delayed_update=True)",
+    "lookahead": "policy=shfx.ZeroInfinity(lookahead=2)",
+}
 
 _COMPILED: weakref.WeakKeyDictionary[nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
 
@@ -110,11 +115,9 @@ class CompiledModel:
         model: nn.Module,
         *,
         device: Any = None,
-        window: int | str = 2,
+        window: int | str | None = None,
         optimizer: AdamW | None = None,
-        policy: str | Callable[..., Program] = "stronghold",
-        resident_first: int | str = 0,
-        delayed_update: bool = False,
+        policy: str | Policy | Callable[..., Program] = "stronghold",
         blocks: Any = None,
         num_stages: int | None = None,
         grad_accum_steps: int = 1,
@@ -122,6 +125,7 @@ class CompiledModel:
         pin_memory: bool = True,
         optimizer_workers: int = 1,
         verify: bool = True,
+        verify_each_pass: bool = False,
         tune_tolerance: float = 0.02,
         recompute: str = "auto",
     ):
@@ -139,62 +143,50 @@ class CompiledModel:
                 f"shfx.compile expects the model on the CPU (its weights live in host memory and stream to the "
                 f"device); {n!r} is on {d}. Build the model on the CPU or call model.cpu() first."
             )
-        if isinstance(window, str):
-            if window != "auto":
-                raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
-        else:
-            check_window(window, 1 << 30)
         if recompute not in ("auto", "early-stop", "full"):
             raise ValueError(f"recompute must be 'auto', 'early-stop' or 'full', got {recompute!r}")
         if not 0 <= tune_tolerance < 1:
             raise ValueError(f"tune_tolerance must be in [0, 1), got {tune_tolerance}")
         if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
-        if isinstance(policy, str):
-            if policy not in POLICIES:
-                raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}, or a function (stage_specs, window) -> Program")
-        elif not callable(policy):
-            raise TypeError(f"policy must be a name ({', '.join(sorted(POLICIES))}) or a function (stage_specs, window) -> Program")
-        if resident_first != "auto" and (isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0):
-            raise ValueError(
-                f"resident_first must be an int >= 0 (stages kept on the device with their optimizer) or 'auto' "
-                f"(chosen by the tuner), got {resident_first!r}"
-            )
-        if not isinstance(delayed_update, bool):
-            raise TypeError(f"delayed_update must be True or False, got {delayed_update!r}")
-        if delayed_update and policy != "zero-offload":
-            raise ValueError(
-                f"delayed_update is ZeRO-Offload's delayed parameter update: it needs policy='zero-offload', not {policy!r}"
-            )
-        if resident_first and policy != "stronghold":
-            raise ValueError(f"resident_first is a refinement of the 'stronghold' policy; policy {policy!r} does not take it")
         if optimizer is not None and not isinstance(optimizer, AdamW):
             raise TypeError(
                 f"optimizer must be shfx.optim.AdamW(...) (it runs on the host next to the master weights), "
                 f"got {type(optimizer).__name__}"
             )
+        self._backend = _make_backend(device, optimizer_workers)
+        dev = str(self._backend.device) if self._backend.name == "cuda" else None
+        self._options = PipelineOptions(
+            policy=policy, window=window, blocks=blocks, num_stages=num_stages, verify=verify,
+            verify_each_pass=verify_each_pass, device=dev,
+        )  # fmt: skip
         self.module = model
         self.optimizer = optimizer
-        self.policy = policy
-        self.resident_first = resident_first
-        self.window = window
         self.tune_tolerance = tune_tolerance
-        self.blocks = blocks
-        self.num_stages = num_stages
         self.pin_memory = pin_memory
-        self.verify = verify
-        self._backend = _make_backend(device, optimizer_workers)
-        self.delayed_update = delayed_update
-        self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed_update)
+        pol = self._options.policy
+        delayed = getattr(pol, "delayed_update", False)
+        self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed)
         self.recompute = recompute
         self._engine: Engine | None = None
         self._store: HostStore | None = None
         self._variants: dict[Any, Variant] = {}
-        self._reports: dict[Any, WindowReport] = {}  # per input signature; its tune holds the chosen k
+        self._reports: dict[Any, WindowReport] = {}  # per input signature (the tuner's, or profiled for a fixed window)
         self._last: Variant | None = None
         self._last_tensors: list[torch.Tensor] | None = None
         self._dummy = torch.empty(0, requires_grad=True)
         _COMPILED[model] = self
+
+    @property
+    def policy(self) -> Policy:
+        """The policy as given (``"auto"`` fields left to the tuner); each input signature's
+        variant holds the one chosen for it (``cm.variant.policy``)."""
+        return self._options.policy
+
+    @property
+    def window(self) -> int | str | None:
+        """The window asked for (``"auto"``: the tuner's), None for a policy without one."""
+        return getattr(self._options.policy, "window", None)
 
     # ---- compilation -------------------------------------------------------------------------
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Variant, list[torch.Tensor]]:
@@ -208,9 +200,28 @@ class CompiledModel:
         return v, tensors
 
     def _build(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Variant:
-        captured = capture_model(self.module, args, kwargs)
         groups = self._store.groups if self._store is not None else None
-        graph = partition_stages(captured, blocks=self.blocks, num_stages=self.num_stages, groups=groups, model=self.module)
+
+        def choose(captured: Captured, graph: StageGraph, policy: Policy) -> Policy:
+            self._ensure_store(captured, graph)
+            self._check_capacity(graph, 1)
+            probe = Stronghold(window=1)
+            pv = Variant(captured.signature, captured, graph, probe, *build_programs(graph.specs, probe))
+            report = self._tune(pv, tensors, policy, how="auto")
+            self._reports[captured.signature] = report
+            return report.tune.policy
+
+        variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose)
+        self._ensure_store(variant.captured, variant.graph)
+        if variant.signature not in self._reports:
+            self._check_capacity(variant.graph, 1)
+            self._check_capacity(variant.graph, variant.train.num_slots, variant.policy, variant.slot_sizes)
+        self._check_deferrable(variant)
+        return variant
+
+    def _ensure_store(self, captured: Captured, graph: StageGraph) -> None:
+        """The first capture lays out the host store and starts the engine; a later one copies
+        its tensor constants in (their values may differ)."""
         if self._store is None:
             model_tensors = {**captured.params, **captured.buffers, **captured.constants}
             self._store = HostStore(
@@ -228,51 +239,11 @@ class CompiledModel:
             for k, t in captured.constants.items():  # constants of this capture (values may differ)
                 if k in self._store.tensors:
                     self._store.tensors[k].copy_(t)
-        if self._backend.name == "cuda":
-            for st in graph.stages:
-                st.gm = retarget_device(st.gm, self._backend.device)
-        specs = graph.specs
-        make = self._policy_fn()
-        report = None
-        if self.window == "auto" or self.resident_first == "auto":
-            self._check_capacity(graph, 1)
-            probe = self._programs(captured, graph, POLICIES["stronghold"] if self.resident_first == "auto" else make, 1)
-            report = self._tune(probe, tensors, make, how="auto")
-            w = report.window
-            if self.resident_first == "auto":
-                make = self._policy_fn(report.tune.resident_first)
-        else:
-            w = check_window(self.window, len(specs))
-            self._check_capacity(graph, w)
-        variant = self._programs(captured, graph, make, w)
-        if report is None:
-            self._check_capacity(graph, w, make, variant.slot_sizes)
-        if report is not None:
-            self._reports[captured.signature] = report
-        return variant
 
-    def _policy_fn(self, resident_first: int | None = None) -> Callable[..., Program]:
-        if not isinstance(self.policy, str):
-            return self.policy
-        k = self.resident_first if resident_first is None else resident_first
-        if self.policy == "stronghold" and k == "auto":
-            rep = self._reports.get(self._last.signature) if self._last is not None else None
-            k = rep.tune.resident_first if rep is not None else 0
-        if self.policy == "stronghold" and k:
-            from shfx.passes.policies import schedule_stronghold
-
-            return lambda specs, w: schedule_stronghold(specs, w, resident_first=k)
-        if self.delayed_update:
-            from shfx.passes.policies import schedule_zero_offload
-
-            return lambda specs, w: schedule_zero_offload(specs, w, delayed_update=True)
-        return POLICIES[self.policy]
-
-    def _programs(self, captured, graph, make, w: int) -> Variant:
-        train = make(graph.specs, w)
-        if not isinstance(train, Program):
-            raise TypeError(f"policy {self.policy!r} returned {type(train).__name__}, not a shfx.passes.Program")
-        ev, cold = eval_program(train), cold_backward_program(train)
+    def _check_deferrable(self, variant: Variant) -> None:
+        """A group updated on the device while its stage is streamed must be updated during the
+        backward that has it resident: no gradient accumulation, no deferred updates."""
+        train, graph = variant.train, variant.graph
         transient_du = [
             get_meta(n).stage
             for n in train.nodes
@@ -286,35 +257,27 @@ class CompiledModel:
                 "during the backward, so it cannot defer updates: use grad_accum_steps=1 and overlap_update=True, "
                 "or another policy"
             )
-        if self.verify:
-            verify_program(train, "train")
-            verify_program(ev, "eval")
-            verify_program(cold, "backward")
-        return Variant(captured.signature, captured, graph, train, ev, cold)
 
     def _capacity(self) -> int | None:
         b = self._backend
         return b.capacity_bytes if b.capacity_bytes is not None else getattr(b, "total_bytes", None)
 
-    def _tune(self, variant: Variant, tensors: list[torch.Tensor], make, how: str) -> WindowReport:
-        """Profile ``variant``'s costs on the backend, simulate every window, choose one."""
+    def _tune(self, variant: Variant, tensors: list[torch.Tensor], policy: Policy, how: str) -> WindowReport:
+        """Profile ``variant``'s costs on the backend, simulate every window of ``policy`` (its
+        ``"auto"`` fields; all windows for a fixed one, ``how="fixed"``), choose one."""
         from .profiler import profile_costs
 
         graph = variant.graph
         costs = profile_costs(self._engine, variant, tensors)
         reserve = sum(graph.values[v].nbytes for v in graph.inputs)
         reserve += max((sum(graph.tensors[k].nbytes for k in st.mutated_buffers) for st in graph.stages), default=0)
+        if how == "fixed" and policy.windowed:
+            policy = policy.replace(window="auto")
         try:
             tune = tune_window(
-                graph.specs,
-                costs,
-                capacity_bytes=self._capacity(),
-                reserve_bytes=reserve,
-                tolerance=self.tune_tolerance,
-                policy=make,
-                windows=None if self.window == "auto" or how == "fixed" else [self.window],
-                resident_first=range(len(graph.specs)) if self.resident_first == "auto" else None,
-            )
+                graph.specs, costs, capacity_bytes=self._capacity(), reserve_bytes=reserve,
+                tolerance=self.tune_tolerance, policy=policy,
+            )  # fmt: skip
         except NoWindowFits as e:
             raise OutOfDeviceMemory(
                 f"{e}. Device: {self._backend.describe()}. Use a smaller batch or sequence, more stages "
@@ -323,10 +286,10 @@ class CompiledModel:
                 capacity_bytes=self._capacity() or 0,
                 what="window 1",
             ) from e
-        window = tune.window if how == "auto" else variant.train.num_slots
+        window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
         return WindowReport(tune, window, self._backend.describe(), how, self._engine.step_times)
 
-    def _check_capacity(self, graph, w: int, make=None, sizes: list[int] | None = None) -> None:
+    def _check_capacity(self, graph, w: int, policy: Policy | None = None, sizes: list[int] | None = None) -> None:
         """Refuse a window whose slots do not fit the device budget, saying what fits."""
         cap = self._backend.capacity_bytes
         if cap is None:
@@ -342,17 +305,17 @@ class CompiledModel:
                 capacity_bytes=cap,
                 what=f"slot for stage {largest.index}",
             )
-        if make is None or sizes is None:
+        if policy is None or sizes is None:
             return
 
         def static(window: int) -> int:
-            return make(graph.specs, window).static_device_bytes()
+            return policy.replace(window=window).program(graph.specs).static_device_bytes()
 
-        prog = make(graph.specs, w)
+        prog = policy.program(graph.specs)
         extra = sum(prog.grad_buffer_sizes()) + prog.device_state_bytes()
         need = sum(sizes) + extra
         if need > cap:
-            fit = next((v for v in range(w - 1, 0, -1) if static(v) <= cap), None)
+            fit = next((v for v in range(w - 1, 0, -1) if static(v) <= cap), None) if policy.windowed else None
             what = f"{len(sizes)} slots of {', '.join(format_bytes(n) for n in sizes)}"
             if extra:
                 what += (
@@ -467,8 +430,7 @@ class CompiledModel:
         rep = self._reports.get(v.signature)
         if rep is None:
             self._settle()
-            make = self._policy_fn()
-            rep = self._tune(v, self._last_tensors or [], make, how="fixed")
+            rep = self._tune(v, self._last_tensors or [], v.policy, how="fixed")
             self._reports[v.signature] = rep
         return rep
 
@@ -525,7 +487,7 @@ class CompiledModel:
 
     def __repr__(self) -> str:
         n = len(self._variants)
-        return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, window={self.window}, captures={n})"
+        return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
 
 
 def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - mirrors torch.compile
@@ -535,32 +497,30 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         model: any ``nn.Module`` on the CPU that ``torch.export`` can capture.
         device: ``"cuda"``, ``shfx.CudaDevice(...)``, or ``shfx.EmulatedDevice(memory=..., h2d=..., d2h=...)``;
             default CUDA when available, else an emulated device.
-        window: how many stages' parameters may be on the device at once (int >= 1; larger
-            than the number of stages means all), or ``"auto"``: profile the costs on the device at
-            the first call, simulate every window, and take the smallest within ``tune_tolerance``
-            of the fastest that fits (``cm.report()`` explains the choice).
+        policy: the schedule, a policy object or its name (the name means its defaults):
+            ``shfx.Stronghold(window=2, resident_first=0)`` (``"stronghold"``, the default: a
+            window of stages on the device, STRONGHOLD's first k stages optionally kept there with
+            their optimizer), ``shfx.Resident()`` (``"resident"``: Megatron-like, everything and the
+            optimizer on the device), ``shfx.L2L()``, ``shfx.ZeroOffload(delayed_update=False)``,
+            ``shfx.ZeroInfinity(lookahead=1)`` (see ``shfx.passes.policies``), or a function
+            ``(stage_specs, window) -> shfx.passes.Program`` (e.g. built with
+            ``shfx.passes.lower_actions``). A field set to ``"auto"`` (``Stronghold(window="auto",
+            resident_first="auto")``) is chosen by the tuner at the first call: it profiles the
+            costs on the device, simulates every choice and takes the smallest within
+            ``tune_tolerance`` of the fastest that fits (``cm.report()`` explains it).
+        window: shorthand for the policy's window (int >= 1; larger than the number of stages
+            means all; or ``"auto"``), for a policy given by name or as a function; default the
+            policy's own (2). A policy without a window (``"resident"``, ...) refuses one.
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
-        policy: the schedule: ``"stronghold"`` (the window policy, default), ``"resident"``
-            (Megatron-like: everything and the optimizer on the device), ``"l2l"``,
-            ``"zero-offload"``, ``"zero-infinity"`` (see ``shfx.passes.policies``), or a function
-            ``(stage_specs, window) -> shfx.passes.Program`` (e.g. built with ``shfx.passes.lower_actions``).
-        resident_first: with ``policy="stronghold"``, keep the first k stages resident with their
-            optimizer on the device, so the next forward starts without waiting for their host
-            updates (STRONGHOLD's refinement); ``"auto"``: the tuner picks k (with the window, when
-            ``window="auto"``) from the profiled costs, the smallest device footprint within
-            ``tune_tolerance`` of the fastest pair that fits.
-        delayed_update: with ``policy="zero-offload"``, ZeRO-Offload's delayed parameter update:
-            ``step()`` starts the host update and returns, it overlaps the next step's forward and
-            backward, which train on the weights before it (one step stale); ``state_dict()``
-            includes every update. Not eager-equivalent by design (see docs/policies.md).
         blocks: module path of the repeated blocks (default: auto-detected), or False to split
             by parameter bytes into ``num_stages`` stages.
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.
         overlap_update: start host updates during backward (default) or only in step().
         pin_memory: pin the host store (CUDA only).
         optimizer_workers: host threads running updates of different stages in parallel.
-        verify: check every step program's invariants before running it.
-        tune_tolerance: with ``window="auto"``, how much slower (fraction) than the best window a
+        verify: check every step program's invariants before running it; ``verify_each_pass``:
+            after every pass of the compile pipeline (``shfx.passes.pipeline``).
+        tune_tolerance: with ``"auto"``, how much slower (fraction) than the best choice a
             smaller one may be predicted to be.
         recompute: how a stage's backward recomputes its forward: ``"early-stop"`` (the forward
             records its graph and the backward recomputes only what it needs, like
@@ -572,10 +532,17 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
 
     >>> import torch, shfx
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    >>> cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1MiB"), window=2,
+    >>> cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1MiB"), policy=shfx.Stronghold(window=2),
     ...                   optimizer=shfx.optim.AdamW(lr=1e-3))
     >>> loss = cm(torch.randn(2, 8)).sum(); loss.backward(); cm.step(); cm.zero_grad()
     >>> cm.program.actions()[:4]
     ['PF0', 'PF1', 'F0', 'R0']
     """
+    moved = [k for k in kwargs if k in _POLICY_OPTIONS]
+    if moved:
+        k = moved[0]
+        raise TypeError(
+            f"shfx.compile({k}=...) is an option of the policy now: pass {_POLICY_OPTIONS[k]} "
+            "(policy-specific options live on the policy object)"
+        )
     return CompiledModel(model, **kwargs)

@@ -233,13 +233,14 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _policies_arg(text: str) -> list[str]:
-    from shfx.passes.policies import POLICIES
+    """A comma-separated list of registered policy names (``shfx.passes.policies.POLICIES``)."""
+    from shfx.passes.policies import policy_names
 
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in POLICIES]
+    bad = [n for n in names if n not in policy_names()]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of policies ({', '.join(sorted(POLICIES))}), got {text!r}"
+            f"expected a comma-separated list of policies ({', '.join(policy_names())}), got {text!r}"
         )
     return names
 
@@ -254,8 +255,7 @@ def _window_arg(text: str) -> int | str:
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
     from shfx.cost_model.hardware import PROFILES
-
-    from .compare import DEFAULT_POLICIES
+    from shfx.passes.policies import policy_names
 
     p = sub.add_parser(
         "compare",
@@ -270,7 +270,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_gpt_args(p)
-    p.add_argument("--policies", type=_policies_arg, default=",".join(DEFAULT_POLICIES), help="comma-separated, in table order")
+    p.add_argument("--policies", type=_policies_arg, default=",".join(policy_names()), help="comma-separated, in table order")
     p.add_argument("--window", type=_window_arg, default=2, help="stronghold's window: an int, or 'auto' (the tuner's choice)")
     p.add_argument("--resident-first", type=_nonneg_int, default=0, help="stronghold: first k stages resident with their optimizer")
     p.add_argument("--hardware", choices=sorted(PROFILES), default=None, help="predict for this profile; nothing runs")
@@ -333,21 +333,10 @@ def _fraction_arg(text: str) -> float:
     return v
 
 
-def _planner_policies_arg(text: str) -> list[str]:
-    from shfx.cost_model.planner import POLICY_NAMES
-
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in POLICY_NAMES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of policies ({', '.join(POLICY_NAMES)}), got {text!r}"
-        )
-    return names
-
-
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     from shfx.cost_model.hardware import PROFILES
-    from shfx.cost_model.planner import POLICY_NAMES, PRECISIONS
+    from shfx.cost_model.planner import PRECISIONS
+    from shfx.passes.policies import policy_names
 
     p = sub.add_parser(
         "plan",
@@ -375,7 +364,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd", type=_bytes_arg, default=None, help="NVMe capacity for zero-infinity's spilled optimizer states")
     p.add_argument("--emulated", action="store_true",
                    help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
-    p.add_argument("--policies", type=_planner_policies_arg, default=list(POLICY_NAMES), help="comma-separated")
+    p.add_argument("--policies", type=_policies_arg, default=list(policy_names()), help="comma-separated")
     p.add_argument("--window", type=_positive_int, default=2, help="stronghold's window")
     p.add_argument("--resident-first", type=_k_arg, default=0, help="stronghold: first k stages resident with their optimizer, or 'auto' (the k that trains the most)")
     p.add_argument("--workspace", type=_bytes_arg, default=None, help="CUDA context and workspaces (default 512MiB; 0 emulated)")

@@ -39,10 +39,7 @@ from typing import Any
 
 from shfx.passes.units import format_bytes, format_seconds
 
-__all__ = ["compare", "CompareResult", "PolicyResult", "Predicted", "Measured", "DEFAULT_POLICIES"]
-
-DEFAULT_POLICIES: tuple[str, ...] = ("resident", "l2l", "zero-offload", "zero-infinity", "stronghold")
-"""The policies :func:`compare` runs by default, in table order."""
+__all__ = ["compare", "CompareResult", "PolicyResult", "Predicted", "Measured"]
 
 
 @dataclass(frozen=True)
@@ -294,19 +291,26 @@ class CompareResult:
 # ---- building programs -----------------------------------------------------------------------
 
 
-def _policy_fn(policy: str, resident_first: int) -> Callable[..., Any]:
-    from shfx.passes.policies import get_policy, schedule_stronghold
+def _configure(policy: Any, window: int | str, resident_first: int) -> Any:
+    """A policy object from a name (or an object) with stronghold's window and k applied where
+    the policy has them."""
+    from shfx.passes.policies import make_policy
 
-    if policy == "stronghold" and resident_first:
-        return lambda specs, w: schedule_stronghold(specs, w, resident_first=resident_first)
-    return get_policy(policy)
+    pol = make_policy(policy)
+    opts = pol.options()
+    if "window" in opts and isinstance(policy, str):
+        pol = pol.replace(window=window)
+    if "resident_first" in opts and isinstance(policy, str):
+        pol = pol.replace(resident_first=resident_first)
+    return pol
 
 
-def _label(policy: str, program: Any, resident_first: int) -> str:
-    if policy != "stronghold":
-        return policy
+def _label(policy: Any, program: Any) -> str:
+    """The row's name: the policy's, with stronghold's window and k."""
+    if policy.name != "stronghold":
+        return policy.name
     k = len(program.persistent)
-    return f"stronghold W={program.num_slots - k}" + (f" k={k}" if resident_first else "")
+    return f"stronghold W={program.num_slots - k}" + (f" k={k}" if policy.resident_first else "")
 
 
 def _terms(terms: dict[str, int]) -> str:
@@ -476,7 +480,7 @@ def compare(
     seq: int,
     batch: int,
     vocab: int = 256,
-    policies: Sequence[str] = DEFAULT_POLICIES,
+    policies: Sequence[Any] | None = None,
     window: int | str = 2,
     resident_first: int = 0,
     hardware: Any = None,
@@ -492,10 +496,13 @@ def compare(
 
     Args:
         layers, hidden, heads, seq, batch, vocab: the GPT (``shfx.models.GPT``, tied embedding).
-        policies: policy names (default :data:`DEFAULT_POLICIES`), in table order.
+        policies: policy names or ``shfx.Policy`` objects, in table order (default: every
+            registered policy, :func:`shfx.passes.policies.policy_names`).
         window: stronghold's window (int), or ``"auto"``: the tuner's choice from the predicted
-            costs (``shfx.cost_model.tune.tune_window``). Other policies have a fixed slot count.
-        resident_first: stronghold's first k stages resident with their optimizer on the device.
+            costs (``shfx.cost_model.tune.tune_window``), for policies given by name; the other
+            policies have a fixed slot count.
+        resident_first: stronghold's first k stages resident with their optimizer on the device
+            (for a policy given by name).
         hardware: a profile name (``"V100-32GB-PCIe3"``) or ``shfx.cost_model.hardware.Hardware``:
             predict with the analytic model, nothing is built or run (any size).
         device: where to profile and measure (``shfx.EmulatedDevice(...)``, ``shfx.CudaDevice``,
@@ -524,18 +531,16 @@ def compare(
     from .devices import EmulatedDevice
     from .models import GPT, GPTConfig
 
-    policies = list(policies)
+    from shfx.passes.policies import policy_names
+
+    policies = list(policy_names() if policies is None else policies)
     if not policies:
         raise ValueError("policies must name at least one policy")
-    from shfx.passes.policies import POLICIES
-
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; available: {', '.join(DEFAULT_POLICIES)}")
     if isinstance(resident_first, bool) or not isinstance(resident_first, int) or resident_first < 0:
         raise ValueError(f"resident_first must be an int >= 0, got {resident_first!r}")
     if window != "auto":
         check_window(window, 1 << 30)
+    configured = [_configure(p, window, resident_first) for p in policies]
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     cfg = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)
@@ -561,8 +566,8 @@ def compare(
         device_obj = None
         family = GPTFamily(hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=vocab, layers=layers)
 
-        def memory(name: str, w: int, k: int) -> Any:
-            return memory_model(name, family, hw, window=w, resident_first=k)
+        def memory(policy: Any) -> Any:
+            return memory_model(policy, family, hw)
     else:
         device_obj = _resolve_device(device)
         params = cfg.num_params()
@@ -585,27 +590,23 @@ def compare(
         where, source = str(device_obj), costs.source
         target = as_target(device_obj) if isinstance(device_obj, EmulatedDevice) else Target(where, capacity)
 
-        def memory(name: str, w: int, k: int) -> Any:
-            return memory_for_model(name, None, (), target, window=w, resident_first=k, graph=graph)
+        def memory(policy: Any) -> Any:
+            return memory_for_model(policy, None, (), target, graph=graph)
 
     rows: list[PolicyResult] = []
     programs: dict[str, Any] = {}
-    for name in policies:
-        k = resident_first if name == "stronghold" else 0
-        make = _policy_fn(name, k)
-        w = window
-        if name == "stronghold" and window == "auto":
-            w, why = _auto_window(specs, costs, make, capacity, reserve, k)
+    for pol in configured:
+        if pol.auto:
+            pol, why = _auto_window(specs, costs, pol, capacity, reserve)
             if why:
-                notes.append(f"stronghold: {why}")
-        w = w if isinstance(w, int) else 1
-        program = make(specs, w)
-        row = PolicyResult(name, _label(name, program, k), program.num_slots)
+                notes.append(f"{pol.name}: {why}")
+        program = pol.program(specs)
+        row = PolicyResult(pol.name, _label(pol, program), program.num_slots)
         row.predicted = _predict(
-            program, costs, memory(name, w, k), reserve_bytes=reserve, capacity_bytes=capacity, host_capacity_bytes=host_capacity
+            program, costs, memory(pol), reserve_bytes=reserve, capacity_bytes=capacity, host_capacity_bytes=host_capacity
         )
         rows.append(row)
-        programs[row.label] = (name, k, w)
+        programs[row.label] = pol
     if measure:
         _measure(rows, programs, device_obj, cfg, make_inputs, lr, seed, steps, warmup, interleave)
     return CompareResult(
@@ -623,15 +624,15 @@ def compare(
     )
 
 
-def _auto_window(specs, costs, make, capacity, reserve, k) -> tuple[int, str]:
+def _auto_window(specs, costs, policy, capacity, reserve) -> tuple[Any, str]:
+    """The tuner's choice for ``policy``'s ``"auto"`` fields from the predicted costs."""
     from shfx.cost_model.tune import NoWindowFits, tune_window
 
-    n = max(1, len(specs) - k)
     try:
-        t = tune_window(specs, costs, capacity_bytes=capacity, reserve_bytes=reserve, policy=make, windows=range(1, n + 1))
+        t = tune_window(specs, costs, capacity_bytes=capacity, reserve_bytes=reserve, policy=policy)
     except NoWindowFits:
-        return 1, "no window fits the device; showing W=1"
-    return t.window, f"window {t.window} chosen by the tuner"
+        return policy.replace(window=1, **({"resident_first": 0} if policy.resident_first == "auto" else {})), "no window fits the device; showing W=1"
+    return t.policy, f"window {t.window} chosen by the tuner"
 
 
 def _profile(device: Any, cfg: Any, make_inputs: Callable, lr: float, seed: int) -> tuple[Any, Any]:
@@ -646,7 +647,7 @@ def _profile(device: Any, cfg: Any, make_inputs: Callable, lr: float, seed: int)
     from .profiler import profile_costs
 
     torch.manual_seed(seed)
-    cm = shfx.compile(GPT(cfg), device=_unbudgeted(device), window=2, optimizer=shfx.optim.AdamW(lr=lr))
+    cm = shfx.compile(GPT(cfg), device=_unbudgeted(device), policy=shfx.Stronghold(window=2), optimizer=shfx.optim.AdamW(lr=lr))
     try:
         x, y = make_inputs()
         cm(x, y).backward()
@@ -672,12 +673,9 @@ def _measure(rows, programs, device, cfg, make_inputs, lr, seed, steps, warmup, 
     x, y = make_inputs()
 
     def start(row: PolicyResult) -> _Run | None:
-        name, k, w = programs[row.label]
         torch.manual_seed(seed)
         try:
-            cm = shfx.compile(
-                GPT(cfg), device=device, policy=name, window=w, resident_first=k, optimizer=shfx.optim.AdamW(lr=lr)
-            )
+            cm = shfx.compile(GPT(cfg), device=device, policy=programs[row.label], optimizer=shfx.optim.AdamW(lr=lr))
         except OutOfDeviceMemory as e:
             row.measure_error = str(e)
             return None

@@ -29,9 +29,10 @@ import torch
 from shfx.cost_model.costs import CostTable, Links, StageCost
 from shfx.passes.meta import get_meta
 from shfx.passes.program import ActionKind
-from shfx.passes.schedule import cold_backward_program, eval_program, schedule_window
+from shfx.passes.pipeline import Variant, with_policy
+from shfx.passes.policies import Stronghold
 
-from .runtime.engine import Engine, Variant
+from .runtime.engine import Engine
 from .runtime.host_store import GRAD_NONE, GRAD_VALID
 
 __all__ = ["profile_costs", "measure_links", "clear_cache"]
@@ -186,8 +187,8 @@ def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], 
     if cache and key in _CACHE:
         return _CACHE[key]
     specs = variant.graph.specs
-    program = schedule_window(specs, 1)
-    probe = Variant(variant.signature, variant.captured, variant.graph, program, eval_program(program), cold_backward_program(program))
+    probe = with_policy(variant, Stronghold(window=1))
+    program = probe.train
     if engine.pending_updates:
         raise RuntimeError("cannot profile while an optimizer update is pending; call cm.step() first")
     snap = _Snapshot(engine, variant)
@@ -225,8 +226,7 @@ def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], 
         # compute costs come from pipelined steps of the window-2 program (no update), the
         # serialized step above giving the phase gap. Measured with the device's real links.
         if emulated and len(specs) > 1:
-            piped = schedule_window(specs, 2)
-            pipe_v = Variant(variant.signature, variant.captured, variant.graph, piped, eval_program(piped), cold_backward_program(piped))
+            pipe_v = with_policy(variant, Stronghold(window=2))
             engine.ensure_pool(pipe_v.slot_sizes)
             for _ in range(2 * repeats + 1):  # more steps: the median rides out short bursts of other load
                 outs, ctx = engine.forward(pipe_v, inputs, grad=True)

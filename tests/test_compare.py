@@ -10,7 +10,7 @@ import torch
 
 import shfx
 from shfx.cli import main
-from shfx.compare import DEFAULT_POLICIES
+from shfx.passes.policies import policy_names
 
 TINY = dict(layers=2, hidden=32, heads=2, seq=16, batch=2)
 
@@ -32,7 +32,7 @@ def all_fit(_one_thread):
 
 def test_every_policy_predicted_and_measured(all_fit):
     res = all_fit
-    assert [r.policy for r in res.rows] == list(DEFAULT_POLICIES)
+    assert [r.policy for r in res.rows] == list(policy_names())
     for r in res.rows:
         p, m = r.predicted, r.measured
         assert r.fits and r.reason is None and r.measure_error is None, r.label
@@ -111,4 +111,4 @@ def test_hardware_path_predicts_without_building_weights(monkeypatch, capsys):
     assert main(["compare", "--layers", "4", "--hidden", "256", "--heads", "4", "--hardware", "A100-80GB-PCIe4",
                  "--csv", "-"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("policy,") and len(lines) == 1 + len(DEFAULT_POLICIES)
+    assert lines[0].startswith("policy,") and len(lines) == 1 + len(policy_names())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from shfx.cost_model.depth import DepthModel, policy_program
+from shfx.cost_model.depth import DepthModel
+from shfx.passes.policies import policy_program
 from shfx.passes.meta import get_meta
 from shfx.passes.program import ActionKind
 from shfx.models.gpt import GPT, GPTConfig

@@ -15,11 +15,10 @@ import torch.nn.functional as F
 import shfx
 from shfx.cost_model.analytic import repeat_blocks
 from shfx.cost_model.hardware import PROFILES, get_profile
+from shfx.passes.policies import make_policy, policy_names, policy_program
 from shfx.cost_model.planner import (
-    POLICY_NAMES,
     GPTFamily,
     Target,
-    _policy_program,
     largest_trainable,
     memory_for_model,
     memory_model,
@@ -97,7 +96,7 @@ def test_reference_plan():
 
 def test_monotone():
     kinds = ("hidden", "seq", "batch", "vocab")
-    for pol in POLICY_NAMES:
+    for pol in policy_names():
         base = memory_model(pol, REF.with_layers(40), V100)
         for k in kinds:
             bigger = memory_model(pol, replace(REF, layers=40, **{k: getattr(REF, k) * 2}), V100)
@@ -179,7 +178,7 @@ def template():
 
 
 def _program_layout(policy, specs, window, k):
-    train = _policy_program(policy, specs, window, k)
+    train = policy_program(policy, specs, window, k)
     progs = (train, eval_program(train), cold_backward_program(train))
     n = max(p.num_slots for p in progs)
     slots = tuple(max((p.slot_sizes()[j] if j < p.num_slots else 0) for p in progs) for j in range(n))
@@ -191,7 +190,7 @@ def test_layout_matches_programs(template):
     for fam, graph in template.items():
         for L in range(1, 9):
             specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
-            for policy in POLICY_NAMES:
+            for policy in policy_names():
                 for window in (1, 2, 3, 4) if policy == "stronghold" else (2,):
                     for k in (0, 1, 2, 3) if policy == "stronghold" else (0,):
                         bd = memory_model(policy, fam.with_layers(L), EMU, window=window, resident_first=k)
@@ -204,7 +203,7 @@ def test_memory_for_model_matches_family(template):
     """The generic path (real stages, programs, boundary values replayed) equals the GPT closed form."""
     fam = SMALL.with_layers(2)
     graph = template[SMALL]
-    for policy, kw in [(p, {}) for p in POLICY_NAMES] + [("stronghold", {"resident_first": 1, "window": 3})]:
+    for policy, kw in [(p, {}) for p in policy_names()] + [("stronghold", {"resident_first": 1, "window": 3})]:
         want = memory_model(policy, fam, EMU, **kw)
         got = memory_for_model(policy, None, (), EMU, graph=graph, **kw)
         assert got.device == want.device, policy
@@ -251,7 +250,7 @@ def _train(policy: str, fam: GPTFamily, device: shfx.EmulatedDevice, steps: int 
     device peak and the host bytes."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=fam.vocab, block_size=fam.seq, n_layer=fam.layers, n_head=fam.heads, n_embd=fam.hidden)
-    cm = shfx.compile(GPT(cfg), device=device, policy=policy, optimizer=shfx.optim.AdamW(), **kw)
+    cm = shfx.compile(GPT(cfg), device=device, policy=make_policy(policy, **kw), optimizer=shfx.optim.AdamW())
     try:
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
@@ -312,13 +311,13 @@ def test_plan_for_model(template):
 def test_plan_exports(tmp_path):
     p = plan(SMALL, shfx.EmulatedDevice(memory="300KiB"))
     text = str(p)
-    for pol in POLICY_NAMES:
+    for pol in policy_names():
         assert pol in text
     d = p.to_dict()
     assert json.loads(json.dumps(d))["rows"][4]["policy"] == "stronghold"
     assert d["hardware"]["emulated"] and d["settings"]["workspace_bytes"] == 0
     rows = list(csv.DictReader(open(p.to_csv(tmp_path / "plan.csv"))))
-    assert [r["policy"] for r in rows] == list(POLICY_NAMES)
+    assert [r["policy"] for r in rows] == list(policy_names())
     r = rows[4]
     terms = sum(int(v) for k, v in r.items() if k.startswith("device:"))
     assert terms == int(r["device_bytes"]) == p.row("stronghold").breakdown.device_total

@@ -9,34 +9,34 @@ from zoo import ZOO, gpt_tied, token_batch
 
 import shfx
 from shfx.passes.program import ActionKind
-from shfx.passes.policies import POLICIES, schedule_l2l, schedule_resident, schedule_stronghold, schedule_zero_infinity, schedule_zero_offload
+from shfx.passes.policies import make_policy, schedule_l2l, schedule_resident, schedule_stronghold, schedule_zero_infinity, schedule_zero_offload
 from shfx.passes.schedule import cold_backward_program, eval_program
 from shfx.passes.stages import chain
 from shfx.passes.verify import verify_program
 
 CASES = [
-    ("resident", {}),
-    ("l2l", {}),
-    ("zero-offload", {}),
-    ("zero-infinity", {}),
-    ("stronghold", {"resident_first": 1}),
-    ("stronghold", {"resident_first": 2}),
+    ("resident", shfx.Resident()),
+    ("l2l", shfx.L2L()),
+    ("zero-offload", shfx.ZeroOffload()),
+    ("zero-infinity", shfx.ZeroInfinity()),
+    ("stronghold", shfx.Stronghold(window=2, resident_first=1)),
+    ("stronghold", shfx.Stronghold(window=2, resident_first=2)),
 ]
 
 
-@pytest.mark.parametrize("policy,kw", CASES, ids=[f"{p}{kw.get('resident_first', '')}" for p, kw in CASES])
+@pytest.mark.parametrize("policy,pol", CASES, ids=[f"{p}{getattr(q, 'resident_first', '')}" for p, q in CASES])
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_policy_trains_like_eager(name, policy, kw):
+def test_policy_trains_like_eager(name, policy, pol):
     make_model, make_batch = ZOO[name]
-    _, _, cm, model, ref = assert_trains_like_eager(make_model, make_batch, window=2, steps=4, policy=policy, **kw)
+    _, _, cm, model, ref = assert_trains_like_eager(make_model, make_batch, window=None, steps=4, policy=pol)
     assert policy in cm.program.name
     cm.close()
     assert_same_state(model, ref)  # close() copied device-updated weights back
 
 
-@pytest.mark.parametrize("policy,kw", [("resident", {}), ("zero-offload", {}), ("stronghold", {"resident_first": 2})])
-def test_policy_gradient_accumulation(policy, kw):
-    _, _, cm, _, _ = assert_trains_like_eager(gpt_tied, token_batch, window=2, steps=3, accum=3, policy=policy, **kw)
+@pytest.mark.parametrize("policy", [shfx.Resident(), shfx.ZeroOffload(), shfx.Stronghold(window=2, resident_first=2)])
+def test_policy_gradient_accumulation(policy):
+    _, _, cm, _, _ = assert_trains_like_eager(gpt_tied, token_batch, window=None, steps=3, accum=3, policy=policy)
     cm.close()
 
 
@@ -76,10 +76,17 @@ def test_resident_state_dict_syncs_device_weights():
 
 
 def test_resident_first_validation():
-    with pytest.raises(ValueError, match="refinement of the 'stronghold' policy"):
-        shfx.compile(gpt_tied(), policy="resident", resident_first=1)
+    with pytest.raises(ValueError, match="policy 'resident' has no option resident_first"):
+        make_policy("resident", resident_first=1)
     with pytest.raises(ValueError, match="resident_first must be"):
-        shfx.compile(gpt_tied(), resident_first=-1)
+        shfx.Stronghold(resident_first=-1)
+    # policy options live on the policy object: shfx.compile says where
+    with pytest.raises(TypeError, match=r"option of the policy now: pass policy=shfx.Stronghold\(window=2, resident_first=1\)"):
+        shfx.compile(gpt_tied(), resident_first=1)
+    with pytest.raises(ValueError, match="policy 'resident' has no window"):
+        shfx.compile(gpt_tied(), policy="resident", window=2)
+    with pytest.raises(ValueError, match="disagrees with Stronghold"):
+        shfx.compile(gpt_tied(), policy=shfx.Stronghold(window=3), window=2)
 
 
 GOLDEN = {
@@ -93,7 +100,7 @@ GOLDEN = {
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_golden_policy_programs(name):
-    p = POLICIES[name](chain(4), 2)
+    p = make_policy(name, **({"window": 2} if name == "stronghold" else {})).program(chain(4))
     assert " ".join(p.actions()) == GOLDEN[name]
     verify_program(p, "train")
     verify_program(eval_program(p), "eval")
@@ -138,7 +145,7 @@ def test_resident_first_auto_tunes_k_and_trains_like_eager():
     """resident_first="auto": the tuner simulates every (k, W) pair; the chosen program trains
     exactly like eager and the report says which k and why."""
     _, _, cm, model, ref = assert_trains_like_eager(
-        gpt_tied, token_batch, window="auto", steps=3, resident_first="auto",
+        gpt_tied, token_batch, window=None, steps=3, policy=shfx.Stronghold(window="auto", resident_first="auto"),
         device=shfx.EmulatedDevice(memory="256MiB", h2d="50MB/s", d2h="50MB/s"),
     )  # fmt: skip
     rep = cm.report()
@@ -213,7 +220,7 @@ def test_zero_offload_delayed_update_matches_eager_delayed(name):
     ref = copy.deepcopy(model)
     plain = copy.deepcopy(model)
     cm = shfx.compile(
-        model, device=shfx.EmulatedDevice(memory="256MiB"), policy="zero-offload", delayed_update=True,
+        model, device=shfx.EmulatedDevice(memory="256MiB"), policy=shfx.ZeroOffload(delayed_update=True),
         optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01),
     )  # fmt: skip
     losses = []
@@ -252,7 +259,7 @@ def test_delayed_update_state_dict_waits_without_moving_the_device():
     torch.manual_seed(0)
     model = gpt_tied()
     ref = copy.deepcopy(model)
-    cm = shfx.compile(model, device=shfx.EmulatedDevice(), policy="zero-offload", delayed_update=True, optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01))
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(), policy=shfx.ZeroOffload(delayed_update=True), optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01))
     (x, y), _, _ = token_batch(0)
     losses = []
     for step in range(3):
@@ -273,7 +280,9 @@ def test_delayed_update_state_dict_waits_without_moving_the_device():
 
 
 def test_delayed_update_needs_zero_offload():
-    with pytest.raises(ValueError, match="needs policy='zero-offload'"):
+    with pytest.raises(ValueError, match="policy 'stronghold' has no option delayed_update"):
+        make_policy("stronghold", delayed_update=True)
+    with pytest.raises(TypeError, match=r"pass policy=shfx.ZeroOffload\(delayed_update=True\)"):
         shfx.compile(gpt_tied(), policy="stronghold", delayed_update=True)
 
 

@@ -486,11 +486,11 @@ def test_zero_offload_refresh_is_a_copy_not_a_new_resident_stage():
 def test_policies_order_when_link_bound():
     """Same model, slow link: stronghold (overlapped window, host updates during the backward)
     beats zero-infinity (lookahead 1, updates after the backward) and l2l (serial, both ways)."""
-    from shfx.passes.policies import POLICIES
+    from shfx.passes.policies import policy_names, policy_program
 
     specs = chain(8, prefetch_bytes=2000, grad_bytes=2000)
     costs = CostTable([StageCost(1.0, 3.0, update_s=1.0, device_update_s=0.1)] * 8, Links(1000.0, 1000.0))
-    t = {name: simulate(fn(specs, 3), costs).step_s for name, fn in POLICIES.items()}
+    t = {name: simulate(policy_program(name, specs, 3), costs).step_s for name in policy_names()}
     assert t["stronghold"] < t["zero-infinity"] < t["l2l"]
     assert t["resident"] < t["stronghold"]
 

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from shfx.cost_model.depth import DepthModel  # noqa: E402
 from shfx.cost_model.hardware import PROFILES, Hardware, get_profile  # noqa: E402
 from shfx.cost_model.planner import GPTFamily, Target, largest_trainable, memory_model  # noqa: E402
+from shfx.passes.policies import make_policy, policy_names  # noqa: E402
 from shfx.passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes  # noqa: E402
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 OUT = ROOT / "examples" / "out" / "paper"
-POLICIES: tuple[str, ...] = ("resident", "l2l", "zero-offload", "zero-infinity", "stronghold")
+POLICIES: tuple[str, ...] = policy_names()  # the registry's order: the baselines, then stronghold
 BASELINES: tuple[str, ...] = POLICIES[:-1]
 PAPER_NAME = {
     "resident": "Megatron-LM",
@@ -127,6 +128,12 @@ class Setup:
     def kw(self, policy: str) -> dict[str, int]:
         """window / resident_first for ``policy`` (only stronghold takes them)."""
         return {"window": self.window, "resident_first": self.resident_first if policy == "stronghold" else 0}
+
+    def policy(self, name: str):
+        """The policy object of ``name`` with this setup's window and k (only stronghold takes them)."""
+        if name != "stronghold":
+            return make_policy(name)
+        return make_policy(name, window=self.window, resident_first=self.resident_first)
 
     def label(self, policy: str) -> str:
         if policy != "stronghold":
@@ -424,11 +431,8 @@ class _Trial:
         torch.manual_seed(0)
         self.x = torch.randint(0, f.vocab, (f.batch, f.seq))
         self.y = torch.randint(0, f.vocab, (f.batch, f.seq))
-        kw = setup.kw(policy)
-        if policy != "stronghold":
-            kw.pop("resident_first")
-        self.cm = shfx.compile(GPT(gpt_config(f, layers)), device=setup.device, policy=policy,
-                               optimizer=shfx.optim.AdamW(lr=1e-4), **kw)
+        self.cm = shfx.compile(GPT(gpt_config(f, layers)), device=setup.device, policy=setup.policy(policy),
+                               optimizer=shfx.optim.AdamW(lr=1e-4))
         self.counter = _count_host_allocations(self.cm)
         self.failed: Run | None = None
         self.times: list[float] = []

@@ -25,6 +25,7 @@ import torch.fx as fx
 from shfx.passes.capture import Captured, InputSignature
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage, StageGraph
+from shfx.passes.pipeline import Variant
 from shfx.passes.actions import KINDS
 from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
 from shfx.passes.units import format_bytes
@@ -37,47 +38,12 @@ from .host_store import GRAD_NONE, GRAD_VALID, HostStore
 from .slots import SlotPool
 from .streams import DependencyFailed, DoneToken, JoinToken, Token
 
-__all__ = ["Engine", "Variant", "StepContext", "TraceEvent"]
+__all__ = ["Engine", "StepContext", "TraceEvent"]
 
 # A forward longer than this recomputes with early stop (benchmarks/overhead.py on 2 CPU cores:
 # early stop saved 3% on stages of ~8 ms and cost 23% on stages of ~0.5 ms).
 _EARLY_STOP_MIN_S = 2e-3
 
-
-
-@dataclass
-class Variant:
-    """Everything compiled for one input signature."""
-
-    signature: InputSignature
-    captured: Captured
-    graph: StageGraph
-    train: Program
-    eval: Program
-    cold: Program
-
-    @functools.cached_property
-    def device_groups(self) -> frozenset[int]:
-        """Groups updated on the device by this variant's programs."""
-        return frozenset(self.train.device_groups())
-
-    @functools.cached_property
-    def owner_of(self) -> dict[int, int]:
-        """Group -> the stage that owns it (its update's stage)."""
-        return {st.spec.update_group: st.index for st in self.graph.stages if st.spec.update_group is not None}
-
-    @functools.cached_property
-    def grad_buffer_sizes(self) -> list[int]:
-        progs = (self.train, self.eval, self.cold)
-        n = max(p.num_slots for p in progs)
-        return [max((p.grad_buffer_sizes()[k] if k < p.num_slots else 0) for p in progs) for k in range(n)]
-
-    @functools.cached_property
-    def slot_sizes(self) -> list[int]:
-        """Bytes per slot that any of the variant's programs needs."""
-        progs = (self.train, self.eval, self.cold)
-        n = max(p.num_slots for p in progs)
-        return [max((p.slot_sizes()[k] if k < p.num_slots else 0) for p in progs) for k in range(n)]
 
 
 @dataclass(frozen=True)

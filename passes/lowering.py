@@ -1,0 +1,244 @@
+"""Lowering passes: small list-to-list functions that turn a compute order into a policy's
+action order, one kind of action each (in the style of ``torch.distributed.pipelining``).
+
+A policy (:mod:`shfx.passes.policies`) is lowered by running, in this order:
+
+1. :func:`compute_order` - ``F0 .. F(n-1)``, then ``B(n-1) .. B0``;
+2. :func:`add_buffer_offloads` - ``OB s`` after the forward of a stage that mutates buffers;
+3. :func:`add_grad_offloads` - ``OG s`` after the backward of a stage sending gradients to a
+   group updated on the host;
+4. :func:`add_updates_in_backward` - ``U g`` / ``DU g`` as soon as group ``g``'s last
+   gradient contribution is in (policies updating during the backward);
+5. :func:`add_param_copyback` - ``OP s`` after the device update of a streamed stage's group;
+6. :func:`add_prefetch_release` - ``PF`` / ``R`` of the streamed stages through a window of slots;
+7. :func:`add_updates_after_backward` - every host update at the end (policies updating after
+   the backward);
+8. :func:`add_refresh` - ``PF`` of every persistent stage after the host updates (their slots
+   are refreshed with the new weights).
+
+Each pass inserts its actions at the end of the *trailer* of the compute action they belong
+to: the actions between that ``F``/``B`` and the next compute action. Then
+:func:`shfx.passes.program.lower_actions` adds the dependency edges and slots.
+
+>>> from shfx.passes.stages import chain
+>>> acts = compute_order(chain(3))
+>>> acts = add_grad_offloads(acts, chain(3), frozenset())
+>>> " ".join(map(str, add_prefetch_release(acts, chain(3), streamed=(0, 1, 2), slots=2, keep=2)))
+'PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .actions import B, DU, F, OB, OG, OP, PF, R, U, Action, ActionKind
+from .program import ScheduleError
+from .stages import StageSpec
+
+__all__ = [
+    "check_window",
+    "checked_stages",
+    "compute_order",
+    "add_buffer_offloads",
+    "add_grad_offloads",
+    "add_updates_in_backward",
+    "add_param_copyback",
+    "add_prefetch_release",
+    "add_updates_after_backward",
+    "add_refresh",
+    "last_contributors",
+]
+
+_COMPUTE = (F, B)
+
+
+def check_window(window: object, num_stages: int) -> int:
+    """Validate a window and clamp it to the number of stages (W > stages means all resident)."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise ValueError(
+            f"window must be an int >= 1 (the number of stages resident on the device at once), got {window!r}"
+        )
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (stages resident on the device at once), got {window}")
+    return min(window, num_stages)
+
+
+def checked_stages(stages: Sequence[StageSpec]) -> list[StageSpec]:
+    """The stage specs as a list, checked to be indexed ``0..n-1`` in order."""
+    stages = list(stages)
+    if not stages:
+        raise ScheduleError("a program needs at least one stage")
+    for i, s in enumerate(stages):
+        if s.index != i:
+            raise ScheduleError(f"stage specs must be indexed 0..n-1 in order; position {i} holds stage {s.index}")
+    return stages
+
+
+def last_contributors(stages: Sequence[StageSpec], backward_order: Sequence[int]) -> dict[int, list[int]]:
+    """Stage index -> the trainable groups whose last gradient contribution (in
+    ``backward_order``) comes from that stage's backward."""
+    last: dict[int, int] = {}
+    for s in backward_order:
+        for g in stages[s].grad_groups:
+            last[g] = s  # later in backward order overwrites: the last one wins
+    owned = {st.update_group for st in stages if st.update_group is not None}
+    out: dict[int, list[int]] = {}
+    for g, s in last.items():
+        if g in owned:
+            out.setdefault(s, []).append(g)
+    return {s: sorted(gs) for s, gs in out.items()}
+
+
+def _trailer_end(acts: Sequence[Action], i: int) -> int:
+    """The position after the trailer of the compute action at ``i``: the next compute action
+    (or the end)."""
+    j = i + 1
+    while j < len(acts) and acts[j].kind not in _COMPUTE:
+        j += 1
+    return j
+
+
+def _insert_after(acts: Sequence[Action], kind: ActionKind, extra: dict[int, list[Action]]) -> list[Action]:
+    """Insert ``extra[s]`` at the end of the trailer of ``kind`` on stage ``s``."""
+    out: list[Action] = []
+    pending: list[Action] = []
+    for a in acts:
+        if a.kind in _COMPUTE:
+            out += pending
+            pending = []
+        out.append(a)
+        if a.kind == kind:
+            pending = list(extra.get(a.stage, []))
+    return out + pending
+
+
+def compute_order(stages: Sequence[StageSpec]) -> list[Action]:
+    """Given the stages, the compute order of one training step: every forward in stage order,
+    then every backward in reverse."""
+    n = len(checked_stages(stages))
+    return [Action(F, i) for i in range(n)] + [Action(B, i) for i in range(n - 1, -1, -1)]
+
+
+def add_buffer_offloads(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:
+    """Given an action order, add ``OB s`` right after ``F s`` of each stage whose forward
+    mutates buffers (BatchNorm statistics go back to the host once per forward)."""
+    return _insert_after(acts, F, {s.index: [Action(OB, s.index)] for s in stages if s.mutates_buffers})
+
+
+def add_grad_offloads(acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int]) -> list[Action]:
+    """Given an action order and the groups updated on the device, add ``OG s`` after ``B s``
+    of each stage that sends gradients to a group updated on the host."""
+    sends = {s.index: [Action(OG, s.index)] for s in stages if s.has_grads and set(s.grad_groups) - device_groups}
+    return _insert_after(acts, B, sends)
+
+
+def add_updates_in_backward(acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int]) -> list[Action]:
+    """Given an action order, add each group's update where its gradients are complete: after
+    the trailer of its last contributor's ``B`` (its ``OG`` included), ``U g`` for groups
+    updated on the host, then ``DU g`` for groups updated on the device."""
+    order = [a.stage for a in acts if a.kind == B]
+    ups = {
+        s: [Action(U, g) for g in gs if g not in device_groups] + [Action(DU, g) for g in gs if g in device_groups]
+        for s, gs in last_contributors(stages, order).items()
+    }
+    return _insert_after(acts, B, ups)
+
+
+def add_param_copyback(
+    acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int], persistent: Sequence[int], policy: str = "policy"
+) -> list[Action]:
+    """Given an action order with device updates, add ``OP s`` after ``DU g`` when stage ``s``
+    owns ``g`` and is streamed (not persistent): its updated parameters go back to the host
+    before its slot is released. The update must then run while ``s`` is resident, so ``s``
+    must be its group's last gradient contributor."""
+    order = [a.stage for a in acts if a.kind == B]
+    last = {g: s for s, gs in last_contributors(stages, order).items() for g in gs}
+    owner = {st.update_group: st.index for st in stages if st.update_group is not None}
+    copy: dict[int, list[Action]] = {}
+    for g in sorted(device_groups):
+        s = owner.get(g)
+        if s is None or s in persistent:
+            continue
+        if last.get(g) != s:
+            raise ScheduleError(
+                f"{policy}: stage {s}'s group {g} also gets gradients from an earlier stage, so it cannot be updated "
+                f"while the stage is resident; {policy} needs each group's owner to be its last contributor"
+            )
+        copy[g] = [Action(OP, s)]
+    return _insert_after(acts, DU, copy)
+
+
+def add_prefetch_release(
+    acts: Sequence[Action], stages: Sequence[StageSpec], *, streamed: Sequence[int], slots: int, keep: int
+) -> list[Action]:
+    """Given an action order and the stages that stream through ``slots`` slots, add their
+    ``PF`` and ``R``.
+
+    Each compute action on a streamed stage is one *residency*, except that the forward and the
+    backward of the last ``keep`` streamed stages of the forward form one: they stay resident for
+    the start of the backward, as STRONGHOLD keeps its window (``keep=0``: every stage is
+    fetched again for its backward, as ZeRO-Infinity does). Residencies are prefetched in the
+    order of their first use, each as soon as a slot is free and its stage is not resident any
+    more, the first ones at the very start; a residency is released at the end of the trailer
+    of its last use."""
+    stream = set(streamed)
+    if not stream:
+        return list(acts)
+    if slots < 1:
+        raise ScheduleError(f"{len(stream)} streamed stages need at least one slot, got {slots}")
+    uses = [(i, a.stage) for i, a in enumerate(acts) if a.kind in _COMPUTE and a.stage in stream]
+    fwd = [s for i, s in uses if acts[i].kind == F]
+    kept = set(fwd[len(fwd) - keep :]) if keep > 0 else set()
+    res: list[tuple[int, int]] = []  # (stage, position of its last use), in order of first use
+    merged_into: dict[int, int] = {}  # kept stage -> its residency
+    for i, s in uses:
+        if acts[i].kind == B and s in merged_into:
+            r = merged_into.pop(s)
+            res[r] = (s, i)
+            continue
+        if acts[i].kind == F and s in kept:
+            merged_into[s] = len(res)
+        res.append((s, i))
+    ends: dict[int, list[int]] = {}  # position of a last use -> residencies ending there
+    for r, (_, last) in enumerate(res):
+        ends.setdefault(last, []).append(r)
+    queue = list(range(len(res)))
+    resident: set[int] = set()
+    free = slots
+
+    def release(done: list[int]) -> list[Action]:
+        nonlocal free
+        out = []
+        for r in done:
+            resident.discard(res[r][0])
+            free += 1
+            out.append(Action(R, res[r][0]))
+        while queue and free and res[queue[0]][0] not in resident:
+            s = res[queue.pop(0)][0]
+            resident.add(s)
+            free -= 1
+            out.append(Action(PF, s))
+        return out
+
+    out = release([])
+    done: list[int] = []
+    for i, a in enumerate(acts):
+        if a.kind in _COMPUTE and done:
+            out += release(done)
+            done = []
+        out.append(a)
+        done += ends.get(i, [])
+    return out + release(done)
+
+
+def add_updates_after_backward(acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int]) -> list[Action]:
+    """Given an action order, append ``U g`` for every trainable group updated on the host, in
+    group order (policies whose host updates run after the whole backward)."""
+    groups = sorted({s.update_group for s in stages if s.update_group is not None} - set(device_groups))
+    return list(acts) + [Action(U, g) for g in groups]
+
+
+def add_refresh(acts: Sequence[Action], persistent: Sequence[int]) -> list[Action]:
+    """Given an action order ending with host updates, append ``PF s`` for every persistent
+    stage: its slot is refreshed with the weights the host optimizer wrote."""
+    return list(acts) + [Action(PF, s) for s in persistent]

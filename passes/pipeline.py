@@ -1,0 +1,209 @@
+"""The compile pipeline: a module, example inputs and options in, the compiled artefact out.
+
+::
+
+    nn.Module + example inputs
+      │ capture          shfx.passes.capture.capture_model: torch.export training IR, one FX graph
+      │ partition        shfx.passes.partition.partition_stages: stages, host groups, slot layouts
+      │ retarget         shfx.passes.retarget.retarget_device (only for a device other than the CPU)
+      │ choose           "auto" options of the policy resolved by the caller's chooser (the tuner)
+      │ lower            shfx.passes.policies.lower_policy: the train program
+      │ derive           shfx.passes.schedule: the inference program and the cold backward
+      ▼ verify           shfx.passes.verify.verify_program on each program (or after every pass)
+    Variant
+
+``shfx.compile`` (one :class:`Variant` per input signature), the profiler (probe programs of
+the same stages), the planner's ``memory_for_model`` and ``shfx.compare`` all build through
+here. :func:`compile_variant` runs everything; :func:`with_policy` re-lowers an existing
+variant's stages with another policy (no new capture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .capture import Captured, InputSignature, capture_model
+from .layout import Group
+from .lowering import check_window, checked_stages
+from .partition import StageGraph, partition_stages
+from .policies import Policy, resolve_policy
+from .program import Program, ScheduleError
+from .schedule import cold_backward_program, eval_program
+from .stages import StageSpec
+from .verify import verify_program
+
+__all__ = ["PipelineOptions", "Variant", "compile_variant", "with_policy", "build_programs"]
+
+Chooser = Callable[[Captured, StageGraph, Policy], Policy]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the pipeline needs to know, validated once.
+
+    Attributes:
+        policy: a :class:`~shfx.passes.policies.Policy` (its ``"auto"`` fields are resolved by
+            a chooser), a registered name, or a function ``(stage_specs, window) -> Program``;
+            after validation always a Policy (:func:`~shfx.passes.policies.resolve_policy`).
+        window: the window, for a policy that has one (an int, or ``"auto"``: the tuner's).
+        blocks, num_stages: how to partition (:func:`~shfx.passes.partition.partition_stages`).
+        verify: check every program's invariants before it runs.
+        verify_each_pass: check after every pass (the stage specs after partitioning, each
+            program as soon as it is built), so a broken invariant names the pass.
+        device: the device the stage graphs run on (``"cuda:0"``); None: the CPU (also the
+            emulated device).
+    """
+
+    policy: Any = "stronghold"
+    window: int | str | None = None
+    blocks: Any = None
+    num_stages: int | None = None
+    verify: bool = True
+    verify_each_pass: bool = False
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, str) and self.window != "auto":
+            raise ValueError(f"window must be an int >= 1 or 'auto', got {self.window!r}")
+        if self.window is not None and self.window != "auto":
+            check_window(self.window, 1 << 30)
+        object.__setattr__(self, "policy", resolve_policy(self.policy, self.window))
+        if self.num_stages is not None and (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1):
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        for name in ("verify", "verify_each_pass"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+@dataclass
+class Variant:
+    """Everything compiled for one input signature: the capture, the stages and the programs.
+
+    Attributes:
+        signature: the input signature it was captured for.
+        captured: the capture (FX graph, parameters, buffers, output structure).
+        graph: the partitioned model.
+        policy: the policy the programs were lowered from (its ``"auto"`` fields chosen), or the
+            user's function.
+        train, eval, cold: the training step, the inference forward and the cold backward.
+        passes: the passes that built it, in order (provenance).
+    """
+
+    signature: InputSignature | None
+    captured: Captured | None
+    graph: StageGraph
+    policy: Any
+    train: Program
+    eval: Program
+    cold: Program
+    passes: tuple[str, ...] = field(default=())
+
+    @property
+    def programs(self) -> tuple[Program, Program, Program]:
+        return (self.train, self.eval, self.cold)
+
+    @functools.cached_property
+    def device_groups(self) -> frozenset[int]:
+        """Groups updated on the device by this variant's programs."""
+        return frozenset(self.train.device_groups())
+
+    @functools.cached_property
+    def owner_of(self) -> dict[int, int]:
+        """Group -> the stage that owns it (its update's stage)."""
+        return {st.spec.update_group: st.index for st in self.graph.stages if st.spec.update_group is not None}
+
+    @functools.cached_property
+    def grad_buffer_sizes(self) -> list[int]:
+        n = max(p.num_slots for p in self.programs)
+        return [max((p.grad_buffer_sizes()[k] if k < p.num_slots else 0) for p in self.programs) for k in range(n)]
+
+    @functools.cached_property
+    def slot_sizes(self) -> list[int]:
+        """Bytes per slot that any of the variant's programs needs."""
+        n = max(p.num_slots for p in self.programs)
+        return [max((p.slot_sizes()[k] if k < p.num_slots else 0) for p in self.programs) for k in range(n)]
+
+
+def build_programs(specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True) -> tuple[Program, Program, Program]:
+    """The train program of ``policy`` for ``specs`` and its derived inference and cold-backward
+    programs, each verified (``verify``)."""
+    train = policy.program(specs)
+    if verify:
+        verify_program(train, "train")
+    ev, cold = eval_program(train), cold_backward_program(train)
+    if verify:
+        verify_program(ev, "eval")
+        verify_program(cold, "backward")
+    return train, ev, cold
+
+
+def _check_specs(specs: Sequence[StageSpec]) -> None:
+    """After partitioning: stages indexed 0..n-1, producers earlier, every trainable group
+    updated by exactly one stage."""
+    checked_stages(specs)
+    owners: dict[int, int] = {}
+    for s in specs:
+        if s.update_group is not None:
+            if s.update_group in owners:
+                raise ScheduleError(f"group {s.update_group} is updated by stages {owners[s.update_group]} and {s.index}")
+            owners[s.update_group] = s.index
+    for s in specs:
+        for g in s.grad_groups:
+            if g not in owners:
+                raise ScheduleError(f"stage {s.index} ({s.name!r}) sends gradients to group {g}, which no stage updates")
+
+
+def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True) -> Variant:
+    """The same stages lowered with another policy (a probe program for the profiler, another
+    policy for the planner): no new capture."""
+    pol = resolve_policy(policy)
+    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify)
+    done = tuple(p for p in variant.passes if p in ("capture", "partition", "retarget"))
+    return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
+
+
+def compile_variant(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None,
+    options: PipelineOptions,
+    *,
+    groups: Sequence[Group] | None = None,
+    choose: Chooser | None = None,
+) -> Variant:
+    """Run the pipeline (see the module docstring) on ``module(*args, **kwargs)``.
+
+    ``groups``: the host layout of an earlier capture of the same model (its tensors keep their
+    owners). ``choose(captured, graph, policy)`` returns the policy with its ``"auto"`` fields
+    chosen (the tuner, which needs the model on a device); without it an ``"auto"`` policy is an
+    error."""
+    passes: list[str] = []
+    captured = capture_model(module, args, kwargs or {})
+    passes.append("capture")
+    graph = partition_stages(captured, blocks=options.blocks, num_stages=options.num_stages, groups=groups, model=module)
+    passes.append("partition")
+    if options.verify_each_pass:
+        _check_specs(graph.specs)
+    if options.device is not None and torch.device(options.device).type != "cpu":
+        from .retarget import retarget_device
+
+        for st in graph.stages:
+            st.gm = retarget_device(st.gm, options.device)
+        passes.append("retarget")
+    policy = options.policy
+    if policy.auto:
+        if choose is None:
+            raise ScheduleError(f"{policy!r} leaves {', '.join(policy.auto)} to the tuner, and no chooser was given")
+        policy = choose(captured, graph, policy)
+        passes.append("choose")
+    verify = options.verify or options.verify_each_pass
+    train, ev, cold = build_programs(graph.specs, policy, verify=verify)
+    passes += ["lower", "derive"] + (["verify"] if verify else [])
+    return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes))
