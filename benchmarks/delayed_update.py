@@ -7,11 +7,11 @@ cores, so overlapping them gains little (measured 97.3 vs 95.4 ms on 2 cores); o
 delayed update hides the host update time behind the next step's compute.
 """
 import statistics, torch, shfx
-from shfx.models.gpt import GPT, GPTConfig
+from shfx.models.gpt import GPT, GPTShape
 torch.set_num_threads(1)
 def make(delayed):
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256))
+    m = GPT(GPTShape(vocab=256, seq=64, layers=4, heads=4, hidden=256))
     return shfx.compile(m, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.ZeroOffload(delayed_update=delayed), optimizer=shfx.optim.AdamW())
 cms = {"zero-offload": make(False), "zero-offload delayed": make(True)}
 x = torch.randint(0, 256, (4, 64))

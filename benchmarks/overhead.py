@@ -67,7 +67,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 import shfx  # noqa: E402
-from shfx.models import GPT, GPTConfig  # noqa: E402
+from shfx.models import GPT, GPTShape  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
 
@@ -87,9 +87,9 @@ class Size:
     batch: int
     n_head: int = 0  # 0: n_embd // 64
 
-    def config(self) -> GPTConfig:
+    def config(self) -> GPTShape:
         heads = self.n_head or max(1, self.n_embd // 64)
-        return GPTConfig(vocab_size=256, block_size=self.seq, n_layer=self.n_layer, n_head=heads, n_embd=self.n_embd)
+        return GPTShape(vocab=256, seq=self.seq, layers=self.n_layer, heads=heads, hidden=self.n_embd)
 
 
 SIZES = {
@@ -183,7 +183,7 @@ class Runner:
             device = shfx.EmulatedDevice(memory="64GiB", h2d=None, d2h=None)
             # any window >= the number of stages (blocks + head + tail) keeps every stage resident
             self.cm = shfx.compile(
-                model, device=device, window=cfg.n_layer + 16, optimizer=shfx.optim.AdamW(lr=LR),
+                model, device=device, window=cfg.layers + 16, optimizer=shfx.optim.AdamW(lr=LR),
                 overlap_update=os.environ.get("SHFX_BENCH_OVERLAP", "1") == "1",
             )  # fmt: skip
             self.model = self.opt = self.cm

@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     res = shfx.compare(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
+        shfx.GPTShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch),
         window=args.window,
         device=device,
         steps=args.steps,

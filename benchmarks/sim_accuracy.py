@@ -83,7 +83,7 @@ from shfx.passes.capture import flatten_inputs  # noqa: E402
 from shfx.passes.meta import get_meta  # noqa: E402
 from shfx.passes.program import ActionKind, Program  # noqa: E402
 from shfx.passes.units import format_bandwidth, parse_bandwidth  # noqa: E402
-from shfx.models import GPT, GPTConfig  # noqa: E402
+from shfx.models import GPT, GPTShape  # noqa: E402
 from shfx.profiler import clear_cache, profile_costs  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
@@ -117,9 +117,9 @@ class Row:
         return f"{self.link}/W={self.window}"
 
 
-def model_config(size: tuple[int, int, int, int]) -> GPTConfig:
+def model_config(size: tuple[int, int, int, int]) -> GPTShape:
     layers, hidden, seq, _ = size
-    return GPTConfig(vocab_size=256, block_size=seq, n_layer=layers, n_head=max(1, hidden // 64), n_embd=hidden)
+    return GPTShape(vocab=256, seq=seq, layers=layers, heads=max(1, hidden // 64), hidden=hidden)
 
 
 def make_batch(size: tuple[int, int, int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ workspace, no fragmentation). ``tests/test_planner.py`` trains the largest size 
 checks that one layer more raises ``OutOfDeviceMemory``. On a real GPU it adds the terms the
 emulated device cannot see (see ``docs/planner.md``).
 
->>> fam = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4)       # STRONGHOLD's setup
+>>> fam = GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)       # STRONGHOLD's setup
 >>> row = largest_trainable("stronghold", fam, "V100-32GB-PCIe3")
 >>> row.layers, row.binding
 (116, 'host: optimizer states (m, v)')
@@ -37,11 +37,10 @@ from shfx.passes.units import format_bytes
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
+from .shapes import PRECISIONS, GPTShape
 
 __all__ = [
-    "PRECISIONS",
     "DEFAULT_WORKSPACE_BYTES",
-    "GPTFamily",
     "Target",
     "as_target",
     "MemoryBreakdown",
@@ -55,10 +54,6 @@ __all__ = [
 ]
 
 
-PRECISIONS = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Compute dtype of the parameters on the device -> bytes per element. ``bfloat16``/``float16``
-model mixed precision (16-bit working copy on the device, fp32 master and states); the shfx
-runtime itself trains fp32 only."""
 
 DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 """Device memory a real GPU loses before any tensor: the CUDA context (~300-400 MiB on a V100
@@ -142,91 +137,24 @@ def _policy_of(name: str, window: int, resident_first: int) -> Policy:
 # ---- the model family ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GPTFamily:
-    """GPT models of one shape (:class:`shfx.models.gpt.GPT` with ``bias=True``,
-    ``tie_weights=True``, ``block_size = seq``); ``layers`` is what varies.
+def _block_numels(shape: GPTShape) -> list[int]:
+    h = shape.hidden
+    # ln_1 (w, b), c_attn (w, b), attn.c_proj (w, b), ln_2 (w, b), c_fc (w, b), mlp.c_proj (w, b)
+    return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
 
-    Attributes:
-        hidden, heads, seq, batch, vocab: the shape and the micro-batch.
-        layers: transformer blocks.
-        precision: compute dtype of the parameters on the device: ``"float32"``, or
-            ``"bfloat16"``/``"float16"`` modelled as mixed precision (16-bit parameters,
-            gradients and activations on the device, fp32 master and AdamW states). The shfx
-            runtime trains fp32 only; 16-bit rows are a model of what peers do.
-        checkpointing: keep only stage-boundary activations (what shfx does); ``False`` keeps
-            every layer's activations (Korthikanti et al.'s ``s b h (34 + 5 a s / h)``).
-        loss_in_model: the model is called as ``model(idx, targets)`` and returns the scalar
-            loss (the targets are an input, the loss a 4-byte output); ``False``: it returns the
-            logits ``[b, s, V]`` and the loss is computed outside.
 
-    >>> GPTFamily(hidden=2048, heads=16, seq=1024, batch=4, layers=48).num_params()
-    2522320896
-    """
-
-    hidden: int
-    heads: int
-    seq: int
-    batch: int
-    vocab: int = 50304
-    layers: int = 1
-    precision: str = "float32"
-    checkpointing: bool = True
-    loss_in_model: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("hidden", "heads", "seq", "batch", "vocab", "layers"):
-            _positive_int(f"GPTFamily.{name}", getattr(self, name))
-        if self.hidden % self.heads:
-            raise ValueError(f"GPTFamily.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"GPTFamily.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-
-    def with_layers(self, n: int) -> GPTFamily:
-        return replace(self, layers=n)
-
-    @property
-    def param_bytes(self) -> int:
-        """Bytes per parameter element on the device."""
-        return PRECISIONS[self.precision]
-
-    @property
-    def mixed(self) -> bool:
-        return self.precision != "float32"
-
-    @property
-    def params_per_layer(self) -> int:
-        return 12 * self.hidden**2 + 13 * self.hidden
-
-    def num_params(self) -> int:
-        """``l (12h^2 + 13h) + (V + s) h + 2h`` (REFERENCE.md; embedding tied to the head)."""
-        h = self.hidden
-        return self.layers * self.params_per_layer + (self.vocab + self.seq) * h + 2 * h
-
-    def describe(self) -> str:
-        how = "activation checkpointing" if self.checkpointing else "no checkpointing"
-        return (
-            f"GPT hidden {self.hidden}, {self.heads} heads, seq {self.seq}, batch {self.batch}, vocab {self.vocab}, "
-            f"{self.precision}, {how}"
-        )
-
-    # per-stage bytes, laid out as shfx lays them out (shfx.passes.layout: each tensor 64-byte aligned)
-    def _block_numels(self) -> list[int]:
-        h = self.hidden
-        # ln_1 (w, b), c_attn (w, b), attn.c_proj (w, b), ln_2 (w, b), c_fc (w, b), mlp.c_proj (w, b)
-        return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
-
-    def _stage_bytes(self, elt: int) -> dict[str, int]:
-        """Slot bytes of the head, a block and the tail (the tail's slot holds a copy of the tied
-        embedding it borrows), and ``tail_own``: the tail's own group (the final LayerNorm)."""
-        h, V, s = self.hidden, self.vocab, self.seq
-        tail_own = 2 * _align(h * elt)
-        return {
-            "head": _align(V * h * elt) + _align(s * h * elt),
-            "block": sum(_align(n * elt) for n in self._block_numels()),
-            "tail": tail_own + _align(V * h * elt),
-            "tail_own": tail_own,
-        }
+def _stage_bytes(shape: GPTShape, elt: int) -> dict[str, int]:
+    """Slot bytes of the head, a block and the tail of ``shape`` laid out as shfx lays them out
+    (:mod:`shfx.passes.layout`: each tensor 64-byte aligned; the tail's slot holds a copy of the
+    tied embedding it borrows), and ``tail_own``: the tail's own group (the final LayerNorm)."""
+    h, V, s = shape.hidden, shape.vocab, shape.seq
+    tail_own = 2 * _align(h * elt)
+    return {
+        "head": _align(V * h * elt) + _align(s * h * elt),
+        "block": sum(_align(n * elt) for n in _block_numels(shape)),
+        "tail": tail_own + _align(V * h * elt),
+        "tail_own": tail_own,
+    }
 
 
 # ---- what the plan is checked against --------------------------------------------------------
@@ -293,7 +221,7 @@ class MemoryBreakdown:
     """
 
     policy: str
-    family: GPTFamily | None
+    family: GPTShape | None
     device: dict[str, int]
     host: dict[str, int]
     ssd: dict[str, int]
@@ -467,7 +395,7 @@ def _check_common(policy: str, window: int, resident_first: int) -> None:
 
 def memory_model(
     policy: str | Policy,
-    family: GPTFamily,
+    family: GPTShape,
     hardware: Any,
     *,
     window: int | None = None,
@@ -505,15 +433,15 @@ def memory_model(
         grad_accum_steps: with more than one, gradients are added on the host through up to two
             staging buffers (one otherwise, for the tied embedding's gradient from the tail).
 
-    >>> m = memory_model("resident", GPTFamily(2048, 16, 1024, 4, layers=30), "V100-32GB-PCIe3")
+    >>> m = memory_model("resident", GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304, layers=30), "V100-32GB-PCIe3")
     >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
     8.0
     """
     policy, window, resident_first = _unpack(policy, window, resident_first)
     _check_common(policy, window, resident_first)
     _positive_int("grad_accum_steps", grad_accum_steps)
-    if not isinstance(family, GPTFamily):
-        raise TypeError(f"family must be a GPTFamily, got {type(family).__name__}")
+    if not isinstance(family, GPTShape):
+        raise TypeError(f"family must be a GPTShape, got {type(family).__name__}")
     if nvme is not None and not isinstance(nvme, bool):
         raise ValueError(f"nvme must be True, False or None, got {nvme!r}")
     tgt = as_target(hardware)
@@ -525,8 +453,8 @@ def memory_model(
     # NOTE: l2l updates each stage on the device and copies it back (OP): in mixed precision the
     # slot carries the fp32 master it updates, so its slot and gradient buffer are fp32.
     slot_elt = 4 if policy == "l2l" else elt
-    size = fam._stage_bytes(slot_elt)
-    own32 = fam._stage_bytes(4)
+    size = _stage_bytes(fam, slot_elt)
+    own32 = _stage_bytes(fam, 4)
     group32 = {"head": own32["head"], "block": own32["block"], "tail": own32["tail_own"]}
     lay = _layout(policy, L, window, resident_first)
 
@@ -636,7 +564,7 @@ class PlanRow:
 _AUTO_K_MAX = 256  # resident_first="auto" tries k = 0, 1, ... until two in a row gain nothing
 
 
-def largest_trainable(policy: str | Policy, family: GPTFamily, hardware: Any, *, max_layers: int = 100_000, **memory_kw) -> PlanRow:
+def largest_trainable(policy: str | Policy, family: GPTShape, hardware: Any, *, max_layers: int = 100_000, **memory_kw) -> PlanRow:
     """The largest layer count of ``family`` that ``policy`` fits on ``hardware`` (at most
     ``max_layers``), and the term that stops one layer more.
 
@@ -711,7 +639,7 @@ def largest_trainable(policy: str | Policy, family: GPTFamily, hardware: Any, *,
 class Plan:
     """The largest trainable size of each policy on one target (:func:`plan`)."""
 
-    family: GPTFamily | None
+    family: GPTShape | None
     hardware: Target
     rows: list[PlanRow]
     settings: dict
@@ -785,7 +713,7 @@ class Plan:
 
 
 def plan(
-    family: GPTFamily,
+    family: GPTShape,
     hardware: Any,
     *,
     policies: Sequence[str | Policy] | None = None,
@@ -798,7 +726,7 @@ def plan(
     only (the other policies do not take it; ``"auto"``: the smallest k that trains the most
     layers, trying k = 0, 1, ... until two in a row gain nothing); ``memory_kw`` go to :func:`memory_model`.
 
-    >>> p = plan(GPTFamily(2048, 16, 1024, 4), "V100-32GB-PCIe3")
+    >>> p = plan(GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304), "V100-32GB-PCIe3")
     >>> [(r.policy, r.layers) for r in p.rows]
     [('resident', 33), ('l2l', 66), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
     """

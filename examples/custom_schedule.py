@@ -16,7 +16,7 @@ import torch
 import shfx
 from shfx.passes import lower_actions
 from shfx.passes.verify import VerificationError, verify_program
-from shfx.models import GPT, GPTConfig
+from shfx.models import GPT, GPTShape
 
 
 def just_in_time(specs, window):
@@ -33,7 +33,7 @@ def just_in_time(specs, window):
 
 def time_steps(policy, window, steps=6):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=6, n_embd=192, n_head=4, block_size=64))
+    model = GPT(GPTShape(layers=6, hidden=192, heads=4, seq=64))
     cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB", h2d="1GB/s", d2h="1GB/s"),
                       window=window, policy=policy, optimizer=shfx.optim.AdamW(lr=1e-3))
     x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))

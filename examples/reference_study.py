@@ -30,7 +30,7 @@ from shfx.cost_model import formulas as fm
 from shfx.cost_model.analytic import links_of
 from shfx.cost_model.depth import DepthModel
 from shfx.cost_model.hardware import get_profile
-from shfx.models.gpt import GPT, GPTConfig
+from shfx.models.gpt import GPT, GPTShape
 
 H, A, S, B, V = 2048, 16, 1024, 4, 50304
 PROFILE = "V100-32GB-PCIe3"
@@ -42,7 +42,7 @@ GB, GiB = 1e9, 2**30
 
 
 def build(n: int) -> GPT:
-    return GPT(GPTConfig(vocab_size=V, block_size=S, n_layer=n, n_head=A, n_embd=H))
+    return GPT(GPTShape(vocab=V, seq=S, layers=n, heads=A, hidden=H))
 
 
 def inputs() -> tuple:
@@ -205,11 +205,11 @@ def main() -> None:
     write_csv("reference_largest.csv", ["counted_by", "host", "largest_layers", "binding", "device_alone", "host_alone"], summary)
     fit = fm.largest_layers(WINDOW, H, A, S, B, V, hw.device_memory_bytes, HOST_BYTES_GB, counted_by="gpu")
     L = fit.layers
-    cfg = GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=A, n_embd=H)
+    cfg = GPTShape(vocab=V, seq=S, layers=L, heads=A, hidden=H)
     P = cfg.num_params()
     host_need = 16 * P + 4 * V * H
-    host_next = 16 * GPTConfig(vocab_size=V, block_size=S, n_layer=L + 1, n_head=A, n_embd=H).num_params() + 4 * V * H
-    print(f"  cross-check, host: l={L}: {P / 1e9:.3f} G params (GPTConfig.num_params), 16 B/param + 4Vh = "
+    host_next = 16 * GPTShape(vocab=V, seq=S, layers=L + 1, heads=A, hidden=H).num_params() + 4 * V * H
+    print(f"  cross-check, host: l={L}: {P / 1e9:.3f} G params (GPTShape.num_params), 16 B/param + 4Vh = "
           f"{host_need / GB:.2f} GB <= {HOST_BYTES_GB / GB:.0f} GB < {host_next / GB:.2f} GB at l={L + 1}")
     extra_gpu = float(fm.device_memory(WINDOW, L, H, A, S, B, V, counted_by="gpu")
                       - fm.device_memory(WINDOW, L, H, A, S, B, V, counted_by="simulator"))

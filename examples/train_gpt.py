@@ -14,12 +14,12 @@ import torch
 
 import shfx
 from shfx.data import TextDataset
-from shfx.models import GPT, GPTConfig
+from shfx.models import GPT, GPTShape
 
 
 def main() -> None:
     torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=6, n_embd=128, n_head=4, block_size=64, vocab_size=256)
+    cfg = GPTShape(layers=6, hidden=128, heads=4, seq=64, vocab=256)
     model = GPT(cfg)
     eager = copy.deepcopy(model)
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
@@ -30,7 +30,7 @@ def main() -> None:
     data = TextDataset.from_stdlib(max_bytes=300_000)  # Python's own sources as bytes
     gen = torch.Generator().manual_seed(1)
     for step in range(40):
-        x, y = data.get_batch("train", 8, cfg.block_size, gen)
+        x, y = data.get_batch("train", 8, cfg.seq, gen)
         loss = cm(x, y)
         loss.backward()
         cm.step()

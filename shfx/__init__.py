@@ -13,7 +13,7 @@ from . import optim
 from .api import CompiledModel, compile
 from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
-from shfx.cost_model.planner import GPTFamily, plan
+from shfx.cost_model.planner import GPTShape, plan
 from shfx.passes.policies import L2L, Policy, Resident, Stronghold, ZeroInfinity, ZeroOffload
 from .errors import (
     ActionError,
@@ -43,7 +43,7 @@ __all__ = [
     "EmulatedDevice",
     "CudaDevice",
     "plan",
-    "GPTFamily",
+    "GPTShape",
     "ShfxError",
     "CaptureError",
     "PartitionError",

@@ -142,6 +142,14 @@ def _run_demo(args: argparse.Namespace) -> int:
 # ---- shared options ---------------------------------------------------------------------------
 
 
+def _shape_from_args(args: argparse.Namespace):
+    """The GPT of ``--layers --hidden --heads --seq --batch --vocab`` (and ``--precision``)."""
+    from shfx.cost_model.shapes import GPTShape
+
+    extra = {"precision": args.precision} if getattr(args, "precision", None) else {}
+    return GPTShape(layers=args.layers or 1, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab, **extra)
+
+
 def _add_gpt_args(p: argparse.ArgumentParser) -> None:
     """The built-in GPT's dimensions (``shfx.models.GPT``, tied embedding)."""
     p.add_argument("--layers", type=_positive_int, default=8)
@@ -209,12 +217,7 @@ def _run_tune(args: argparse.Namespace) -> int:
 
     device = None if args.hardware is not None else _device_from_args(args)
     rep = tune_gpt(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
-        vocab=args.vocab,
+        _shape_from_args(args),
         hardware=args.hardware,
         device=device,
         steps=args.steps,
@@ -291,12 +294,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     device = None if args.hardware is not None else _device_from_args(args)
     res = compare(
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
-        vocab=args.vocab,
+        _shape_from_args(args),
         policies=args.policies,
         window=args.window,
         resident_first=args.resident_first,
@@ -335,7 +333,7 @@ def _fraction_arg(text: str) -> float:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     from shfx.cost_model.hardware import PROFILES
-    from shfx.cost_model.planner import PRECISIONS
+    from shfx.cost_model.shapes import PRECISIONS
     from shfx.passes.policies import policy_names
 
     p = sub.add_parser(
@@ -379,7 +377,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from shfx.cost_model.hardware import get_profile
-    from shfx.cost_model.planner import GPTFamily, Target, memory_model, plan
+    from shfx.cost_model.planner import Target, memory_model, plan
 
     if args.emulated:
         if args.device_memory is None:
@@ -399,9 +397,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         target = replace(hw, **over) if over else hw
     else:
         target = Target("custom", args.device_memory, args.host_memory, args.ssd or 0)
-    family = GPTFamily(
-        hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab, precision=args.precision
-    )
+    family = _shape_from_args(args)
     kw = dict(workspace_bytes=args.workspace, allocator_slack=args.slack)
     result = plan(
         family, target, policies=args.policies, window=args.window, resident_first=args.resident_first,

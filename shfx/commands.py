@@ -13,30 +13,26 @@ from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import tune_window
 from shfx.passes.units import format_bytes
 
-from .models import GPT, GPTConfig
+from .models import GPT, GPTShape
 
 __all__ = ["tune_gpt", "gpt_plan_inputs"]
 
 
-def gpt_plan_inputs(layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int, hardware) -> tuple:
-    """Stage specs and analytic costs of the built-in GPT at any depth (one meta capture)."""
+def gpt_plan_inputs(shape: GPTShape, hardware) -> tuple:
+    """Stage specs and analytic costs of the built-in GPT at ``shape.layers`` (one meta capture
+    of a two-block model, its blocks repeated)."""
     return plan_inputs(
-        lambda n: GPT(GPTConfig(n_layer=n, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)),
-        lambda: (torch.zeros(batch, seq, dtype=torch.long),) * 2,
+        lambda n: GPT(shape.with_layers(n)),
+        lambda: (torch.zeros(shape.batch, shape.seq, dtype=torch.long),) * 2,
         blocks="transformer.h",
-        layers=layers,
+        layers=shape.layers,
         hardware=hardware,
     )
 
 
 def tune_gpt(
+    shape: GPTShape,
     *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    seq: int,
-    batch: int,
-    vocab: int = 256,
     hardware: str | None = None,
     device: Any = None,
     steps: int = 5,
@@ -48,30 +44,30 @@ def tune_gpt(
     analytic model, nothing runs), or profiled and measured on ``device`` (``steps`` training
     steps with ``window="auto"``).
 
-    >>> rep = tune_gpt(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304,
+    >>> rep = tune_gpt(GPTShape(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304),
     ...                hardware="V100-32GB-PCIe3")  # doctest: +SKIP
     """
     out = file if file is not None else sys.stdout
     if hardware is not None:
         hw = get_profile(hardware)
-        specs, costs = gpt_plan_inputs(layers, hidden, heads, seq, batch, vocab, hw)
-        reserve = 2 * 8 * batch * seq
+        specs, costs = gpt_plan_inputs(shape, hw)
+        reserve = 2 * 8 * shape.batch * shape.seq
         tune = tune_window(specs, costs, capacity_bytes=hw.device_memory_bytes, reserve_bytes=reserve, tolerance=tolerance)
         rep = WindowReport(tune, tune.window, hw.describe(), "analytic")
-        params = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab).num_params()
-        print(f"GPT {layers} layers, hidden {hidden}, seq {seq}, batch {batch}: {params / 1e9:.2f} B params "
+        params = shape.num_params()
+        print(f"GPT {shape.layers} layers, hidden {shape.hidden}, seq {shape.seq}, batch {shape.batch}: {params / 1e9:.2f} B params "
               f"({format_bytes(4 * params)} fp32 weights); analytic model, nothing runs", file=out)
         print(rep, file=out)
         return rep
     import shfx
 
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab))
+    model = GPT(shape)
     cm = shfx.compile(model, device=device, window="auto", optimizer=shfx.optim.AdamW(lr=1e-4), tune_tolerance=tolerance)
     gen = torch.Generator().manual_seed(seed)
     try:
         for _ in range(max(1, steps)):
-            x = torch.randint(0, vocab, (batch, seq), generator=gen)
+            x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=gen)
             cm(x, x).backward()
             cm.step()
             cm.zero_grad()
@@ -79,7 +75,7 @@ def tune_gpt(
     finally:
         cm.close()
     params = sum(p.numel() for p in model.parameters())
-    print(f"GPT {layers} layers, hidden {hidden}, seq {seq}, batch {batch}: {params / 1e6:.1f} M params; "
+    print(f"GPT {shape.layers} layers, hidden {shape.hidden}, seq {shape.seq}, batch {shape.batch}: {params / 1e6:.1f} M params; "
           f"profiled and measured ({steps} steps)", file=out)
     print(rep, file=out)
     return rep

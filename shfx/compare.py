@@ -22,7 +22,7 @@ against the device's capacity (and, with a hardware profile, its host memory aga
 host's RAM); measured from the :class:`shfx.OutOfDeviceMemory` its run raised.
 
 >>> import shfx
->>> res = shfx.compare(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304,
+>>> res = shfx.compare(shfx.GPTShape(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304),
 ...                    hardware="V100-32GB-PCIe3")  # doctest: +SKIP
 >>> print(res.table())  # doctest: +SKIP
 """
@@ -473,13 +473,8 @@ def _unbudgeted(device: Any) -> Any:
 
 
 def compare(
+    shape: Any,
     *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    seq: int,
-    batch: int,
-    vocab: int = 256,
     policies: Sequence[Any] | None = None,
     window: int | str = 2,
     resident_first: int = 0,
@@ -495,7 +490,7 @@ def compare(
     """Compare the policies on one GPT: predicted everywhere, measured where it runs.
 
     Args:
-        layers, hidden, heads, seq, batch, vocab: the GPT (``shfx.models.GPT``, tied embedding).
+        shape: the GPT and its batch (:class:`shfx.GPTShape`; ``shfx.models.GPT``, tied embedding).
         policies: policy names or ``shfx.Policy`` objects, in table order (default: every
             registered policy, :func:`shfx.passes.policies.policy_names`).
         window: stronghold's window (int), or ``"auto"``: the tuner's choice from the predicted
@@ -518,18 +513,18 @@ def compare(
         a :class:`CompareResult`.
 
     >>> import shfx
-    >>> res = shfx.compare(layers=2, hidden=32, heads=2, seq=16, batch=2,
+    >>> res = shfx.compare(shfx.GPTShape(layers=2, hidden=32, heads=2, seq=16, batch=2),
     ...                    device=shfx.EmulatedDevice(memory="64MiB", h2d="1GB/s", d2h="1GB/s"))  # doctest: +SKIP
     >>> res.row("stronghold").measured.step_s  # doctest: +SKIP
     0.0123
     """
     import torch
 
-    from shfx.cost_model.planner import GPTFamily, Target, as_target, memory_for_model, memory_model
+    from shfx.cost_model.planner import Target, as_target, memory_for_model, memory_model
+    from shfx.cost_model.shapes import GPTShape
     from shfx.passes.schedule import check_window
 
     from .devices import EmulatedDevice
-    from .models import GPT, GPTConfig
 
     from shfx.passes.policies import policy_names
 
@@ -543,13 +538,18 @@ def compare(
     configured = [_configure(p, window, resident_first) for p in policies]
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    cfg = GPTConfig(n_layer=layers, n_head=heads, n_embd=hidden, block_size=seq, vocab_size=vocab)
-    model_name = f"GPT {layers} layers, hidden {hidden}, heads {heads}, seq {seq}, batch {batch}, vocab {vocab}"
-    reserve = 2 * 8 * batch * seq  # the int64 tokens and targets on the device
+    if not isinstance(shape, GPTShape):
+        raise TypeError(f"compare() takes a shfx.GPTShape (layers, hidden, heads, seq, batch, vocab), got {shape!r}")
+    cfg = shape
+    model_name = (
+        f"GPT {shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}, seq {shape.seq}, batch {shape.batch}, "
+        f"vocab {shape.vocab}"
+    )
+    reserve = 2 * 8 * shape.batch * shape.seq  # the int64 tokens and targets on the device
 
     def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
-        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        x = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
         return x, torch.roll(x, -1, dims=1)
 
     notes: list[str] = []
@@ -559,15 +559,13 @@ def compare(
         from .commands import gpt_plan_inputs
 
         hw = get_profile(hardware)
-        specs, costs = gpt_plan_inputs(layers, hidden, heads, seq, batch, vocab, hw)
+        specs, costs = gpt_plan_inputs(shape, hw)
         capacity, host_capacity, where, source = hw.device_memory_bytes, hw.host_memory_bytes, hw.describe(), costs.source
         params = cfg.num_params()
         measure = False
         device_obj = None
-        family = GPTFamily(hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=vocab, layers=layers)
-
         def memory(policy: Any) -> Any:
-            return memory_model(policy, family, hw)
+            return memory_model(policy, shape, hw)
     else:
         device_obj = _resolve_device(device)
         params = cfg.num_params()

@@ -3,7 +3,7 @@
 Nothing is downloaded: the ``.py`` files of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``) are read in sorted order, up to a byte cap, and
 concatenated. Tokens are the raw bytes (0..255), so the vocabulary is 256 and any
-``GPTConfig(vocab_size=256)`` model can train on it.
+``GPTShape(vocab=256)`` model can train on it.
 
 >>> from shfx.data import TextDataset
 >>> ds = TextDataset.from_stdlib(max_bytes=200_000)

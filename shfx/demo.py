@@ -26,7 +26,7 @@ from shfx.passes.units import format_bytes, parse_bandwidth, parse_bytes
 
 from .data import DEFAULT_MAX_BYTES, TextDataset
 from .devices import CudaDevice, EmulatedDevice
-from .models import GPT, GPTConfig
+from .models import GPT, GPTShape
 from .optim import AdamW
 
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "default_device_memory", "estimate_device_bytes"]
@@ -92,8 +92,9 @@ class DemoResult:
 # ---- sizing -----------------------------------------------------------------------------------
 
 
-def estimate_device_bytes(cfg: GPTConfig, batch: int, seq: int, window: int) -> dict[str, int]:
-    """What training ``GPT(cfg)`` with shfx needs on the device, from the config alone.
+def estimate_device_bytes(cfg: GPTShape, window: int) -> dict[str, int]:
+    """What training ``GPT(cfg)`` on batches of ``cfg.batch x cfg.seq`` with shfx needs on the
+    device, from the shape alone.
 
     Returns a dict with ``slot`` (the largest stage's parameter bytes: a block, or the
     embedding/head stage when that is bigger), ``activation`` (one stage-boundary tensor,
@@ -101,29 +102,29 @@ def estimate_device_bytes(cfg: GPTConfig, batch: int, seq: int, window: int) -> 
     ``peak``: ``window`` slots, the ``n_layer + 1`` boundary activations kept from forward to
     backward, one boundary gradient, and the inputs.
 
-    >>> e = estimate_device_bytes(GPTConfig(n_layer=4, n_embd=128, block_size=128), batch=8, seq=128, window=2)
+    >>> e = estimate_device_bytes(GPTShape(layers=4, hidden=128, seq=128, batch=8), window=2)
     >>> e["slot"], e["activation"]
     (793088, 524288)
     """
-    h, v, t = cfg.n_embd, cfg.vocab_size, cfg.block_size
+    h, v, t, batch, seq = cfg.hidden, cfg.vocab, cfg.seq, cfg.batch, cfg.seq
     ln = 2 * h if cfg.bias else h
     slot = 4 * max(cfg.params_per_layer, (v + t) * h, v * h + ln)
     act = 4 * batch * seq * h
     inputs = 2 * 8 * batch * seq
-    peak = window * slot + (cfg.n_layer + 2) * act + inputs + 8
+    peak = window * slot + (cfg.layers + 2) * act + inputs + 8
     return {"slot": slot, "activation": act, "inputs": inputs, "peak": peak}
 
 
-def default_device_memory(cfg: GPTConfig, batch: int, seq: int, window: int) -> int:
+def default_device_memory(cfg: GPTShape, window: int) -> int:
     """The demo's device budget: ``(window + 1.5)`` of the largest stage's slot, plus the
     boundary activations and one activation of headroom, rounded up to 64 KiB. For deep enough
     models this is well below the parameter bytes, so the model does not fit but the window does.
 
-    >>> cfg = GPTConfig(n_layer=12, n_embd=128, block_size=128)
-    >>> default_device_memory(cfg, batch=4, seq=128, window=2) < 4 * cfg.num_params()
+    >>> cfg = GPTShape(layers=12, hidden=128, seq=128, batch=4)
+    >>> default_device_memory(cfg, window=2) < 4 * cfg.num_params()
     True
     """
-    e = estimate_device_bytes(cfg, batch, seq, window)
+    e = estimate_device_bytes(cfg, window)
     need = int((window + 1.5) * e["slot"]) + e["peak"] - window * e["slot"] + e["activation"]
     gran = 64 << 10
     return -(-need // gran) * gran
@@ -247,14 +248,14 @@ def run_demo(
 
     # ---- data, model, device -------------------------------------------------------------
     ds = TextDataset.from_stdlib(max_bytes=cfg.max_bytes)
-    gcfg = GPTConfig(n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.hidden, block_size=cfg.seq, vocab_size=ds.vocab_size)
+    gcfg = GPTShape(layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden, seq=cfg.seq, vocab=ds.vocab_size, batch=cfg.batch)
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    est = estimate_device_bytes(gcfg, cfg.batch, cfg.seq, cfg.window)
+    est = estimate_device_bytes(gcfg, cfg.window)
     budget = parse_bytes(cfg.device_memory, what="device memory") if cfg.device_memory is not None else default_device_memory(
-        gcfg, cfg.batch, cfg.seq, cfg.window
+        gcfg, cfg.window
     )
     dev, kind = _resolve_device(cfg, budget)
     result.model_bytes, result.device_budget = model_bytes, budget

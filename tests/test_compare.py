@@ -12,7 +12,7 @@ import shfx
 from shfx.cli import main
 from shfx.passes.policies import policy_names
 
-TINY = dict(layers=2, hidden=32, heads=2, seq=16, batch=2)
+TINY = shfx.GPTShape(layers=2, hidden=32, heads=2, seq=16, batch=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,7 +27,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def all_fit(_one_thread):
-    return shfx.compare(**TINY, steps=2, device=shfx.EmulatedDevice(memory="16MiB", h2d="1GB/s", d2h="1GB/s"))
+    return shfx.compare(TINY, steps=2, device=shfx.EmulatedDevice(memory="16MiB", h2d="1GB/s", d2h="1GB/s"))
 
 
 def test_every_policy_predicted_and_measured(all_fit):
@@ -61,7 +61,7 @@ def test_every_policy_predicted_and_measured(all_fit):
 
 def test_a_policy_that_does_not_fit_says_why():
     res = shfx.compare(
-        **TINY,
+        TINY,
         policies=["resident", "stronghold"],
         steps=1,
         device=shfx.EmulatedDevice(memory="400KiB", h2d="1GB/s", d2h="1GB/s"),
@@ -100,7 +100,7 @@ def test_hardware_path_predicts_without_building_weights(monkeypatch, capsys):
             built.append(next(self.parameters()).device)
 
     monkeypatch.setattr(shfx.models, "GPT", RecordingGPT)
-    res = shfx.compare(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304, hardware="V100-32GB-PCIe3")
+    res = shfx.compare(shfx.GPTShape(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304), hardware="V100-32GB-PCIe3")
     assert built and all(d.type == "meta" for d in built)  # a 2.5 B-param model, never materialised
     assert res.params > 2e9 and not res.measured
     resident, sh = res.row("resident"), res.row("stronghold")

@@ -11,7 +11,7 @@ import torch
 from shfx.cli import build_parser, main
 from shfx.data import TextDataset, read_sources, stdlib_source_files
 from shfx.demo import default_device_memory, estimate_device_bytes
-from shfx.models import GPTConfig
+from shfx.models import GPTShape
 
 TINY = ["--layers", "4", "--hidden", "64", "--heads", "2", "--seq", "32", "--batch", "2", "--data-bytes", "200kB"]
 _MIB = r"([0-9.]+) MiB"
@@ -62,9 +62,9 @@ def test_demo_parser_flags():
 
 
 def test_default_budget_is_below_the_model_but_holds_the_window():
-    cfg = GPTConfig(n_layer=12, n_head=4, n_embd=128, block_size=128)
-    budget = default_device_memory(cfg, batch=4, seq=128, window=2)
-    est = estimate_device_bytes(cfg, batch=4, seq=128, window=2)
+    cfg = GPTShape(layers=12, heads=4, hidden=128, seq=128, batch=4)
+    budget = default_device_memory(cfg, window=2)
+    est = estimate_device_bytes(cfg, window=2)
     assert est["slot"] == 4 * cfg.params_per_layer
     assert est["peak"] + est["slot"] < budget < 4 * cfg.num_params()
 

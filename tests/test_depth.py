@@ -8,12 +8,12 @@ from shfx.cost_model.depth import DepthModel
 from shfx.passes.policies import policy_program
 from shfx.passes.meta import get_meta
 from shfx.passes.program import ActionKind
-from shfx.models.gpt import GPT, GPTConfig
+from shfx.models.gpt import GPT, GPTShape
 
 
 def small_gpt() -> DepthModel:
     return DepthModel(
-        lambda n: GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=n, n_head=4, n_embd=64)),
+        lambda n: GPT(GPTShape(vocab=256, seq=32, layers=n, heads=4, hidden=64)),
         lambda: (torch.zeros(4, 32, dtype=torch.long),) * 2,
         blocks="transformer.h",
         hardware="V100-32GB-PCIe3",

@@ -55,17 +55,17 @@ def test_parameter_counts_match_a_captured_gpt():
     """Slot, gradient and activation bytes of a captured GPT equal the formulas', and its
     analytic stage costs equal gpt_stage_times (with the analytic model's FLOP count)."""
     from shfx.cost_model.analytic import plan_inputs
-    from shfx.models.gpt import GPT, GPTConfig
+    from shfx.models.gpt import GPT, GPTShape
 
     h, a, s, b, V = (SMALL[k] for k in "hasbV")
     hw = get_profile("V100-32GB-PCIe3")
-    cfg = lambda n: GPTConfig(vocab_size=V, block_size=s, n_layer=n, n_head=a, n_embd=h)  # noqa: E731
+    cfg = lambda n: GPTShape(vocab=V, seq=s, layers=n, heads=a, hidden=h)  # noqa: E731
     specs, table = plan_inputs(
         lambda n: GPT(cfg(n)), lambda: (torch.zeros(b, s, dtype=torch.long),) * 2,
         blocks="transformer.h", layers=5, hardware=hw,
     )
     assert [x.name for x in specs][0] == "head" and specs[-1].name == "tail" and len(specs) == 7
-    assert GPTConfig(vocab_size=V, block_size=s, n_layer=5, n_head=a, n_embd=h).num_params() == fm.params_total(5, h, s, V)
+    assert GPTShape(vocab=V, seq=s, layers=5, heads=a, hidden=h).num_params() == fm.params_total(5, h, s, V)
     want = gpt_like_specs(5, h, s, b, V)
     for got, exp in zip(specs, want):
         assert (got.prefetch_bytes, got.grad_bytes, got.slot_bytes) == (exp.prefetch_bytes, exp.grad_bytes, exp.slot_bytes)

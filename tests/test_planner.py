@@ -17,7 +17,7 @@ from shfx.cost_model.analytic import repeat_blocks
 from shfx.cost_model.hardware import PROFILES, get_profile
 from shfx.passes.policies import make_policy, policy_names, policy_program
 from shfx.cost_model.planner import (
-    GPTFamily,
+    GPTShape,
     Target,
     largest_trainable,
     memory_for_model,
@@ -28,11 +28,11 @@ from shfx.cost_model.planner import (
 from shfx.passes.capture import capture_model
 from shfx.passes.partition import partition_stages
 from shfx.passes.schedule import cold_backward_program, eval_program
-from shfx.models import GPT, GPTConfig
+from shfx.models import GPT, GPTShape
 
-REF = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
+REF = GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
 V100 = "V100-32GB-PCIe3"
-SMALL = GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=64)
+SMALL = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64)
 HUGE = Target("no limit", 1 << 50)
 EMU = Target("emulated", 1 << 40, emulated=True)
 
@@ -42,8 +42,8 @@ EMU = Target("emulated", 1 << 40, emulated=True)
 
 @pytest.mark.parametrize("h,a,s,V,L", [(2048, 16, 1024, 50304, 48), (32, 2, 16, 64, 3), (48, 4, 24, 100, 5)])
 def test_num_params_matches_gpt_config(h, a, s, V, L):
-    fam = GPTFamily(hidden=h, heads=a, seq=s, batch=1, vocab=V, layers=L)
-    cfg = GPTConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h, bias=True, tie_weights=True)
+    fam = GPTShape(hidden=h, heads=a, seq=s, batch=1, vocab=V, layers=L)
+    cfg = GPTShape(vocab=V, seq=s, layers=L, heads=a, hidden=h, bias=True, tie_weights=True)
     assert fam.num_params() == cfg.num_params()
     assert fam.params_per_layer == 12 * h * h + 13 * h
 
@@ -66,7 +66,7 @@ def test_reference_formulas():
     assert host["master parameters (fp32)"] + host["gradients (fp32)"] + host["optimizer states (m, v)"] == 16 * P
     one_more = memory_model("stronghold", REF.with_layers(49), V100)
     assert one_more.device["activations (checkpoints)"] - sh.device["activations (checkpoints)"] == 2 * s * b * h * 2
-    no_ckpt = GPTFamily(h, a, s, b, V, layers=48, checkpointing=False)
+    no_ckpt = GPTShape(hidden=h, heads=a, seq=s, batch=b, vocab=V, layers=48, checkpointing=False)
     per_layer = memory_model("stronghold", no_ckpt.with_layers(49), V100).device["activations (checkpoints)"] - memory_model(
         "stronghold", no_ckpt, V100
     ).device["activations (checkpoints)"]
@@ -121,7 +121,7 @@ def test_bad_inputs():
         with pytest.raises(ValueError, match="must be a positive int"):
             replace(REF, **bad)
     with pytest.raises(ValueError, match="divisible"):
-        GPTFamily(hidden=30, heads=4, seq=8, batch=1)
+        GPTShape(hidden=30, heads=4, seq=8, batch=1)
     with pytest.raises(ValueError, match="precision"):
         replace(REF, precision="int8")
     with pytest.raises(ValueError, match="refinement of the 'stronghold' policy"):
@@ -166,15 +166,15 @@ def test_zero_infinity_spills_to_ssd():
 def template():
     """A captured two-block GPT (meta device) whose block stage repeat_blocks copies to any depth."""
 
-    def capture(fam: GPTFamily):
-        cfg = GPTConfig(vocab_size=fam.vocab, block_size=fam.seq, n_layer=2, n_head=fam.heads, n_embd=fam.hidden)
+    def capture(fam: GPTShape):
+        cfg = GPTShape(vocab=fam.vocab, seq=fam.seq, layers=2, heads=fam.heads, hidden=fam.hidden)
         with torch.device("meta"):
             model = GPT(cfg)
             idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
         return partition_stages(capture_model(model, (idx, idx)), model=model)
 
     # vocab 512 > 12h + 11: the tail's slot (with the tied embedding) is larger than a block's
-    return {fam: capture(fam) for fam in (SMALL, GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=512))}
+    return {fam: capture(fam) for fam in (SMALL, GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=512))}
 
 
 def _program_layout(policy, specs, window, k):
@@ -214,7 +214,7 @@ def test_memory_for_model_matches_family(template):
 def test_search_matches_brute_force():
     """Memory is not monotone in layers when the tail's slot is larger than a block's: the search
     must still find the largest size that fits."""
-    fam = GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=512)
+    fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=512)
     cases = [("stronghold", {"window": 2}, True), ("stronghold", {"window": 3}, True), ("zero-infinity", {}, True),
              ("stronghold", {"window": 2, "resident_first": 1}, False), ("l2l", {}, False)]
     for policy, kw, dips in cases:
@@ -245,11 +245,11 @@ def _host_bytes(cm) -> int:
     return st.host_bytes + states + staging + pending
 
 
-def _train(policy: str, fam: GPTFamily, device: shfx.EmulatedDevice, steps: int = 2, **kw) -> tuple[int, int]:
+def _train(policy: str, fam: GPTShape, device: shfx.EmulatedDevice, steps: int = 2, **kw) -> tuple[int, int]:
     """Train ``steps`` steps (the second reuses everything the first allocated); return the
     device peak and the host bytes."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=fam.vocab, block_size=fam.seq, n_layer=fam.layers, n_head=fam.heads, n_embd=fam.hidden)
+    cfg = GPTShape(vocab=fam.vocab, seq=fam.seq, layers=fam.layers, heads=fam.heads, hidden=fam.hidden)
     cm = shfx.compile(GPT(cfg), device=device, policy=make_policy(policy, **kw), optimizer=shfx.optim.AdamW())
     try:
         for step in range(steps):
@@ -275,7 +275,7 @@ BOUNDARY = [
     ("zero-infinity", {}, SMALL),
     ("stronghold", {"window": 2}, SMALL),
     ("stronghold", {"window": 2, "resident_first": 1}, SMALL),
-    ("stronghold", {"window": 3}, GPTFamily(hidden=32, heads=2, seq=16, batch=2, vocab=96, loss_in_model=False)),
+    ("stronghold", {"window": 3}, GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=96, loss_in_model=False)),
 ]
 
 
@@ -295,7 +295,7 @@ def test_predicted_boundary_is_the_runtime_boundary(policy, kw, fam):
 
 def test_plan_for_model(template):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model = GPT(GPTShape(vocab=64, seq=16, layers=2, heads=2, hidden=32))
     x = torch.zeros(2, 16, dtype=torch.long)
     fam = SMALL.with_layers(2)
     cap = memory_model("zero-offload", fam, EMU).device_total  # zero-offload fits exactly; resident and l2l do not
@@ -355,7 +355,7 @@ def test_resident_first_auto_picks_the_k_that_trains_most():
     until their optimizer states fill the device."""
     from shfx.cost_model.planner import largest_trainable
 
-    fam = GPTFamily(hidden=2048, heads=16, seq=1024, batch=4)
+    fam = GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
     auto = largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first="auto")
     k = auto.breakdown.settings["resident_first"]
     k0 = largest_trainable("stronghold", fam, "V100-32GB-PCIe3", resident_first=0)

@@ -289,9 +289,9 @@ def test_delayed_update_needs_zero_offload():
 def test_capacity_check_counts_gradient_buffers_and_device_states():
     """resident needs slots + gradient buffers + optimizer states on the device: a budget that
     holds the slots alone is refused up front, naming the policy and every term."""
-    from shfx.models.gpt import GPT, GPTConfig
+    from shfx.models.gpt import GPT, GPTShape
 
-    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    cfg = GPTShape(vocab=64, seq=16, layers=2, heads=2, hidden=32)
     torch.manual_seed(0)
     probe = shfx.compile(GPT(cfg), device=shfx.EmulatedDevice(), policy="resident", optimizer=shfx.optim.AdamW())
     idx = torch.zeros(2, 16, dtype=torch.long)

@@ -8,15 +8,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shfx.models import GPT, GPTConfig
+from shfx.models import GPT, GPTShape
 
 VOCAB, SEQ = 64, 16
 
 
 def gpt(**kw) -> GPT:
-    cfg = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=4, n_embd=32, dropout=0.0)
+    cfg = dict(vocab=VOCAB, seq=SEQ, layers=3, heads=4, hidden=32, dropout=0.0)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg))
+    return GPT(GPTShape(**cfg))
 
 
 def gpt_mask() -> nn.Module:

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from shfx.cost_model.depth import DepthModel  # noqa: E402
 from shfx.cost_model.hardware import PROFILES, Hardware, get_profile  # noqa: E402
-from shfx.cost_model.planner import GPTFamily, Target, largest_trainable, memory_model  # noqa: E402
+from shfx.cost_model.planner import GPTShape, Target, largest_trainable, memory_model  # noqa: E402
 from shfx.passes.policies import make_policy, policy_names  # noqa: E402
 from shfx.passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes  # noqa: E402
 
@@ -103,7 +103,7 @@ class Setup:
     """
 
     real: bool
-    family: GPTFamily
+    family: GPTShape
     hardware: Hardware
     target: Hardware | Target
     window: int
@@ -203,15 +203,12 @@ def _load() -> list[float] | None:
         return None
 
 
-def gpt_config(family: GPTFamily, layers: int):
-    from shfx.models.gpt import GPTConfig
-
-    return GPTConfig(vocab_size=family.vocab, block_size=family.seq, n_layer=layers, n_head=family.heads,
-                     n_embd=family.hidden)
+def gpt_config(family: GPTShape, layers: int) -> GPTShape:
+    return family.with_layers(layers)
 
 
-def num_params(family: GPTFamily, layers: int) -> int:
-    """Parameters (the tied embedding counted once), as :class:`shfx.models.gpt.GPTConfig` counts them."""
+def num_params(family: GPTShape, layers: int) -> int:
+    """Parameters (the tied embedding counted once), as :class:`shfx.models.gpt.GPTShape` counts them."""
     return gpt_config(family, layers).num_params()
 
 
@@ -264,7 +261,7 @@ def parse_args(
     if a.window < 1 or a.resident_first < 0:
         p.error("--window must be >= 1 and --resident-first >= 0")
     shape = SMALL if a.real else REFERENCE
-    family = GPTFamily(**{k: getattr(a, k) if getattr(a, k) is not None else v for k, v in shape.items()})
+    family = GPTShape(**{k: getattr(a, k) if getattr(a, k) is not None else v for k, v in shape.items()})
     hw = get_profile(a.hardware)
     dev_mem = a.device_memory or (REAL_DEVICE["device_memory"] if a.real else None)
     host_mem = a.host_memory or (REAL_DEVICE["host_memory"] if a.real else None)

@@ -1,5 +1,5 @@
 """Small reference models used by the demo, the examples, the benchmarks and the tests."""
 
-from .gpt import GPT, GPTConfig
+from .gpt import GPT, GPTShape
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTShape"]

@@ -9,54 +9,29 @@ output head share their weight (``tie_weights``); attention uses
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block"]
+from shfx.cost_model.shapes import GPTShape
 
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
-    mask_buffer: bool = False
-
-    @property
-    def params_per_layer(self) -> int:
-        """``12 h^2 + 13 h`` with biases (REFERENCE.md)."""
-        h = self.n_embd
-        return 12 * h * h + (13 * h if self.bias else 4 * h)
-
-    def num_params(self) -> int:
-        h = self.n_embd
-        emb = self.vocab_size * h + self.block_size * h
-        head = 0 if self.tie_weights else self.vocab_size * h
-        final_ln = 2 * h if self.bias else h
-        return self.n_layer * self.params_per_layer + emb + head + final_ln
+__all__ = ["GPTShape", "GPT", "Block"]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTShape):
         super().__init__()
-        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        assert cfg.hidden % cfg.heads == 0, "hidden must be divisible by heads"
+        self.c_attn = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.n_head = cfg.n_head
+        self.n_head = cfg.heads
         self.dropout = cfg.dropout
         self.mask_buffer = cfg.mask_buffer
         if cfg.mask_buffer:
-            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-            self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+            mask = torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, cfg.seq, cfg.seq), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -77,10 +52,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTShape):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.hidden, 4 * cfg.hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,11 +63,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTShape):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.hidden, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,28 +76,29 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``GPT(cfg)(idx, targets=None)`` returns the mean cross-entropy loss when ``targets``
-    is given, else the logits."""
+    """``GPT(shape)(idx, targets=None)`` returns the mean cross-entropy loss when ``targets``
+    is given, else the logits (``shape``: a :class:`~shfx.cost_model.shapes.GPTShape`; its
+    batch and planner fields are not the model's concern)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTShape):
         super().__init__()
         self.config = cfg
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                wte=nn.Embedding(cfg.vocab, cfg.hidden),
+                wpe=nn.Embedding(cfg.seq, cfg.hidden),
                 drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.layers)]),
+                ln_f=nn.LayerNorm(cfg.hidden, bias=cfg.bias),
             )
         )
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.layers))
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -135,8 +111,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        if T > self.config.seq:
+            raise ValueError(f"sequence of length {T} is longer than the model's seq {self.config.seq}")
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
