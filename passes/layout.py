@@ -3,11 +3,13 @@
 Each *group* is one contiguous host buffer holding the tensors a stage owns (the stage that
 first uses them), in this order, every tensor aligned to :data:`ALIGN` bytes::
 
-    [ trainable params (fp32) | frozen params | buffers the forward mutates | other buffers, constants ]
+    [ trainable params (master) | frozen params | buffers the forward mutates | other buffers, constants ]
 
-The trainable region ``[0, trainable_bytes)`` is also the layout of the group's fp32 gradient
-buffer and optimizer states, so one optimizer call covers a whole group (padding is zero and
-stays zero). A stage's *slot* holds the whole region of each group it uses entirely, then
+The trainable region ``[0, trainable_bytes)`` is also the layout, element for element, of the
+group's gradient buffer and optimizer states, so one optimizer call covers a whole group
+(padding is zero and stays zero). Each copy of that region has its own dtype
+(:class:`CopyDtypes`: host master, host gradient, optimizer state, device working copy, device
+gradient), carried by the group; byte counts everywhere come from it. A stage's *slot* holds the whole region of each group it uses entirely, then
 single tensors it borrows from other groups (a tied embedding used by the head and the tail).
 Transfers are lists of :class:`Copy`, merged where contiguous: one copy per stage in the
 common case.
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ALIGN", "TensorInfo", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "align"]
+__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "align"]
 
 ALIGN = 64
 
@@ -57,6 +59,45 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class CopyDtypes:
+    """The dtype of each copy of a group's trainable region.
+
+    Attributes:
+        master: the host master weights (the region of the group's own buffer).
+        grad: the host gradient buffer gradients accumulate in.
+        state: each optimizer state (AdamW's m and v), on the host or on the device.
+        working: the device working copy a PREFETCH puts in a slot.
+        device_grad: the gradient a BACKWARD writes on the device (what an OFFLOAD_GRAD moves).
+    """
+
+    master: torch.dtype = torch.float32
+    grad: torch.dtype = torch.float32
+    state: torch.dtype = torch.float32
+    working: torch.dtype = torch.float32
+    device_grad: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        # NOTE: a slot holds the host group's bytes as they are, so the working copy and the
+        # device gradient share the master's layout; a 16-bit working copy (mixed precision)
+        # needs its own slot layout and a cast on the host (a later issue).
+        if not (self.working == self.master == self.device_grad == self.grad):
+            raise NotImplementedError(
+                f"a working copy, device gradient or host gradient in another dtype than the master ({self}) is not "
+                "supported yet: shfx trains in the parameters' dtype"
+            )
+
+
+FP32 = CopyDtypes()
+
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"fp32"``."""
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
 class Group:
     """One host buffer: the tensors stage ``index`` owns (in the capture that planned it)."""
 
@@ -66,10 +107,32 @@ class Group:
     trainable_bytes: int
     mutable_range: tuple[int, int]
     nbytes: int
+    dtypes: CopyDtypes = FP32
 
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(i.key for i in self.infos)
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements of the trainable region (padding included): of the master, the gradient
+        buffer and each optimizer state alike."""
+        return self.trainable_bytes // self.dtypes.master.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the host gradient buffer."""
+        return self.trainable_numel * self.dtypes.grad.itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one optimizer state (AdamW has two: m and v)."""
+        return self.trainable_numel * self.dtypes.state.itemsize
+
+    def trainable_spans(self) -> list[tuple[int, int]]:
+        """``(element offset, numel)`` of each trainable parameter in the trainable region."""
+        size = self.dtypes.master.itemsize
+        return [(self.offsets[i.key] // size, i.numel) for i in self.infos if i.kind == "param" and i.trainable]
 
     def info(self, key: str) -> TensorInfo:
         for i in self.infos:
@@ -113,15 +176,17 @@ def _order(info: TensorInfo) -> int:
     return 3
 
 
-def plan_groups(owned: Sequence[Sequence[TensorInfo]]) -> list[Group]:
-    """Given the tensors each stage owns (first-use order), lay out one host group per stage."""
+def plan_groups(owned: Sequence[Sequence[TensorInfo]], dtypes: CopyDtypes = FP32) -> list[Group]:
+    """Given the tensors each stage owns (first-use order) and the dtypes of the copies of their
+    trainable regions, lay out one host group per stage."""
     groups = []
     for gi, infos in enumerate(owned):
         for i in infos:
-            if i.trainable and i.dtype != torch.float32:
+            if i.trainable and i.dtype != dtypes.master:
+                m = dtype_name(dtypes.master)
                 raise NotImplementedError(
-                    f"parameter {i.key!r} is {i.dtype} and trainable; shfx keeps fp32 master weights and for now "
-                    "trains fp32 parameters only. Convert the model with model.float() before shfx.compile."
+                    f"parameter {i.key!r} is {i.dtype} and trainable; shfx keeps {m} master weights and for now trains "
+                    f"{m} parameters only. Convert the model with model.float() before shfx.compile."
                 )
         ordered = sorted(infos, key=_order)  # stable: keeps first-use order inside each region
         offsets: dict[str, int] = {}
@@ -145,6 +210,7 @@ def plan_groups(owned: Sequence[Sequence[TensorInfo]]) -> list[Group]:
                 trainable_bytes=trainable_end,
                 mutable_range=(mut[0] or 0, mut[1] or 0),
                 nbytes=pos,
+                dtypes=dtypes,
             )
         )
     return groups

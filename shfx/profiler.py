@@ -103,11 +103,12 @@ def measure_links(engine: Engine, nbytes: int, repeats: int = 3) -> Links:
 
 def _update_s(engine: Engine, g: int, repeats: int) -> tuple[float, float]:
     """Host optimizer update and gradient add for group ``g``, on scratch buffers."""
-    n = engine.store.groups[g].trainable_bytes // 4
+    grp = engine.store.groups[g]
+    n = grp.trainable_numel
     if n == 0:
         return 0.0, 0.0
     t_update = engine.optimizer.time_update(g, engine.optimizer.config.hyperparams(), repeats) if engine.optimizer else 0.0
-    a, c = torch.zeros(n), torch.zeros(n)
+    a, c = torch.zeros(n, dtype=grp.dtypes.grad), torch.zeros(n, dtype=grp.dtypes.device_grad)
     return t_update, _timed(lambda: a.add_(c), repeats)
 
 
@@ -117,7 +118,8 @@ def _device_update_s(engine: Engine, g: int, repeats: int) -> float:
     by its size (the update is elementwise, linear in the number of parameters)."""
     from .errors import OutOfDeviceMemory
 
-    n = engine.store.groups[g].trainable_bytes // 4
+    grp = engine.store.groups[g]
+    n, dt = grp.trainable_numel, grp.dtypes
     if n == 0:
         return 0.0
     b = engine.backend
@@ -125,8 +127,8 @@ def _device_update_s(engine: Engine, g: int, repeats: int) -> float:
     while True:
         bufs: list[torch.Tensor] = []
         try:
-            for _ in range(4):
-                bufs.append(b.alloc_device(4 * part, "profiling the device optimizer").view(torch.float32))
+            for d in (dt.working, dt.device_grad, dt.state, dt.state):
+                bufs.append(b.alloc_device(d.itemsize * part, "profiling the device optimizer").view(d))
             for t in bufs:
                 t.zero_()
             p, gr, m, v = ([t] for t in bufs)

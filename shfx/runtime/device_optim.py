@@ -23,13 +23,13 @@ class _DevState:
     __slots__ = ("step", "m", "v", "spans")
 
     def __init__(self, backend: Backend, group: Group):
-        n = group.trainable_bytes // 4
-        self.m = backend.alloc_device(4 * n, f"AdamW m of group {group.index} on the device").view(torch.float32)
-        self.v = backend.alloc_device(4 * n, f"AdamW v of group {group.index} on the device").view(torch.float32)
+        dt = group.dtypes.state
+        self.m = backend.alloc_device(group.state_bytes, f"AdamW m of group {group.index} on the device").view(dt)
+        self.v = backend.alloc_device(group.state_bytes, f"AdamW v of group {group.index} on the device").view(dt)
         self.m.zero_()
         self.v.zero_()
         self.step = torch.zeros((), dtype=torch.float32, device=backend.device)
-        self.spans = _spans([(group.offsets[i.key] // 4, i.numel) for i in group.infos if i.kind == "param" and i.trainable])
+        self.spans = _spans(group.trainable_spans())
 
 
 class DeviceAdamW:
@@ -47,8 +47,9 @@ class DeviceAdamW:
                 self.state[g.index] = _DevState(self.backend, g)
 
     def update(self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict) -> None:
-        """Step ``group`` given fp32 views over its trainable region in the slot (``params``) and
-        in the gradient buffer (``grads``), both laid out like the host group."""
+        """Step ``group`` given views over its trainable region in the slot (``params``, the
+        working dtype) and in the gradient buffer (``grads``, the device gradient dtype), both
+        laid out like the host group."""
         if hp["amsgrad"]:
             raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
         st = self.state.get(group.index)

@@ -558,8 +558,8 @@ class Engine:
             if self.dev_grad_state.get(group, GRAD_NONE) != GRAD_VALID:
                 return
             n = grp.trainable_bytes
-            params = self.pool.region(slot, base, n).view(torch.float32)
-            grads = self._grad_buffer(slot)[base : base + n].view(torch.float32)
+            params = self.pool.region(slot, base, n).view(grp.dtypes.working)
+            grads = self._grad_buffer(slot)[base : base + n].view(grp.dtypes.device_grad)
             self.device_optimizer.update(grp, params, grads, hp)
             self.dirty.add(group)
             # persistent borrowers (tied weights) hold copies: refresh them (every contributor's
@@ -679,7 +679,7 @@ class Engine:
                 for kind, c, buf in plan:
                     g = c.group
                     if kind == "shared":
-                        src = buf[: c.nbytes].view(torch.float32)
+                        src = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
                         if g in acc.flushed:  # the owner's sum is in already: add directly
                             self._grad_slice(g, c, zero_if_none=True).add_(src)
                         else:
@@ -691,9 +691,10 @@ class Engine:
                                 acc.pending_keys.add((g, c.host_offset))
                                 acc.pending.setdefault(g, []).append(c)
                     elif kind == "add":
-                        stg = buf[: c.nbytes].view(torch.float32)
+                        stg = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
+                        size = stg.element_size()
                         for pc in acc.pending.pop(g, []):
-                            stg[pc.host_offset // 4 : (pc.host_offset + pc.nbytes) // 4].add_(self._pending(pc))
+                            stg[pc.host_offset // size : (pc.host_offset + pc.nbytes) // size].add_(self._pending(pc))
                         store.grad(g).add_(stg)
                         acc.flushed.add(g)
                     else:  # direct: the group's gradient was copied in whole
@@ -725,13 +726,15 @@ class Engine:
                 raise AssertionError(f"group {g} has no gradient to add to")
             st.grad(g).zero_()
             st.grad_state[g] = GRAD_VALID
-        return st.grad(g)[c.host_offset // 4 : (c.host_offset + c.nbytes) // 4]
+        size = st.groups[g].dtypes.grad.itemsize
+        return st.grad(g)[c.host_offset // size : (c.host_offset + c.nbytes) // size]
 
     def _pending(self, c: Any) -> torch.Tensor:
         key = (c.group, c.host_offset, c.nbytes)
         t = self._pending_bufs.get(key)
         if t is None:
-            t = torch.empty(c.nbytes // 4, dtype=torch.float32)
+            dt = self.store.groups[c.group].dtypes.grad
+            t = torch.empty(c.nbytes // dt.itemsize, dtype=dt)
             self._pending_bufs[key] = t
         return t
 

@@ -66,14 +66,13 @@ class _State:
     __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "views")
 
     def __init__(self, store: HostStore, g: int, amsgrad: bool, merge: bool = True):
-        n = store.master(g).numel()
-        self.step = torch.zeros((), dtype=torch.float32)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        self.max_exp_avg_sq = torch.zeros(n, dtype=torch.float32) if amsgrad else None
         grp = store.groups[g]
-        params = [(grp.offsets[i.key] // 4, i.numel) for i in grp.infos if i.kind == "param" and i.trainable]
-        spans = _spans(params, merge)
+        n, dt = grp.trainable_numel, grp.dtypes.state
+        self.step = torch.zeros((), dtype=torch.float32)
+        self.exp_avg = torch.zeros(n, dtype=dt)
+        self.exp_avg_sq = torch.zeros(n, dtype=dt)
+        self.max_exp_avg_sq = torch.zeros(n, dtype=dt) if amsgrad else None
+        spans = _spans(grp.trainable_spans(), merge)
         bufs = [store.master(g), store.grad(g), self.exp_avg, self.exp_avg_sq]
         if amsgrad:
             bufs.append(self.max_exp_avg_sq)
@@ -134,11 +133,14 @@ class HostAdamW:
         import time
 
         grp = self.store.groups[g]
-        n = grp.trainable_bytes // 4
-        spans = _spans([(grp.offsets[i.key] // 4, i.numel) for i in grp.infos if i.kind == "param" and i.trainable], self.merge_views)
+        n, dt = grp.trainable_numel, grp.dtypes
+        spans = _spans(grp.trainable_spans(), self.merge_views)
         if not spans:
             return 0.0
-        bufs = [torch.randn(n) * 1e-3, torch.randn(n) * 1e-3, torch.zeros(n), torch.zeros(n)]
+        bufs = [
+            (torch.randn(n) * 1e-3).to(dt.master), (torch.randn(n) * 1e-3).to(dt.grad),
+            torch.zeros(n, dtype=dt.state), torch.zeros(n, dtype=dt.state),
+        ]  # fmt: skip
         views = [[b[o : o + k] for o, k in spans] for b in bufs]
         step = torch.zeros(())
         times = []

@@ -69,16 +69,17 @@ class HostStore:
         return self.buffers[g]
 
     def master(self, g: int) -> torch.Tensor:
-        """The fp32 trainable region of group ``g`` (the master weights, padding included)."""
-        n = self.groups[g].trainable_bytes
-        return self.buffers[g][:n].view(torch.float32)
+        """The trainable region of group ``g`` (the master weights, padding included), in the
+        master dtype."""
+        grp = self.groups[g]
+        return self.buffers[g][: grp.trainable_bytes].view(grp.dtypes.master)
 
     def grad(self, g: int) -> torch.Tensor:
-        """Group ``g``'s flat fp32 gradient buffer (created zeroed on first use)."""
+        """Group ``g``'s flat gradient buffer in the host gradient dtype (created zeroed on first use)."""
         t = self._grads[g]
         if t is None:
-            n = self.groups[g].trainable_bytes
-            t = self.backend.alloc_host(n, self.pin).view(torch.float32)
+            grp = self.groups[g]
+            t = self.backend.alloc_host(grp.grad_bytes, self.pin).view(grp.dtypes.grad)
             self._grads[g] = t
         return t
 
@@ -93,7 +94,7 @@ class HostStore:
     @property
     def host_bytes(self) -> int:
         n = sum(b.numel() for b in self.buffers)
-        n += sum(t.numel() * 4 for t in self._grads if t is not None)
+        n += sum(t.numel() * t.element_size() for t in self._grads if t is not None)
         return n
 
     # ---- staging for accumulating gradients ----------------------------------------------------
