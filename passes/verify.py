@@ -34,7 +34,7 @@ residency, computed once) yielding ``(action or None, message)``:
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -381,12 +381,17 @@ RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 
 
-def verify_program(program: Program, expect: Literal["auto", "train", "eval", "backward"] = "auto") -> Program:
+def verify_program(
+    program: Program,
+    expect: Literal["auto", "train", "eval", "backward"] = "auto",
+    rules: Sequence[Rule] = RULES,
+) -> Program:
     """Check ``program``'s invariants; return it unchanged or raise :class:`VerificationError`.
 
     ``expect`` selects the completeness rules: ``"train"`` (forward and backward of every
     stage), ``"eval"`` (forward only), ``"backward"`` (backward only, e.g. the cold
-    backward), ``"auto"`` (guess from the actions present).
+    backward), ``"auto"`` (guess from the actions present). ``rules`` checks only some
+    invariants (e.g. ``rules=[residency]``).
 
     Violations are listed ordering first (the other rules read the graph without the edges
     it rejects), then those at actions in issue order (at one action, in rule order), then
@@ -394,7 +399,7 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
     """
     view = ProgramView(program, expect)
     found: list[tuple[tuple[int, int, int], Violation]] = []
-    for rank, rule in enumerate(RULES):
+    for rank, rule in enumerate(rules):
         for node, msg in rule(view):
             where = (0, 0) if rule is order else (2, 0) if node is None else (1, view.index[node])
             found.append(((*where, rank), (node, msg)))

@@ -9,6 +9,7 @@ import random
 from dataclasses import replace
 from typing import Literal
 
+import pytest
 import torch.fx as fx
 
 from shfx.passes.actions import KINDS
@@ -17,7 +18,7 @@ from shfx.passes.policies import schedule_l2l, schedule_resident, schedule_stron
 from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, Action, ActionKind, Program
 from shfx.passes.schedule import cold_backward_program, eval_program
 from shfx.passes.stages import chain, consumers_of
-from shfx.passes.verify import VerificationError, verify_program
+from shfx.passes.verify import RULES, VerificationError, data_flow, verify_program
 
 # ---- the frozen copy ---------------------------------------------------------------------------
 _SLOTTED = {k for k, i in KINDS.items() if i.slotted and not i.update}
@@ -331,3 +332,17 @@ def test_broken_programs_report_as_before():
             broken += old is not None
             several += old is not None and len(old[1] or ()) > 1
     assert compared == 4770 and broken > 4000 and several > 3000, (compared, broken, several)
+
+
+def test_one_rule_at_a_time():
+    """``rules=`` runs only some rules: a program broken only in its data flow passes every
+    other rule, and the data-flow rule alone reports what the full verifier does."""
+    p = schedule_stronghold(chain(4), 4)
+    f1, f2 = p.find("F1"), p.find("F2")
+    _set_args(f2, [d for d in p.deps(f2) if d is not f1])
+    others = [r for r in RULES if r is not data_flow]
+    assert verify_program(p, rules=others) is p
+    for rules in ([data_flow], RULES):
+        with pytest.raises(VerificationError) as e:
+            verify_program(p, rules=rules)
+        assert e.value.violations == ["F2 (#6) reads stage 1's output but does not wait for F1"]
