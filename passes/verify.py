@@ -2,15 +2,16 @@
 
 ``verify_program(program)`` raises :class:`VerificationError` listing each broken invariant
 with the offending action. It checks the program as a graph (it does not trust the policy or
-the lowering that built it):
+the lowering that built it), one rule per invariant (:data:`RULES`, in this order):
 
 1. **order**: every dependency is issued before its dependent (a CUDA stream cannot wait
    for an event that is not recorded yet) and the dependency graph is acyclic.
 2. **residency**: every compute/copy action on a stage runs while the stage holds a slot,
    waits (transitively) for the PREFETCH that filled the slot, and slots stay in
-   ``0..num_slots-1``; at most ``num_slots`` stages are resident at any point.
-3. **slot reuse**: a RELEASE waits for every reader of its slot, and a PREFETCH into a slot
-   waits for the RELEASE that freed it.
+   ``0..num_slots-1``.
+3. **slot reuse**: a slot holds one stage at a time, so at most ``num_slots`` stages are
+   resident at any point; a RELEASE waits for every reader of its slot, and a PREFETCH into a
+   slot waits for the RELEASE that freed it.
 4. **data flow**: F waits for its producers' F; B waits for its consumers' B.
 5. **grads before update**: a CPU_STEP waits for the OFFLOAD_GRAD of every stage that sends
    gradients to its group.
@@ -22,10 +23,19 @@ Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a
 one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
 stage owning its group and waits for the BACKWARD of every stage sending it gradients; an
 OFFLOAD_PARAMS waits for the DEVICE_STEP of its stage's group.
+
+A rule is a function of a :class:`ProgramView` (the program's issue order, reachability and
+residency, computed once) yielding ``(action or None, message)``:
+
+>>> [rule.__name__ for rule in RULES]
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness']
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch.fx as fx
@@ -35,17 +45,19 @@ from .actions import KINDS
 from .program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
 from .stages import consumers_of
 
-__all__ = ["verify_program", "VerificationError"]
+__all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
 
 # kinds whose slot is their own stage's (a DEVICE_STEP names the slot of its group's owner)
 _SLOTTED = {k for k, i in KINDS.items() if i.slotted and not i.update}
 _READERS = {k for k, i in KINDS.items() if i.reads_slot and not i.update}
 
+Violation = tuple[fx.Node | None, str]
+
 
 class VerificationError(ScheduleError):
     """A step program broke one or more invariants; ``.violations`` lists them."""
 
-    def __init__(self, program: Program, violations: list[tuple[fx.Node | None, str]]):
+    def __init__(self, program: Program, violations: list[Violation]):
         self.violations = [msg for _, msg in violations]
         first = next((n for n, _ in violations if n is not None), None)
         listed = "\n".join(f"  - {m}" for m in self.violations[:12])
@@ -56,174 +68,293 @@ class VerificationError(ScheduleError):
         )
 
 
-def verify_program(program: Program, expect: Literal["auto", "train", "eval", "backward"] = "auto") -> Program:
-    """Check ``program``'s invariants; return it unchanged or raise :class:`VerificationError`.
+@dataclass(frozen=True)
+class Hold:
+    """A stage's hold on a slot, as the residency walk found it just before an action."""
 
-    ``expect`` selects the completeness rules: ``"train"`` (forward and backward of every
-    stage), ``"eval"`` (forward only), ``"backward"`` (backward only, e.g. the cold
-    backward), ``"auto"`` (guess from the actions present).
+    slot: int
+    fill: fx.Node | None  # the PREFETCH that filled it; None: persistent, loaded before the step
+    readers: tuple[fx.Node, ...]  # the actions that read it since
+
+
+@dataclass(frozen=True)
+class Fill:
+    """What a PREFETCH of a stage that is not resident finds in the slot it fills."""
+
+    holder: int | None  # the stage still holding the slot
+    freed_by: fx.Node | None  # the last RELEASE of the slot
+    resident: int  # stages resident once it has filled it
+
+
+class ProgramView:
+    """What the rules read about one program, computed once.
+
+    Attributes:
+        program, expect: what :func:`verify_program` was given.
+        nodes, index: the actions in issue order, and each one's position.
+        stages: stage index -> :class:`StageSpec`.
+        owner_of: parameter group -> the stage owning it.
+        device_groups: the groups updated on the device (``program.device_groups()``).
+        anc, done: the two reachability relations (see :meth:`waits`, :meth:`waits_done`).
+        hold: per slotted action (and DEVICE_STEP of an owned group) that the residency walk
+            reached, the hold of its stage (the group owner's) just before it; None: not resident.
+        fills: per PREFETCH of a stage that is not resident, what it finds in its slot.
+        unplaced: the actions the residency walk could not place (an unknown stage, a slot out
+            of range, a PREFETCH of a non-persistent stage already resident, a reader of a stage
+            not resident); the residency rule reports them and the later rules skip them.
+        resident_at_end: stage -> slot for every stage resident after the last action.
     """
-    nodes = program.nodes
-    index = {n: i for i, n in enumerate(nodes)}
-    stages = {s.index: s for s in program.stages}
-    consumers = consumers_of(list(program.stages))
-    bad: list[tuple[fx.Node | None, str]] = []
 
-    def act(n: fx.Node) -> str:
-        return f"{get_meta(n).action} (#{index[n]})"
+    def __init__(self, program: Program, expect: str = "auto"):
+        self.program = program
+        self.expect = expect
+        self.nodes = program.nodes
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.stages = {s.index: s for s in program.stages}
+        self.owner_of = {st.update_group: st.index for st in program.stages if st.update_group is not None}
+        self.device_groups = program.device_groups()
+        # NOTE: two relations. ``anc``: n waits (transitively) for d to start and finish using
+        # device memory. ``done``: n waits for d's every effect. They differ at RELEASE: a
+        # RELEASE waits only until an OFFLOAD_GRAD has *read* the slot (its copy), not until the
+        # gradients are accumulated on the host, so a path through a RELEASE does not make an
+        # update wait for that OFFLOAD_GRAD.
+        # Both are bitsets over issue positions; the edges the order rule rejects are left out.
+        self.anc: dict[fx.Node, int] = {}
+        self.done: dict[fx.Node, int] = {}
+        for n in self.nodes:
+            a = dn = 0
+            is_release = get_meta(n).kind == R
+            for d in program.deps(n):
+                if self.index.get(d, len(self.nodes)) >= self.index[n]:
+                    continue
+                a |= self.anc[d] | (1 << self.index[d])
+                dn |= self.done[d] | (0 if (is_release and KINDS[get_meta(d).kind].accumulates) else 1 << self.index[d])
+            self.anc[n] = a
+            self.done[n] = dn
+        self.hold: dict[fx.Node, Hold | None] = {}
+        self.fills: dict[fx.Node, Fill] = {}
+        self.unplaced: set[fx.Node] = set()
+        self._placed: dict[tuple[ActionKind, int], list[int]] = {}
+        self.resident_at_end = {s: h.slot for s, h in self._walk().items()}
 
-    # 1. order and acyclicity; ancestors as bitsets in issue order.
-    # NOTE: two relations. ``anc``: n waits (transitively) for d to start and finish using
-    # device memory. ``done``: n waits for d's every effect. They differ at RELEASE: a
-    # RELEASE waits only until an OFFLOAD_GRAD has *read* the slot (its copy), not until the
-    # gradients are accumulated on the host, so a path through a RELEASE does not make an
-    # update wait for that OFFLOAD_GRAD.
-    anc: dict[fx.Node, int] = {}
-    done: dict[fx.Node, int] = {}
-    for n in nodes:
-        a = dn = 0
-        is_release = get_meta(n).kind == R
-        for d in program.deps(n):
-            if d not in index:
-                bad.append((n, f"{act(n)} waits for {d.name!r}, which is not an action of this program"))
+    def _walk(self) -> dict[int, Hold]:
+        """Walk the actions in issue order tracking which stage holds which slot; persistent
+        stages start resident (loaded before the step: no PREFETCH to wait for)."""
+        program = self.program
+        held = {st: Hold(k, None, ()) for k, st in enumerate(program.persistent)}  # stage -> hold
+        holder = {k: st for k, st in enumerate(program.persistent)}  # slot -> stage
+        freed_by: dict[int, fx.Node] = {}  # slot -> the last RELEASE of it
+        for i, n in enumerate(self.nodes):
+            m = get_meta(n)
+            k, s = m.kind, m.stage
+            if k in _SLOTTED and (s not in self.stages or not self.slot_in_range(m.slot)):
+                self.unplaced.add(n)
                 continue
-            if index[d] >= index[n]:
-                bad.append((n, f"{act(n)} waits for {act(d)}, which is issued later (deadlock or cycle)"))
-                continue
-            a |= anc[d] | (1 << index[d])
-            dn |= done[d] | (0 if (is_release and KINDS[get_meta(d).kind].accumulates) else 1 << index[d])
-        anc[n] = a
-        done[n] = dn
+            if k == DU and s in self.owner_of:
+                own = self.owner_of[s]
+                h = self.hold[n] = held.get(own)
+                if h is not None:
+                    held[own] = Hold(h.slot, h.fill, (*h.readers, n))
+            elif k == PF:
+                h = self.hold[n] = held.get(s)
+                if h is None:
+                    self.fills[n] = Fill(holder.get(m.slot), freed_by.get(m.slot), len(held) + 1)
+                    held[s] = Hold(m.slot, n, ())
+                    holder[m.slot] = s
+                elif s in program.persistent:  # a refresh of its slot
+                    held[s] = Hold(h.slot, n, ())
+                else:
+                    self.unplaced.add(n)
+                    continue
+            elif k in _READERS or k == R:
+                h = self.hold[n] = held.get(s)
+                if h is None:
+                    self.unplaced.add(n)
+                    continue
+                if k == R:
+                    del held[s]
+                    holder.pop(h.slot, None)
+                    freed_by[h.slot] = n
+                else:
+                    held[s] = Hold(h.slot, h.fill, (*h.readers, n))
+            self._placed.setdefault((k, s), []).append(i)
+        return held
 
-    def waits(n: fx.Node, d: fx.Node) -> bool:
-        return bool(anc[n] >> index[d] & 1)
+    def act(self, n: fx.Node) -> str:
+        """How messages name an action: ``F3 (#12)``."""
+        return f"{get_meta(n).action} (#{self.index[n]})"
 
-    def waits_done(n: fx.Node, d: fx.Node) -> bool:
-        return bool(done[n] >> index[d] & 1)
+    def slot_in_range(self, slot: int | None) -> bool:
+        return slot is not None and 0 <= slot < self.program.num_slots
 
-    # 2./3. residency and slot reuse, walking in issue order; persistent stages start resident
-    # (loaded before the step: no PF to wait for)
-    resident: dict[int, tuple[int, fx.Node | None, list[fx.Node]]] = {
-        st: (k, None, []) for k, st in enumerate(program.persistent)
-    }  # stage -> (slot, PF, readers)
-    slot_holder: dict[int, int] = {k: st for k, st in enumerate(program.persistent)}  # slot -> stage
-    last_release: dict[int, fx.Node] = {}
-    last: dict[tuple[ActionKind, int], fx.Node] = {}
-    owner_of = {st.update_group: st.index for st in program.stages if st.update_group is not None}
-    dev_groups = program.device_groups()
-    for n in nodes:
+    def waits(self, n: fx.Node, d: fx.Node) -> bool:
+        """``n`` waits (transitively) for ``d`` to be done with device memory."""
+        return bool(self.anc[n] >> self.index[d] & 1)
+
+    def waits_done(self, n: fx.Node, d: fx.Node) -> bool:
+        """``n`` waits (transitively) for every effect of ``d``."""
+        return bool(self.done[n] >> self.index[d] & 1)
+
+    def last(self, kind: ActionKind, stage: int, before: fx.Node) -> fx.Node | None:
+        """The latest placed action ``kind`` of ``stage`` (of a group, for an update) issued
+        before ``before``, or None."""
+        at = self._placed.get((kind, stage), [])
+        j = bisect_left(at, self.index[before])
+        return self.nodes[at[j - 1]] if j else None
+
+
+Rule = Callable[[ProgramView], Iterable[Violation]]
+
+
+def order(v: ProgramView) -> Iterator[Violation]:
+    """1. Every dependency is an action of the program issued before its dependent (so the
+    dependency graph is acyclic)."""
+    for n in v.nodes:
+        for d in v.program.deps(n):
+            if d not in v.index:
+                yield n, f"{v.act(n)} waits for {d.name!r}, which is not an action of this program"
+            elif v.index[d] >= v.index[n]:
+                yield n, f"{v.act(n)} waits for {v.act(d)}, which is issued later (deadlock or cycle)"
+
+
+def residency(v: ProgramView) -> Iterator[Violation]:
+    """2. An action using its stage's slot names a stage of the program and a slot in
+    ``0..num_slots-1``; it runs while the stage is resident, in the slot the stage holds, and
+    waits for the PREFETCH that filled it. A PREFETCH loads a stage that is not resident, or
+    refreshes a persistent stage in its slot; a persistent stage is never released. A
+    DEVICE_STEP runs while the stage owning its group is resident, in that stage's slot."""
+    persistent = v.program.persistent
+    for n in v.nodes:
         m = get_meta(n)
         k, s = m.kind, m.stage
-        if k in _SLOTTED:
-            if s not in stages:
-                bad.append((n, f"{act(n)} names stage {s}, but the program has stages 0..{len(stages) - 1}"))
-                continue
-            if m.slot is None or not (0 <= m.slot < program.num_slots):
-                bad.append((n, f"{act(n)} uses slot {m.slot}, outside 0..{program.num_slots - 1}"))
-                continue
-        if k == PF:
-            if s in resident:
-                if s not in program.persistent:
-                    bad.append((n, f"{act(n)} prefetches stage {s}, which is already resident in slot {resident[s][0]}"))
-                    continue
-                slot, _, readers = resident[s]  # a refresh of a persistent stage's slot
-                if m.slot != slot:
-                    bad.append((n, f"{act(n)} refreshes stage {s} into slot {m.slot}, but it is in slot {slot}"))
-                for r in readers:
-                    if not waits(n, r):
-                        bad.append((n, f"{act(n)} overwrites stage {s}'s slot before its reader {act(r)} is done"))
-                resident[s] = (slot, n, [])
-                last[(k, s)] = n
-                continue
-            if m.slot in slot_holder:
-                bad.append((n, f"{act(n)} fills slot {m.slot} while stage {slot_holder[m.slot]} still holds it"))
-            if m.slot in last_release and not waits(n, last_release[m.slot]):
-                bad.append((n, f"{act(n)} reuses slot {m.slot} without waiting for {act(last_release[m.slot])}, which freed it"))
-            resident[s] = (m.slot, n, [])
-            slot_holder[m.slot] = s
-            if len(resident) > program.num_slots:
-                bad.append((n, f"{act(n)} makes {len(resident)} stages resident; the window allows {program.num_slots}"))
+        if k in _SLOTTED and s not in v.stages:
+            yield n, f"{v.act(n)} names stage {s}, but the program has stages 0..{len(v.stages) - 1}"
+        elif k in _SLOTTED and not v.slot_in_range(m.slot):
+            yield n, f"{v.act(n)} uses slot {m.slot}, outside 0..{v.program.num_slots - 1}"
+        elif k == PF and (h := v.hold[n]) is not None:
+            if s not in persistent:
+                yield n, f"{v.act(n)} prefetches stage {s}, which is already resident in slot {h.slot}"
+            elif m.slot != h.slot:
+                yield n, f"{v.act(n)} refreshes stage {s} into slot {m.slot}, but it is in slot {h.slot}"
         elif k in _READERS or k == R:
-            if s not in resident:
-                bad.append((n, f"{act(n)} runs while stage {s} is not resident"))
+            h = v.hold[n]
+            if h is None:
+                yield n, f"{v.act(n)} runs while stage {s} is not resident"
                 continue
-            slot, pf, readers = resident[s]
-            if m.slot != slot:
-                bad.append((n, f"{act(n)} uses slot {m.slot}, but stage {s} is in slot {slot}"))
-            if pf is not None and not waits(n, pf):
-                bad.append((n, f"{act(n)} does not wait for {act(pf)}, which fills stage {s}'s slot"))
-            if k == R and s in program.persistent:
-                bad.append((n, f"{act(n)} releases stage {s}, which is persistent (resident across steps)"))
-            if k == R:
-                for r in readers:
-                    if not waits(n, r):
-                        bad.append((n, f"{act(n)} frees slot {slot} before its reader {act(r)} is done"))
-                del resident[s]
-                slot_holder.pop(slot, None)
-                last_release[slot] = n
-            else:
-                readers.append(n)
-        # 4. data flow
+            if m.slot != h.slot:
+                yield n, f"{v.act(n)} uses slot {m.slot}, but stage {s} is in slot {h.slot}"
+            if h.fill is not None and not v.waits(n, h.fill):
+                yield n, f"{v.act(n)} does not wait for {v.act(h.fill)}, which fills stage {s}'s slot"
+            if k == R and s in persistent:
+                yield n, f"{v.act(n)} releases stage {s}, which is persistent (resident across steps)"
+        elif k == DU and s in v.owner_of:
+            own, h = v.owner_of[s], v.hold[n]
+            if h is None:
+                yield n, f"{v.act(n)} updates group {s} on the device while its stage {own} is not resident"
+            elif m.slot != h.slot:
+                yield n, f"{v.act(n)} uses slot {m.slot}, but stage {own} is in slot {h.slot}"
+
+
+def slot_reuse(v: ProgramView) -> Iterator[Violation]:
+    """3. A PREFETCH fills a slot no stage holds (so at most ``num_slots`` stages are resident)
+    and waits for the RELEASE that freed it; a RELEASE, and a PREFETCH refreshing a persistent
+    stage's slot, wait for every reader of the slot since it was filled."""
+    for n in v.nodes:
+        if n in v.unplaced:
+            continue
+        m = get_meta(n)
+        k, s = m.kind, m.stage
+        if k == PF and n in v.fills:
+            f = v.fills[n]
+            if f.holder is not None:
+                yield n, f"{v.act(n)} fills slot {m.slot} while stage {f.holder} still holds it"
+            if f.freed_by is not None and not v.waits(n, f.freed_by):
+                yield n, f"{v.act(n)} reuses slot {m.slot} without waiting for {v.act(f.freed_by)}, which freed it"
+            if f.resident > v.program.num_slots:
+                yield n, f"{v.act(n)} makes {f.resident} stages resident; the window allows {v.program.num_slots}"
+        elif k == PF:
+            for r in v.hold[n].readers:
+                if not v.waits(n, r):
+                    yield n, f"{v.act(n)} overwrites stage {s}'s slot before its reader {v.act(r)} is done"
+        elif k == R:
+            h = v.hold[n]
+            for r in h.readers:
+                if not v.waits(n, r):
+                    yield n, f"{v.act(n)} frees slot {h.slot} before its reader {v.act(r)} is done"
+
+
+def data_flow(v: ProgramView) -> Iterator[Violation]:
+    """4. F waits for its producers' F and B for its consumers' B; an OFFLOAD_GRAD waits for its
+    stage's B, an OFFLOAD_BUFFERS for its F, an OFFLOAD_PARAMS for the DEVICE_STEP of its group."""
+    consumers = consumers_of(list(v.program.stages))
+
+    def waits_for(n: fx.Node, kind: ActionKind, stage: int | None) -> bool:
+        d = v.last(kind, stage, n)
+        return d is not None and v.waits(n, d)
+
+    for n in v.nodes:
+        if n in v.unplaced:
+            continue
+        m = get_meta(n)
+        k, s = m.kind, m.stage
         if k == F:
-            for p in stages[s].producers:
-                fp = last.get((F, p))
-                if fp is None or not waits(n, fp):
-                    bad.append((n, f"{act(n)} reads stage {p}'s output but does not wait for F{p}"))
+            for p in v.stages[s].producers:
+                if not waits_for(n, F, p):
+                    yield n, f"{v.act(n)} reads stage {p}'s output but does not wait for F{p}"
         elif k == B:
             for c in consumers[s]:
-                bc = last.get((B, c))
-                if bc is None or not waits(n, bc):
-                    bad.append((n, f"{act(n)} needs the output gradient from stage {c} but does not wait for B{c}"))
-        elif k == OG:
-            bs = last.get((B, s))
-            if bs is None or not waits(n, bs):
-                bad.append((n, f"{act(n)} copies stage {s}'s gradients but does not wait for B{s}"))
-        elif k == OB:
-            fs = last.get((F, s))
-            if fs is None or not waits(n, fs):
-                bad.append((n, f"{act(n)} copies stage {s}'s mutated buffers but does not wait for F{s}"))
+                if not waits_for(n, B, c):
+                    yield n, f"{v.act(n)} needs the output gradient from stage {c} but does not wait for B{c}"
+        elif k == OG and not waits_for(n, B, s):
+            yield n, f"{v.act(n)} copies stage {s}'s gradients but does not wait for B{s}"
+        elif k == OB and not waits_for(n, F, s):
+            yield n, f"{v.act(n)} copies stage {s}'s mutated buffers but does not wait for F{s}"
         elif k == OP:
-            du = last.get((DU, stages[s].update_group))
-            if du is None or not waits(n, du):
-                bad.append((n, f"{act(n)} copies stage {s}'s parameters back before DU{stages[s].update_group} updated them"))
-        # 5. grads on the host (device) before the update reads them
-        elif k == DU:
-            own = owner_of.get(s)
-            if own is None:
-                bad.append((n, f"{act(n)} updates group {s}, which no stage owns"))
-            elif own not in resident:
-                bad.append((n, f"{act(n)} updates group {s} on the device while its stage {own} is not resident"))
-            else:
-                slot, pf, readers = resident[own]
-                if m.slot != slot:
-                    bad.append((n, f"{act(n)} uses slot {m.slot}, but stage {own} is in slot {slot}"))
-                readers.append(n)
-            for st in program.stages:
-                if s in st.grad_groups:
-                    b = last.get((B, st.index))
-                    if b is None or not waits(n, b):
-                        bad.append((n, f"{act(n)} reads group {s}'s gradients before B{st.index} produced stage {st.index}'s"))
-        elif k == U:
-            owners = [st.index for st in program.stages if st.update_group == s]
-            if not owners:
-                bad.append((n, f"{act(n)} updates group {s}, which no stage owns"))
-            if s in dev_groups:
-                bad.append((n, f"{act(n)} updates group {s} on the host, but DU{s} updates it on the device"))
-            for st in program.stages:
-                if s in st.grad_groups:
-                    og = last.get((OG, st.index))
-                    if og is None or not waits_done(n, og):
-                        bad.append((n, f"{act(n)} reads group {s}'s gradients before OG{st.index} has put stage {st.index}'s on the host"))
-        last[(k, s)] = n
+            g = v.stages[s].update_group
+            if not waits_for(n, DU, g):
+                yield n, f"{v.act(n)} copies stage {s}'s parameters back before DU{g} updated them"
 
-    # 6. completeness
-    kinds = {get_meta(n).kind for n in nodes}
+
+def grads_before_update(v: ProgramView) -> Iterator[Violation]:
+    """5. An update names a group some stage owns; a group updated on the device has no
+    CPU_STEP; a CPU_STEP waits for the OFFLOAD_GRAD (all of its effects: the accumulation on the
+    host too) and a DEVICE_STEP for the BACKWARD of every stage sending gradients to its group."""
+    for n in v.nodes:
+        m = get_meta(n)
+        k, g = m.kind, m.stage
+        if k not in (DU, U):
+            continue
+        if g not in v.owner_of:
+            yield n, f"{v.act(n)} updates group {g}, which no stage owns"
+        if k == U and g in v.device_groups:
+            yield n, f"{v.act(n)} updates group {g} on the host, but DU{g} updates it on the device"
+        for st in v.program.stages:
+            if g not in st.grad_groups:
+                continue
+            if k == DU:
+                b = v.last(B, st.index, n)
+                if b is None or not v.waits(n, b):
+                    yield n, f"{v.act(n)} reads group {g}'s gradients before B{st.index} produced stage {st.index}'s"
+            else:
+                og = v.last(OG, st.index, n)
+                if og is None or not v.waits_done(n, og):
+                    yield n, f"{v.act(n)} reads group {g}'s gradients before OG{st.index} has put stage {st.index}'s on the host"
+
+
+def completeness(v: ProgramView) -> Iterator[Violation]:
+    """6. F (train, eval) and B (train, backward) of every stage exactly once; in train and
+    backward programs OG once per stage sending gradients to a host-updated group and one update
+    per trainable group (U, or DU for a device group; the host updates may be left to the runtime,
+    ``program.updates_outside``); at the end only the persistent stages are resident."""
+    expect = v.expect
+    kinds = {get_meta(n).kind for n in v.nodes}
     if expect == "auto":
         expect = "train" if (F in kinds and B in kinds) else ("backward" if B in kinds else "eval")
     counts: dict[tuple[ActionKind, int], int] = {}
-    for n in nodes:
+    for n in v.nodes:
         m = get_meta(n)
         counts[(m.kind, m.stage)] = counts.get((m.kind, m.stage), 0) + 1
+    stages, dev_groups = v.stages, v.device_groups
     need: list[tuple[ActionKind, int]] = []
     if expect in ("train", "eval"):
         need += [(F, s) for s in stages]
@@ -234,16 +365,44 @@ def verify_program(program: Program, expect: Literal["auto", "train", "eval", "b
         need += [
             (DU if st.update_group in dev_groups else U, st.update_group)
             for st in stages.values()
-            if st.update_group is not None and not (program.updates_outside and st.update_group not in dev_groups)
+            if st.update_group is not None and not (v.program.updates_outside and st.update_group not in dev_groups)
         ]
     for key in need:
         c = counts.get(key, 0)
         if c != 1:
-            bad.append((None, f"{key[0].value}{key[1]} appears {c} times; a {expect} program needs it exactly once"))
-    left = {s: v for s, v in resident.items() if s not in program.persistent}
+            yield None, f"{key[0].value}{key[1]} appears {c} times; a {expect} program needs it exactly once"
+    left = {s: slot for s, slot in v.resident_at_end.items() if s not in v.program.persistent}
     if expect in ("train", "eval", "backward") and left:
-        held = ", ".join(f"stage {s} (slot {sl})" for s, (sl, _, _) in sorted(left.items()))
-        bad.append((None, f"the program ends with {held} still resident; release every slot but the persistent stages'"))
-    if bad:
-        raise VerificationError(program, bad)
+        held = ", ".join(f"stage {s} (slot {slot})" for s, slot in sorted(left.items()))
+        yield None, f"the program ends with {held} still resident; release every slot but the persistent stages'"
+
+
+RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before_update, completeness)
+"""The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
+
+
+def verify_program(
+    program: Program,
+    expect: Literal["auto", "train", "eval", "backward"] = "auto",
+    rules: Sequence[Rule] = RULES,
+) -> Program:
+    """Check ``program``'s invariants; return it unchanged or raise :class:`VerificationError`.
+
+    ``expect`` selects the completeness rules: ``"train"`` (forward and backward of every
+    stage), ``"eval"`` (forward only), ``"backward"`` (backward only, e.g. the cold
+    backward), ``"auto"`` (guess from the actions present). ``rules`` checks only some
+    invariants (e.g. ``rules=[residency]``).
+
+    Violations are listed ordering first (the other rules read the graph without the edges
+    it rejects), then those at actions in issue order (at one action, in rule order), then
+    those of the program as a whole.
+    """
+    view = ProgramView(program, expect)
+    found: list[tuple[tuple[int, int, int], Violation]] = []
+    for rank, rule in enumerate(rules):
+        for node, msg in rule(view):
+            where = (0, 0) if rule is order else (2, 0) if node is None else (1, view.index[node])
+            found.append(((*where, rank), (node, msg)))
+    if found:
+        raise VerificationError(program, [v for _, v in sorted(found, key=lambda f: f[0])])
     return program
