@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import Captured
+from .capture import Captured, Placeholder
 from .layout import Group, SlotPlan, TensorInfo, plan_groups, plan_slot
 from .stages import StageSpec
 from .units import format_bytes
@@ -310,6 +310,149 @@ def _is_float_tensor(v: Any) -> bool:
 
 
 _NONDIFF_TARGETS = {torch.ops.aten.detach.default}
+_OPERATIONS = ("call_function", "get_attr", "call_module", "call_method")
+
+
+def _placeholder_info(captured: Captured) -> dict[str, Placeholder]:
+    return {p.name: p for p in captured.placeholders}
+
+
+def _keys_of(stage_nodes: Sequence[fx.Node], ph_info: dict[str, Placeholder]) -> list[str]:
+    """The parameter, buffer and constant keys ``stage_nodes`` read, in first-use order."""
+    out: list[str] = []
+    for n in stage_nodes:
+        for a in _inputs_of(n):
+            if a.op == "placeholder" and ph_info[a.name].kind != "input":
+                k = ph_info[a.name].key
+                if k not in out:
+                    out.append(k)
+    return out
+
+
+# ---- sub-passes ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageLabels:
+    """The stage of every operation node, and the stages' names.
+
+    ``nodes`` are the captured graph's operation nodes (neither placeholders nor the output) in
+    graph order; ``stage_of`` maps each to a stage in ``range(len(names))``.
+    """
+
+    nodes: tuple[fx.Node, ...]
+    stage_of: dict[fx.Node, int] = field(hash=False)
+    names: tuple[str, ...]
+    method: str  # "blocks:<path>" or "bytes"
+
+    def members(self) -> list[list[fx.Node]]:
+        """The operation nodes of each stage, in graph order (empty for an empty stage)."""
+        out: list[list[fx.Node]] = [[] for _ in self.names]
+        for n in self.nodes:
+            out[self.stage_of[n]].append(n)
+        return out
+
+
+def _require_labels(labels: StageLabels, sub_pass: str) -> None:
+    """Check that every operation node has a stage among the labelled ones."""
+    for n in labels.nodes:
+        s = labels.stage_of.get(n)
+        if s is None or not 0 <= s < len(labels.names):
+            raise PartitionError(
+                f"{sub_pass}: node {n.name!r} has stage {s}, not one of the {len(labels.names)} labelled "
+                "stages; pass the StageLabels that label_stages (and merge_tensorless_stages) returned"
+            )
+
+
+def _first_use_bytes(captured: Captured, nodes: Sequence[fx.Node]) -> dict[fx.Node, int]:
+    """Bytes of the parameters, buffers and constants each node is the first to read."""
+    ph_info = _placeholder_info(captured)
+    tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
+    first_use_bytes: dict[fx.Node, int] = {}
+    seen_keys: set[str] = set()
+    for n in nodes:
+        for a in _inputs_of(n):
+            if a.op == "placeholder" and ph_info[a.name].kind != "input":
+                key = ph_info[a.name].key
+                if key not in seen_keys:
+                    seen_keys.add(key)
+                    t = tensor_obj[key]
+                    first_use_bytes[n] = first_use_bytes.get(n, 0) + t.numel() * t.element_size()
+    return first_use_bytes
+
+
+def label_stages(
+    captured: Captured,
+    *,
+    blocks: Any = None,
+    num_stages: int | None = None,
+    model: nn.Module | None = None,
+) -> StageLabels:
+    """Given a capture, return the stage of each operation node, by blocks or by bytes.
+
+    With blocks (``blocks`` a path or the container module, or None to detect them in
+    ``model``), the stages are the head, one per block and the tail; otherwise cuts between
+    top-level modules balance parameter bytes over ``num_stages`` stages (see the module
+    docstring). Then each ``getitem`` joins the stage of the tuple it reads and each
+    ``get_attr`` (a higher-order op's body) the first stage that uses it. Stages may be empty
+    or read no tensors; :func:`merge_tensorless_stages` folds them away.
+    """
+    ph_info = _placeholder_info(captured)
+    for n in captured.gm.graph.nodes:
+        if n.op == "placeholder" and n.name not in ph_info:
+            raise PartitionError(
+                f"label_stages: graph placeholder {n.name!r} is not in captured.placeholders; "
+                "pass the Captured that capture_model returned for this graph"
+            )
+    nodes = [n for n in captured.gm.graph.nodes if n.op in _OPERATIONS]
+    prefix = captured.module_prefix
+    container = _resolve_blocks(model, blocks) if model is not None else (blocks if isinstance(blocks, str) else None)
+    if container is not None:
+        labels, names = _label_blocks(nodes, prefix, container)
+        method = f"blocks:{container}"
+    else:
+        if blocks is None and num_stages is None and model is not None and len(list(model.children())) == 0:
+            num_stages = 1
+        labels, names = _label_bytes(nodes, prefix, _first_use_bytes(captured, nodes), num_stages)
+        method = "bytes"
+
+    # getitem follows its source; get_attr (HOP bodies) follows its first user
+    for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in labels:
+            labels[n] = labels[n.args[0]]
+    for n in nodes:
+        if n.op == "get_attr" and n.users:
+            labels[n] = min(labels[u] for u in n.users if u in labels)
+    return StageLabels(tuple(nodes), labels, tuple(names), method)
+
+
+def merge_tensorless_stages(captured: Captured, labels: StageLabels) -> StageLabels:
+    """Given stage labels, return them with empty stages dropped and every stage that reads
+    no parameter, buffer or constant merged into the next stage that does (into the last one
+    before it when none follows); merged names are joined with ``+``.
+
+    When no stage reads a tensor, everything merges into the first non-empty stage.
+    """
+    _require_labels(labels, "merge_tensorless_stages")
+    ph_info = _placeholder_info(captured)
+    members = labels.members()
+    keep = [i for i, m in enumerate(members) if m]
+    with_tensors = [i for i in keep if _keys_of(members[i], ph_info)] or keep[:1]
+    remap: dict[int, int] = {}
+    for i in keep:
+        if i in with_tensors:
+            remap[i] = i
+        else:
+            later = [j for j in with_tensors if j > i]
+            remap[i] = later[0] if later else max(j for j in with_tensors if j < i)
+    final = sorted(set(remap.values()))
+    new_index = {old: new for new, old in enumerate(final)}
+    merged_names: dict[int, list[str]] = {}
+    for i in keep:
+        merged_names.setdefault(new_index[remap[i]], []).append(labels.names[i])
+    stage_of = {n: new_index[remap[labels.stage_of[n]]] for n in labels.nodes}
+    names = tuple("+".join(merged_names[i]) for i in range(len(final)))
+    return StageLabels(labels.nodes, stage_of, names, labels.method)
 
 
 def partition_stages(
@@ -327,81 +470,21 @@ def partition_stages(
     what does not match. ``model`` is needed for block detection.
     """
     gm = captured.gm
-    prefix = captured.module_prefix
-    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr", "call_module", "call_method")]
-    ph_info = {p.name: p for p in captured.placeholders}
+    ph_info = _placeholder_info(captured)
     ph_nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-
-    # first use of each tensor placeholder, for byte-balanced cuts
-    first_use_bytes: dict[fx.Node, int] = {}
     tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
-    seen_keys: set[str] = set()
-    for n in nodes:
-        for a in _inputs_of(n):
-            if a.op == "placeholder" and ph_info[a.name].kind != "input":
-                key = ph_info[a.name].key
-                if key not in seen_keys:
-                    seen_keys.add(key)
-                    t = tensor_obj[key]
-                    first_use_bytes[n] = first_use_bytes.get(n, 0) + t.numel() * t.element_size()
 
-    container = _resolve_blocks(model, blocks) if model is not None else (blocks if isinstance(blocks, str) else None)
-    if container is not None:
-        labels, names = _label_blocks(nodes, prefix, container)
-        method = f"blocks:{container}"
-    else:
-        if blocks is None and num_stages is None and model is not None and len(list(model.children())) == 0:
-            num_stages = 1
-        labels, names = _label_bytes(nodes, prefix, first_use_bytes, num_stages)
-        method = "bytes"
+    stage_labels = merge_tensorless_stages(
+        captured, label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
+    )
+    labels = stage_labels.stage_of
+    stage_names = list(stage_labels.names)
+    method = stage_labels.method
+    n_stages = len(stage_names)
+    members = stage_labels.members()
 
-    # getitem follows its source; get_attr (HOP bodies) follows its first user
-    for n in nodes:
-        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in labels:
-            labels[n] = labels[n.args[0]]
-    for n in nodes:
-        if n.op == "get_attr" and n.users:
-            labels[n] = min(labels[u] for u in n.users if u in labels)
-
-    # stage -> tensor keys used
     def keys_of(stage_nodes: list[fx.Node]) -> list[str]:
-        out: list[str] = []
-        for n in stage_nodes:
-            for a in _inputs_of(n):
-                if a.op == "placeholder" and ph_info[a.name].kind != "input":
-                    k = ph_info[a.name].key
-                    if k not in out:
-                        out.append(k)
-        return out
-
-    # merge stages without tensors into a neighbour, drop empty ones
-    nstage = len(names)
-    members: list[list[fx.Node]] = [[] for _ in range(nstage)]
-    for n in nodes:
-        members[labels[n]].append(n)
-    keep = [i for i in range(nstage) if members[i]]
-    with_tensors = [i for i in keep if keys_of(members[i])]
-    if not with_tensors:
-        with_tensors = keep[:1]
-    remap: dict[int, int] = {}
-    for i in keep:
-        if i in with_tensors:
-            remap[i] = i
-        else:
-            later = [j for j in with_tensors if j > i]
-            remap[i] = later[0] if later else max(j for j in with_tensors if j < i)
-    final = sorted(set(remap.values()))
-    new_index = {old: new for new, old in enumerate(final)}
-    merged_names: dict[int, list[str]] = {}
-    for i in keep:
-        merged_names.setdefault(new_index[remap[i]], []).append(names[i])
-    for n in nodes:
-        labels[n] = new_index[remap[labels[n]]]
-    stage_names = ["+".join(merged_names[i]) for i in range(len(final))]
-    n_stages = len(final)
-    members = [[] for _ in range(n_stages)]
-    for n in nodes:
-        members[labels[n]].append(n)
+        return _keys_of(stage_nodes, ph_info)
 
     # ownership of tensors
     stage_keys = [keys_of(m) for m in members]
