@@ -455,6 +455,82 @@ def merge_tensorless_stages(captured: Captured, labels: StageLabels) -> StageLab
     return StageLabels(labels.nodes, stage_of, names, labels.method)
 
 
+@dataclass(frozen=True)
+class Ownership:
+    """The host tensors each stage reads, and the host group that owns each."""
+
+    tensors: dict[str, TensorInfo] = field(hash=False)  # every parameter, buffer and constant
+    stage_keys: tuple[tuple[str, ...], ...]  # per stage, the keys it reads in first-use order
+    groups: tuple[Group, ...]
+    owner: dict[str, int] = field(hash=False)  # key -> index of the group that holds it
+
+
+def assign_owners(captured: Captured, labels: StageLabels, groups: Sequence[Group] | None = None) -> Ownership:
+    """Given merged stage labels, return the tensors each stage reads and the owner of each.
+
+    Without ``groups``, a tensor is owned by the first stage that reads it (a tied weight by
+    the earliest of its users) and one host group per stage is planned from what it owns.
+    With ``groups`` (an earlier capture's layout), owners come from them, and a tensor that
+    none of them holds is an error.
+    """
+    _require_labels(labels, "assign_owners")
+    if groups is not None:
+        for i, grp in enumerate(groups):
+            if grp.index != i:
+                raise PartitionError(
+                    f"assign_owners: groups[{i}] has index {grp.index}; pass the groups of an earlier "
+                    "StageGraph unchanged"
+                )
+    ph_info = _placeholder_info(captured)
+    stage_keys = tuple(tuple(_keys_of(m, ph_info)) for m in labels.members())
+    tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
+    tensors: dict[str, TensorInfo] = {}
+    for p in captured.placeholders:
+        if p.kind == "input":
+            continue
+        tensors[p.key] = TensorInfo.of(
+            p.key, p.kind, tensor_obj[p.key], trainable=p.key in captured.trainable, mutable=p.key in captured.mutated_buffers
+        )
+    if groups is None:
+        owned: list[list[TensorInfo]] = [[] for _ in stage_keys]
+        owner: dict[str, int] = {}
+        for s, ks in enumerate(stage_keys):
+            for k in ks:
+                if k not in owner:
+                    owner[k] = s
+                    owned[s].append(tensors[k])
+        groups = plan_groups(owned)
+    else:
+        owner = {k: g.index for g in groups for k in g.keys}
+        for ks in stage_keys:
+            for k in ks:
+                if k not in owner:
+                    raise PartitionError(
+                        f"{k!r} is used by this capture but was not used when the model was first captured; "
+                        "shfx lays out host memory once per compiled model. Compile again (shfx.compile) for this use."
+                    )
+    return Ownership(tensors, stage_keys, tuple(groups), owner)
+
+
+def check_mutated_buffers(captured: Captured, labels: StageLabels) -> None:
+    """Given merged stage labels, check that every buffer the forward updates in place is
+    read by one stage only (the stage copies it back to the host after its forward)."""
+    _require_labels(labels, "check_mutated_buffers")
+    ph_info = _placeholder_info(captured)
+    mutated_by: dict[str, int] = {}
+    for s, m in enumerate(labels.members()):
+        for n in m:
+            for a in _inputs_of(n):
+                if a.op == "placeholder" and ph_info[a.name].key in captured.mutated_buffers:
+                    k = ph_info[a.name].key
+                    if mutated_by.setdefault(k, s) != s:
+                        raise PartitionError(
+                            f"buffer {k!r} is updated in place by the forward and used by stages "
+                            f"{labels.names[mutated_by[k]]!r} and {labels.names[s]!r}; a mutated buffer must stay "
+                            "in one stage. Pass blocks= so both uses fall into one stage."
+                        )
+
+
 def partition_stages(
     captured: Captured,
     *,
@@ -472,7 +548,6 @@ def partition_stages(
     gm = captured.gm
     ph_info = _placeholder_info(captured)
     ph_nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
 
     stage_labels = merge_tensorless_stages(
         captured, label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
@@ -480,56 +555,12 @@ def partition_stages(
     labels = stage_labels.stage_of
     stage_names = list(stage_labels.names)
     method = stage_labels.method
-    n_stages = len(stage_names)
     members = stage_labels.members()
 
-    def keys_of(stage_nodes: list[fx.Node]) -> list[str]:
-        return _keys_of(stage_nodes, ph_info)
-
-    # ownership of tensors
-    stage_keys = [keys_of(m) for m in members]
-    tensors: dict[str, TensorInfo] = {}
-    for p in captured.placeholders:
-        if p.kind == "input":
-            continue
-        t = tensor_obj[p.key]
-        kind = p.kind if p.kind != "constant" else "constant"
-        tensors[p.key] = TensorInfo.of(
-            p.key, kind, t, trainable=p.key in captured.trainable, mutable=p.key in captured.mutated_buffers
-        )
-    if groups is None:
-        owned: list[list[TensorInfo]] = [[] for _ in range(n_stages)]
-        owner: dict[str, int] = {}
-        for s, ks in enumerate(stage_keys):
-            for k in ks:
-                if k not in owner:
-                    owner[k] = s
-                    owned[s].append(tensors[k])
-        groups = plan_groups(owned)
-    else:
-        groups = list(groups)
-        owner = {k: g.index for g in groups for k in g.keys}
-        for ks in stage_keys:
-            for k in ks:
-                if k not in owner:
-                    raise PartitionError(
-                        f"{k!r} is used by this capture but was not used when the model was first captured; "
-                        "shfx lays out host memory once per compiled model. Compile again (shfx.compile) for this use."
-                    )
-
-    # mutated buffers belong to one stage
-    mutated_by: dict[str, int] = {}
-    for s, m in enumerate(members):
-        for n in m:
-            for a in _inputs_of(n):
-                if a.op == "placeholder" and ph_info[a.name].key in captured.mutated_buffers:
-                    k = ph_info[a.name].key
-                    if mutated_by.setdefault(k, s) != s:
-                        raise PartitionError(
-                            f"buffer {k!r} is updated in place by the forward and used by stages "
-                            f"{stage_names[mutated_by[k]]!r} and {stage_names[s]!r}; a mutated buffer must stay "
-                            "in one stage. Pass blocks= so both uses fall into one stage."
-                        )
+    ownership = assign_owners(captured, stage_labels, groups)
+    tensors, groups, owner = ownership.tensors, list(ownership.groups), ownership.owner
+    stage_keys = [list(ks) for ks in ownership.stage_keys]
+    check_mutated_buffers(captured, stage_labels)
 
     # differentiability
     input_grad = {i: leaf[3] for i, leaf in enumerate(l for l in captured.signature.leaves if l[0] == "T")}
