@@ -531,6 +531,112 @@ def check_mutated_buffers(captured: Captured, labels: StageLabels) -> None:
                         )
 
 
+def mark_differentiable(captured: Captured) -> dict[fx.Node, bool]:
+    """Given a capture, return for each node (all but the output) whether its value needs a
+    gradient: it is a floating-point tensor, or a tuple of results, computed from a trainable
+    parameter or an input that requires grad, neither through ``detach`` nor inside a
+    ``torch.no_grad()`` region; a ``getitem`` inherits the flag of the tuple it reads."""
+    ph_info = _placeholder_info(captured)
+    input_grad = {i: leaf[3] for i, leaf in enumerate(l for l in captured.signature.leaves if l[0] == "T")}
+    for p in captured.placeholders:
+        if p.kind == "input" and p.index not in input_grad:
+            raise PartitionError(
+                f"mark_differentiable: input placeholder {p.name!r} has index {p.index}, but captured.signature "
+                f"has {len(input_grad)} tensor inputs; pass the Captured that capture_model returned"
+            )
+    needs_grad: dict[fx.Node, bool] = {}
+    for n in captured.gm.graph.nodes:
+        if n.op == "placeholder":
+            p = ph_info[n.name]
+            needs_grad[n] = (p.kind == "param" and p.key in captured.trainable) or (p.kind == "input" and input_grad.get(p.index, False))
+        elif n.op == "output":
+            continue
+        else:
+            val = n.meta.get("val")
+            src = any(needs_grad.get(a, False) for a in _inputs_of(n))
+            if n.target in _NONDIFF_TARGETS:
+                src = False
+            if n.op == "call_function" and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled" and n.args and n.args[0] is False:
+                src = False
+            if n.op == "call_function" and n.target is operator.getitem:
+                src = needs_grad.get(n.args[0], False)
+            needs_grad[n] = bool(src) and (_is_float_tensor(val) or isinstance(val, (tuple, list)))
+    return needs_grad
+
+
+def collect_boundary_values(
+    captured: Captured, labels: StageLabels, needs_grad: dict[fx.Node, bool]
+) -> dict[str, ValueInfo]:
+    """Given merged stage labels and :func:`mark_differentiable`'s flags, return a ValueInfo
+    for every value a stage reads from another stage, every user input a stage reads and
+    every output (in order of first use, outputs last), keyed by node name.
+
+    Refuses an output that is a parameter or buffer itself and a value crossing stages that
+    is not a tensor.
+    """
+    _require_labels(labels, "collect_boundary_values")
+    ph_info = _placeholder_info(captured)
+    stage_of = labels.stage_of
+    consumers: dict[fx.Node, set[int]] = {}
+    for s, m in enumerate(labels.members()):
+        for n in m:
+            for a in _inputs_of(n):
+                if a.op == "placeholder":
+                    if ph_info[a.name].kind == "input":
+                        consumers.setdefault(a, set()).add(s)
+                elif stage_of[a] != s:
+                    if stage_of[a] > s:  # pragma: no cover - labels are monotone in graph order
+                        raise PartitionError(f"node {n.name!r} in stage {s} reads {a.name!r} from a later stage")
+                    consumers.setdefault(a, set()).add(s)
+    for o in captured.outputs:
+        if o.op == "placeholder" and ph_info[o.name].kind != "input":
+            raise PartitionError(
+                f"{captured.model_name} returns the {ph_info[o.name].kind} {ph_info[o.name].key!r} itself; shfx keeps "
+                "parameters and buffers on the host. Return a copy (e.g. weight.clone()) or read it from the model."
+            )
+        consumers.setdefault(o, set())
+
+    values: dict[str, ValueInfo] = {}
+    for v, cons in consumers.items():
+        val = v.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise PartitionError(
+                f"value {v.name!r} crosses from stage {stage_of.get(v, -1)} to {sorted(cons)} but is not a tensor "
+                f"({type(val).__name__}); choose other stage boundaries with blocks="
+            )
+        producer = -1 if v.op == "placeholder" else stage_of[v]
+        values[v.name] = ValueInfo(
+            name=v.name,
+            producer=producer,
+            consumers=tuple(sorted(c for c in cons if c != producer)),
+            differentiable=bool(needs_grad.get(v, False)) and _is_float_tensor(val),
+            nbytes=val.numel() * val.element_size(),
+            shape=tuple(val.shape),
+            dtype=val.dtype,
+            input_index=ph_info[v.name].index if v.op == "placeholder" else -1,
+        )
+    return values
+
+
+def check_stage_inputs_unmodified(captured: Captured, labels: StageLabels) -> None:
+    """Given merged stage labels, check that no stage writes in place to a value it reads
+    from a user input or another stage (a stage is recomputed from its inputs)."""
+    _require_labels(labels, "check_stage_inputs_unmodified")
+    ph_info = _placeholder_info(captured)
+    for s, m in enumerate(labels.members()):
+        for n in m:
+            for w in _written_args(n):
+                base = _alias_base(w)
+                if base.op == "placeholder" and ph_info[base.name].kind == "input" or (
+                    base.op != "placeholder" and labels.stage_of.get(base, s) != s
+                ):
+                    raise PartitionError(
+                        f"stage {labels.names[s]!r} modifies its input {base.name!r} in place ({n.name}: {n.target}); "
+                        "shfx recomputes stages from their inputs, so they must not change. Make the operation "
+                        "out of place (x = x + y rather than x += y)."
+                    )
+
+
 def partition_stages(
     captured: Captured,
     *,
@@ -562,80 +668,9 @@ def partition_stages(
     stage_keys = [list(ks) for ks in ownership.stage_keys]
     check_mutated_buffers(captured, stage_labels)
 
-    # differentiability
-    input_grad = {i: leaf[3] for i, leaf in enumerate(l for l in captured.signature.leaves if l[0] == "T")}
-    needs_grad: dict[fx.Node, bool] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            p = ph_info[n.name]
-            needs_grad[n] = (p.kind == "param" and p.key in captured.trainable) or (p.kind == "input" and input_grad.get(p.index, False))
-        elif n.op == "output":
-            continue
-        else:
-            val = n.meta.get("val")
-            src = any(needs_grad.get(a, False) for a in _inputs_of(n))
-            if n.target in _NONDIFF_TARGETS:
-                src = False
-            if n.op == "call_function" and getattr(n.target, "__name__", "") == "wrap_with_set_grad_enabled" and n.args and n.args[0] is False:
-                src = False
-            if n.op == "call_function" and n.target is operator.getitem:
-                src = needs_grad.get(n.args[0], False)
-            needs_grad[n] = bool(src) and (_is_float_tensor(val) or isinstance(val, (tuple, list)))
-
-    # values crossing stages
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    consumers: dict[fx.Node, set[int]] = {}
-    for s, m in enumerate(members):
-        for n in m:
-            for a in _inputs_of(n):
-                if a.op == "placeholder":
-                    if ph_info[a.name].kind == "input":
-                        consumers.setdefault(a, set()).add(s)
-                elif labels[a] != s:
-                    if labels[a] > s:  # pragma: no cover - labels are monotone in graph order
-                        raise PartitionError(f"node {n.name!r} in stage {s} reads {a.name!r} from a later stage")
-                    consumers.setdefault(a, set()).add(s)
-    for o in captured.outputs:
-        if o.op == "placeholder" and ph_info[o.name].kind != "input":
-            raise PartitionError(
-                f"{captured.model_name} returns the {ph_info[o.name].kind} {ph_info[o.name].key!r} itself; shfx keeps "
-                "parameters and buffers on the host. Return a copy (e.g. weight.clone()) or read it from the model."
-            )
-        consumers.setdefault(o, set())
-
-    values: dict[str, ValueInfo] = {}
-    for v, cons in consumers.items():
-        val = v.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise PartitionError(
-                f"value {v.name!r} crosses from stage {labels.get(v, -1)} to {sorted(cons)} but is not a tensor "
-                f"({type(val).__name__}); choose other stage boundaries with blocks="
-            )
-        producer = -1 if v.op == "placeholder" else labels[v]
-        values[v.name] = ValueInfo(
-            name=v.name,
-            producer=producer,
-            consumers=tuple(sorted(c for c in cons if c != producer)),
-            differentiable=bool(needs_grad.get(v, False)) and _is_float_tensor(val),
-            nbytes=val.numel() * val.element_size(),
-            shape=tuple(val.shape),
-            dtype=val.dtype,
-            input_index=ph_info[v.name].index if v.op == "placeholder" else -1,
-        )
-
-    # stage inputs must not be modified in place (they are recomputed from)
-    for s, m in enumerate(members):
-        for n in m:
-            for w in _written_args(n):
-                base = _alias_base(w)
-                if base.op == "placeholder" and ph_info[base.name].kind == "input" or (
-                    base.op != "placeholder" and labels.get(base, s) != s
-                ):
-                    raise PartitionError(
-                        f"stage {stage_names[s]!r} modifies its input {base.name!r} in place ({n.name}: {n.target}); "
-                        "shfx recomputes stages from their inputs, so they must not change. Make the operation "
-                        "out of place (x = x + y rather than x += y)."
-                    )
+    values = collect_boundary_values(captured, stage_labels, mark_differentiable(captured))
+    consumers = {n: None for n in gm.graph.nodes if n.name in values}
+    check_stage_inputs_unmodified(captured, stage_labels)
 
     # build stage graph modules
     stages: list[Stage] = []
