@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -637,6 +637,146 @@ def check_stage_inputs_unmodified(captured: Captured, labels: StageLabels) -> No
                     )
 
 
+def _stage_module(
+    captured: Captured,
+    s: int,
+    members: Sequence[fx.Node],
+    keys: Sequence[str],
+    ins: Sequence[str],
+    outs: Sequence[str],
+    by_name: dict[str, fx.Node],
+) -> fx.GraphModule:
+    """Stage ``s``'s graph ``f(*keys, *ins) -> outs``: its nodes copied from the capture."""
+    g = fx.Graph()
+    key_ph = {k: g.placeholder(_safe(k)) for k in keys}
+    env: dict[fx.Node, fx.Node] = {}
+    for v in ins:
+        env[by_name[v]] = g.placeholder("in_" + v)
+    for p in captured.placeholders:
+        if p.kind != "input" and p.key in key_ph:
+            env[by_name[p.name]] = key_ph[p.key]
+    for n in members:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[by_name[o]] for o in outs))
+    return fx.GraphModule(captured.gm, g, class_name=f"Stage{s}")
+
+
+def build_stages(
+    captured: Captured, labels: StageLabels, ownership: Ownership, values: dict[str, ValueInfo]
+) -> list[Stage]:
+    """Given merged stage labels, :func:`assign_owners`' ownership and
+    :func:`collect_boundary_values`' values, return the stages: each one's GraphModule
+    ``f(*params, *buffers, *inputs) -> (*outputs)``, slot plan and StageSpec.
+
+    A stage updates its own group when it owns trainable parameters in it;
+    :func:`assign_update_groups` places the groups left over.
+    """
+    _require_labels(labels, "build_stages")
+    if len(ownership.stage_keys) != len(labels.names):
+        raise PartitionError(
+            f"build_stages: the ownership covers {len(ownership.stage_keys)} stages but the labels have "
+            f"{len(labels.names)}; pass the Ownership that assign_owners returned for these labels"
+        )
+    ph_info = _placeholder_info(captured)
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    out_values = {o.name for o in captured.outputs}
+    groups, owner, stage_keys = ownership.groups, ownership.owner, ownership.stage_keys
+    stages: list[Stage] = []
+    for s, m in enumerate(labels.members()):
+        name = labels.names[s]
+        keys = stage_keys[s]
+        params = tuple(k for k in keys if ownership.tensors[k].kind == "param")
+        bufs = tuple(k for k in keys if ownership.tensors[k].kind != "param")
+        ins: list[str] = []
+        for n in m:
+            for a in _inputs_of(n):
+                if (a.op == "placeholder" and ph_info[a.name].kind == "input") or (
+                    a.op != "placeholder" and labels.stage_of[a] != s
+                ):
+                    if a.name not in values:
+                        raise PartitionError(
+                            f"build_stages: stage {name!r} reads {a.name!r}, which has no ValueInfo; pass the "
+                            "values that collect_boundary_values returned for these labels"
+                        )
+                    if a.name not in ins:
+                        ins.append(a.name)
+        outs = [n.name for n in m if n.name in values and (values[n.name].consumers or n.name in out_values)]
+        mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
+        trainable = tuple(k for k in params if k in captured.trainable)
+        slot = plan_slot(s, keys, mutated, trainable, groups, owner)
+        owns_update = s < len(groups) and groups[s].trainable_bytes > 0 and owner_stage_is(groups, s, owner, stage_keys)
+        update_group = s if owns_update else None
+        spec = StageSpec(
+            index=s,
+            name=name,
+            producers=frozenset(values[v].producer for v in ins if values[v].producer >= 0),
+            prefetch_bytes=SlotPlan.total(slot.prefetch),
+            grad_bytes=SlotPlan.total(slot.grads),
+            buffer_out_bytes=SlotPlan.total(slot.buffers_out),
+            grad_groups=frozenset(c.group for c in slot.grads),
+            update_group=update_group,
+            activation_bytes=sum(values[v].nbytes for v in outs),
+            slot_bytes=slot.nbytes,
+            update_bytes=groups[update_group].trainable_bytes if update_group is not None else 0,
+            grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
+        )
+        stages.append(
+            Stage(
+                index=s,
+                name=name,
+                gm=_stage_module(captured, s, m, params + bufs, ins, outs, by_name),
+                params=params,
+                buffers=bufs,
+                inputs=tuple(ins),
+                outputs=tuple(outs),
+                mutated_buffers=mutated,
+                trainable=trainable,
+                slot=slot,
+                spec=spec,
+                num_ops=sum(1 for n in m if n.op == "call_function"),
+            )
+        )
+    return stages
+
+
+def assign_update_groups(stages: Sequence[Stage], groups: Sequence[Group]) -> list[Stage]:
+    """Given the built stages, return them with every group that has trainable bytes but no
+    updating stage given to the first stage that sends it gradients, if that stage updates
+    no group yet (a group whose owner stage does not read it, as with reused groups)."""
+    for i, st in enumerate(stages):
+        if st.index != i:
+            raise PartitionError(f"assign_update_groups: stage {st.name!r} has index {st.index} but is at position {i}")
+    out = list(stages)
+    claimed = {st.spec.update_group for st in stages if st.spec.update_group is not None}
+    for grp in groups:
+        if grp.trainable_bytes and grp.index not in claimed:
+            users = [st for st in out if grp.index in st.spec.grad_groups]
+            if users and users[0].spec.update_group is None:
+                st = users[0]
+                out[st.index] = replace(st, spec=replace(st.spec, update_group=grp.index, update_bytes=grp.trainable_bytes))
+    return out
+
+
+def collect_user_inputs(captured: Captured, values: dict[str, ValueInfo]) -> tuple[list[str], dict[str, ValueInfo]]:
+    """Given the boundary values, return the value name of each user tensor input (by
+    position) and the values with a ValueInfo added for each input no stage reads."""
+    inputs = [p for p in captured.placeholders if p.kind == "input"]
+    if sorted(p.index for p in inputs) != list(range(len(inputs))):
+        raise PartitionError(
+            f"collect_user_inputs: the input placeholders' indices {sorted(p.index for p in inputs)} are not "
+            f"0..{len(inputs) - 1}; pass the Captured that capture_model returned"
+        )
+    by_name = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    input_names = [""] * len(inputs)
+    values = dict(values)
+    for p in inputs:
+        input_names[p.index] = p.name
+        if p.name not in values:
+            val = by_name[p.name].meta.get("val")
+            values[p.name] = ValueInfo(p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index)
+    return input_names, values
+
+
 def partition_stages(
     captured: Captured,
     *,
@@ -651,121 +791,27 @@ def partition_stages(
     keep their owners from it (the host store is shared by every capture) and slots borrow
     what does not match. ``model`` is needed for block detection.
     """
-    gm = captured.gm
-    ph_info = _placeholder_info(captured)
-    ph_nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-
-    stage_labels = merge_tensorless_stages(
-        captured, label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
-    )
-    labels = stage_labels.stage_of
-    stage_names = list(stage_labels.names)
-    method = stage_labels.method
-    members = stage_labels.members()
-
-    ownership = assign_owners(captured, stage_labels, groups)
-    tensors, groups, owner = ownership.tensors, list(ownership.groups), ownership.owner
-    stage_keys = [list(ks) for ks in ownership.stage_keys]
-    check_mutated_buffers(captured, stage_labels)
-
-    values = collect_boundary_values(captured, stage_labels, mark_differentiable(captured))
-    consumers = {n: None for n in gm.graph.nodes if n.name in values}
-    check_stage_inputs_unmodified(captured, stage_labels)
-
-    # build stage graph modules
-    stages: list[Stage] = []
-    out_values = {o.name for o in captured.outputs}
-    for s, m in enumerate(members):
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        keys = stage_keys[s]
-        params = [k for k in keys if tensors[k].kind == "param"]
-        bufs = [k for k in keys if tensors[k].kind != "param"]
-        ins: list[str] = []
-        for n in m:
-            for a in _inputs_of(n):
-                if (a.op == "placeholder" and ph_info[a.name].kind == "input") or (a.op != "placeholder" and labels[a] != s):
-                    if a.name not in ins:
-                        ins.append(a.name)
-        key_ph: dict[str, fx.Node] = {}
-        for k in params + bufs:
-            key_ph[k] = g.placeholder(_safe(k))
-        for v in ins:
-            env[ph_nodes[v] if v in ph_nodes else next(x for x in gm.graph.nodes if x.name == v)] = g.placeholder("in_" + v)
-        for p in captured.placeholders:
-            if p.kind != "input" and p.key in key_ph:
-                env[ph_nodes[p.name]] = key_ph[p.key]
-        for n in m:
-            env[n] = g.node_copy(n, lambda a: env[a])
-        outs = [n.name for n in m if n in consumers and (values[n.name].consumers or n.name in out_values)]
-        g.output(tuple(env[next(x for x in m if x.name == o)] for o in outs))
-        sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
-        mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
-        trainable = tuple(k for k in params if k in captured.trainable)
-        slot = plan_slot(s, keys, mutated, trainable, groups, owner)
-        grad_groups = frozenset(c.group for c in slot.grads)
-        update_group = s if (groups[s].trainable_bytes > 0 if s < len(groups) else False) and owner_stage_is(groups, s, owner, stage_keys) else None
-        spec = StageSpec(
-            index=s,
-            name=stage_names[s],
-            producers=frozenset(values[v].producer for v in ins if values[v].producer >= 0),
-            prefetch_bytes=SlotPlan.total(slot.prefetch),
-            grad_bytes=SlotPlan.total(slot.grads),
-            buffer_out_bytes=SlotPlan.total(slot.buffers_out),
-            grad_groups=grad_groups,
-            update_group=update_group,
-            activation_bytes=sum(values[v].nbytes for v in outs),
-            slot_bytes=slot.nbytes,
-            update_bytes=groups[update_group].trainable_bytes if update_group is not None else 0,
-            grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
-        )
-        stages.append(
-            Stage(
-                index=s,
-                name=stage_names[s],
-                gm=sgm,
-                params=tuple(params),
-                buffers=tuple(bufs),
-                inputs=tuple(ins),
-                outputs=tuple(outs),
-                mutated_buffers=mutated,
-                trainable=trainable,
-                slot=slot,
-                spec=spec,
-                num_ops=sum(1 for n in m if n.op == "call_function"),
-            )
-        )
-    # every group with trainable bytes must be updated by exactly one stage's U
-    claimed = {st.spec.update_group for st in stages if st.spec.update_group is not None}
-    for grp in groups:
-        if grp.trainable_bytes and grp.index not in claimed:
-            users = [st for st in stages if grp.index in st.spec.grad_groups]
-            if users:
-                st = users[0]
-                if st.spec.update_group is None:
-                    stages[st.index].spec = _replace_spec(st.spec, update_group=grp.index, update_bytes=grp.trainable_bytes)
-    input_names = [None] * sum(1 for p in captured.placeholders if p.kind == "input")
-    for p in captured.placeholders:
-        if p.kind == "input":
-            input_names[p.index] = p.name
-            if p.name not in values:
-                val = ph_nodes[p.name].meta.get("val")
-                values[p.name] = ValueInfo(
-                    p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index
-                )
+    labels = label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
+    labels = merge_tensorless_stages(captured, labels)
+    ownership = assign_owners(captured, labels, groups)
+    check_mutated_buffers(captured, labels)
+    values = collect_boundary_values(captured, labels, mark_differentiable(captured))
+    check_stage_inputs_unmodified(captured, labels)
+    stages = assign_update_groups(build_stages(captured, labels, ownership, values), ownership.groups)
+    inputs, values = collect_user_inputs(captured, values)
     return StageGraph(
         stages=stages,
         values=values,
-        inputs=input_names,
+        inputs=inputs,
         outputs=[o.name for o in captured.outputs],
-        groups=list(groups),
-        tensors=tensors,
-        owner=owner,
-        method=method,
+        groups=list(ownership.groups),
+        tensors=ownership.tensors,
+        owner=ownership.owner,
+        method=labels.method,
     )
 
 
-def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: list[list[str]]) -> bool:
+def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: Sequence[Sequence[str]]) -> bool:
     """True when stage ``s`` uses group ``s``'s tensors (so it can own the group's update)."""
     return any(owner.get(k) == s for k in stage_keys[s])
 
@@ -775,12 +821,6 @@ def _sum_by_group(copies) -> dict[int, int]:
     for c in copies:
         out[c.group] = out.get(c.group, 0) + c.nbytes
     return out
-
-
-def _replace_spec(spec: StageSpec, **kw: Any) -> StageSpec:
-    from dataclasses import replace
-
-    return replace(spec, **kw)
 
 
 def _safe(key: str) -> str:
