@@ -15,6 +15,12 @@ when it recomputes). Stages are:
 
 Stages without parameters or buffers are merged into a neighbour. A tensor used by several
 stages (a tied embedding and head) is owned by the first and borrowed by the others.
+
+``partition_stages`` runs these sub-passes in order, each a function of the capture and what
+the earlier ones returned: :func:`label_stages`, :func:`merge_tensorless_stages`,
+:func:`assign_owners`, :func:`check_mutated_buffers`, :func:`mark_differentiable`,
+:func:`collect_boundary_values`, :func:`check_stage_inputs_unmodified`, :func:`build_stages`,
+:func:`assign_update_groups` and :func:`collect_user_inputs`.
 """
 
 from __future__ import annotations
@@ -790,14 +796,19 @@ def partition_stages(
     ``groups`` is the host layout of an earlier capture of the same model; when given, tensors
     keep their owners from it (the host store is shared by every capture) and slots borrow
     what does not match. ``model`` is needed for block detection.
+
+    The sub-passes run in this order; each raises :class:`PartitionError` naming the node or
+    stage at fault.
     """
     labels = label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
     labels = merge_tensorless_stages(captured, labels)
     ownership = assign_owners(captured, labels, groups)
     check_mutated_buffers(captured, labels)
-    values = collect_boundary_values(captured, labels, mark_differentiable(captured))
+    needs_grad = mark_differentiable(captured)
+    values = collect_boundary_values(captured, labels, needs_grad)
     check_stage_inputs_unmodified(captured, labels)
-    stages = assign_update_groups(build_stages(captured, labels, ownership, values), ownership.groups)
+    stages = build_stages(captured, labels, ownership, values)
+    stages = assign_update_groups(stages, ownership.groups)
     inputs, values = collect_user_inputs(captured, values)
     return StageGraph(
         stages=stages,
