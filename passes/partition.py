@@ -779,7 +779,9 @@ def collect_user_inputs(captured: Captured, values: dict[str, ValueInfo]) -> tup
         input_names[p.index] = p.name
         if p.name not in values:
             val = by_name[p.name].meta.get("val")
-            values[p.name] = ValueInfo(p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index)
+            values[p.name] = ValueInfo(
+                p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index
+            )
     return input_names, values
 
 

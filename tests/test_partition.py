@@ -199,7 +199,7 @@ def test_label_stages_by_bytes_and_refuses_a_foreign_capture():
     model, cap = tiny()
     labels = label_stages(cap, model=model, blocks=False, num_stages=2)
     assert labels.method == "bytes" and labels.names == ("blocks", "act")
-    with pytest.raises(PartitionError, match="label_stages: graph placeholder 'p_m_blocks_0_weight' is not in captured.placeholders"):
+    with pytest.raises(PartitionError, match="label_stages: graph placeholder 'p_m_blocks_0_weight' is not in"):
         label_stages(replace(cap, placeholders=cap.placeholders[1:]), model=model)
 
 
@@ -218,7 +218,8 @@ def test_merge_tensorless_stages_merges_and_drops_empty_stages():
     assert merged.names == ("head+blocks.0", "blocks.1+tail")
     assert {n.name for n in merged.members()[0]} == {"mul", "linear", "detach", "submod_5", "mul_1", "getitem_2"}
     assert merged_labels(model, cap) == merged
-    broken = StageLabels(labels.nodes, {n: s for n, s in labels.stage_of.items() if n.name != "relu"}, labels.names, labels.method)
+    without_relu = {n: s for n, s in labels.stage_of.items() if n.name != "relu"}
+    broken = StageLabels(labels.nodes, without_relu, labels.names, labels.method)
     with pytest.raises(PartitionError, match="merge_tensorless_stages: node 'relu' has stage None"):
         merge_tensorless_stages(cap, broken)
 
@@ -351,7 +352,8 @@ def test_collect_user_inputs_adds_unread_inputs():
     assert inputs == ["tensors_0", "tensors_1", "tensors_2"]
     assert "tensors_2" not in values  # the input is not modified
     unused = with_inputs["tensors_2"]
-    assert (unused.producer, unused.consumers, unused.differentiable, unused.input_index, unused.shape) == (-1, (), False, 2, (2,))
+    assert (unused.producer, unused.consumers, unused.differentiable) == (-1, (), False)
+    assert (unused.input_index, unused.shape) == (2, (2,))
     assert list(with_inputs)[: len(values)] == list(values)
     bad = replace(cap, placeholders=[replace(p, index=5) if p.name == "tensors_2" else p for p in cap.placeholders])
     with pytest.raises(PartitionError, match=r"collect_user_inputs: the input placeholders' indices \[0, 1, 5\]"):
