@@ -15,20 +15,26 @@ when it recomputes). Stages are:
 
 Stages without parameters or buffers are merged into a neighbour. A tensor used by several
 stages (a tied embedding and head) is owned by the first and borrowed by the others.
+
+``partition_stages`` runs these sub-passes in order, each a function of the capture and what
+the earlier ones returned: :func:`label_stages`, :func:`merge_tensorless_stages`,
+:func:`assign_owners`, :func:`check_mutated_buffers`, :func:`mark_differentiable`,
+:func:`collect_boundary_values`, :func:`check_stage_inputs_unmodified`, :func:`build_stages`,
+:func:`assign_update_groups` and :func:`collect_user_inputs`.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import Captured
+from .capture import Captured, Placeholder
 from .layout import Group, SlotPlan, TensorInfo, plan_groups, plan_slot
 from .stages import StageSpec
 from .units import format_bytes
@@ -310,31 +316,65 @@ def _is_float_tensor(v: Any) -> bool:
 
 
 _NONDIFF_TARGETS = {torch.ops.aten.detach.default}
+_OPERATIONS = ("call_function", "get_attr", "call_module", "call_method")
 
 
-def partition_stages(
-    captured: Captured,
-    *,
-    blocks: Any = None,
-    num_stages: int | None = None,
-    groups: Sequence[Group] | None = None,
-    model: nn.Module | None = None,
-) -> StageGraph:
-    """Split ``captured`` into stages (see the module docstring).
+def _placeholder_info(captured: Captured) -> dict[str, Placeholder]:
+    return {p.name: p for p in captured.placeholders}
 
-    ``groups`` is the host layout of an earlier capture of the same model; when given, tensors
-    keep their owners from it (the host store is shared by every capture) and slots borrow
-    what does not match. ``model`` is needed for block detection.
+
+def _keys_of(stage_nodes: Sequence[fx.Node], ph_info: dict[str, Placeholder]) -> list[str]:
+    """The parameter, buffer and constant keys ``stage_nodes`` read, in first-use order."""
+    out: list[str] = []
+    for n in stage_nodes:
+        for a in _inputs_of(n):
+            if a.op == "placeholder" and ph_info[a.name].kind != "input":
+                k = ph_info[a.name].key
+                if k not in out:
+                    out.append(k)
+    return out
+
+
+# ---- sub-passes ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageLabels:
+    """The stage of every operation node, and the stages' names.
+
+    ``nodes`` are the captured graph's operation nodes (neither placeholders nor the output) in
+    graph order; ``stage_of`` maps each to a stage in ``range(len(names))``.
     """
-    gm = captured.gm
-    prefix = captured.module_prefix
-    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "get_attr", "call_module", "call_method")]
-    ph_info = {p.name: p for p in captured.placeholders}
-    ph_nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
 
-    # first use of each tensor placeholder, for byte-balanced cuts
-    first_use_bytes: dict[fx.Node, int] = {}
+    nodes: tuple[fx.Node, ...]
+    stage_of: dict[fx.Node, int] = field(hash=False)
+    names: tuple[str, ...]
+    method: str  # "blocks:<path>" or "bytes"
+
+    def members(self) -> list[list[fx.Node]]:
+        """The operation nodes of each stage, in graph order (empty for an empty stage)."""
+        out: list[list[fx.Node]] = [[] for _ in self.names]
+        for n in self.nodes:
+            out[self.stage_of[n]].append(n)
+        return out
+
+
+def _require_labels(labels: StageLabels, sub_pass: str) -> None:
+    """Check that every operation node has a stage among the labelled ones."""
+    for n in labels.nodes:
+        s = labels.stage_of.get(n)
+        if s is None or not 0 <= s < len(labels.names):
+            raise PartitionError(
+                f"{sub_pass}: node {n.name!r} has stage {s}, not one of the {len(labels.names)} labelled "
+                "stages; pass the StageLabels that label_stages (and merge_tensorless_stages) returned"
+            )
+
+
+def _first_use_bytes(captured: Captured, nodes: Sequence[fx.Node]) -> dict[fx.Node, int]:
+    """Bytes of the parameters, buffers and constants each node is the first to read."""
+    ph_info = _placeholder_info(captured)
     tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
+    first_use_bytes: dict[fx.Node, int] = {}
     seen_keys: set[str] = set()
     for n in nodes:
         for a in _inputs_of(n):
@@ -344,7 +384,34 @@ def partition_stages(
                     seen_keys.add(key)
                     t = tensor_obj[key]
                     first_use_bytes[n] = first_use_bytes.get(n, 0) + t.numel() * t.element_size()
+    return first_use_bytes
 
+
+def label_stages(
+    captured: Captured,
+    *,
+    blocks: Any = None,
+    num_stages: int | None = None,
+    model: nn.Module | None = None,
+) -> StageLabels:
+    """Given a capture, return the stage of each operation node, by blocks or by bytes.
+
+    With blocks (``blocks`` a path or the container module, or None to detect them in
+    ``model``), the stages are the head, one per block and the tail; otherwise cuts between
+    top-level modules balance parameter bytes over ``num_stages`` stages (see the module
+    docstring). Then each ``getitem`` joins the stage of the tuple it reads and each
+    ``get_attr`` (a higher-order op's body) the first stage that uses it. Stages may be empty
+    or read no tensors; :func:`merge_tensorless_stages` folds them away.
+    """
+    ph_info = _placeholder_info(captured)
+    for n in captured.gm.graph.nodes:
+        if n.op == "placeholder" and n.name not in ph_info:
+            raise PartitionError(
+                f"label_stages: graph placeholder {n.name!r} is not in captured.placeholders; "
+                "pass the Captured that capture_model returned for this graph"
+            )
+    nodes = [n for n in captured.gm.graph.nodes if n.op in _OPERATIONS]
+    prefix = captured.module_prefix
     container = _resolve_blocks(model, blocks) if model is not None else (blocks if isinstance(blocks, str) else None)
     if container is not None:
         labels, names = _label_blocks(nodes, prefix, container)
@@ -352,7 +419,7 @@ def partition_stages(
     else:
         if blocks is None and num_stages is None and model is not None and len(list(model.children())) == 0:
             num_stages = 1
-        labels, names = _label_bytes(nodes, prefix, first_use_bytes, num_stages)
+        labels, names = _label_bytes(nodes, prefix, _first_use_bytes(captured, nodes), num_stages)
         method = "bytes"
 
     # getitem follows its source; get_attr (HOP bodies) follows its first user
@@ -362,27 +429,21 @@ def partition_stages(
     for n in nodes:
         if n.op == "get_attr" and n.users:
             labels[n] = min(labels[u] for u in n.users if u in labels)
+    return StageLabels(tuple(nodes), labels, tuple(names), method)
 
-    # stage -> tensor keys used
-    def keys_of(stage_nodes: list[fx.Node]) -> list[str]:
-        out: list[str] = []
-        for n in stage_nodes:
-            for a in _inputs_of(n):
-                if a.op == "placeholder" and ph_info[a.name].kind != "input":
-                    k = ph_info[a.name].key
-                    if k not in out:
-                        out.append(k)
-        return out
 
-    # merge stages without tensors into a neighbour, drop empty ones
-    nstage = len(names)
-    members: list[list[fx.Node]] = [[] for _ in range(nstage)]
-    for n in nodes:
-        members[labels[n]].append(n)
-    keep = [i for i in range(nstage) if members[i]]
-    with_tensors = [i for i in keep if keys_of(members[i])]
-    if not with_tensors:
-        with_tensors = keep[:1]
+def merge_tensorless_stages(captured: Captured, labels: StageLabels) -> StageLabels:
+    """Given stage labels, return them with empty stages dropped and every stage that reads
+    no parameter, buffer or constant merged into the next stage that does (into the last one
+    before it when none follows); merged names are joined with ``+``.
+
+    When no stage reads a tensor, everything merges into the first non-empty stage.
+    """
+    _require_labels(labels, "merge_tensorless_stages")
+    ph_info = _placeholder_info(captured)
+    members = labels.members()
+    keep = [i for i, m in enumerate(members) if m]
+    with_tensors = [i for i in keep if _keys_of(members[i], ph_info)] or keep[:1]
     remap: dict[int, int] = {}
     for i in keep:
         if i in with_tensors:
@@ -394,28 +455,50 @@ def partition_stages(
     new_index = {old: new for new, old in enumerate(final)}
     merged_names: dict[int, list[str]] = {}
     for i in keep:
-        merged_names.setdefault(new_index[remap[i]], []).append(names[i])
-    for n in nodes:
-        labels[n] = new_index[remap[labels[n]]]
-    stage_names = ["+".join(merged_names[i]) for i in range(len(final))]
-    n_stages = len(final)
-    members = [[] for _ in range(n_stages)]
-    for n in nodes:
-        members[labels[n]].append(n)
+        merged_names.setdefault(new_index[remap[i]], []).append(labels.names[i])
+    stage_of = {n: new_index[remap[labels.stage_of[n]]] for n in labels.nodes}
+    names = tuple("+".join(merged_names[i]) for i in range(len(final)))
+    return StageLabels(labels.nodes, stage_of, names, labels.method)
 
-    # ownership of tensors
-    stage_keys = [keys_of(m) for m in members]
+
+@dataclass(frozen=True)
+class Ownership:
+    """The host tensors each stage reads, and the host group that owns each."""
+
+    tensors: dict[str, TensorInfo] = field(hash=False)  # every parameter, buffer and constant
+    stage_keys: tuple[tuple[str, ...], ...]  # per stage, the keys it reads in first-use order
+    groups: tuple[Group, ...]
+    owner: dict[str, int] = field(hash=False)  # key -> index of the group that holds it
+
+
+def assign_owners(captured: Captured, labels: StageLabels, groups: Sequence[Group] | None = None) -> Ownership:
+    """Given merged stage labels, return the tensors each stage reads and the owner of each.
+
+    Without ``groups``, a tensor is owned by the first stage that reads it (a tied weight by
+    the earliest of its users) and one host group per stage is planned from what it owns.
+    With ``groups`` (an earlier capture's layout), owners come from them, and a tensor that
+    none of them holds is an error.
+    """
+    _require_labels(labels, "assign_owners")
+    if groups is not None:
+        for i, grp in enumerate(groups):
+            if grp.index != i:
+                raise PartitionError(
+                    f"assign_owners: groups[{i}] has index {grp.index}; pass the groups of an earlier "
+                    "StageGraph unchanged"
+                )
+    ph_info = _placeholder_info(captured)
+    stage_keys = tuple(tuple(_keys_of(m, ph_info)) for m in labels.members())
+    tensor_obj = {**captured.params, **captured.buffers, **captured.constants}
     tensors: dict[str, TensorInfo] = {}
     for p in captured.placeholders:
         if p.kind == "input":
             continue
-        t = tensor_obj[p.key]
-        kind = p.kind if p.kind != "constant" else "constant"
         tensors[p.key] = TensorInfo.of(
-            p.key, kind, t, trainable=p.key in captured.trainable, mutable=p.key in captured.mutated_buffers
+            p.key, p.kind, tensor_obj[p.key], trainable=p.key in captured.trainable, mutable=p.key in captured.mutated_buffers
         )
     if groups is None:
-        owned: list[list[TensorInfo]] = [[] for _ in range(n_stages)]
+        owned: list[list[TensorInfo]] = [[] for _ in stage_keys]
         owner: dict[str, int] = {}
         for s, ks in enumerate(stage_keys):
             for k in ks:
@@ -424,7 +507,6 @@ def partition_stages(
                     owned[s].append(tensors[k])
         groups = plan_groups(owned)
     else:
-        groups = list(groups)
         owner = {k: g.index for g in groups for k in g.keys}
         for ks in stage_keys:
             for k in ks:
@@ -433,10 +515,16 @@ def partition_stages(
                         f"{k!r} is used by this capture but was not used when the model was first captured; "
                         "shfx lays out host memory once per compiled model. Compile again (shfx.compile) for this use."
                     )
+    return Ownership(tensors, stage_keys, tuple(groups), owner)
 
-    # mutated buffers belong to one stage
+
+def check_mutated_buffers(captured: Captured, labels: StageLabels) -> None:
+    """Given merged stage labels, check that every buffer the forward updates in place is
+    read by one stage only (the stage copies it back to the host after its forward)."""
+    _require_labels(labels, "check_mutated_buffers")
+    ph_info = _placeholder_info(captured)
     mutated_by: dict[str, int] = {}
-    for s, m in enumerate(members):
+    for s, m in enumerate(labels.members()):
         for n in m:
             for a in _inputs_of(n):
                 if a.op == "placeholder" and ph_info[a.name].key in captured.mutated_buffers:
@@ -444,14 +532,26 @@ def partition_stages(
                     if mutated_by.setdefault(k, s) != s:
                         raise PartitionError(
                             f"buffer {k!r} is updated in place by the forward and used by stages "
-                            f"{stage_names[mutated_by[k]]!r} and {stage_names[s]!r}; a mutated buffer must stay "
+                            f"{labels.names[mutated_by[k]]!r} and {labels.names[s]!r}; a mutated buffer must stay "
                             "in one stage. Pass blocks= so both uses fall into one stage."
                         )
 
-    # differentiability
+
+def mark_differentiable(captured: Captured) -> dict[fx.Node, bool]:
+    """Given a capture, return for each node (all but the output) whether its value needs a
+    gradient: it is a floating-point tensor, or a tuple of results, computed from a trainable
+    parameter or an input that requires grad, neither through ``detach`` nor inside a
+    ``torch.no_grad()`` region; a ``getitem`` inherits the flag of the tuple it reads."""
+    ph_info = _placeholder_info(captured)
     input_grad = {i: leaf[3] for i, leaf in enumerate(l for l in captured.signature.leaves if l[0] == "T")}
+    for p in captured.placeholders:
+        if p.kind == "input" and p.index not in input_grad:
+            raise PartitionError(
+                f"mark_differentiable: input placeholder {p.name!r} has index {p.index}, but captured.signature "
+                f"has {len(input_grad)} tensor inputs; pass the Captured that capture_model returned"
+            )
     needs_grad: dict[fx.Node, bool] = {}
-    for n in gm.graph.nodes:
+    for n in captured.gm.graph.nodes:
         if n.op == "placeholder":
             p = ph_info[n.name]
             needs_grad[n] = (p.kind == "param" and p.key in captured.trainable) or (p.kind == "input" and input_grad.get(p.index, False))
@@ -467,18 +567,31 @@ def partition_stages(
             if n.op == "call_function" and n.target is operator.getitem:
                 src = needs_grad.get(n.args[0], False)
             needs_grad[n] = bool(src) and (_is_float_tensor(val) or isinstance(val, (tuple, list)))
+    return needs_grad
 
-    # values crossing stages
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+
+def collect_boundary_values(
+    captured: Captured, labels: StageLabels, needs_grad: dict[fx.Node, bool]
+) -> dict[str, ValueInfo]:
+    """Given merged stage labels and :func:`mark_differentiable`'s flags, return a ValueInfo
+    for every value a stage reads from another stage, every user input a stage reads and
+    every output (in order of first use, outputs last), keyed by node name.
+
+    Refuses an output that is a parameter or buffer itself and a value crossing stages that
+    is not a tensor.
+    """
+    _require_labels(labels, "collect_boundary_values")
+    ph_info = _placeholder_info(captured)
+    stage_of = labels.stage_of
     consumers: dict[fx.Node, set[int]] = {}
-    for s, m in enumerate(members):
+    for s, m in enumerate(labels.members()):
         for n in m:
             for a in _inputs_of(n):
                 if a.op == "placeholder":
                     if ph_info[a.name].kind == "input":
                         consumers.setdefault(a, set()).add(s)
-                elif labels[a] != s:
-                    if labels[a] > s:  # pragma: no cover - labels are monotone in graph order
+                elif stage_of[a] != s:
+                    if stage_of[a] > s:  # pragma: no cover - labels are monotone in graph order
                         raise PartitionError(f"node {n.name!r} in stage {s} reads {a.name!r} from a later stage")
                     consumers.setdefault(a, set()).add(s)
     for o in captured.outputs:
@@ -494,10 +607,10 @@ def partition_stages(
         val = v.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise PartitionError(
-                f"value {v.name!r} crosses from stage {labels.get(v, -1)} to {sorted(cons)} but is not a tensor "
+                f"value {v.name!r} crosses from stage {stage_of.get(v, -1)} to {sorted(cons)} but is not a tensor "
                 f"({type(val).__name__}); choose other stage boundaries with blocks="
             )
-        producer = -1 if v.op == "placeholder" else labels[v]
+        producer = -1 if v.op == "placeholder" else stage_of[v]
         values[v.name] = ValueInfo(
             name=v.name,
             producer=producer,
@@ -508,62 +621,105 @@ def partition_stages(
             dtype=val.dtype,
             input_index=ph_info[v.name].index if v.op == "placeholder" else -1,
         )
+    return values
 
-    # stage inputs must not be modified in place (they are recomputed from)
-    for s, m in enumerate(members):
+
+def check_stage_inputs_unmodified(captured: Captured, labels: StageLabels) -> None:
+    """Given merged stage labels, check that no stage writes in place to a value it reads
+    from a user input or another stage (a stage is recomputed from its inputs)."""
+    _require_labels(labels, "check_stage_inputs_unmodified")
+    ph_info = _placeholder_info(captured)
+    for s, m in enumerate(labels.members()):
         for n in m:
             for w in _written_args(n):
                 base = _alias_base(w)
                 if base.op == "placeholder" and ph_info[base.name].kind == "input" or (
-                    base.op != "placeholder" and labels.get(base, s) != s
+                    base.op != "placeholder" and labels.stage_of.get(base, s) != s
                 ):
                     raise PartitionError(
-                        f"stage {stage_names[s]!r} modifies its input {base.name!r} in place ({n.name}: {n.target}); "
+                        f"stage {labels.names[s]!r} modifies its input {base.name!r} in place ({n.name}: {n.target}); "
                         "shfx recomputes stages from their inputs, so they must not change. Make the operation "
                         "out of place (x = x + y rather than x += y)."
                     )
 
-    # build stage graph modules
-    stages: list[Stage] = []
+
+def _stage_module(
+    captured: Captured,
+    s: int,
+    members: Sequence[fx.Node],
+    keys: Sequence[str],
+    ins: Sequence[str],
+    outs: Sequence[str],
+    by_name: dict[str, fx.Node],
+) -> fx.GraphModule:
+    """Stage ``s``'s graph ``f(*keys, *ins) -> outs``: its nodes copied from the capture."""
+    g = fx.Graph()
+    key_ph = {k: g.placeholder(_safe(k)) for k in keys}
+    env: dict[fx.Node, fx.Node] = {}
+    for v in ins:
+        env[by_name[v]] = g.placeholder("in_" + v)
+    for p in captured.placeholders:
+        if p.kind != "input" and p.key in key_ph:
+            env[by_name[p.name]] = key_ph[p.key]
+    for n in members:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[by_name[o]] for o in outs))
+    return fx.GraphModule(captured.gm, g, class_name=f"Stage{s}")
+
+
+def build_stages(
+    captured: Captured, labels: StageLabels, ownership: Ownership, values: dict[str, ValueInfo]
+) -> list[Stage]:
+    """Given merged stage labels, :func:`assign_owners`' ownership and
+    :func:`collect_boundary_values`' values, return the stages: each one's GraphModule
+    ``f(*params, *buffers, *inputs) -> (*outputs)``, slot plan and StageSpec.
+
+    A stage updates its own group when it owns trainable parameters in it;
+    :func:`assign_update_groups` places the groups left over.
+    """
+    _require_labels(labels, "build_stages")
+    if len(ownership.stage_keys) != len(labels.names):
+        raise PartitionError(
+            f"build_stages: the ownership covers {len(ownership.stage_keys)} stages but the labels have "
+            f"{len(labels.names)}; pass the Ownership that assign_owners returned for these labels"
+        )
+    ph_info = _placeholder_info(captured)
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
     out_values = {o.name for o in captured.outputs}
-    for s, m in enumerate(members):
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
+    groups, owner, stage_keys = ownership.groups, ownership.owner, ownership.stage_keys
+    stages: list[Stage] = []
+    for s, m in enumerate(labels.members()):
+        name = labels.names[s]
         keys = stage_keys[s]
-        params = [k for k in keys if tensors[k].kind == "param"]
-        bufs = [k for k in keys if tensors[k].kind != "param"]
+        params = tuple(k for k in keys if ownership.tensors[k].kind == "param")
+        bufs = tuple(k for k in keys if ownership.tensors[k].kind != "param")
         ins: list[str] = []
         for n in m:
             for a in _inputs_of(n):
-                if (a.op == "placeholder" and ph_info[a.name].kind == "input") or (a.op != "placeholder" and labels[a] != s):
+                if (a.op == "placeholder" and ph_info[a.name].kind == "input") or (
+                    a.op != "placeholder" and labels.stage_of[a] != s
+                ):
+                    if a.name not in values:
+                        raise PartitionError(
+                            f"build_stages: stage {name!r} reads {a.name!r}, which has no ValueInfo; pass the "
+                            "values that collect_boundary_values returned for these labels"
+                        )
                     if a.name not in ins:
                         ins.append(a.name)
-        key_ph: dict[str, fx.Node] = {}
-        for k in params + bufs:
-            key_ph[k] = g.placeholder(_safe(k))
-        for v in ins:
-            env[ph_nodes[v] if v in ph_nodes else next(x for x in gm.graph.nodes if x.name == v)] = g.placeholder("in_" + v)
-        for p in captured.placeholders:
-            if p.kind != "input" and p.key in key_ph:
-                env[ph_nodes[p.name]] = key_ph[p.key]
-        for n in m:
-            env[n] = g.node_copy(n, lambda a: env[a])
-        outs = [n.name for n in m if n in consumers and (values[n.name].consumers or n.name in out_values)]
-        g.output(tuple(env[next(x for x in m if x.name == o)] for o in outs))
-        sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        outs = [n.name for n in m if n.name in values and (values[n.name].consumers or n.name in out_values)]
         mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
         trainable = tuple(k for k in params if k in captured.trainable)
         slot = plan_slot(s, keys, mutated, trainable, groups, owner)
-        grad_groups = frozenset(c.group for c in slot.grads)
-        update_group = s if (groups[s].trainable_bytes > 0 if s < len(groups) else False) and owner_stage_is(groups, s, owner, stage_keys) else None
+        owns_update = s < len(groups) and groups[s].trainable_bytes > 0 and owner_stage_is(groups, s, owner, stage_keys)
+        update_group = s if owns_update else None
         spec = StageSpec(
             index=s,
-            name=stage_names[s],
+            name=name,
             producers=frozenset(values[v].producer for v in ins if values[v].producer >= 0),
             prefetch_bytes=SlotPlan.total(slot.prefetch),
             grad_bytes=SlotPlan.total(slot.grads),
             buffer_out_bytes=SlotPlan.total(slot.buffers_out),
-            grad_groups=grad_groups,
+            grad_groups=frozenset(c.group for c in slot.grads),
             update_group=update_group,
             activation_bytes=sum(values[v].nbytes for v in outs),
             slot_bytes=slot.nbytes,
@@ -573,10 +729,10 @@ def partition_stages(
         stages.append(
             Stage(
                 index=s,
-                name=stage_names[s],
-                gm=sgm,
-                params=tuple(params),
-                buffers=tuple(bufs),
+                name=name,
+                gm=_stage_module(captured, s, m, params + bufs, ins, outs, by_name),
+                params=params,
+                buffers=bufs,
                 inputs=tuple(ins),
                 outputs=tuple(outs),
                 mutated_buffers=mutated,
@@ -586,37 +742,89 @@ def partition_stages(
                 num_ops=sum(1 for n in m if n.op == "call_function"),
             )
         )
-    # every group with trainable bytes must be updated by exactly one stage's U
+    return stages
+
+
+def assign_update_groups(stages: Sequence[Stage], groups: Sequence[Group]) -> list[Stage]:
+    """Given the built stages, return them with every group that has trainable bytes but no
+    updating stage given to the first stage that sends it gradients, if that stage updates
+    no group yet (a group whose owner stage does not read it, as with reused groups)."""
+    for i, st in enumerate(stages):
+        if st.index != i:
+            raise PartitionError(f"assign_update_groups: stage {st.name!r} has index {st.index} but is at position {i}")
+    out = list(stages)
     claimed = {st.spec.update_group for st in stages if st.spec.update_group is not None}
     for grp in groups:
         if grp.trainable_bytes and grp.index not in claimed:
-            users = [st for st in stages if grp.index in st.spec.grad_groups]
-            if users:
+            users = [st for st in out if grp.index in st.spec.grad_groups]
+            if users and users[0].spec.update_group is None:
                 st = users[0]
-                if st.spec.update_group is None:
-                    stages[st.index].spec = _replace_spec(st.spec, update_group=grp.index, update_bytes=grp.trainable_bytes)
-    input_names = [None] * sum(1 for p in captured.placeholders if p.kind == "input")
-    for p in captured.placeholders:
-        if p.kind == "input":
-            input_names[p.index] = p.name
-            if p.name not in values:
-                val = ph_nodes[p.name].meta.get("val")
-                values[p.name] = ValueInfo(
-                    p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index
-                )
+                out[st.index] = replace(st, spec=replace(st.spec, update_group=grp.index, update_bytes=grp.trainable_bytes))
+    return out
+
+
+def collect_user_inputs(captured: Captured, values: dict[str, ValueInfo]) -> tuple[list[str], dict[str, ValueInfo]]:
+    """Given the boundary values, return the value name of each user tensor input (by
+    position) and the values with a ValueInfo added for each input no stage reads."""
+    inputs = [p for p in captured.placeholders if p.kind == "input"]
+    if sorted(p.index for p in inputs) != list(range(len(inputs))):
+        raise PartitionError(
+            f"collect_user_inputs: the input placeholders' indices {sorted(p.index for p in inputs)} are not "
+            f"0..{len(inputs) - 1}; pass the Captured that capture_model returned"
+        )
+    by_name = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    input_names = [""] * len(inputs)
+    values = dict(values)
+    for p in inputs:
+        input_names[p.index] = p.name
+        if p.name not in values:
+            val = by_name[p.name].meta.get("val")
+            values[p.name] = ValueInfo(
+                p.name, -1, (), False, val.numel() * val.element_size(), tuple(val.shape), val.dtype, p.index
+            )
+    return input_names, values
+
+
+def partition_stages(
+    captured: Captured,
+    *,
+    blocks: Any = None,
+    num_stages: int | None = None,
+    groups: Sequence[Group] | None = None,
+    model: nn.Module | None = None,
+) -> StageGraph:
+    """Split ``captured`` into stages (see the module docstring).
+
+    ``groups`` is the host layout of an earlier capture of the same model; when given, tensors
+    keep their owners from it (the host store is shared by every capture) and slots borrow
+    what does not match. ``model`` is needed for block detection.
+
+    The sub-passes run in this order; each raises :class:`PartitionError` naming the node or
+    stage at fault.
+    """
+    labels = label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
+    labels = merge_tensorless_stages(captured, labels)
+    ownership = assign_owners(captured, labels, groups)
+    check_mutated_buffers(captured, labels)
+    needs_grad = mark_differentiable(captured)
+    values = collect_boundary_values(captured, labels, needs_grad)
+    check_stage_inputs_unmodified(captured, labels)
+    stages = build_stages(captured, labels, ownership, values)
+    stages = assign_update_groups(stages, ownership.groups)
+    inputs, values = collect_user_inputs(captured, values)
     return StageGraph(
         stages=stages,
         values=values,
-        inputs=input_names,
+        inputs=inputs,
         outputs=[o.name for o in captured.outputs],
-        groups=list(groups),
-        tensors=tensors,
-        owner=owner,
-        method=method,
+        groups=list(ownership.groups),
+        tensors=ownership.tensors,
+        owner=ownership.owner,
+        method=labels.method,
     )
 
 
-def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: list[list[str]]) -> bool:
+def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: Sequence[Sequence[str]]) -> bool:
     """True when stage ``s`` uses group ``s``'s tensors (so it can own the group's update)."""
     return any(owner.get(k) == s for k in stage_keys[s])
 
@@ -626,12 +834,6 @@ def _sum_by_group(copies) -> dict[int, int]:
     for c in copies:
         out[c.group] = out.get(c.group, 0) + c.nbytes
     return out
-
-
-def _replace_spec(spec: StageSpec, **kw: Any) -> StageSpec:
-    from dataclasses import replace
-
-    return replace(spec, **kw)
 
 
 def _safe(key: str) -> str:
