@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shfx.passes.partition import StageGraph
-from shfx.passes.stages import StageSpec
+from shfx.passes.stages import StageSpec, Value
 
 from .costs import CostTable, Links, StageCost
 from .hardware import Hardware, get_profile
@@ -153,7 +153,10 @@ def repeat_blocks(
     specs with ``n`` blocks: stages before the blocks unchanged, every block a copy of the last
     captured block reading the stage before it (and the head stages it read), stages after the
     blocks shifted, their reads of the last block moved to the new last block. Host groups
-    follow their stages (a tail borrowing the head's tied weight still does).
+    follow their stages (a tail borrowing the head's tied weight still does). Boundary values
+    (``StageSpec.inputs``/``outputs``) follow: block ``j`` reads block ``j-1``'s outputs (block 0
+    what the first captured block reads) and the head's values the template reads; the stages
+    after the blocks read the new last block's outputs.
     """
     if not blocks or blocks.start < 0 or blocks.stop > len(specs):
         raise ValueError(f"blocks {blocks} must be a non-empty range of stage indices within 0..{len(specs) - 1}")
@@ -209,10 +212,59 @@ def repeat_blocks(
                 update_group=None if st.update_group is None else st.update_group + shift,
             )
         )
+    if any(s.outputs for s in specs):
+        out = _repeat_values(specs, out, first, last, n)
     new_costs = None
     if costs is not None:
         new_costs = list(costs[:first]) + [costs[last]] * n + list(costs[last + 1 :])
     return out, new_costs
+
+
+def _repeat_values(specs: Sequence[StageSpec], out: list[StageSpec], first: int, last: int, n: int) -> list[StageSpec]:
+    """The boundary values of :func:`repeat_blocks`' specs: each block's outputs get their own
+    names, reads of the captured blocks' outputs go to the new blocks', and every value's
+    consumers are recomputed from who reads it."""
+    tpl = specs[last]
+    shift = n - (last - first + 1)
+    block_outs = [[replace(v, name=f"{v.name}#{j}", producer=first + j) for v in tpl.outputs] for j in range(n)]
+
+    def moved(v: Value) -> Value:
+        """A value read by a stage after the blocks: the captured block's output -> the new one's."""
+        if first <= v.producer <= last:
+            j = n - 1 - (last - v.producer)
+            k = [w.name for w in specs[v.producer].outputs].index(v.name)
+            return block_outs[max(j, 0)][k] if k < len(block_outs[max(j, 0)]) else v
+        return replace(v, producer=v.producer + shift) if v.producer > last else v
+
+    ins: list[tuple[Value, ...]] = []
+    outs: list[tuple[Value, ...]] = []
+    for st in out:
+        i = st.index
+        if i < first:
+            ins.append(specs[i].inputs)
+            outs.append(specs[i].outputs)
+        elif i < first + n:
+            j = i - first
+            own = tuple(v for v in (specs[first].inputs if j == 0 else tpl.inputs) if v.producer < first)
+            ins.append(own + (tuple(block_outs[j - 1]) if j else tuple(v for v in specs[first].inputs if v.producer >= first)))
+            outs.append(tuple(block_outs[j]))
+        else:
+            src = specs[i - shift]
+            ins.append(tuple(moved(v) for v in src.inputs))
+            outs.append(tuple(replace(v, producer=i) for v in src.outputs))
+    readers: dict[str, set[int]] = {}
+    for i, vs in enumerate(ins):
+        for v in vs:
+            readers.setdefault(v.name, set()).add(i)
+
+    def fix(v: Value) -> Value:
+        return replace(v, consumers=tuple(sorted(c for c in readers.get(v.name, ()) if c != v.producer)))
+
+    result = []
+    for st, i_vs, o_vs in zip(out, ins, outs):
+        model_inputs = tuple(fix(v) for v in st.model_inputs)
+        result.append(replace(st, inputs=tuple(fix(v) for v in i_vs), outputs=tuple(fix(v) for v in o_vs), model_inputs=model_inputs))
+    return result
 
 
 def plan_inputs(

@@ -235,6 +235,8 @@ def device_memory_terms(
     - ``activations``: ``(l + 1) * 4bsh + 4``: the head's and each block's output, plus the loss.
     - ``boundary_grads``: ``4bsh``, the gradient flowing back (at a stage's end its input's and
       output's gradients coexist while its input activation is being freed: the same total).
+    - ``output_grad``: ``4``, the gradient of the loss that ``backward()`` hands in (held until
+      the tail's backward is done, so it coexists with the tail's input gradient at the peak).
     - ``inputs``: token ids and targets, ``2 * 8 b s`` (int64).
     - ``workspace`` (real GPU only): the temporaries of the stage being recomputed and
       differentiated: a block's activations for its backward, Korthikanti et al.'s
@@ -246,7 +248,7 @@ def device_memory_terms(
     >>> terms = device_memory_terms(4, 48, 2048, 16, 1024, 4, 50304)
     >>> {t.name: round(float(t.expr) / 2**30, 2) for t in terms}  # GiB
     ... # doctest: +NORMALIZE_WHITESPACE
-    {'slot_pool': 1.15, 'activations': 1.53, 'boundary_grads': 0.03, 'inputs': 0.0,
+    {'slot_pool': 1.15, 'activations': 1.53, 'boundary_grads': 0.03, 'output_grad': 0.0, 'inputs': 0.0,
      'workspace': 2.3, 'cuda_context': 0.5}
     """
     A = activation_bytes(b, s, h)
@@ -259,6 +261,7 @@ def device_memory_terms(
         MemoryTerm("activations", (l + 1) * A + FP32, frozenset(COUNTERS),
                    "stage-boundary outputs kept from forward to backward (head, l blocks) and the loss"),
         MemoryTerm("boundary_grads", A, frozenset(COUNTERS), "gradient of one boundary value in backward"),
+        MemoryTerm("output_grad", sp.sympify(FP32), frozenset(COUNTERS), "gradient of the loss handed to backward()"),
         MemoryTerm("inputs", 2 * 8 * b * s, frozenset({"emulated", "gpu"}), "token ids and targets (int64)"),
         MemoryTerm("workspace", sp.Max(block_ws, tail_ws), frozenset({"gpu"}),
                    "temporaries of the stage being computed: a block's recompute or the tail's logits"),
@@ -270,7 +273,7 @@ def device_memory(W=W, l=l, h=h, a=a, s=s, b=b, V=V, *, counted_by: str = "gpu",
     """Peak device bytes as counted by ``counted_by`` (``simulator``, ``emulated`` or ``gpu``).
 
     >>> sp.simplify(device_memory(counted_by="simulator").subs(W, 2).subs(l, 10)
-    ...             - (slot_pool_bytes(2, 10) + 12 * activation_bytes() + 4))
+    ...             - (slot_pool_bytes(2, 10) + 12 * activation_bytes() + 4 + 4))
     0
     """
     if counted_by not in COUNTERS:

@@ -34,6 +34,7 @@ from typing import Any
 
 from shfx.passes.units import format_bytes
 
+from shfx.passes.ledger import DEVICE_TERMS, HOST_TERMS, SSD_TERMS, pool_sizes, replay
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
@@ -65,26 +66,6 @@ ALIGN = 64  # shfx.passes.layout.ALIGN: every tensor in a host group and a slot 
 _GROUP_STATE_BYTES = 8  # AdamW m and v, fp32, per parameter
 _STAGING_BUFFERS = 2  # shfx.runtime.host_store.HostStore(staging_buffers=2)
 
-DEVICE_TERMS = (
-    "parameters (slots)",
-    "gradients",
-    "optimizer states",
-    "activations (checkpoints)",
-    "activation gradients",
-    "pending tied gradient",
-    "working set (one block)",
-    "workspace",
-    "allocator slack",
-)
-HOST_TERMS = (
-    "master parameters (fp32)",
-    "gradients (fp32)",
-    "optimizer states (m, v)",
-    "working copy (16-bit)",
-    "gradient staging (pinned)",
-    "pending tied gradient",
-)
-SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
 
 
 def _align(n: int) -> int:
@@ -752,67 +733,6 @@ def plan(
 # ---- any model, from its capture ----------------------------------------------------------------
 
 
-def _boundary_peak(graph, program) -> tuple[int, int, int]:
-    """Replay the runtime's device accounting of boundary values (``StepContext``: ``put``,
-    ``drop``, ``add_grad``, ``drop_grad``, ``keep``) over ``program``'s forward and backward and
-    return (activations, gradients, pre-forward buffer copies) at the peak."""
-    from shfx.passes.meta import get_meta
-    from shfx.passes.program import ActionKind
-
-    vals: dict[str, int] = {}
-    grads: dict[str, int] = {}
-    keeps: dict[int, int] = {}
-    best = (0, 0, 0)
-
-    def mark() -> None:
-        nonlocal best
-        cur = (sum(vals.values()), sum(grads.values()), sum(keeps.values()))
-        if sum(cur) > sum(best):
-            best = cur
-
-    def add_grad(v: str) -> None:
-        if v not in grads:
-            grads[v] = graph.values[v].nbytes
-            mark()
-
-    free_after_b: dict[int, list[str]] = {}
-    for v, info in graph.values.items():
-        if info.consumers and v not in graph.outputs:
-            free_after_b.setdefault(min(info.consumers), []).append(v)
-    for v in graph.inputs:
-        vals[v] = graph.values[v].nbytes
-        mark()
-    for node in program.phase_nodes("forward"):
-        m = get_meta(node)
-        if m.kind != ActionKind.FORWARD:
-            continue
-        st = graph.stages[m.stage]
-        if st.mutated_buffers and not m.keep_graph:
-            keeps[st.index] = sum(graph.tensors[k].nbytes for k in st.mutated_buffers)
-            mark()
-        for v in st.outputs:
-            vals[v] = graph.values[v].nbytes
-            mark()
-    for v in graph.outputs:
-        if graph.values[v].differentiable:
-            add_grad(v)
-    for node in program.phase_nodes("backward"):
-        m = get_meta(node)
-        if m.kind != ActionKind.BACKWARD:
-            continue
-        st = graph.stages[m.stage]
-        if any(v in grads for v in st.outputs):
-            for v in st.inputs:
-                if graph.values[v].differentiable:
-                    add_grad(v)
-        keeps.pop(st.index, None)
-        for v in st.outputs:
-            grads.pop(v, None)
-        for v in free_after_b.get(st.index, []):
-            vals.pop(v, None)
-    return best
-
-
 def _any_policy(policy: str | Policy, window: int | None, resident_first: int | None) -> Policy:
     """A policy object for the program replay: any Policy (registered or not), or a name with
     stronghold's window and k."""
@@ -863,44 +783,14 @@ def memory_for_model(
         graph, progs = variant.graph, variant.programs
     else:
         progs = build_programs(graph.specs, pol, verify=False)
-    train = progs[0]
-    nslots = max(p.num_slots for p in progs)
-
-    def per_slot(fn) -> tuple[int, ...]:
-        return tuple(max((fn(p)[k] if k < p.num_slots else 0) for p in progs) for k in range(nslots))
-
-    slot_sizes = per_slot(lambda p: p.slot_sizes())
-    grad_sizes = per_slot(lambda p: p.grad_buffer_sizes())
-    acts, act_grads, pre = _boundary_peak(graph, train)
-    dev_groups = train.device_groups()
-    # borrowed gradients of groups updated on the device wait there for their owner's backward
-    pending_dev = sum(nb for st in graph.specs for g, nb in st.grad_group_bytes if g != st.update_group and g in dev_groups)
-    device = {
-        "parameters (slots)": sum(slot_sizes),
-        "gradients": sum(grad_sizes),
-        "optimizer states": train.device_state_bytes(),
-        "activations (checkpoints)": acts + pre,
-        "activation gradients": act_grads,
-        "pending tied gradient": pending_dev,
-        "working set (one block)": 0,
-        "workspace": workspace_bytes,
-        "allocator slack": int(round(allocator_slack * tgt.device_bytes)),
-    }
-    host_groups = [g for g in graph.groups if g.trainable_bytes and g.index not in dev_groups]
-    host_trainable = sum(g.trainable_bytes for g in host_groups)
-    hg = {g.index for g in host_groups}
-    pending = sum(
-        nb for st in graph.specs for g, nb in st.grad_group_bytes if g != st.update_group and g in hg
-    )
-    host = {
-        "master parameters (fp32)": sum(g.nbytes for g in graph.groups),
-        "gradients (fp32)": host_trainable,
-        "optimizer states (m, v)": 2 * host_trainable,
-        "working copy (16-bit)": 0,
-        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, pending > 0, host_trainable)
-        * max(g.trainable_bytes for g in graph.groups),
-        "pending tied gradient": pending,
-    }
+    led = replay(progs[0], programs=progs, group_bytes=[g.nbytes for g in graph.groups], grad_accum_steps=grad_accum_steps)
+    device = dict.fromkeys(DEVICE_TERMS, 0)
+    device.update({k: v for k, v in led.terms_at_peak("device").items() if v})
+    device["workspace"] = workspace_bytes
+    device["allocator slack"] = int(round(allocator_slack * tgt.device_bytes))
+    host = dict.fromkeys(HOST_TERMS, 0)
+    host.update(led.static("host"))
+    slot_sizes, grad_sizes = pool_sizes(progs)
     name = type(model).__name__ if model is not None else "model"
     settings = {"window": getattr(pol, "window", None), "resident_first": getattr(pol, "resident_first", 0),
                 "workspace_bytes": workspace_bytes, "allocator_slack": allocator_slack, "working_set": False,

@@ -96,6 +96,7 @@ from typing import Any
 
 from shfx.passes.meta import get_meta
 from shfx.passes.actions import KINDS, RESOURCES, STREAMS
+from shfx.passes.ledger import Ledger, replay
 from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
 from shfx.passes.stages import StageSpec, consumers_of
 from shfx.passes.units import format_bytes, format_seconds
@@ -203,6 +204,7 @@ class Timeline:
     accumulate: bool = False
     grad_buffer_bytes: int = 0
     device_state_bytes: int = 0
+    ledger: Ledger | None = field(default=None, repr=False, compare=False)
     _by_action: dict[str, list[Event]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -728,69 +730,40 @@ class _Sim:
             util[s] = b / cap if cap > 0 else 0.0
         return busy, util
 
-    def memory(self, step_s: float) -> tuple[int, list[tuple[float, int]]]:
-        stages = self.program.stages
-        pool = sum(self.program.slot_sizes())
-        static = pool + sum(self.program.grad_buffer_sizes()) + self.program.device_state_bytes()
-        first: dict[tuple[ActionKind, int], _Node] = {}
-        for nd in self.nodes:
-            first.setdefault((nd.kind, nd.meta.stage), nd)
-        has_b = any(nd.kind == B for nd in self.nodes)
-        end_key = (step_s, len(self.nodes), 9)
-        consumers = consumers_of(list(stages))
-        changes: list[tuple[tuple[float, int, int], int]] = []  # ((time, issue index, order), delta)
+    def memory(self, step_s: float) -> tuple[Ledger, list[tuple[float, int]]]:
+        """The ledger's device changes on the timeline: setup (and, for a cold backward, what
+        the forward left) at 0, the model's inputs when the forward starts, the output
+        gradients when the backward phase is issued, each action's changes when it ends, the
+        rest freed when the last non-update action of the phase ends."""
+        led = replay(self.program)
+        nodes = self.nodes
+        by_name = {nd.name: nd for nd in nodes}
+        last_end = max((nd.end for nd in nodes if not KINDS[nd.kind].update), default=0.0)
+        has_f = any(nd.kind == F for nd in nodes)
         initial = 0
-
-        def at(nd: _Node, order: int) -> tuple[float, int, int]:
-            assert nd.end is not None
-            return (nd.end, nd.i, order)
-
-        for spec in stages:
-            s, a = spec.index, int(getattr(spec, "activation_bytes", 0) or 0)
-            if a <= 0:
+        changes: list[tuple[float, int, int, int]] = []  # (time, entry, change, delta)
+        for i, e in enumerate(led.entries):
+            dev = [c.nbytes for c in e.changes if c.tier == "device"]
+            if e.event == "setup" or (e.event == "forward start" and not has_f):
+                initial += sum(dev)
                 continue
-            cons = consumers.get(s, frozenset())
-            freer = min(cons) if cons else s
-            fwd = first.get((F, s))
-            if fwd is not None:
-                alloc: tuple[float, int, int] | None = at(fwd, 0)
-                changes.append((alloc, a))
-            elif has_b and ((B, s) in first or (B, freer) in first):
-                alloc = None
-                initial += a  # allocated by an earlier forward (the cold backward)
-            else:
-                continue
-            if has_b:
-                free = at(first[(B, freer)], 2) if (B, freer) in first else end_key
-            elif cons and all((F, c) in first for c in cons):
-                free = max(at(first[(F, c)], 1) for c in cons)
-            else:
-                free = end_key
-            changes.append((max(free, alloc) if alloc is not None else free, -a))
-            # the gradient of this stage's outputs, from its first consumer's backward
-            consumer_bs = [first[(B, c)] for c in cons if (B, c) in first]
-            if consumer_bs:
-                g_alloc = min(at(nd, 0) for nd in consumer_bs)
-                g_free = at(first[(B, s)], 1) if (B, s) in first else end_key
-                changes.append((g_alloc, a))
-                changes.append((max(g_free, g_alloc), -a))
-        # a borrowed gradient of a group updated on the device waits there for its owner's backward
-        dev_groups = self.program.device_groups()
-        owner_of = {sp.update_group: sp.index for sp in stages if sp.update_group is not None}
-        for spec in stages:
-            for g, nb in getattr(spec, "grad_group_bytes", ()):
-                if g == spec.update_group or g not in dev_groups or nb <= 0 or (B, spec.index) not in first:
-                    continue
-                changes.append((at(first[(B, spec.index)], 1), nb))
-                own = first.get((B, owner_of.get(g, -1)))
-                changes.append((max(at(own, 1), at(first[(B, spec.index)], 1)) if own is not None else end_key, -nb))
-        changes.sort(key=lambda c: c[0])
-        cur = static + initial
+            if e.node is not None:
+                t = by_name[e.node].end
+            elif e.event == "forward start":
+                t = 0.0
+            elif e.event == "backward start":
+                t = self.barrier if has_f else 0.0
+            else:  # end
+                t = last_end
+            assert t is not None
+            changes += [(t, i, j, d) for j, d in enumerate(dev) if d]
+        changes.sort(key=lambda c: c[:3])
+        cur = initial
         memory = [(0.0, cur)]
-        for (t, _, _), delta in changes:
-            cur += delta
+        for t, _, _, d in changes:
+            cur += d
             memory.append((t, cur))
-        return pool, memory
+        return led, memory
 
     def resident(self) -> list[tuple[float, int]]:
         changes: list[tuple[float, int]] = []
@@ -939,7 +912,8 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
         sim, events = _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k)
     step_s = max((e.end for e in events), default=0.0)
     busy, util = sim.busy(step_s)
-    pool, memory = sim.memory(step_s)
+    led, memory = sim.memory(step_s)
+    static = led.static("device")
     resident = sim.resident()
     path, by = sim.critical_path(events)
     bottleneck = max(RESOURCES, key=lambda r: (by[r], -RESOURCES.index(r)))
@@ -950,7 +924,7 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
         busy_s=busy,
         utilisation=util,
         workers=sim.workers,
-        slot_bytes=pool,
+        slot_bytes=static.get("parameters (slots)", 0),
         peak_device_bytes=max(b for _, b in memory),
         memory=memory,
         peak_resident=max(n for _, n in resident),
@@ -959,6 +933,7 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
         by_resource=by,
         bottleneck=bottleneck,
         accumulate=accumulate,
-        grad_buffer_bytes=sum(program.grad_buffer_sizes()),
-        device_state_bytes=program.device_state_bytes(),
+        grad_buffer_bytes=static.get("gradients", 0),
+        device_state_bytes=static.get("optimizer states", 0),
+        ledger=led,
     )

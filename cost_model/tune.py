@@ -247,8 +247,9 @@ def tune_window(
     Args:
         specs: the stages.
         costs: the cost model (profiled or analytic).
-        capacity_bytes: device budget; a window fits when its simulated peak plus
-            ``reserve_bytes`` (inputs, buffers the model keeps) is at most this.
+        capacity_bytes: device budget; a window fits when its simulated peak (the memory
+            ledger's: slots, activations, gradients, the model's inputs) plus ``reserve_bytes``
+            (memory to keep free besides, e.g. a GPU's workspace) is at most this.
         tolerance: how much slower than the best a smaller window may be predicted.
         policy: the policy to tune, a windowed :class:`~shfx.passes.policies.Policy`
             (default ``Stronghold(window="auto")``) or a function ``(specs, window) -> Program``.

@@ -20,7 +20,7 @@ stages (a tied embedding and head) is owned by the first and borrowed by the oth
 the earlier ones returned: :func:`label_stages`, :func:`merge_tensorless_stages`,
 :func:`assign_owners`, :func:`check_mutated_buffers`, :func:`mark_differentiable`,
 :func:`collect_boundary_values`, :func:`check_stage_inputs_unmodified`, :func:`build_stages`,
-:func:`assign_update_groups` and :func:`collect_user_inputs`.
+:func:`assign_update_groups`, :func:`collect_user_inputs` and :func:`add_memory_facts`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .capture import Captured, Placeholder
 from .layout import Group, SlotPlan, TensorInfo, plan_groups, plan_slot
-from .stages import StageSpec
+from .stages import StageSpec, Value
 from .units import format_bytes
 
 __all__ = ["Stage", "StageGraph", "ValueInfo", "PartitionError", "partition_stages", "find_blocks"]
@@ -812,6 +812,7 @@ def partition_stages(
     stages = build_stages(captured, labels, ownership, values)
     stages = assign_update_groups(stages, ownership.groups)
     inputs, values = collect_user_inputs(captured, values)
+    stages = add_memory_facts(stages, values, inputs, [o.name for o in captured.outputs], ownership)
     return StageGraph(
         stages=stages,
         values=values,
@@ -822,6 +823,38 @@ def partition_stages(
         owner=ownership.owner,
         method=labels.method,
     )
+
+
+def add_memory_facts(
+    stages: Sequence[Stage], values: dict[str, ValueInfo], inputs: Sequence[str], outputs: Sequence[str], ownership: Ownership
+) -> list[Stage]:
+    """Given the built stages, the boundary values, the model's inputs and outputs and the
+    ownership of tensors, return the stages with what the memory ledger (:mod:`shfx.passes.ledger`)
+    replays in their specs: the values each stage reads and produces, the model's inputs (on
+    stage 0), the bytes of the buffers its forward mutates, the bytes of one optimizer state of
+    the group it updates, and the trainable tensors it borrows from other groups."""
+    outs = set(outputs)
+
+    def value(name: str) -> Value:
+        v = values[name]
+        return Value(name, v.nbytes, v.producer, tuple(v.consumers), v.differentiable, name in outs)
+
+    groups, tensors, owner = ownership.groups, ownership.tensors, ownership.owner
+    result = []
+    for st in stages:
+        sp = st.spec
+        own = sp.update_group
+        spec = replace(
+            sp,
+            inputs=tuple(value(v) for v in st.inputs),
+            outputs=tuple(value(v) for v in st.outputs),
+            model_inputs=tuple(value(v) for v in inputs) if st.index == 0 else (),
+            recompute_buffer_bytes=sum(tensors[k].nbytes for k in st.mutated_buffers),
+            state_bytes=groups[own].state_bytes if own is not None else 0,
+            borrowed_grads=tuple((k, owner[k], tensors[k].nbytes) for k in st.trainable if owner[k] != own),
+        )
+        result.append(replace(st, spec=spec))
+    return result
 
 
 def owner_stage_is(groups: Sequence[Group], s: int, owner: dict[str, int], stage_keys: Sequence[Sequence[str]]) -> bool:

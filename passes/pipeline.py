@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .capture import Captured, InputSignature, capture_model
 from .layout import Group
+from .ledger import Ledger, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
@@ -121,14 +122,21 @@ class Variant:
 
     @functools.cached_property
     def grad_buffer_sizes(self) -> list[int]:
-        n = max(p.num_slots for p in self.programs)
-        return [max((p.grad_buffer_sizes()[k] if k < p.num_slots else 0) for p in self.programs) for k in range(n)]
+        """Bytes of each slot's device gradient buffer (:func:`shfx.passes.ledger.pool_sizes`)."""
+        return list(pool_sizes(self.programs)[1])
 
     @functools.cached_property
     def slot_sizes(self) -> list[int]:
-        """Bytes per slot that any of the variant's programs needs."""
-        n = max(p.num_slots for p in self.programs)
-        return [max((p.slot_sizes()[k] if k < p.num_slots else 0) for p in self.programs) for k in range(n)]
+        """Bytes per slot that any of the variant's programs needs (:func:`shfx.passes.ledger.pool_sizes`)."""
+        return list(pool_sizes(self.programs)[0])
+
+    def ledger(self, grad_accum_steps: int = 1) -> Ledger:
+        """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
+        for all three programs, then the train program."""
+        return replay(
+            self.train, programs=self.programs, group_bytes=[g.nbytes for g in self.graph.groups],
+            grad_accum_steps=grad_accum_steps,
+        )  # fmt: skip
 
 
 def build_programs(specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True) -> tuple[Program, Program, Program]:

@@ -191,11 +191,11 @@ class Program:
         """Parameter groups this program updates on the device (DEVICE_STEP)."""
         return {get_meta(n).stage for n in self.nodes if get_meta(n).kind == ActionKind.DEVICE_STEP}
 
-    def device_state_bytes(self) -> int:
-        """Device bytes of optimizer state (AdamW m and v) for the groups updated on the device:
-        twice their gradient bytes."""
+    def device_state_bytes(self, optimizer_states: int = 2) -> int:
+        """Device bytes of optimizer states (AdamW's two: m and v) of the groups updated on the
+        device: ``optimizer_states x StageSpec.state_bytes`` of each."""
         owners = {s.update_group: s for s in self.stages if s.update_group is not None}
-        return sum(2 * owners[g].update_bytes for g in self.device_groups() if g in owners)
+        return sum(optimizer_states * owners[g].state_bytes for g in self.device_groups() if g in owners)
 
     def static_device_bytes(self) -> int:
         """Device bytes the program holds for the whole step: the slot pool, the gradient

@@ -11,7 +11,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StageSpec", "chain", "consumers_of"]
+__all__ = ["StageSpec", "Value", "chain", "consumers_of"]
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor that crosses a stage boundary, or a model input or output: what the runtime
+    keeps on the device between actions (:mod:`shfx.passes.ledger` replays it).
+
+    Attributes:
+        name: unique in the model.
+        nbytes: its size.
+        producer: the stage whose forward produces it; -1 for a model input.
+        consumers: the stages whose forwards read it (the producer excluded).
+        differentiable: a gradient flows back through it.
+        output: a model output (held until the backward ends; its gradient comes from the caller).
+    """
+
+    name: str
+    nbytes: int
+    producer: int = -1
+    consumers: tuple[int, ...] = ()
+    differentiable: bool = True
+    output: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +60,16 @@ class StageSpec:
         grad_group_bytes: ``(group, bytes)`` of the gradients the stage sends to each group
             (empty: all of ``grad_bytes`` to its own); an OFFLOAD_GRAD moves only those of groups
             updated on the host.
+        state_bytes: bytes of one optimizer state (AdamW's m, or v) of the group it updates.
+        inputs, outputs: the boundary values it reads and produces (empty on a synthetic spec:
+            then one output of ``activation_bytes``, read by the stages that list this one as a
+            producer).
+        model_inputs: stage 0 only: every tensor input of the model (the call puts them all on
+            the device, used or not).
+        recompute_buffer_bytes: bytes of the buffers its forward mutates, copied before a forward
+            whose stage will be recomputed (the recompute must see them as the forward did).
+        borrowed_grads: ``(key, group, bytes)`` of each trainable tensor it borrows from another
+            group (a tied weight): its gradient waits for the owner's.
     """
 
     index: int
@@ -52,8 +84,16 @@ class StageSpec:
     slot_bytes: int = 0
     update_bytes: int = 0
     grad_group_bytes: tuple[tuple[int, int], ...] = ()
+    state_bytes: int = 0
+    inputs: tuple[Value, ...] = ()
+    outputs: tuple[Value, ...] = ()
+    model_inputs: tuple[Value, ...] = ()
+    recompute_buffer_bytes: int = 0
+    borrowed_grads: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.update_bytes and not self.state_bytes:  # a state as large as the parameters (fp32)
+            object.__setattr__(self, "state_bytes", self.update_bytes)
         if any(p >= self.index for p in self.producers):
             raise ValueError(
                 f"stage {self.index} ({self.name!r}) reads from stages {sorted(self.producers)}; "
@@ -100,6 +140,7 @@ def chain(
         if tied is not None and i == tied[1]:
             groups.add(tied[0])
             by_group = ((i, grad_bytes // 2), (tied[0], grad_bytes - grad_bytes // 2))
+        update = grad_bytes if not (tied is not None and i == tied[1]) else grad_bytes // 2
         specs.append(
             StageSpec(
                 index=i,
@@ -112,8 +153,10 @@ def chain(
                 update_group=i if grad_bytes else None,
                 activation_bytes=activation_bytes,
                 slot_bytes=prefetch_bytes,
-                update_bytes=grad_bytes if not (tied is not None and i == tied[1]) else grad_bytes // 2,
+                update_bytes=update if grad_bytes else 0,
                 grad_group_bytes=by_group,
+                state_bytes=update if grad_bytes else 0,
+                recompute_buffer_bytes=64 if i in mutating else 0,
             )
         )
     return specs

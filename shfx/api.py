@@ -13,7 +13,7 @@ from torch.autograd.function import once_differentiable
 from shfx.passes.capture import Captured, flatten_inputs
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
-from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant
+from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
 from shfx.passes.policies import Policy, Stronghold
 from shfx.passes.program import ActionKind, Program
 from shfx.passes.units import format_bytes
@@ -204,7 +204,7 @@ class CompiledModel:
 
         def choose(captured: Captured, graph: StageGraph, policy: Policy) -> Policy:
             self._ensure_store(captured, graph)
-            self._check_capacity(graph, 1)
+            self._check_one_stage(graph)
             probe = Stronghold(window=1)
             pv = Variant(captured.signature, captured, graph, probe, *build_programs(graph.specs, probe))
             report = self._tune(pv, tensors, policy, how="auto")
@@ -214,8 +214,8 @@ class CompiledModel:
         variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose)
         self._ensure_store(variant.captured, variant.graph)
         if variant.signature not in self._reports:
-            self._check_capacity(variant.graph, 1)
-            self._check_capacity(variant.graph, variant.train.num_slots, variant.policy, variant.slot_sizes)
+            self._check_one_stage(variant.graph)
+            self._check_capacity(variant)
         self._check_deferrable(variant)
         return variant
 
@@ -269,13 +269,11 @@ class CompiledModel:
 
         graph = variant.graph
         costs = profile_costs(self._engine, variant, tensors)
-        reserve = sum(graph.values[v].nbytes for v in graph.inputs)
-        reserve += max((sum(graph.tensors[k].nbytes for k in st.mutated_buffers) for st in graph.stages), default=0)
         if how == "fixed" and policy.windowed:
             policy = policy.replace(window="auto")
         try:
             tune = tune_window(
-                graph.specs, costs, capacity_bytes=self._capacity(), reserve_bytes=reserve,
+                graph.specs, costs, capacity_bytes=self._capacity(),
                 tolerance=self.tune_tolerance, policy=policy,
             )  # fmt: skip
         except NoWindowFits as e:
@@ -289,8 +287,8 @@ class CompiledModel:
         window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
         return WindowReport(tune, window, self._backend.describe(), how, self._engine.step_times)
 
-    def _check_capacity(self, graph, w: int, policy: Policy | None = None, sizes: list[int] | None = None) -> None:
-        """Refuse a window whose slots do not fit the device budget, saying what fits."""
+    def _check_one_stage(self, graph: StageGraph) -> None:
+        """Refuse a budget too small for the largest stage's slot, saying how to split."""
         cap = self._backend.capacity_bytes
         if cap is None:
             return
@@ -305,32 +303,43 @@ class CompiledModel:
                 capacity_bytes=cap,
                 what=f"slot for stage {largest.index}",
             )
-        if policy is None or sizes is None:
+
+    def _check_capacity(self, variant: Variant) -> None:
+        """Refuse a variant whose steady state (the memory ledger's setup: slots, gradient
+        buffers, optimizer states on the device) does not fit the budget, saying what fits.
+        (Activations come on top; a step that overflows with them raises OutOfDeviceMemory
+        naming the action.)"""
+        cap = self._backend.capacity_bytes
+        if cap is None:
             return
+        static = variant.ledger(self._engine_kwargs["grad_accum_steps"]).static("device")
+        need = sum(static.values())
+        if need <= cap:
+            return
+        policy, sizes = variant.policy, variant.slot_sizes
+        extra = need - static.get("parameters (slots)", 0)
 
-        def static(window: int) -> int:
-            return policy.replace(window=window).program(graph.specs).static_device_bytes()
+        def static_at(window: int) -> int:
+            return sum(with_policy(variant, policy.replace(window=window), verify=False).ledger().static("device").values())
 
-        prog = policy.program(graph.specs)
-        extra = sum(prog.grad_buffer_sizes()) + prog.device_state_bytes()
-        need = sum(sizes) + extra
-        if need > cap:
-            fit = next((v for v in range(w - 1, 0, -1) if static(v) <= cap), None) if policy.windowed else None
-            what = f"{len(sizes)} slots of {', '.join(format_bytes(n) for n in sizes)}"
-            if extra:
-                what += (
-                    f", plus {format_bytes(sum(prog.grad_buffer_sizes()))} of gradient buffers and "
-                    f"{format_bytes(prog.device_state_bytes())} of optimizer states on the device"
-                )
-            hint = f"Use window <= {fit}, or smaller stages." if fit else "Use a policy that keeps less on the device, smaller stages, or a device with more memory."
-            raise OutOfDeviceMemory(
-                f"{'window=' + str(w) if prog.name.startswith('stronghold') else 'policy ' + repr(prog.name)} needs {what} = "
-                f"{format_bytes(need)}, but the device has {format_bytes(cap)} "
-                f"({self._backend.describe()}). {hint}",
-                needed_bytes=need,
-                capacity_bytes=cap,
-                what=f"{len(sizes)} slots",
+        w = variant.train.num_slots - len(variant.train.persistent)
+        fit = next((v for v in range(w - 1, 0, -1) if static_at(v) <= cap), None) if policy.windowed else None
+        what = f"{len(sizes)} slots of {', '.join(format_bytes(n) for n in sizes)}"
+        if extra:
+            what += (
+                f", plus {format_bytes(static.get('gradients', 0))} of gradient buffers and "
+                f"{format_bytes(static.get('optimizer states', 0))} of optimizer states on the device"
             )
+        hint = f"Use window <= {fit}, or smaller stages." if fit else "Use a policy that keeps less on the device, smaller stages, or a device with more memory."
+        name = variant.train.name
+        raise OutOfDeviceMemory(
+            f"{'window=' + str(w) if name.startswith('stronghold') else 'policy ' + repr(name)} needs {what} = "
+            f"{format_bytes(need)}, but the device has {format_bytes(cap)} "
+            f"({self._backend.describe()}). {hint}",
+            needed_bytes=need,
+            capacity_bytes=cap,
+            what=f"{len(sizes)} slots",
+        )
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

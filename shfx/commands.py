@@ -51,8 +51,7 @@ def tune_gpt(
     if hardware is not None:
         hw = get_profile(hardware)
         specs, costs = gpt_plan_inputs(shape, hw)
-        reserve = 2 * 8 * shape.batch * shape.seq
-        tune = tune_window(specs, costs, capacity_bytes=hw.device_memory_bytes, reserve_bytes=reserve, tolerance=tolerance)
+        tune = tune_window(specs, costs, capacity_bytes=hw.device_memory_bytes, tolerance=tolerance)
         rep = WindowReport(tune, tune.window, hw.describe(), "analytic")
         params = shape.num_params()
         print(f"GPT {shape.layers} layers, hidden {shape.hidden}, seq {shape.seq}, batch {shape.batch}: {params / 1e9:.2f} B params "

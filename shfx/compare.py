@@ -49,10 +49,11 @@ class Predicted:
     Attributes:
         step_s: simulated step time (None when the simulation failed: see ``error``).
         bottleneck: the resource with most critical-path time (``compute``, ``link``, ``host optimizer``).
-        device_bytes: device memory the policy needs: the larger of the simulated peak and the
-            memory model's total (on real hardware the latter adds the CUDA workspace and the
-            working set of the stage being computed, which the simulator does not see).
-        peak_device_bytes: the simulated peak plus the model's inputs (None: the simulation failed).
+        device_bytes: device memory the policy needs: the memory model's total
+            (``shfx.cost_model.planner``: the memory ledger's peak, and on real hardware the
+            CUDA workspace and the working set of the stage being computed on top).
+        peak_device_bytes: the simulated peak (the ledger's peak on the timeline; None: the
+            simulation failed).
         host_bytes: host memory (``shfx.cost_model.planner``): fp32 weights of every group, plus the
             gradients and AdamW states of the groups updated on the host, staging buffers and
             the pending tied-embedding gradient.
@@ -322,7 +323,6 @@ def _predict(
     costs: Any,
     memory: Any,
     *,
-    reserve_bytes: int,
     capacity_bytes: int | None,
     host_capacity_bytes: int | None,
 ) -> Predicted:
@@ -333,10 +333,10 @@ def _predict(
     step_s = bottleneck = peak = error = None
     try:
         tl = simulate(program, costs)
-        step_s, bottleneck, peak = tl.step_s, tl.bottleneck, tl.peak_device_bytes + reserve_bytes
+        step_s, bottleneck, peak = tl.step_s, tl.bottleneck, tl.peak_device_bytes
     except Exception as e:  # noqa: BLE001 - a policy the simulator cannot run still gets its memory and traffic
         error = f"{type(e).__name__}: {e}"
-    device = max(peak or 0, memory.device_total)
+    device = memory.device_total
     reasons = []
     if capacity_bytes is not None and device > capacity_bytes:
         reasons.append(
@@ -545,7 +545,6 @@ def compare(
         f"GPT {shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}, seq {shape.seq}, batch {shape.batch}, "
         f"vocab {shape.vocab}"
     )
-    reserve = 2 * 8 * shape.batch * shape.seq  # the int64 tokens and targets on the device
 
     def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -595,13 +594,13 @@ def compare(
     programs: dict[str, Any] = {}
     for pol in configured:
         if pol.auto:
-            pol, why = _auto_window(specs, costs, pol, capacity, reserve)
+            pol, why = _auto_window(specs, costs, pol, capacity)
             if why:
                 notes.append(f"{pol.name}: {why}")
         program = pol.program(specs)
         row = PolicyResult(pol.name, _label(pol, program), program.num_slots)
         row.predicted = _predict(
-            program, costs, memory(pol), reserve_bytes=reserve, capacity_bytes=capacity, host_capacity_bytes=host_capacity
+            program, costs, memory(pol), capacity_bytes=capacity, host_capacity_bytes=host_capacity
         )
         rows.append(row)
         programs[row.label] = pol
@@ -622,12 +621,12 @@ def compare(
     )
 
 
-def _auto_window(specs, costs, policy, capacity, reserve) -> tuple[Any, str]:
+def _auto_window(specs, costs, policy, capacity) -> tuple[Any, str]:
     """The tuner's choice for ``policy``'s ``"auto"`` fields from the predicted costs."""
     from shfx.cost_model.tune import NoWindowFits, tune_window
 
     try:
-        t = tune_window(specs, costs, capacity_bytes=capacity, reserve_bytes=reserve, policy=policy)
+        t = tune_window(specs, costs, capacity_bytes=capacity, policy=policy)
     except NoWindowFits:
         return policy.replace(window=1, **({"resident_first": 0} if policy.resident_first == "auto" else {})), "no window fits the device; showing W=1"
     return t.policy, f"window {t.window} chosen by the tuner"

@@ -94,25 +94,27 @@ class DemoResult:
 
 def estimate_device_bytes(cfg: GPTShape, window: int) -> dict[str, int]:
     """What training ``GPT(cfg)`` on batches of ``cfg.batch x cfg.seq`` with shfx needs on the
-    device, from the shape alone.
+    device, from the planner's memory model (the memory ledger's closed form for a GPT).
 
     Returns a dict with ``slot`` (the largest stage's parameter bytes: a block, or the
     embedding/head stage when that is bigger), ``activation`` (one stage-boundary tensor,
     ``batch * seq * hidden`` fp32), ``inputs`` (the token ids and targets, int64) and
-    ``peak``: ``window`` slots, the ``n_layer + 1`` boundary activations kept from forward to
-    backward, one boundary gradient, and the inputs.
+    ``peak``: ``window`` slots, the boundary activations kept from forward to backward, the
+    gradients in flight, and the inputs.
 
     >>> e = estimate_device_bytes(GPTShape(layers=4, hidden=128, seq=128, batch=8), window=2)
     >>> e["slot"], e["activation"]
     (793088, 524288)
     """
-    h, v, t, batch, seq = cfg.hidden, cfg.vocab, cfg.seq, cfg.batch, cfg.seq
-    ln = 2 * h if cfg.bias else h
-    slot = 4 * max(cfg.params_per_layer, (v + t) * h, v * h + ln)
-    act = 4 * batch * seq * h
-    inputs = 2 * 8 * batch * seq
-    peak = window * slot + (cfg.layers + 2) * act + inputs + 8
-    return {"slot": slot, "activation": act, "inputs": inputs, "peak": peak}
+    from .cost_model.planner import Target, memory_model
+
+    bd = memory_model("stronghold", cfg, Target("emulated device", 1 << 62, emulated=True), window=window)
+    return {
+        "slot": max(bd.slot_sizes),
+        "activation": 4 * cfg.batch * cfg.seq * cfg.hidden,
+        "inputs": 2 * 8 * cfg.batch * cfg.seq,
+        "peak": bd.device_total,
+    }
 
 
 def default_device_memory(cfg: GPTShape, window: int) -> int:

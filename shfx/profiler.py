@@ -168,6 +168,12 @@ class _Snapshot:
                 region = st.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes]
                 self.buffers.append((region, region.clone()))
 
+    def __enter__(self) -> _Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
     def restore(self) -> None:
         st = self.engine.store
         torch.set_rng_state(self.cpu_rng)
@@ -194,35 +200,30 @@ def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], 
     if engine.pending_updates:
         raise RuntimeError("cannot profile while an optimizer update is pending; call cm.step() first")
     snap = _Snapshot(engine, variant)
-    pool_before = list(engine.pool.sizes) if engine.pool is not None else []
     emulated = engine.backend.name == "emulated"
-    throttle = getattr(engine.backend, "throttle", None)
     warm: dict[str, list[float]] = {}
     pipelined: dict[str, list[float]] = {}
     gaps: list[float] = []
-    try:
+    with engine.profiling(), snap:
         engine.ensure_pool(probe.slot_sizes)
         # NOTE: compute is timed with copies unthrottled, so no compute action follows an idle
         # stretch. (When compute ran on a worker thread, an action after ~4 ms of idle ran ~1.5x
         # slower and was profiled that way; compute now runs on the calling thread and the
         # slowdown is gone (benchmarks/sim_accuracy.py), so no cold costs are taken. The
         # simulator still accepts them: StageCost.*_cold_s and CostTable.cold_idle_s.)
-        if throttle is not None:
-            engine.backend.throttle = False
-        for _ in range(repeats + 1):
-            outs, ctx = engine.forward(probe, inputs, grad=True, serial=True)
-            grads = [
-                torch.ones_like(o) if variant.graph.values[v].differentiable else None
-                for o, v in zip(outs, variant.graph.outputs)
-            ]
-            engine.backward(ctx, grads, profile=True)
-            for e in engine.trace:
-                warm.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
-            fwd_end = max(e.end for e in engine.trace if e.phase == "forward")
-            bwd_start = min(e.start for e in engine.trace if e.phase == "backward")
-            gaps.append(bwd_start - fwd_end)
-        if throttle is not None:
-            engine.backend.throttle = throttle
+        with engine.backend.unthrottled():
+            for _ in range(repeats + 1):
+                outs, ctx = engine.forward(probe, inputs, grad=True, serial=True)
+                grads = [
+                    torch.ones_like(o) if variant.graph.values[v].differentiable else None
+                    for o, v in zip(outs, variant.graph.outputs)
+                ]
+                engine.backward(ctx, grads, profile=True)
+                for e in engine.trace:
+                    warm.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
+                fwd_end = max(e.end for e in engine.trace if e.phase == "forward")
+                bwd_start = min(e.start for e in engine.trace if e.phase == "backward")
+                gaps.append(bwd_start - fwd_end)
         # NOTE: compute timed alone runs 3-12% faster than inside a pipelined step, where copy,
         # host and optimizer threads share the processor (benchmarks/sim_accuracy.py); so the
         # compute costs come from pipelined steps of the window-2 program (no update), the
@@ -240,13 +241,6 @@ def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], 
                 for e in engine.trace:
                     if e.stream == "compute":
                         pipelined.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
-    finally:
-        engine._step_t0 = None  # profiling steps are not the user's steps
-        if engine.pool is not None:
-            engine.pool.set_sizes(pool_before)  # give back the device memory profiling borrowed
-        if throttle is not None:
-            engine.backend.throttle = throttle
-        snap.restore()
     keep = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == ActionKind.FORWARD and get_meta(n).keep_graph}
 
     def med(d: dict[str, list[float]], name: str) -> float | None:

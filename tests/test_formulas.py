@@ -92,10 +92,11 @@ def test_device_memory_terms_evaluate_to_hand_numbers():
     assert int(terms["slot_pool"].expr) == slot + tail + (W - 2) * block
     assert int(terms["activations"].expr) == (l + 1) * A + 4
     assert int(terms["boundary_grads"].expr) == A
+    assert int(terms["output_grad"].expr) == 4  # the loss's gradient, as the runtime holds it
     assert int(terms["inputs"].expr) == 2 * 8 * b * s
     block_ws = 2 * s * b * h * (34 + 5 * a * s / h)
     assert float(terms["workspace"].expr) == pytest.approx(max(block_ws, 3 * 4 * b * s * V))
-    sim = slot + tail + (W - 2) * block + (l + 2) * A + 4
+    sim = slot + tail + (W - 2) * block + (l + 2) * A + 4 + 4  # ... the loss and its gradient
     assert int(fm.device_memory(W, l, h, a, s, b, V, counted_by="simulator")) == sim
     assert int(fm.device_memory(W, l, h, a, s, b, V, counted_by="emulated")) == sim + 2 * 8 * b * s
     gpu = fm.device_memory(W, l, h, a, s, b, V, counted_by="gpu", attention_scores=False, context_bytes=0)
@@ -103,7 +104,7 @@ def test_device_memory_terms_evaluate_to_hand_numbers():
     # symbolic and numeric agree
     assert fm.evaluate(fm.device_memory(counted_by="simulator"), W=W, l=l, h=h, a=a, s=s, b=b, V=V) == sim
     # a window larger than the stages holds only l + 2 slots, each sized to its stage
-    assert int(fm.device_memory(99, 3, h, a, s, b, V, counted_by="simulator")) == slot + 3 * block + tail + 5 * A + 4
+    assert int(fm.device_memory(99, 3, h, a, s, b, V, counted_by="simulator")) == slot + 3 * block + tail + 5 * A + 4 + 4
     host = fm.host_memory(l, h, s, V)
     P = l * (12 * h * h + 13 * h) + (V + s) * h + 2 * h
     assert int(host) == 16 * P + 4 * V * h
@@ -389,3 +390,19 @@ def test_gpt_readable_form_is_exact_when_compute_bound():
         # W=1 is link-bound per block: the slope is still the period, the ends differ by O(copies)
         d = float(fm.step_time_gpt(L, 1, *args) - fm.step_time_gpt_steady(L, 1, *args))
         assert abs(d) < float(st["head"].pf + st["tail"].pf + st["block"].pf + st["block"].og)
+
+
+def test_device_memory_formula_is_the_planner_closed_form():
+    """The sympy formula, counted as the emulated device counts (inputs included), is the
+    planner's closed form for stronghold on the emulated device (itself the memory ledger's
+    replay, tests/test_planner.py), at every window and depth."""
+    from shfx.cost_model.planner import Target, memory_model
+    from shfx.cost_model.shapes import GPTShape
+
+    emu = Target("emulated", 1 << 40, emulated=True)
+    h, a, s, b, V = (SMALL[k] for k in "hasbV")
+    for l in (1, 2, 3, 6):
+        shape = GPTShape(layers=l, hidden=h, heads=a, seq=s, batch=b, vocab=V)
+        for W in range(1, l + 4):
+            closed = memory_model("stronghold", shape, emu, window=W).device_total
+            assert int(fm.device_memory(W, l, h, a, s, b, V, counted_by="emulated")) == closed, (l, W)

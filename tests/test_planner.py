@@ -178,11 +178,10 @@ def template():
 
 
 def _program_layout(policy, specs, window, k):
+    from shfx.passes.ledger import pool_sizes
+
     train = policy_program(policy, specs, window, k)
-    progs = (train, eval_program(train), cold_backward_program(train))
-    n = max(p.num_slots for p in progs)
-    slots = tuple(max((p.slot_sizes()[j] if j < p.num_slots else 0) for p in progs) for j in range(n))
-    grads = tuple(max((p.grad_buffer_sizes()[j] if j < p.num_slots else 0) for p in progs) for j in range(n))
+    slots, grads = pool_sizes((train, eval_program(train), cold_backward_program(train)))
     return slots, grads, train.device_state_bytes()
 
 
@@ -235,14 +234,7 @@ def test_max_layers_caps_the_search():
 
 
 def _host_bytes(cm) -> int:
-    """What the runtime holds on the host: the store (master weights, gradients), host AdamW
-    states, gradient staging buffers and pending buffers of borrowed (tied) gradients."""
-    e = cm.engine
-    st = e.store
-    states = sum(s.exp_avg.numel() * 8 for s in e.optimizer.state.values())
-    staging = st._staging_count * max(g.trainable_bytes for g in st.groups)
-    pending = sum(t.numel() * t.element_size() for t in e._pending_bufs.values())
-    return st.host_bytes + states + staging + pending
+    return cm.engine.host_bytes()
 
 
 def _train(policy: str, fam: GPTShape, device: shfx.EmulatedDevice, steps: int = 2, **kw) -> tuple[int, int]:
@@ -368,3 +360,25 @@ def test_resident_first_auto_picks_the_k_that_trains_most():
     assert p.row("stronghold").layers == auto.layers and f"stronghold k={k}" in p.table()
     with pytest.raises(ValueError, match="'auto' is for the 'stronghold' policy"):
         largest_trainable("l2l", fam, "V100-32GB-PCIe3", resident_first="auto")
+
+
+def test_closed_form_is_the_ledger_at_many_sizes(template):
+    """The GPT closed form (memory_model) is a fast path of the memory ledger: at every depth,
+    for every policy, window and k, its device terms at the peak and its host terms are the
+    ledger's replay of the program built from the repeated blocks' specs."""
+    from shfx.passes.ledger import replay
+    from shfx.passes.pipeline import build_programs
+
+    for fam, graph in template.items():
+        blocks = range(1, 3)
+        for L in (1, 2, 3, 4, 5, 7, 10):
+            specs, _ = repeat_blocks(graph.specs, None, blocks, L)
+            for policy, kw in [(p, {}) for p in ("resident", "l2l", "zero-offload", "zero-infinity")] + [
+                ("stronghold", {"window": w, "resident_first": k}) for w in (1, 2, 3) for k in (0, 1, 2)
+            ]:
+                want = memory_model(policy, fam.with_layers(L), EMU, **kw)
+                progs = build_programs(specs, make_policy(policy, **kw), verify=False)
+                led = replay(progs[0], programs=progs)
+                dev = {k: v for k, v in led.terms_at_peak("device").items() if v}
+                assert dev == {k: v for k, v in want.device.items() if v}, (fam.vocab, L, policy, kw)
+                assert led.static("host") == {k: v for k, v in want.host.items() if v}, (fam.vocab, L, policy, kw)

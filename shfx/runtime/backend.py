@@ -11,7 +11,10 @@ FIFO for gradient accumulation) and ``cpu`` (the host optimizer's thread pool). 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +24,20 @@ from shfx.passes.units import format_bytes
 from ..errors import OutOfDeviceMemory
 from .streams import PoolStream, WorkerStream, single_omp_thread
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "MemoryEvent"]
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One device reservation (``nbytes > 0``) or release (``< 0``) that a recording saw:
+    during which event of the step (an action string such as ``"F3"``, or ``"setup"``,
+    ``"forward start"``, ``"backward start"``, ``"end"``), under which memory-ledger term
+    (:data:`shfx.passes.ledger.DEVICE_TERMS`), for what."""
+
+    event: str
+    term: str
+    what: str
+    nbytes: int
 
 
 def _optimizer_pool(workers: int, threads: int | None = None) -> PoolStream:
@@ -63,6 +79,8 @@ class Backend:
 
     def __init__(self, optimizer_workers: int = 1):
         self._lock = threading.Lock()
+        self._event = threading.local()  # which event of the step the calling thread is in
+        self._log: list[MemoryEvent] | None = None
         self.used_bytes = 0
         self.peak_bytes = 0
         self.bytes_h2d = 0
@@ -78,8 +96,33 @@ class Backend:
         self.d2h: Any = None
 
     # ---- memory accounting ---------------------------------------------------------------
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Account ``nbytes`` of device memory; raise :class:`OutOfDeviceMemory` past capacity."""
+    @contextlib.contextmanager
+    def during(self, event: str) -> Iterator[None]:
+        """Reservations the calling thread makes in this block belong to ``event`` (an action
+        string, or a phase event) in a recording (:meth:`recording`)."""
+        prev = getattr(self._event, "name", None)
+        self._event.name = event
+        try:
+            yield
+        finally:
+            self._event.name = prev
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[MemoryEvent]]:
+        """Record every device reservation and release made inside the block, with its term and
+        the event it belongs to; yields the list it fills (what the memory ledger is checked
+        against)."""
+        log: list[MemoryEvent] = []
+        prev, self._log = self._log, log
+        try:
+            yield log
+        finally:
+            self._log = prev
+
+    def reserve(self, nbytes: int, what: str, term: str = "other", key: str | None = None) -> None:
+        """Account ``nbytes`` of device memory for ``what`` under the memory-ledger ``term``
+        (``key``: its name in the ledger, default ``what``); raise :class:`OutOfDeviceMemory`
+        past capacity."""
         with self._lock:
             if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
                 raise OutOfDeviceMemory(
@@ -94,10 +137,14 @@ class Backend:
                 )
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            if self._log is not None and nbytes:
+                self._log.append(MemoryEvent(getattr(self._event, "name", None) or "setup", term, key or what, nbytes))
 
-    def unreserve(self, nbytes: int) -> None:
+    def unreserve(self, nbytes: int, what: str = "", term: str = "other") -> None:
         with self._lock:
             self.used_bytes -= nbytes
+            if self._log is not None and nbytes:
+                self._log.append(MemoryEvent(getattr(self._event, "name", None) or "setup", term, what, -nbytes))
 
     def reset_peak(self) -> None:
         with self._lock:
@@ -113,11 +160,12 @@ class Backend:
                 self.copies_d2h += 1
 
     # ---- to implement --------------------------------------------------------------------
-    def alloc_device(self, nbytes: int, what: str) -> torch.Tensor:
+    def alloc_device(self, nbytes: int, what: str, term: str = "other") -> torch.Tensor:
+        """A device buffer of ``nbytes`` bytes for ``what`` (reserved under ``term``)."""
         raise NotImplementedError
 
-    def free_device(self, t: torch.Tensor) -> None:
-        self.unreserve(t.numel() * t.element_size())
+    def free_device(self, t: torch.Tensor, what: str = "", term: str = "other") -> None:
+        self.unreserve(t.numel() * t.element_size(), what, term)
 
     def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
         raise NotImplementedError
@@ -141,6 +189,11 @@ class Backend:
 
     def synchronize(self) -> None:
         pass
+
+    def unthrottled(self) -> contextlib.AbstractContextManager[None]:
+        """Copies in the block run at the device's full speed (the emulated device's pacing is
+        off, so the profiler times compute that no throttled copy slows); a no-op on CUDA."""
+        return contextlib.nullcontext()
 
     def describe(self) -> str:
         return self.name

@@ -102,12 +102,12 @@ class CudaBackend(Backend):
     def describe(self) -> str:
         return f"{torch.cuda.get_device_name(self.device)} ({self.spec})"
 
-    def alloc_device(self, nbytes: int, what: str) -> torch.Tensor:
-        self.reserve(nbytes, what)
+    def alloc_device(self, nbytes: int, what: str, term: str = "other") -> torch.Tensor:
+        self.reserve(nbytes, what, term)
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError:
-            self.unreserve(nbytes)
+            self.unreserve(nbytes, what, term)
             raise
 
     def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:

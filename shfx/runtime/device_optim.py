@@ -18,14 +18,17 @@ from .host_optim import _spans
 
 __all__ = ["DeviceAdamW"]
 
+STATES = "optimizer states"  # the memory-ledger term
+
 
 class _DevState:
-    __slots__ = ("step", "m", "v", "spans")
+    __slots__ = ("step", "m", "v", "spans", "group")
 
     def __init__(self, backend: Backend, group: Group):
         dt = group.dtypes.state
-        self.m = backend.alloc_device(group.state_bytes, f"AdamW m of group {group.index} on the device").view(dt)
-        self.v = backend.alloc_device(group.state_bytes, f"AdamW v of group {group.index} on the device").view(dt)
+        self.m = backend.alloc_device(group.state_bytes, f"optimizer state 0 of group {group.index}", STATES).view(dt)
+        self.v = backend.alloc_device(group.state_bytes, f"optimizer state 1 of group {group.index}", STATES).view(dt)
+        self.group = group.index
         self.m.zero_()
         self.v.zero_()
         self.step = torch.zeros((), dtype=torch.float32, device=backend.device)
@@ -74,6 +77,6 @@ class DeviceAdamW:
 
     def close(self) -> None:
         for st in self.state.values():
-            self.backend.free_device(st.m.view(torch.uint8))
-            self.backend.free_device(st.v.view(torch.uint8))
+            self.backend.free_device(st.m.view(torch.uint8), f"optimizer state 0 of group {st.group}", STATES)
+            self.backend.free_device(st.v.view(torch.uint8), f"optimizer state 1 of group {st.group}", STATES)
         self.state.clear()

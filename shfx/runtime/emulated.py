@@ -9,7 +9,9 @@ gives the simulator a ground truth with known link speeds.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,8 +51,16 @@ class EmulatedBackend(Backend):
     def describe(self) -> str:
         return str(self.spec)
 
-    def alloc_device(self, nbytes: int, what: str) -> torch.Tensor:
-        self.reserve(nbytes, what)
+    @contextlib.contextmanager
+    def unthrottled(self) -> Iterator[None]:
+        prev, self.throttle = self.throttle, False
+        try:
+            yield
+        finally:
+            self.throttle = prev
+
+    def alloc_device(self, nbytes: int, what: str, term: str = "other") -> torch.Tensor:
+        self.reserve(nbytes, what, term)
         return torch.zeros(nbytes, dtype=torch.uint8)
 
     def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:

@@ -1,5 +1,10 @@
 """The interpreter: runs step programs on a backend.
 
+The engine issues actions and owns the device side (slot pool, persistent stages, device
+optimizer); the state of one forward call is a :class:`~shfx.runtime.context.StepContext`,
+gradients are routed and accumulated by :class:`~shfx.runtime.gradients.GradientRouter`, and
+ZeRO-Offload's delayed update is :class:`~shfx.runtime.delayed.DelayedUpdates`.
+
 ``Engine.forward`` issues a program's forward phase, ``Engine.backward`` its backward phase,
 ``Engine.step`` waits for (or issues) the host updates. Issuing a node means submitting its
 action to its stream with the tokens of the nodes it depends on; the interpreter itself never
@@ -12,33 +17,33 @@ running against the host store).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from shfx.passes.capture import Captured, InputSignature
-from shfx.passes.meta import get_meta
-from shfx.passes.partition import Stage, StageGraph
-from shfx.passes.pipeline import Variant
 from shfx.passes.actions import KINDS
-from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
+from shfx.passes.meta import get_meta
+from shfx.passes.partition import Stage
+from shfx.passes.pipeline import Variant
+from shfx.passes.program import ActionMeta, Program
 from shfx.passes.units import format_bytes
 
 from ..errors import ActionError, OutOfDeviceMemory, UsageError
-from .backend import Backend
+from .backend import Backend, MemoryEvent
+from .context import StepContext, fork_rng
+from .delayed import DelayedUpdates
 from .device_optim import DeviceAdamW
+from .gradients import GradientRouter
 from .host_optim import HostAdamW
 from .host_store import GRAD_NONE, GRAD_VALID, HostStore
 from .slots import SlotPool
 from .streams import DependencyFailed, DoneToken, JoinToken, Token
 
-__all__ = ["Engine", "StepContext", "TraceEvent"]
+__all__ = ["Engine", "StepContext", "TraceEvent", "MemoryEvent"]
 
 # A forward longer than this recomputes with early stop (benchmarks/overhead.py on 2 CPU cores:
 # early stop saved 3% on stages of ~8 ms and cost 23% on stages of ~0.5 ms).
@@ -58,98 +63,6 @@ class TraceEvent:
     bytes: int = 0
 
 
-class StepContext:
-    """State of one forward call, kept until its backward: boundary activations (device),
-    their gradients, RNG states, pre-forward copies of mutated buffers, and the tokens of
-    issued nodes."""
-
-    _ids = 0
-
-    def __init__(self, engine: Engine, variant: Variant, grad: bool):
-        StepContext._ids += 1
-        self.id = StepContext._ids
-        self.engine = engine
-        self.variant = variant
-        self.grad = grad
-        self.values: dict[str, torch.Tensor] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-        self.rng: dict[int, Any] = {}
-        self.pre_buffers: dict[int, list[torch.Tensor]] = {}
-        self.saved: dict[int, tuple] = {}
-        self.checkpointed: dict[int, tuple] = {}  # stage -> (outputs, param/buffer/input leaves)
-        self.grad_src: dict[int, str] = {}  # stage -> where its backward wrote param grads ("slot"/"buffer")
-        self.dev_pending: dict[str, torch.Tensor] = {}  # borrowed param -> its grad, for a device-updated owner
-        self.no_grads: set[int] = set()
-        self.env: dict[fx.Node, Token] = {}
-        self.accumulation = _Accumulation()
-        self.hot = False  # holds slots from its forward for the start of its backward
-        self.backward_done = False
-        self._bytes: dict[str, int] = {}
-        # A forward whose backward never runs (the loss was dropped) frees its device
-        # accounting when the context is garbage: the finalizer holds the byte ledger, not self.
-        weakref.finalize(self, _release_ledger, engine.backend, self._bytes)
-        g = variant.graph
-        # forward refcounts (eval: free a value once every consumer's forward ran)
-        self.fwd_left = {v: len(info.consumers) for v, info in g.values.items()}
-        # backward: a value is last needed by the backward of its earliest consumer
-        self.free_after_b: dict[int, list[str]] = {}
-        for v, info in g.values.items():
-            if info.consumers and v not in g.outputs:
-                self.free_after_b.setdefault(min(info.consumers), []).append(v)
-
-    # values live on the device and count against its memory
-    def put(self, name: str, t: torch.Tensor) -> None:
-        old = self._bytes.pop(name, 0)
-        if old:
-            self.engine.backend.unreserve(old)
-        n = t.numel() * t.element_size()
-        self.engine.backend.reserve(n, f"activation {name!r} ({list(t.shape)})")
-        self._bytes[name] = n
-        self.values[name] = t
-
-    def drop(self, name: str) -> None:
-        self.values.pop(name, None)
-        n = self._bytes.pop(name, 0)
-        if n:
-            self.engine.backend.unreserve(n)
-
-    def add_grad(self, name: str, g: torch.Tensor) -> None:
-        key = "grad:" + name
-        cur = self.grads.get(name)
-        if cur is None:
-            n = g.numel() * g.element_size()
-            self.engine.backend.reserve(n, f"gradient of {name!r}")
-            self._bytes[key] = n
-            self.grads[name] = g
-        else:
-            self.grads[name] = cur + g
-
-    def drop_grad(self, name: str) -> None:
-        self.grads.pop(name, None)
-        n = self._bytes.pop("grad:" + name, 0)
-        if n:
-            self.engine.backend.unreserve(n)
-
-    def keep(self, key: str, tensors: list[torch.Tensor]) -> None:
-        n = sum(t.numel() * t.element_size() for t in tensors)
-        self.engine.backend.reserve(n, key)
-        self._bytes[key] = self._bytes.get(key, 0) + n
-
-    def unkeep(self, key: str) -> None:
-        n = self._bytes.pop(key, 0)
-        if n:
-            self.engine.backend.unreserve(n)
-
-    def release_all(self) -> None:
-        """Free every device tensor this context still accounts for."""
-        self.values.clear()
-        self.grads.clear()
-        self.pre_buffers.clear()
-        self.saved.clear()
-        self.checkpointed.clear()
-        _release_ledger(self.engine.backend, self._bytes)
-
-
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
     """The same out-of-memory error, saying where in the step it happened."""
     return OutOfDeviceMemory(
@@ -159,35 +72,6 @@ def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
         capacity_bytes=err.capacity_bytes,
         what=err.what,
     )
-
-
-def _release_ledger(backend: Backend, ledger: dict[str, int]) -> None:
-    for n in ledger.values():
-        backend.unreserve(n)
-    ledger.clear()
-
-
-class _Accumulation:
-    """Gradient accumulation of one backward, kept on the host FIFO: contributions to shared
-    parameters waiting for their owner, and the groups whose owner has added its sum."""
-
-    def __init__(self) -> None:
-        self.flushed: set[int] = set()
-        self.pending: dict[int, list] = {}
-        self.pending_keys: set[tuple[int, int]] = set()
-
-
-@contextlib.contextmanager
-def _fork_rng(backend: Backend, state: Any) -> Iterator[None]:
-    if state is None:
-        yield
-        return
-    cur = backend.get_rng_state()
-    backend.set_rng_state(state)
-    try:
-        yield
-    finally:
-        backend.set_rng_state(cur)
 
 
 class Engine:
@@ -209,11 +93,9 @@ class Engine:
         self.pool: SlotPool | None = None
         self.grad_accum_steps = grad_accum_steps
         self.overlap_update = overlap_update
-        # ZeRO-Offload's delayed parameter update: step() starts the host updates and returns;
-        # they run during the next forward and backward and are waited for (and the persistent
-        # slots refreshed) by the next step(). Group -> the update still running.
+        # ZeRO-Offload's delayed parameter update (shfx.runtime.delayed)
         self.delayed_update = delayed_update
-        self.delayed: dict[int, Token] = {}
+        self.delayed = DelayedUpdates()
         self.holder: StepContext | None = None  # context whose stages are resident
         self.backward_calls = 0
         self.pending_updates: list[tuple[str, Token]] = []
@@ -225,15 +107,14 @@ class Engine:
         self.recompute = "auto"
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list[str]] = {}
-        self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.device_optimizer = DeviceAdamW(backend) if optimizer is not None else None
-        self.grad_buffers: list[torch.Tensor | None] = []  # per slot, for backwards that keep params
-        self.dev_grad_state: dict[int, int] = {}  # group -> GRAD_NONE/GRAD_VALID of its device gradient
+        self.gradients = GradientRouter(self)
         self.dirty: set[int] = set()  # groups whose device weights are newer than the host's
         self.loaded: Variant | None = None  # the variant whose persistent stages are on the device
         self.current: Variant | None = None  # the variant of the last forward
         self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
         self._step_t0: float | None = None
+        self._profiling = False  # steps run inside profiling() are not the user's
         # the interpreter's dispatch table: one handler per kind of action
         self._handlers = {kind: getattr(self, f"_run_{info.name}") for kind, info in KINDS.items()}
 
@@ -249,25 +130,64 @@ class Engine:
                 self.sync_to_host()
                 self.loaded = None  # persistent stages reload into the new slots
             self.pool.resize(sizes)
-        while len(self.grad_buffers) < len(grad_sizes):
-            self.grad_buffers.append(None)
-        for k, n in enumerate(grad_sizes):
-            cur = self.grad_buffers[k]
-            if n and (cur is None or cur.numel() < n):
-                if cur is not None:
-                    self.backend.free_device(cur)
-                self.grad_buffers[k] = self.backend.alloc_device(n, f"gradient buffer of slot {k}")
+        self.gradients.ensure_buffers(grad_sizes)
+
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[None]:
+        """Steps run inside are the profiler's, not the user's: they start no step clock (so
+        ``step_times`` and the report's measured steps stay the user's), and the slot pool is
+        given back to its sizes on exit (profiling may borrow device memory)."""
+        sizes = list(self.pool.sizes) if self.pool is not None else []
+        self._profiling, prev = True, self._profiling
+        try:
+            yield
+        finally:
+            self._profiling = prev
+            if self.pool is not None:
+                self.pool.set_sizes(sizes)
+
+    def record_memory(self) -> contextlib.AbstractContextManager[list[MemoryEvent]]:
+        """Record every device reservation and release in the block, each with its
+        memory-ledger term and the event of the step it happened in (``"setup"``, ``"forward
+        start"``, an action such as ``"F3"``, ``"backward start"``, ``"end"``)::
+
+            with cm.engine.record_memory() as log:
+                cm(x, y).backward()
+        """
+        return self.backend.recording()
+
+    def host_bytes(self) -> int:
+        """Host memory the runtime holds: the host store (weights, gradients), the host
+        optimizer's states, the staging buffers and the buffers borrowed gradients wait in."""
+        states = 0
+        if self.optimizer is not None:
+            states = sum(
+                t.numel() * t.element_size()
+                for st in self.optimizer.state.values()
+                for t in (st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq)
+                if t is not None
+            )
+        return self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
 
     # ---- issuing -----------------------------------------------------------------------------
     def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
+        """The task of an action: its device reservations belong to it (a memory recording
+        names it), and, when tracing, its start and end are traced."""
+        label, backend = str(meta.action), self.backend
         if not self.tracing:
-            return fn
+
+            def plain() -> None:
+                with backend.during(label):
+                    fn()
+
+            return plain
         trace = self.trace
 
         def run() -> None:
             t0 = time.perf_counter()
-            fn()
-            trace.append(TraceEvent(str(meta.action), meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
+            with backend.during(label):
+                fn()
+            trace.append(TraceEvent(label, meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
 
         return run
 
@@ -335,7 +255,10 @@ class Engine:
         return self._submit(m, lambda: self._backward(ctx, stage, m.slot, cold, grads_to), deps)
 
     def _run_offload_grad(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        return self._offload_grad(ctx, ctx.variant.graph.stages[m.stage], m, deps)
+        stage = ctx.variant.graph.stages[m.stage]
+        if self.delayed:  # the previous step's update still reads these host gradients
+            deps = deps + self.delayed.deps_for(stage.spec.grad_groups)
+        return self.gradients.offload(ctx, stage, m, deps, self._timed)
 
     # ---- actions ----------------------------------------------------------------------------
     def _prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:
@@ -381,9 +304,7 @@ class Engine:
         if ctx.grad:
             ctx.rng[stage.index] = self.backend.get_rng_state()
             if stage.mutated_buffers and not keep:
-                pre = [views[k].clone() for k in stage.mutated_buffers]
-                ctx.keep(f"pre-forward buffers of stage {stage.index}", pre)
-                ctx.pre_buffers[stage.index] = pre
+                ctx.keep_pre_buffers(stage.index, [views[k].clone() for k in stage.mutated_buffers])
         if keep:
             trainable = set(stage.trainable)
             with torch.enable_grad():
@@ -463,7 +384,7 @@ class Engine:
                 trainable = set(stage.trainable)
                 pre = dict(zip(stage.mutated_buffers, ctx.pre_buffers.get(s, [])))
                 bufs = [pre.get(k, views[k]) for k in stage.buffers]
-                with torch.enable_grad(), _fork_rng(self.backend, ctx.rng.get(s)):
+                with torch.enable_grad(), fork_rng(self.backend, ctx.rng.get(s)):
                     pleaves = [views[k].detach().requires_grad_(k in trainable) for k in stage.params]
                     ileaves = [
                         ctx.values[v].detach().requires_grad_(True) if g.values[v].differentiable else ctx.values[v]
@@ -481,70 +402,14 @@ class Engine:
             for i, gr in zip(in_idx, grads[: len(in_idx)]):
                 if gr is not None:
                     ctx.add_grad(stage.inputs[i], gr)
-            self._write_param_grads(ctx, stage, slot, views, [stage.params[i] for i in p_idx], grads[len(in_idx) :], grads_to)
+            self.gradients.write(ctx, stage, slot, views, [stage.params[i] for i in p_idx], grads[len(in_idx) :], grads_to)
         finally:
             ctx.saved.pop(s, None)
-            ctx.pre_buffers.pop(s, None)
-            ctx.unkeep(f"pre-forward buffers of stage {s}")
+            ctx.drop_pre_buffers(s)
             for v in stage.outputs:
                 ctx.drop_grad(v)
             for v in ctx.free_after_b.get(s, []):
                 ctx.drop(v)
-
-    def _write_param_grads(
-        self, ctx: StepContext, stage: Stage, slot: int, views: dict, keys: list[str], grads: Sequence, grads_to: str
-    ) -> None:
-        """Put a stage's parameter gradients where the rest of the program reads them.
-
-        ``"slot"``: over the parameters in the slot (they are not needed there any more); the OG
-        copies them to the host. ``"buffer"``: into the slot's device gradient buffer (the
-        parameters stay: the stage is persistent or updated on the device). Gradients of groups
-        updated on the device accumulate there across backward calls; a borrowed parameter whose
-        owner is updated on the device waits in ``ctx.dev_pending`` and is added to the owner's
-        contribution first (``G += own + borrowed``, as on the host)."""
-        v = ctx.variant
-        dev = v.device_groups
-        owner = v.graph.owner
-        own_group = stage.spec.update_group
-        ctx.grad_src[stage.index] = grads_to
-        first = self.dev_grad_state.get(own_group, GRAD_NONE) == GRAD_NONE
-        gbuf = self._grad_buffer(slot) if grads_to == "buffer" else None
-        with torch.no_grad():
-            for key, gr in zip(keys, grads):
-                grp = owner[key]
-                if grp in dev and grp != own_group:  # borrowed; its owner updates it on the device
-                    if gr is not None:
-                        prev = ctx.dev_pending.get(key)
-                        if prev is None:
-                            ctx.keep(f"pending gradient of {key!r}", [gr])  # device memory until the owner's backward
-                        ctx.dev_pending[key] = gr if prev is None else prev + gr
-                    continue
-                pend = ctx.dev_pending.pop(key, None)
-                if pend is not None:
-                    ctx.unkeep(f"pending gradient of {key!r}")
-                if pend is not None:
-                    gr = pend if gr is None else gr + pend
-                if gbuf is None:
-                    dst = views[key]
-                else:
-                    info = v.graph.tensors[key]
-                    off = stage.slot.offsets[key]
-                    dst = gbuf[off : off + info.nbytes].view(info.dtype).view(info.shape)
-                if grp in dev and not first:
-                    if gr is not None:
-                        dst.add_(gr)
-                elif gr is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(gr)
-        if own_group in dev:
-            self.dev_grad_state[own_group] = GRAD_VALID
-
-    def _grad_buffer(self, slot: int) -> torch.Tensor:
-        buf = self.grad_buffers[slot] if slot < len(self.grad_buffers) else None
-        if buf is None:  # pragma: no cover - ensure_pool allocates them
-            raise AssertionError(f"slot {slot} has no gradient buffer")
-        return buf
 
     def _device_step_task(self, variant: Variant, group: int, slot: int) -> Callable[[], None]:
         """DU: AdamW on the device for ``group``, in the slot of the stage owning it."""
@@ -555,11 +420,11 @@ class Engine:
         grp = self.store.groups[group]
 
         def run() -> None:
-            if self.dev_grad_state.get(group, GRAD_NONE) != GRAD_VALID:
+            if self.gradients.device_state.get(group, GRAD_NONE) != GRAD_VALID:
                 return
             n = grp.trainable_bytes
             params = self.pool.region(slot, base, n).view(grp.dtypes.working)
-            grads = self._grad_buffer(slot)[base : base + n].view(grp.dtypes.device_grad)
+            grads = self.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
             self.device_optimizer.update(grp, params, grads, hp)
             self.dirty.add(group)
             # persistent borrowers (tied weights) hold copies: refresh them (every contributor's
@@ -623,121 +488,6 @@ class Engine:
         self.dirty.clear()
         self.loaded = None
 
-    def _offload_grad(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token]) -> Token:
-        if self.delayed:  # the previous step's update still reads these host gradients
-            deps = deps + [t for g, t in self.delayed.items() if g in stage.spec.grad_groups]
-        return self._offload_grad_now(ctx, stage, m, deps)
-
-    def _offload_grad_now(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token]) -> Token:
-        """OG: copy the stage's param grads device -> host and accumulate them in fp32.
-
-        Two tasks: the copy on the d2h stream (its token frees the slot), and the accumulation
-        on the host stream (its token is what updates wait for). A group's whole trainable
-        region goes straight into the gradient buffer when it holds no gradient yet, else
-        through a staging buffer that is then added.
-
-        NOTE: a parameter shared by several stages (a tied embedding) gets one contribution
-        per stage. As eager autograd does, they are summed first (into a persistent pending
-        buffer, in backward order) and the sum is added to the accumulated gradient when the
-        owning stage's gradients arrive: ``G += (own + others)``, not ``(G + other) + own``,
-        which rounds differently under gradient accumulation.
-        """
-        store, backend, slot = self.store, self.backend, m.slot
-        acc = ctx.accumulation
-        plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
-
-        dev = ctx.variant.device_groups
-
-        def copy_out() -> None:
-            if stage.index in ctx.no_grads:
-                return
-            from_buffer = ctx.grad_src.get(stage.index) == "buffer"
-            for c in stage.slot.grads:
-                if c.group in dev:
-                    continue  # updated on the device: the gradient stays there
-                if from_buffer:
-                    src = self._grad_buffer(slot)[c.slot_offset : c.slot_offset + c.nbytes]
-                else:
-                    src = self.pool.region(slot, c.slot_offset, c.nbytes)
-                # the owner's copy of its whole group; borrowers' copies wait in pending
-                full = (
-                    c.group == stage.spec.update_group
-                    and c.host_offset == 0
-                    and c.nbytes == store.groups[c.group].trainable_bytes
-                )
-                if full and store.grad_state[c.group] == GRAD_NONE:
-                    backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
-                    store.grad_state[c.group] = GRAD_VALID
-                    plan.append(("direct", c, None))
-                else:
-                    buf = store.acquire_staging(c.nbytes)
-                    backend.d2h_copy(buf[: c.nbytes], src)
-                    plan.append(("add" if full else "shared", c, buf))
-
-        def accumulate() -> None:
-            try:
-                for kind, c, buf in plan:
-                    g = c.group
-                    if kind == "shared":
-                        src = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
-                        if g in acc.flushed:  # the owner's sum is in already: add directly
-                            self._grad_slice(g, c, zero_if_none=True).add_(src)
-                        else:
-                            pend = self._pending(c)
-                            if (g, c.host_offset) in acc.pending_keys:
-                                pend.add_(src)
-                            else:
-                                pend.copy_(src)
-                                acc.pending_keys.add((g, c.host_offset))
-                                acc.pending.setdefault(g, []).append(c)
-                    elif kind == "add":
-                        stg = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
-                        size = stg.element_size()
-                        for pc in acc.pending.pop(g, []):
-                            stg[pc.host_offset // size : (pc.host_offset + pc.nbytes) // size].add_(self._pending(pc))
-                        store.grad(g).add_(stg)
-                        acc.flushed.add(g)
-                    else:  # direct: the group's gradient was copied in whole
-                        for pc in acc.pending.pop(g, []):
-                            self._grad_slice(g, pc, zero_if_none=False).add_(self._pending(pc))
-                        acc.flushed.add(g)
-                own = stage.spec.update_group
-                if own is not None and own not in acc.flushed:  # owner without gradients of its own
-                    for pc in acc.pending.pop(own, []):
-                        self._grad_slice(own, pc, zero_if_none=True).add_(self._pending(pc))
-                    acc.flushed.add(own)
-            finally:
-                for _, _, buf in plan:
-                    if buf is not None:
-                        store.release_staging(buf)
-                plan.clear()
-
-        t_copy = backend.d2h.submit(self._timed(copy_out, m), deps, str(m.action))
-        t_acc = backend.host.submit(accumulate, [t_copy], str(m.action))
-        t_acc.reads = t_copy
-        return t_acc
-
-    def _grad_slice(self, g: int, c: Any, zero_if_none: bool) -> torch.Tensor:
-        """Group ``g``'s fp32 gradient over a copy's range (zeroing the group first if it
-        holds no gradient yet)."""
-        st = self.store
-        if st.grad_state[g] == GRAD_NONE:
-            if not zero_if_none:  # pragma: no cover - a direct copy sets the state first
-                raise AssertionError(f"group {g} has no gradient to add to")
-            st.grad(g).zero_()
-            st.grad_state[g] = GRAD_VALID
-        size = st.groups[g].dtypes.grad.itemsize
-        return st.grad(g)[c.host_offset // size : (c.host_offset + c.nbytes) // size]
-
-    def _pending(self, c: Any) -> torch.Tensor:
-        key = (c.group, c.host_offset, c.nbytes)
-        t = self._pending_bufs.get(key)
-        if t is None:
-            dt = self.store.groups[c.group].dtypes.grad
-            t = torch.empty(c.nbytes // dt.itemsize, dtype=dt)
-            self._pending_bufs[key] = t
-        return t
-
     def _update_task(self, group: int, check: bool = True) -> Callable[[], None]:
         """The host update of ``group``; with ``check``, only if its gradient is valid when the
         task runs (a delayed update was checked when issued: zero_grad() may run before it)."""
@@ -800,21 +550,23 @@ class Engine:
                 "update during backward). To defer updates to step() instead, compile with overlap_update=False."
             )
         self._evict()
-        self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
-        if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
-            self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)])
-        self._ensure_persistent(variant)
+        with self.backend.during("setup"):
+            self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
+            if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
+                self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)])
+            self._ensure_persistent(variant)
         if not serial:
             self.current = variant
         self.trace.clear()  # the trace covers the last forward and what follows it
-        if grad and not serial and self._step_t0 is None:
+        if grad and not serial and not self._profiling and self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         ctx = StepContext(self, variant, grad)
         program = variant.train if grad else variant.eval
         nodes = program.phase_nodes("forward") if grad else program.nodes
         try:
-            for name, t in zip(variant.graph.inputs, inputs):
-                ctx.put(name, self.backend.to_device(t))
+            with self.backend.during("forward start"):
+                for name, t in zip(variant.graph.inputs, inputs):
+                    ctx.put(name, self.backend.to_device(t))
             issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial)
             self._wait(program, issued)
         except BaseException:
@@ -825,7 +577,8 @@ class Engine:
             ctx.hot = True
             self.holder = ctx
         else:
-            ctx.release_all()
+            with self.backend.during("end"):
+                ctx.release_all()
         return outs, ctx
 
     def backward(
@@ -866,9 +619,10 @@ class Engine:
             program = variant.train
             nodes = program.phase_nodes("backward")
         try:
-            for v, gr in zip(variant.graph.outputs, grad_outputs):
-                if gr is not None and variant.graph.values[v].differentiable:
-                    ctx.add_grad(v, gr)
+            with self.backend.during("backward start"):
+                for v, gr in zip(variant.graph.outputs, grad_outputs):
+                    if gr is not None and variant.graph.values[v].differentiable:
+                        ctx.add_grad(v, gr)
             issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial)
             self._wait(program, [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update])
         except BaseException:
@@ -879,19 +633,15 @@ class Engine:
             if self.holder is ctx:
                 self.holder = None
         in_grads = [ctx.grads.get(v) for v in variant.graph.inputs]
-        ctx.release_all()
+        with self.backend.during("end"):
+            ctx.release_all()
         if not profile:
             self.expose_grads()
         return in_grads
 
     def expose_grads(self) -> None:
         """Point each trainable parameter's ``.grad`` at its slice of the host gradient buffer."""
-        st = self.store
-        for g, keys in self.param_keys_by_group.items():
-            if st.grad_state[g] == GRAD_VALID:
-                for k, p in keys:
-                    if p.grad is None or p.grad.data_ptr() != st.param_grad_view(k, g).data_ptr():
-                        p.grad = st.param_grad_view(k, g)
+        self.gradients.expose(self.param_keys_by_group)
 
     def step(self, program: Program | None = None) -> None:
         """Apply the optimizer: wait for updates started during backward, or run them now."""
@@ -912,7 +662,7 @@ class Engine:
                 tok = self.backend.cpu.submit(self._update_task(gi), [], f"U{gi}")
                 self.pending_updates.append((f"U{gi}", tok))
             for gi in sorted(dev):
-                if self.dev_grad_state.get(gi, GRAD_NONE) != GRAD_VALID:
+                if self.gradients.device_state.get(gi, GRAD_NONE) != GRAD_VALID:
                     continue
                 owner = v.owner_of[gi]
                 if self.loaded is not v or owner not in v.train.persistent:  # pragma: no cover - refused at compile
@@ -941,9 +691,12 @@ class Engine:
         self.finish_delayed(refresh=True)
         v = self.current
         dev = v.device_groups if v is not None else frozenset()
-        for gi, g in enumerate(self.store.groups):
-            if g.trainable_bytes and gi not in dev and self.store.grad_state[gi] == GRAD_VALID:
-                self.delayed[gi] = self.backend.cpu.submit(self._update_task(gi, check=False), [], f"U{gi} (delayed)")
+        groups = [
+            gi
+            for gi, g in enumerate(self.store.groups)
+            if g.trainable_bytes and gi not in dev and self.store.grad_state[gi] == GRAD_VALID
+        ]
+        self.delayed.start(groups, lambda gi: self.backend.cpu.submit(self._update_task(gi, check=False), [], f"U{gi} (delayed)"))
         self.backward_calls = 0
         if self._step_t0 is not None:
             self.step_times.append(time.perf_counter() - self._step_t0)
@@ -952,23 +705,17 @@ class Engine:
     def wait_delayed(self) -> None:
         """Wait for the delayed updates to reach the host weights (state_dict), leaving the
         device on the weights before them until the next step() refreshes it."""
-        for g, tok in self.delayed.items():
-            tok.wait()
-            if tok.error is not None:
-                raise ActionError(f"host optimizer update U{g} (delayed) failed: {type(tok.error).__name__}: {tok.error}", f"U{g}") from tok.error
+        self.delayed.wait()
 
     def finish_delayed(self, refresh: bool = True) -> None:
         """Wait for the delayed updates; with ``refresh``, copy the updated weights into the
         persistent slots (otherwise they reload before the next step)."""
-        if not self.delayed:
-            return
-        pending, self.delayed = self.delayed, {}
-        for tok in pending.values():
-            tok.wait()
-        for g, tok in pending.items():
-            if tok.error is not None:
-                self.loaded = None
-                raise ActionError(f"host optimizer update U{g} (delayed) failed: {type(tok.error).__name__}: {tok.error}", f"U{g}") from tok.error
+        try:
+            if not self.delayed.finish():
+                return
+        except ActionError:
+            self.loaded = None
+            raise
         v = self.loaded
         if v is None:
             return
@@ -1002,10 +749,7 @@ class Engine:
             for _, p in keys:
                 if set_to_none:
                     p.grad = None
-        # device gradients: the next backward copies instead of adding (0 + g == g exactly, so
-        # set_to_none=False needs no zeroing there)
-        for g in list(self.dev_grad_state):
-            self.dev_grad_state[g] = GRAD_NONE
+        self.gradients.reset_device()
         if not set_to_none:
             self.expose_grads()
 
@@ -1018,10 +762,7 @@ class Engine:
         finally:
             if self.device_optimizer is not None:
                 self.device_optimizer.close()
-            for buf in self.grad_buffers:
-                if buf is not None:
-                    self.backend.free_device(buf)
-            self.grad_buffers = []
+            self.gradients.close()
             if self.pool is not None:
                 self.pool.close()
             self.loaded = None

@@ -61,6 +61,7 @@ class HostStore:
         self.grad_state = [GRAD_NONE] * len(self.groups)
         self._staging_free: list[torch.Tensor] = []
         self._staging_count = 0
+        self.staging_bytes = 0  # host bytes of the staging buffers allocated so far
         self._staging_max = max(1, staging_buffers)
         self._staging_cv = threading.Condition()
 
@@ -108,13 +109,16 @@ class HostStore:
                         return self._staging_free.pop(i)
                 if self._staging_count < self._staging_max:
                     self._staging_count += 1
-                    size = max(nbytes, max((g.trainable_bytes for g in self.groups), default=nbytes))
-                    return self.backend.alloc_host(size, self.pin)
+                    return self._new_staging(nbytes)
                 if self._staging_free:  # free ones are all too small: replace one
-                    self._staging_free.pop(0)
-                    size = max(nbytes, max((g.trainable_bytes for g in self.groups), default=nbytes))
-                    return self.backend.alloc_host(size, self.pin)
+                    self.staging_bytes -= self._staging_free.pop(0).numel()
+                    return self._new_staging(nbytes)
                 self._staging_cv.wait()
+
+    def _new_staging(self, nbytes: int) -> torch.Tensor:
+        size = max(nbytes, max((g.grad_bytes for g in self.groups), default=nbytes))
+        self.staging_bytes += size
+        return self.backend.alloc_host(size, self.pin)
 
     def release_staging(self, buf: torch.Tensor) -> None:
         with self._staging_cv:

@@ -17,6 +17,8 @@ from .host_store import typed_view
 
 __all__ = ["SlotPool"]
 
+SLOTS = "parameters (slots)"  # the memory-ledger term
+
 
 class SlotPool:
     def __init__(self, backend: Backend, sizes: list[int]):
@@ -50,13 +52,13 @@ class SlotPool:
             if k < len(self.slots) and self.sizes[k] >= n:
                 continue
             if k < len(self.slots):
-                self.backend.free_device(self.slots[k])
+                self.backend.free_device(self.slots[k], f"slot {k}", SLOTS)
                 self.sizes[k] = 0
                 self.slots[k] = torch.empty(0, dtype=torch.uint8)
             else:
                 self.slots.append(torch.empty(0, dtype=torch.uint8))
                 self.sizes.append(0)
-            self.slots[k] = self.backend.alloc_device(n, f"device slot {k} ({len(want)} slots)")
+            self.slots[k] = self.backend.alloc_device(n, f"slot {k}", SLOTS)
             self.sizes[k] = n
         self._views.clear()
 
@@ -65,20 +67,20 @@ class SlotPool:
         differs): what a temporary enlargement (the profiler's) gives back."""
         for k in range(len(sizes), len(self.slots)):
             if self.sizes[k]:
-                self.backend.free_device(self.slots[k])
+                self.backend.free_device(self.slots[k], f"slot {k}", SLOTS)
         self.slots, self.sizes = self.slots[: len(sizes)], self.sizes[: len(sizes)]
         for k, n in enumerate(sizes):
             if k < len(self.sizes) and self.sizes[k] == n:
                 continue
             if k < len(self.sizes):
                 if self.sizes[k]:
-                    self.backend.free_device(self.slots[k])
+                    self.backend.free_device(self.slots[k], f"slot {k}", SLOTS)
                 self.slots[k], self.sizes[k] = torch.empty(0, dtype=torch.uint8), 0
             else:
                 self.slots.append(torch.empty(0, dtype=torch.uint8))
                 self.sizes.append(0)
             if n:
-                self.slots[k] = self.backend.alloc_device(n, f"device slot {k} ({len(sizes)} slots)")
+                self.slots[k] = self.backend.alloc_device(n, f"slot {k}", SLOTS)
             self.sizes[k] = n
         self._views.clear()
 
@@ -96,9 +98,9 @@ class SlotPool:
         return v
 
     def close(self) -> None:
-        for t, n in zip(self.slots, self.sizes):
+        for k, (t, n) in enumerate(zip(self.slots, self.sizes)):
             if n:
-                self.backend.free_device(t)
+                self.backend.free_device(t, f"slot {k}", SLOTS)
         self.slots = []
         self.sizes = []
         self._views.clear()

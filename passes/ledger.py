@@ -1,0 +1,438 @@
+"""The memory ledger: one replay of a step program that says, per action, what is allocated
+and freed on each tier, term by term.
+
+Everything that needs to know memory reads it: the runtime's own reservations are checked
+against it (``tests/test_ledger.py``), the simulator puts its entries on a timeline
+(:mod:`shfx.cost_model.simulate`), the planner (:func:`shfx.cost_model.planner.memory_for_model`),
+``shfx compare`` and ``shfx.compile``'s capacity check take their peaks from it. The planner's
+closed form for GPTs is a fast path tested against it.
+
+What it replays, as the runtime (``shfx.runtime.engine``) does it:
+
+- **setup** (before the first step; the steady state allocates nothing after it): the slot
+  pool (each slot sized to the largest stage any of the programs puts into it), the device
+  gradient buffers of slots whose stage keeps its parameters through the backward, the device
+  optimizer states of the groups updated there; on the host, every group's master copy and, for
+  the groups updated on the host, the gradient buffer and optimizer states, the staging buffers
+  gradients are added through, and the buffers a borrowed gradient waits in.
+- **forward start**: the model's tensor inputs, put on the device.
+- **F s**: a copy of the buffers its forward mutates (when the stage will be recomputed, so the
+  recompute sees what the forward saw), then its outputs. In an inference program a value is
+  freed as soon as every stage reading it has run.
+- **backward start**: the gradient of every differentiable model output.
+- **B s** (only if a gradient reaches one of its outputs): the gradients of its differentiable
+  inputs (the first contribution to each); a gradient it computes for a tensor borrowed from a
+  group updated on the device waits there (``pending tied gradient``) until the backward of the
+  group's owner frees it; then the buffer copy, its outputs' gradients and every value whose
+  earliest reader it is are freed.
+- **end** (of a backward, or of an inference forward): everything still held is freed.
+
+Copies, releases and updates allocate nothing (slots, gradient buffers and states are part of
+the setup). The terms are :data:`DEVICE_TERMS` and :data:`HOST_TERMS`.
+
+>>> from shfx.passes.policies import schedule_window
+>>> from shfx.passes.stages import chain
+>>> led = replay(schedule_window(chain(3, prefetch_bytes=1000, activation_bytes=100), 2))
+>>> led.peak(), led.terms_at_peak()["activations (checkpoints)"]
+(2500, 300)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .actions import KINDS, B, F
+from .meta import get_meta
+from .program import Program
+from .stages import StageSpec, Value, consumers_of
+
+__all__ = [
+    "DEVICE_TERMS",
+    "HOST_TERMS",
+    "SSD_TERMS",
+    "Change",
+    "Entry",
+    "Ledger",
+    "replay",
+    "static_device",
+    "pool_sizes",
+    "host_terms",
+    "boundary_values",
+    "STAGING_BUFFERS",
+]
+
+DEVICE_TERMS = (
+    "parameters (slots)",
+    "gradients",
+    "optimizer states",
+    "activations (checkpoints)",
+    "activation gradients",
+    "pending tied gradient",
+    "working set (one block)",
+    "workspace",
+    "allocator slack",
+)
+"""Device memory, term by term (the last three are the planner's for a real GPU: temporaries
+of the stage being computed, the CUDA context and workspaces, fragmentation)."""
+
+HOST_TERMS = (
+    "master parameters (fp32)",
+    "gradients (fp32)",
+    "optimizer states (m, v)",
+    "working copy (16-bit)",
+    "gradient staging (pinned)",
+    "pending tied gradient",
+)
+SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
+
+STAGING_BUFFERS = 2
+"""Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """Bytes allocated (``nbytes > 0``) or freed (``< 0``) on one tier for one term."""
+
+    tier: Literal["device", "host"]
+    term: str
+    what: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The changes of one event: ``"setup"``, ``"forward start"``, ``"backward start"``,
+    ``"end"``, or an action (``event`` its string, ``node`` the program node's name)."""
+
+    event: str
+    phase: str
+    changes: tuple[Change, ...]
+    node: str | None = None
+    index: int | None = None  # issue position of the action in the program
+
+
+@dataclass
+class Ledger:
+    """The replay of one program (:func:`replay`): its entries in issue order."""
+
+    program: str
+    entries: list[Entry]
+    _levels: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+    def changes(self, tier: str = "device") -> list[Change]:
+        return [c for e in self.entries for c in e.changes if c.tier == tier]
+
+    def levels(self, tier: str = "device") -> list[int]:
+        """The running total after each change on ``tier`` (``0`` before the first)."""
+        if tier not in self._levels:
+            cur, out = 0, []
+            for c in self.changes(tier):
+                cur += c.nbytes
+                out.append(cur)
+            self._levels[tier] = out
+        return self._levels[tier]
+
+    def peak(self, tier: str = "device") -> int:
+        """The most ``tier`` holds at any point of the step."""
+        return max(self.levels(tier), default=0)
+
+    def terms_at_peak(self, tier: str = "device") -> dict[str, int]:
+        """Bytes per term at the first moment the peak is reached."""
+        levels = self.levels(tier)
+        terms: dict[str, int] = {t: 0 for t in (DEVICE_TERMS if tier == "device" else HOST_TERMS)}
+        if not levels:
+            return terms
+        at = levels.index(max(levels))
+        for c in self.changes(tier)[: at + 1]:
+            terms[c.term] = terms.get(c.term, 0) + c.nbytes
+        return terms
+
+    def static(self, tier: str = "device") -> dict[str, int]:
+        """Bytes per term allocated at setup (held for the whole step)."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            if e.event == "setup":
+                for c in e.changes:
+                    if c.tier == tier:
+                        out[c.term] = out.get(c.term, 0) + c.nbytes
+        return out
+
+    def by_node(self) -> dict[str, list[Change]]:
+        """The device changes of each action, by program node name."""
+        return {e.node: [c for c in e.changes if c.tier == "device"] for e in self.entries if e.node is not None}
+
+    def table(self) -> str:
+        from .units import format_bytes
+
+        rows, cur = [f"ledger of {self.program!r}"], 0
+        for e in self.entries:
+            for c in e.changes:
+                if c.tier == "device":
+                    cur += c.nbytes
+                    rows.append(f"  {e.event:<15} {c.term:<26} {c.nbytes:>+12} = {format_bytes(cur):>10}  {c.what}")
+        return "\n".join(rows)
+
+
+def boundary_values(stages: Sequence[StageSpec]) -> tuple[list[tuple[Value, ...]], list[tuple[Value, ...]]]:
+    """Each stage's input and output values; a synthetic spec (no values listed) has one output
+    of ``activation_bytes`` that the stages naming it as a producer read."""
+    if any(s.outputs or s.inputs for s in stages):
+        return [s.inputs for s in stages], [s.outputs for s in stages]
+    cons = consumers_of(list(stages))
+    outs = [
+        (Value(f"{s.name or s.index}:out", s.activation_bytes, s.index, tuple(sorted(cons[s.index])), True, not cons[s.index]),)
+        for s in stages
+    ]
+    ins = [tuple(outs[p][0] for p in sorted(s.producers)) for s in stages]
+    return ins, outs
+
+
+def _borrowed(spec: StageSpec) -> tuple[tuple[str, int, int], ...]:
+    if spec.borrowed_grads or not spec.grad_group_bytes:
+        return spec.borrowed_grads
+    return tuple((f"{spec.index}:{g}", g, nb) for g, nb in spec.grad_group_bytes if g != spec.update_group)
+
+
+def pool_sizes(programs: Sequence[Program]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Bytes of each slot and of each slot's gradient buffer when ``programs`` (a variant's
+    train, eval and cold programs) share one pool: the largest any of them needs."""
+    n = max(p.num_slots for p in programs)
+
+    def per_slot(fn) -> tuple[int, ...]:
+        return tuple(max((fn(p)[k] if k < p.num_slots else 0) for p in programs) for k in range(n))
+
+    return per_slot(Program.slot_sizes), per_slot(Program.grad_buffer_sizes)
+
+
+def static_device(programs: Sequence[Program], optimizer_states: int = 2) -> list[Change]:
+    """The device memory of the setup for ``programs`` (a variant's train, eval and cold
+    programs share one pool): slots, gradient buffers, optimizer states."""
+    slots, grads = pool_sizes(programs)
+    out = [Change("device", "parameters (slots)", f"slot {k}", b) for k, b in enumerate(slots)]
+    out += [Change("device", "gradients", f"gradient buffer of slot {k}", b) for k, b in enumerate(grads)]
+    owners = {s.update_group: s for s in programs[0].stages if s.update_group is not None}
+    for g in sorted(set().union(*(p.device_groups() for p in programs))):
+        if g in owners:
+            out += [Change("device", "optimizer states", f"optimizer state {i} of group {g}", owners[g].state_bytes) for i in range(optimizer_states)]
+    return [c for c in out if c.nbytes]
+
+
+def host_terms(
+    stages: Sequence[StageSpec],
+    device_groups: frozenset[int] | set[int],
+    *,
+    group_bytes: Sequence[int] | None = None,
+    grad_accum_steps: int = 1,
+    optimizer_states: int = 2,
+) -> list[Change]:
+    """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
+    trainable bytes for synthetic specs), and for the groups updated on the host their gradient
+    buffer, optimizer states, the staging buffers gradients are added through (one for a
+    borrowed gradient, two under gradient accumulation; each as large as the largest group's
+    gradient) and the buffers a borrowed gradient waits in."""
+    owners = {s.update_group: s for s in stages if s.update_group is not None}
+    host = [owners[g] for g in sorted(owners) if g not in device_groups]
+    out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(group_bytes or [o.update_bytes for o in owners.values()])]
+    out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host]
+    out += [
+        Change("host", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
+        for o in host
+        for i in range(optimizer_states)
+    ]
+    hg = {o.update_group for o in host}
+    pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
+    trainable = sum(o.update_bytes for o in host)
+    staging = 0 if not trainable else STAGING_BUFFERS if grad_accum_steps > 1 else int(bool(pending))
+    largest = max((o.update_bytes for o in owners.values()), default=0)
+    out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", largest) for i in range(staging)]
+    out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for key, nb in pending]
+    return [c for c in out if c.nbytes]
+
+
+class _Replay:
+    """The runtime's device accounting of one step, over a program's actions."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.stages = {s.index: s for s in program.stages}
+        self.ins, self.outs = boundary_values(program.stages)
+        self.held: dict[tuple[str, str], tuple[str, int]] = {}  # (term, what) -> (term, bytes)
+        self.grads: set[str] = set()
+        self.pending: dict[str, int] = {}  # borrowed key -> bytes, waiting for its owner's backward
+        self.dev_groups = program.device_groups()
+        owners = {s.update_group: s.index for s in program.stages if s.update_group is not None}
+        self.owner_of = owners
+        # a value is freed after the backward of its earliest reader (model outputs: at the end)
+        self.free_after: dict[int, list[Value]] = {}
+        self.fwd_left: dict[str, int] = {}
+        for outs in self.outs:
+            for v in outs:
+                self.fwd_left[v.name] = len(v.consumers)
+                if v.consumers and not v.output:
+                    self.free_after.setdefault(min(v.consumers), []).append(v)
+        for v in self.model_inputs():
+            self.fwd_left[v.name] = len(v.consumers)
+            if v.consumers and not v.output:
+                self.free_after.setdefault(min(v.consumers), []).append(v)
+
+    def model_inputs(self) -> list[Value]:
+        first = self.program.stages[0] if self.program.stages else None
+        if first is not None and first.model_inputs:
+            return list(first.model_inputs)
+        seen: dict[str, Value] = {}
+        for ins in self.ins:
+            for v in ins:
+                if v.producer < 0:
+                    seen.setdefault(v.name, v)
+        return list(seen.values())
+
+    # ---- the runtime's operations ------------------------------------------------------------
+    def alloc(self, out: list[Change], term: str, what: str, nbytes: int) -> None:
+        if (term, what) in self.held:
+            self.free(out, term, what)
+        self.held[(term, what)] = (term, nbytes)
+        if nbytes:
+            out.append(Change("device", term, what, nbytes))
+
+    def free(self, out: list[Change], term: str, what: str) -> None:
+        got = self.held.pop((term, what), None)
+        if got is not None and got[1]:
+            out.append(Change("device", term, what, -got[1]))
+
+    def put(self, out: list[Change], v: Value) -> None:
+        self.alloc(out, "activations (checkpoints)", f"activation {v.name!r}", v.nbytes)
+
+    def add_grad(self, out: list[Change], v: Value) -> None:
+        if v.name not in self.grads:
+            self.grads.add(v.name)
+            self.alloc(out, "activation gradients", f"gradient of {v.name!r}", v.nbytes)
+
+    def drop_grad(self, out: list[Change], v: Value) -> None:
+        if v.name in self.grads:
+            self.grads.discard(v.name)
+            self.free(out, "activation gradients", f"gradient of {v.name!r}")
+
+    # ---- events -----------------------------------------------------------------------------
+    def forward_start(self) -> list[Change]:
+        out: list[Change] = []
+        for v in self.model_inputs():
+            self.put(out, v)
+        return out
+
+    def forward(self, s: int, keep_graph: bool, train: bool) -> list[Change]:
+        out: list[Change] = []
+        spec = self.stages[s]
+        if train and spec.recompute_buffer_bytes and not keep_graph:
+            self.alloc(out, "activations (checkpoints)", f"pre-forward buffers of stage {s}", spec.recompute_buffer_bytes)
+        for v in self.outs[s]:
+            self.put(out, v)
+        if not train:
+            for v in self.ins[s]:
+                self.fwd_left[v.name] -= 1
+                if self.fwd_left[v.name] == 0 and not v.output:
+                    self.free(out, "activations (checkpoints)", f"activation {v.name!r}")
+        return out
+
+    def backward_start(self) -> list[Change]:
+        out: list[Change] = []
+        for outs in self.outs:
+            for v in outs:
+                if v.output and v.differentiable:
+                    self.add_grad(out, v)
+        for v in self.model_inputs():
+            if v.output and v.differentiable:
+                self.add_grad(out, v)
+        return out
+
+    def backward(self, s: int) -> list[Change]:
+        out: list[Change] = []
+        spec = self.stages[s]
+        if any(v.name in self.grads for v in self.outs[s]):
+            for v in self.ins[s]:
+                if v.differentiable:
+                    self.add_grad(out, v)
+            for key, g, nb in _borrowed(spec):
+                if g in self.dev_groups and key not in self.pending:
+                    self.pending[key] = nb
+                    self.alloc(out, "pending tied gradient", f"pending gradient of {key!r}", nb)
+            own = spec.update_group
+            for key, g, _ in [k for st in self.program.stages for k in _borrowed(st)]:
+                if g == own and key in self.pending:
+                    del self.pending[key]
+                    self.free(out, "pending tied gradient", f"pending gradient of {key!r}")
+        self.free(out, "activations (checkpoints)", f"pre-forward buffers of stage {s}")
+        for v in self.outs[s]:
+            self.drop_grad(out, v)
+        for v in self.free_after.get(s, []):
+            self.free(out, "activations (checkpoints)", f"activation {v.name!r}")
+        return out
+
+    def end(self) -> list[Change]:
+        out: list[Change] = []
+        for (term, what) in list(self.held):
+            self.free(out, term, what)
+        self.grads.clear()
+        self.pending.clear()
+        return out
+
+    def after_forward(self) -> None:
+        """The state a forward leaves for a backward that starts cold (no forward in the
+        program): its inputs, every output and the buffer copies of mutating stages."""
+        self.forward_start()
+        for s in sorted(self.stages):
+            self.forward(s, keep_graph=False, train=True)
+
+
+def replay(
+    program: Program,
+    *,
+    programs: Sequence[Program] | None = None,
+    optimizer_states: int = 2,
+    group_bytes: Sequence[int] | None = None,
+    grad_accum_steps: int = 1,
+) -> Ledger:
+    """The ledger of one step of ``program`` (see the module docstring).
+
+    Args:
+        program: a train, inference (no BACKWARD) or cold-backward (no FORWARD) program.
+        programs: every program sharing the device pool (a variant's train, eval and cold):
+            the setup sizes slots and gradient buffers for all of them (default: ``program``).
+        optimizer_states: optimizer states per parameter group (AdamW: 2, m and v).
+        group_bytes: bytes of every host group (the master copies; default: the owners'
+            trainable bytes).
+        grad_accum_steps: backward calls per step (gradient staging on the host).
+    """
+    rp = _Replay(program)
+    pool = list(programs) if programs is not None else [program]
+    setup = static_device(pool, optimizer_states)
+    setup += host_terms(
+        program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
+        grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states,
+    )  # fmt: skip
+    entries = [Entry("setup", "setup", tuple(setup))]
+    nodes = program.nodes
+    metas = [get_meta(n) for n in nodes]
+    has_f = any(m.kind == F for m in metas)
+    has_b = any(m.kind == B for m in metas)
+    if has_f:
+        entries.append(Entry("forward start", "forward", tuple(rp.forward_start())))
+    elif has_b:
+        rp.after_forward()  # a cold backward: the forward's values are already there
+        entries.append(Entry("forward start", "forward", tuple(Change("device", t, w, b) for (t, w), (_, b) in rp.held.items() if b)))
+    started = False
+    for i, (n, m) in enumerate(zip(nodes, metas)):
+        if m.kind == B and not started:
+            started = True
+            entries.append(Entry("backward start", "backward", tuple(rp.backward_start())))
+        if m.kind == F:
+            ch = rp.forward(m.stage, m.keep_graph, train=has_b)
+        elif m.kind == B:
+            ch = rp.backward(m.stage)
+        else:
+            ch = []
+        entries.append(Entry(str(m.action), m.phase, tuple(ch), n.name, i))
+    if has_b or has_f and not has_b:
+        entries.append(Entry("end", "backward" if has_b else "forward", tuple(rp.end())))
+    return Ledger(program.name, entries)

@@ -1,0 +1,266 @@
+"""Gradient routing: where a stage's parameter gradients go after its backward, and how they
+reach the host and accumulate there.
+
+After a BACKWARD the gradients are in the stage's slot (over the parameters, which are not
+needed there any more) or in the slot's device gradient buffer (the parameters stay: the stage
+is persistent, or its group is updated on the device). An OFFLOAD_GRAD copies them to the host
+(on the d2h stream) and adds them into the group's gradient buffer (on the host FIFO).
+Gradients of a tensor several stages use (a tied embedding) are summed before they are added,
+as eager autograd sums contributions before accumulating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shfx.passes.partition import Stage
+from shfx.passes.program import ActionMeta
+
+from .host_store import GRAD_NONE, GRAD_VALID
+from .streams import Token
+
+if TYPE_CHECKING:
+    from .context import StepContext
+    from .engine import Engine
+
+__all__ = ["GradientRouter", "Accumulation"]
+
+GRAD_BUFFERS = "gradients"  # the memory-ledger term of the device gradient buffers
+
+
+class Accumulation:
+    """Gradient accumulation of one backward, kept on the host FIFO: contributions to shared
+    parameters waiting for their owner, and the groups whose owner has added its sum."""
+
+    def __init__(self) -> None:
+        self.flushed: set[int] = set()
+        self.pending: dict[int, list] = {}
+        self.pending_keys: set[tuple[int, int]] = set()
+
+
+class GradientRouter:
+    """The gradient side of an :class:`~shfx.runtime.engine.Engine`: device gradient buffers,
+    the state of gradients kept on the device, the pending sums of shared parameters on the
+    host, and the OFFLOAD_GRAD tasks."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.store = engine.store
+        self.backend = engine.backend
+        self.buffers: list[torch.Tensor | None] = []  # per slot, for backwards that keep params
+        self.device_state: dict[int, int] = {}  # group -> GRAD_NONE/GRAD_VALID of its device gradient
+        self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    # ---- device gradient buffers ------------------------------------------------------------------
+    def ensure_buffers(self, sizes: Sequence[int]) -> None:
+        """Make slot ``k``'s gradient buffer hold at least ``sizes[k]`` bytes."""
+        while len(self.buffers) < len(sizes):
+            self.buffers.append(None)
+        for k, n in enumerate(sizes):
+            cur = self.buffers[k]
+            if n and (cur is None or cur.numel() < n):
+                if cur is not None:
+                    self.backend.free_device(cur, f"gradient buffer of slot {k}", GRAD_BUFFERS)
+                self.buffers[k] = self.backend.alloc_device(n, f"gradient buffer of slot {k}", GRAD_BUFFERS)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        buf = self.buffers[slot] if slot < len(self.buffers) else None
+        if buf is None:  # pragma: no cover - ensure_buffers allocates them
+            raise AssertionError(f"slot {slot} has no gradient buffer")
+        return buf
+
+    def close(self) -> None:
+        for k, buf in enumerate(self.buffers):
+            if buf is not None:
+                self.backend.free_device(buf, f"gradient buffer of slot {k}", GRAD_BUFFERS)
+        self.buffers = []
+
+    # ---- after a backward -------------------------------------------------------------------------
+    def write(
+        self, ctx: StepContext, stage: Stage, slot: int, views: dict, keys: list[str], grads: Sequence, grads_to: str
+    ) -> None:
+        """Put a stage's parameter gradients where the rest of the program reads them.
+
+        ``"slot"``: over the parameters in the slot (they are not needed there any more); the OG
+        copies them to the host. ``"buffer"``: into the slot's device gradient buffer (the
+        parameters stay: the stage is persistent or updated on the device). Gradients of groups
+        updated on the device accumulate there across backward calls; a borrowed parameter whose
+        owner is updated on the device waits in the context (``keep_pending``) and is added to
+        the owner's contribution first (``G += own + borrowed``, as on the host)."""
+        v = ctx.variant
+        dev = v.device_groups
+        owner = v.graph.owner
+        own_group = stage.spec.update_group
+        ctx.grad_src[stage.index] = grads_to
+        first = self.device_state.get(own_group, GRAD_NONE) == GRAD_NONE
+        gbuf = self.buffer(slot) if grads_to == "buffer" else None
+        with torch.no_grad():
+            for key, gr in zip(keys, grads):
+                grp = owner[key]
+                if grp in dev and grp != own_group:  # borrowed; its owner updates it on the device
+                    if gr is not None:
+                        prev = ctx.dev_pending.get(key)
+                        if prev is None:
+                            ctx.keep_pending(key, gr)  # device memory until the owner's backward
+                        else:
+                            ctx.dev_pending[key] = prev + gr
+                    continue
+                pend = ctx.take_pending(key)
+                if pend is not None:
+                    gr = pend if gr is None else gr + pend
+                if gbuf is None:
+                    dst = views[key]
+                else:
+                    info = v.graph.tensors[key]
+                    off = stage.slot.offsets[key]
+                    dst = gbuf[off : off + info.nbytes].view(info.dtype).view(info.shape)
+                if grp in dev and not first:
+                    if gr is not None:
+                        dst.add_(gr)
+                elif gr is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(gr)
+        if own_group in dev:
+            self.device_state[own_group] = GRAD_VALID
+
+    def device_grads(self, slot: int, base: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A group's gradient in slot ``slot``'s gradient buffer (a device update reads it)."""
+        return self.buffer(slot)[base : base + nbytes].view(dtype)
+
+    def reset_device(self) -> None:
+        """The next backward copies into the device gradients instead of adding (``0 + g == g``
+        exactly, so zero_grad(set_to_none=False) needs no zeroing there)."""
+        for g in list(self.device_state):
+            self.device_state[g] = GRAD_NONE
+
+    # ---- OFFLOAD_GRAD ---------------------------------------------------------------------------
+    def offload(self, ctx: StepContext, stage: Stage, m: ActionMeta, deps: list[Token], timed: Callable) -> Token:
+        """OG: copy the stage's param grads device -> host and accumulate them.
+
+        Two tasks: the copy on the d2h stream (its token frees the slot), and the accumulation
+        on the host stream (its token is what updates wait for). A group's whole trainable
+        region goes straight into the gradient buffer when it holds no gradient yet, else
+        through a staging buffer that is then added.
+
+        NOTE: a parameter shared by several stages (a tied embedding) gets one contribution
+        per stage. As eager autograd does, they are summed first (into a persistent pending
+        buffer, in backward order) and the sum is added to the accumulated gradient when the
+        owning stage's gradients arrive: ``G += (own + others)``, not ``(G + other) + own``,
+        which rounds differently under gradient accumulation.
+        """
+        store, backend, slot = self.store, self.backend, m.slot
+        if ctx.accumulation is None:
+            ctx.accumulation = Accumulation()
+        acc = ctx.accumulation
+        plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
+        dev = ctx.variant.device_groups
+        pool = self.engine.pool
+
+        def copy_out() -> None:
+            if stage.index in ctx.no_grads:
+                return
+            from_buffer = ctx.grad_src.get(stage.index) == "buffer"
+            for c in stage.slot.grads:
+                if c.group in dev:
+                    continue  # updated on the device: the gradient stays there
+                if from_buffer:
+                    src = self.buffer(slot)[c.slot_offset : c.slot_offset + c.nbytes]
+                else:
+                    src = pool.region(slot, c.slot_offset, c.nbytes)
+                # the owner's copy of its whole group; borrowers' copies wait in pending
+                full = (
+                    c.group == stage.spec.update_group
+                    and c.host_offset == 0
+                    and c.nbytes == store.groups[c.group].trainable_bytes
+                )
+                if full and store.grad_state[c.group] == GRAD_NONE:
+                    backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
+                    store.grad_state[c.group] = GRAD_VALID
+                    plan.append(("direct", c, None))
+                else:
+                    buf = store.acquire_staging(c.nbytes)
+                    backend.d2h_copy(buf[: c.nbytes], src)
+                    plan.append(("add" if full else "shared", c, buf))
+
+        def accumulate() -> None:
+            try:
+                for kind, c, buf in plan:
+                    g = c.group
+                    if kind == "shared":
+                        src = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
+                        if g in acc.flushed:  # the owner's sum is in already: add directly
+                            self._grad_slice(g, c, zero_if_none=True).add_(src)
+                        else:
+                            pend = self._pending(c)
+                            if (g, c.host_offset) in acc.pending_keys:
+                                pend.add_(src)
+                            else:
+                                pend.copy_(src)
+                                acc.pending_keys.add((g, c.host_offset))
+                                acc.pending.setdefault(g, []).append(c)
+                    elif kind == "add":
+                        stg = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
+                        size = stg.element_size()
+                        for pc in acc.pending.pop(g, []):
+                            stg[pc.host_offset // size : (pc.host_offset + pc.nbytes) // size].add_(self._pending(pc))
+                        store.grad(g).add_(stg)
+                        acc.flushed.add(g)
+                    else:  # direct: the group's gradient was copied in whole
+                        for pc in acc.pending.pop(g, []):
+                            self._grad_slice(g, pc, zero_if_none=False).add_(self._pending(pc))
+                        acc.flushed.add(g)
+                own = stage.spec.update_group
+                if own is not None and own not in acc.flushed:  # owner without gradients of its own
+                    for pc in acc.pending.pop(own, []):
+                        self._grad_slice(own, pc, zero_if_none=True).add_(self._pending(pc))
+                    acc.flushed.add(own)
+            finally:
+                for _, _, buf in plan:
+                    if buf is not None:
+                        store.release_staging(buf)
+                plan.clear()
+
+        t_copy = backend.d2h.submit(timed(copy_out, m), deps, str(m.action))
+        t_acc = backend.host.submit(accumulate, [t_copy], str(m.action))
+        t_acc.reads = t_copy
+        return t_acc
+
+    def _grad_slice(self, g: int, c: Any, zero_if_none: bool) -> torch.Tensor:
+        """Group ``g``'s host gradient over a copy's range (zeroing the group first if it holds
+        no gradient yet)."""
+        st = self.store
+        if st.grad_state[g] == GRAD_NONE:
+            if not zero_if_none:  # pragma: no cover - a direct copy sets the state first
+                raise AssertionError(f"group {g} has no gradient to add to")
+            st.grad(g).zero_()
+            st.grad_state[g] = GRAD_VALID
+        size = st.groups[g].dtypes.grad.itemsize
+        return st.grad(g)[c.host_offset // size : (c.host_offset + c.nbytes) // size]
+
+    def _pending(self, c: Any) -> torch.Tensor:
+        key = (c.group, c.host_offset, c.nbytes)
+        t = self._pending_bufs.get(key)
+        if t is None:
+            dt = self.store.groups[c.group].dtypes.grad
+            t = torch.empty(c.nbytes // dt.itemsize, dtype=dt)
+            self._pending_bufs[key] = t
+        return t
+
+    @property
+    def pending_host_bytes(self) -> int:
+        """Host bytes of the buffers borrowed gradients wait in."""
+        return sum(t.numel() * t.element_size() for t in self._pending_bufs.values())
+
+    # ---- what PyTorch code sees ---------------------------------------------------------------------
+    def expose(self, param_keys_by_group: dict[int, list]) -> None:
+        """Point each trainable parameter's ``.grad`` at its slice of the host gradient buffer."""
+        st = self.store
+        for g, keys in param_keys_by_group.items():
+            if st.grad_state[g] == GRAD_VALID:
+                for k, p in keys:
+                    if p.grad is None or p.grad.data_ptr() != st.param_grad_view(k, g).data_ptr():
+                        p.grad = st.param_grad_view(k, g)
