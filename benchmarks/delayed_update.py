@@ -19,6 +19,6 @@ for step in range(12):
     for cm in cms.values():
         cm(x, x).backward(); cm.step(); cm.zero_grad()
 for name, cm in cms.items():
-    t = cm._engine.step_times[2:]
+    t = cm.engine.step_times[2:]
     print(f"{name:22s} median {statistics.median(t)*1e3:7.1f} ms over {len(t)} steps")
     cm.close()

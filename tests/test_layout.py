@@ -57,3 +57,23 @@ def test_trainable_params_must_be_fp32():
 
     with pytest.raises(NotImplementedError, match="fp32"):
         plan_groups([[info("w", (2,), dtype=torch.bfloat16)]])
+
+
+def test_sizes_come_from_the_copies_dtypes():
+    """Each copy of a group's trainable region carries its dtype: an optimizer state kept in
+    another dtype than the master is sized from it (the layout is the one place bytes come from)."""
+    import pytest
+    import torch
+
+    from shfx.passes.layout import CopyDtypes, TensorInfo, plan_groups
+
+    infos = [TensorInfo("w", "param", (10,), torch.float64, trainable=True), TensorInfo("b", "param", (3,), torch.float64, trainable=True)]
+    f64 = torch.float64
+    (g,) = plan_groups([infos], CopyDtypes(master=f64, grad=f64, state=torch.float32, working=f64, device_grad=f64))
+    assert g.trainable_bytes == 128 + 64  # 80 and 24 bytes, each 64-byte aligned
+    assert g.trainable_numel == 24 and g.grad_bytes == 192 and g.state_bytes == 96
+    assert g.trainable_spans() == [(0, 10), (16, 3)]
+    with pytest.raises(NotImplementedError, match="fp32 master weights"):
+        plan_groups([infos])  # fp32 masters, fp64 parameters
+    with pytest.raises(NotImplementedError, match="working copy"):
+        CopyDtypes(working=torch.bfloat16)

@@ -398,23 +398,6 @@ def run_policies(items: Sequence[tuple[Setup, str, int]], *, steps: int | None =
         torch.set_num_threads(threads)
 
 
-def _count_host_allocations(cm) -> list[int]:
-    """A counter of the bytes the runtime allocates on the host for ``cm`` (the host store's
-    weights and gradients, staging and pending-gradient buffers).
-
-    NOTE: the emulated device does not limit host memory and the backend keeps no host total;
-    to emulate a host RAM budget this wraps ``Backend.alloc_host`` of this model's backend."""
-    counter = [0]
-    alloc = cm.backend.alloc_host
-
-    def counted(nbytes: int, pin: bool):
-        counter[0] += int(nbytes)
-        return alloc(nbytes, pin)
-
-    cm.backend.alloc_host = counted
-    return counter
-
-
 class _Trial:
     """One policy at one size on the emulated device: compiled, warmed up, stepped, closed."""
 
@@ -430,7 +413,6 @@ class _Trial:
         self.y = torch.randint(0, f.vocab, (f.batch, f.seq))
         self.cm = shfx.compile(GPT(gpt_config(f, layers)), device=setup.device, policy=setup.policy(policy),
                                optimizer=shfx.optim.AdamW(lr=1e-4))
-        self.counter = _count_host_allocations(self.cm)
         self.failed: Run | None = None
         self.times: list[float] = []
         self.closed = False
@@ -462,7 +444,7 @@ class _Trial:
             if not self._one():
                 return
             budget = self.setup.host_budget_bytes
-            if i == 0 and budget is not None and (host := _host_bytes(self.cm, self.counter)) > budget:
+            if i == 0 and budget is not None and (host := _host_bytes(self.cm)) > budget:
                 self.failed = self._run(None, False, f"host memory ({format_bytes(host)} > {format_bytes(budget)}, emulated)")
                 self.close()
                 return
@@ -473,7 +455,7 @@ class _Trial:
 
     def _run(self, step_s: float | None, fits: bool, why: str = "") -> Run:
         return Run(self.policy, self.layers, self.params, step_s, fits, why,
-                   peak_device_bytes=int(self.cm.backend.peak_bytes), host_bytes=_host_bytes(self.cm, self.counter),
+                   peak_device_bytes=int(self.cm.backend.peak_bytes), host_bytes=_host_bytes(self.cm),
                    step_times=list(self.times))
 
     def result(self) -> Run:
@@ -488,18 +470,15 @@ class _Trial:
             self.cm.close()
 
 
-def _host_bytes(cm, counter: list[int]) -> int:
-    """Host bytes shfx holds for ``cm``: its host allocations plus the host AdamW states (m, v)."""
+def _host_bytes(cm) -> int:
+    """Host bytes shfx holds for ``cm`` (``engine.host_bytes()``: weights, gradients, AdamW
+    states, staging and pending-gradient buffers; 0 before the first call)."""
     import shfx
 
-    n = counter[0]
     try:
-        opt = cm.engine.optimizer
+        return cm.engine.host_bytes()
     except shfx.UsageError:  # never called: nothing allocated yet
-        return n
-    for st in getattr(opt, "state", {}).values():
-        n += sum(t.numel() * t.element_size() for t in (st.exp_avg, st.exp_avg_sq) if t is not None)
-    return n
+        return 0
 
 
 def largest_tried(setup: Setup, policy: str, start: int, *, log: Callable[[str], None] = print) -> tuple[int, Run | None, list[Run]]:
