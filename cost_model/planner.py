@@ -29,7 +29,7 @@ import csv
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shfx.passes.units import format_bytes
@@ -38,7 +38,7 @@ from shfx.passes.ledger import DEVICE_TERMS, HOST_TERMS, SSD_TERMS, pool_sizes, 
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
-from .shapes import PRECISIONS, GPTShape
+from .shapes import GPTShape
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
@@ -429,7 +429,6 @@ def memory_model(
     workspace_bytes, allocator_slack, working_set = _resolve(tgt, workspace_bytes, allocator_slack, working_set)
     fam = family
     L, h, a, s, b, V = fam.layers, fam.hidden, fam.heads, fam.seq, fam.batch, fam.vocab
-    n = L + 2
     elt = fam.param_bytes
     # NOTE: l2l updates each stage on the device and copies it back (OP): in mixed precision the
     # slot carries the fp32 master it updates, so its slot and gradient buffer are fp32.

@@ -18,7 +18,6 @@ import dataclasses
 import os
 import traceback
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .actions import KINDS, B, F
+from .actions import B, F
 from .meta import get_meta
 from .program import Program
 from .stages import StageSpec, Value, consumers_of

@@ -17,7 +17,6 @@ from shfx.cost_model.analytic import repeat_blocks
 from shfx.cost_model.hardware import PROFILES, get_profile
 from shfx.passes.policies import make_policy, policy_names, policy_program
 from shfx.cost_model.planner import (
-    GPTShape,
     Target,
     largest_trainable,
     memory_for_model,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from equivalence import assert_trains_like_eager
 from zoo import gpt_tied, token_batch
 
 import shfx
-from shfx.passes import Action, ActionKind, lower_actions
+from shfx.passes import lower_actions
 
 
 def just_in_time(specs, window):
