@@ -160,7 +160,11 @@ class Engine:
     def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
         """The task of an action: its device reservations belong to it (a memory recording
         names it), and, when tracing, its start and end are traced (an OFFLOAD_GRAD's copy
-        only: its event has no ``copy_end``, its ``end`` is when the slot's reads ended)."""
+        only: its event has no ``copy_end``, its ``end`` is when the slot's reads ended).
+
+        NOTE: tracing the accumulation too would make an OFFLOAD_GRAD's ``end`` the end of the
+        accumulation, as the simulator's; readers of ``trace`` (tests/test_runtime.py's
+        residency check) take an OFFLOAD_GRAD's ``end`` as the last read of its slot."""
         label, backend = str(meta.action), self.backend
         if not self.tracing:
 
