@@ -33,7 +33,8 @@ processes used during the measurement are written with the results; rerun on a q
 when those are high. After the measurement each link speed is profiled again (uncached) to
 show how much the profile itself moves.
 
-The analysis (per row, from the traces of the measured steps, ``cm.engine.trace``): how long
+The analysis (per row, from the traces of the measured steps, ``cm.engine.trace``, with
+:mod:`shfx.cost_model.trace`): how long
 the step spends outside any action (before the first, after the last), the forward->backward
 transition, the hand-off latency of each action (its start minus the moment its stream and its
 dependencies were free), and the compute time in the measured run against the profile. Two
@@ -66,7 +67,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import shfx  # noqa: E402
 from shfx.cost_model.costs import CostTable, Links, StageCost  # noqa: E402
 from shfx.cost_model.simulate import Timeline, simulate  # noqa: E402
+from shfx.cost_model.trace import StepTrace, analyse_steps, compute_vs_profile, idle_before, in_situ_costs  # noqa: E402
 from shfx.passes.capture import flatten_inputs  # noqa: E402
-from shfx.passes.meta import get_meta  # noqa: E402
 from shfx.passes.program import ActionKind, Program  # noqa: E402
 from shfx.passes.units import format_bandwidth, parse_bandwidth  # noqa: E402
 from shfx.models import GPT, GPTShape  # noqa: E402
@@ -110,7 +111,7 @@ class Row:
     times: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)
     others: list[float] = field(default_factory=list)  # per step: share of the CPUs other processes used
-    traces: list[tuple[float, float, list]] = field(default_factory=list)  # (step start, step end, events)
+    traces: list[StepTrace] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -149,7 +150,7 @@ def train_step(row: Row, batch: tuple[torch.Tensor, torch.Tensor], record: bool)
         t = cm.engine.step_times[-1]
         row.times.append(t)
         row.peaks.append(cm.backend.peak_bytes)
-        row.traces.append((end - t, end, list(cm.engine.trace)))
+        row.traces.append(StepTrace(end - t, end, list(cm.engine.trace)))
         row.others.append(o.share if o.share is not None else 0.0)
     cm.zero_grad()
 
@@ -314,21 +315,6 @@ def choose_links(cm: Any, inputs: list[torch.Tensor], ratios: tuple[float, ...],
     return bws, info
 
 
-def idle_before(events: list, marks: list[float], t0: float) -> list[tuple[Any, float]]:
-    """Per compute event: the longest stretch before it, since the previous compute action
-    ended, in which no action on any stream started or ended (``marks``) -- how long the CPUs
-    slept: a copy on the emulated device sleeps while it waits for its bandwidth budget."""
-    marks = sorted(marks)
-    out = []
-    prev = t0
-    for e in sorted((e for e in events if e.stream == "compute"), key=lambda e: e.start):
-        inner = [m for m in marks if prev < m < e.start]
-        pts = [prev, *inner, e.start]
-        out.append((e, max((b - a for a, b in zip(pts, pts[1:])), default=0.0)))
-        prev = e.end
-    return out
-
-
 def mixed_costs(warm: CostTable, cold: CostTable, links: Links, cold_f: set[int], cold_b: set[int]) -> CostTable:
     """Warm stage costs, except the cold ones' FORWARD / BACKWARD from ``cold``."""
     out = []
@@ -363,171 +349,26 @@ def simulate_cold_start(program: Program, warm: CostTable, cold: CostTable, link
     return tl, len(cold_f) + len(cold_b)
 
 
-# ---- the analysis of measured traces ----------------------------------------------------------
-_COMPUTE = {ActionKind.FORWARD, ActionKind.BACKWARD}
-
-
-def _trace_index(events: list) -> dict[tuple[str, str], list]:
-    by: dict[tuple[str, str], list] = {}
-    for e in events:
-        by.setdefault((e.action, e.phase), []).append(e)
-    return by
-
-
-def analyse_trace(program: Program, t0: float, t_end: float, events: list) -> dict[str, Any] | None:
-    """One measured step: where the time went outside what the simulator models."""
-    by = _trace_index(events)
-    seen: dict[tuple[str, str], int] = {}
-    ev_of: dict[Any, Any] = {}
-    for n in program.nodes:
-        m = get_meta(n)
-        k = (str(m.action), m.phase)
-        i = seen.get(k, 0)
-        seen[k] = i + 1
-        lst = by.get(k, [])
-        if m.kind != ActionKind.RELEASE and i < len(lst):
-            ev_of[n] = lst[i]
-    if not ev_of:
-        return None
-    fwd_end = max((e.end for n, e in ev_of.items() if get_meta(n).phase == "forward"), default=t0)
-    done: dict[Any, float] = {}
-
-    def end_of(n: Any) -> float:
-        if n in done:
-            return done[n]
-        m = get_meta(n)
-        if m.kind == ActionKind.RELEASE:
-            t = max((end_of(d) for d in program.deps(n)), default=t0)
-        else:
-            e = ev_of.get(n)
-            t = e.end if e is not None else t0
-        done[n] = t
-        return t
-
-    last_on: dict[str, float] = {}
-    waits: dict[str, list[float]] = {}
-    first_bwd = None
-    for n in program.nodes:
-        m = get_meta(n)
-        e = ev_of.get(n)
-        if e is None:
-            continue
-        ready = max([end_of(d) for d in program.deps(n)] + [last_on.get(e.stream, t0)])
-        if m.phase == "backward" and ready <= fwd_end:
-            # waits for the forward -> backward transition (the phase barrier), not a hand-off
-            first_bwd = e.start if first_bwd is None else min(first_bwd, e.start)
-        else:
-            waits.setdefault(m.kind.name, []).append(max(0.0, e.start - ready))
-        last_on[e.stream] = e.end
-    start = min(e.start for e in events)
-    last = max(e.end for e in events)
-    comp = [e for n, e in ev_of.items() if get_meta(n).kind in _COMPUTE]
-    return {
-        "lead_s": start - t0,  # step start -> first action
-        "tail_s": t_end - last,  # last traced action -> step() returned
-        "transition_s": (first_bwd - fwd_end) if first_bwd is not None else 0.0,
-        "waits": waits,
-        "compute_busy_s": sum(e.end - e.start for e in comp),
-    }
-
-
-def in_situ_costs(program: Program, costs: CostTable, traces: list, *, overheads: bool) -> CostTable:
-    """The profile with each action's duration replaced by its median in the measured run (and,
-    with ``overheads``, the measured hand-off latency added per action, the transition added to
-    the last forward)."""
-    f: dict[int, list[float]] = {}
-    b: dict[int, list[float]] = {}
-    pf_rate: list[float] = []
-    og_rate: list[float] = []
-    lat = costs.links.latency_s
-    handoff: dict[str, list[float]] = {}
-    trans: list[float] = []
-    for t0, t_end, events in traces:
-        for e in events:
-            k = e.action.rstrip("0123456789")
-            s = int(e.action[len(k) :]) if e.action[len(k) :] else -1
-            d = e.end - e.start
-            if k == "F":
-                f.setdefault(s, []).append(d)
-            elif k == "B":
-                b.setdefault(s, []).append(d)
-            elif k == "PF" and e.bytes:
-                pf_rate.append(e.bytes / max(d - lat, 1e-6))
-            elif k == "OG" and e.bytes:
-                og_rate.append(e.bytes / max(d - lat, 1e-6))
-        if overheads:
-            a = analyse_trace(program, t0, t_end, events)
-            if a:
-                for kind, ws in a["waits"].items():
-                    handoff.setdefault(kind, []).extend(ws)
-                trans.append(a["transition_s"])
-    keep = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == ActionKind.FORWARD and get_meta(n).keep_graph}
-    h = {k: med(v) for k, v in handoff.items()}
-    n_last = max((get_meta(n).stage for n in program.nodes if get_meta(n).kind == ActionKind.FORWARD), default=0)
-    out = []
-    for i, c in enumerate(costs.costs):
-        fs = med(f.get(i, []), c.forward_s) + h.get("FORWARD", 0.0) + (med(trans) if i == n_last else 0.0)
-        bs = med(b.get(i, []), c.backward_s if i not in keep else c.backward_no_recompute_s) + h.get("BACKWARD", 0.0)
-        if i in keep:
-            out.append(StageCost(fs, bs + fs, backward_kept_s=bs, update_s=c.update_s + h.get("CPU_STEP", 0.0), accumulate_s=c.accumulate_s))
-        else:
-            out.append(StageCost(fs, bs, update_s=c.update_s + h.get("CPU_STEP", 0.0), accumulate_s=c.accumulate_s))
-    links = Links(
-        med(pf_rate, costs.links.h2d_bps or 0.0) or costs.links.h2d_bps,
-        med(og_rate, costs.links.d2h_bps or 0.0) or costs.links.d2h_bps,
-        duplex=costs.links.duplex,
-        latency_s=lat + med([h[k] for k in ("PREFETCH", "OFFLOAD_GRAD") if k in h]),
-    )
-    return CostTable(out, links, optimizer_workers=costs.optimizer_workers, source="in situ")
-
-
-def compute_vs_warm(program: Program, traces: list, warm: CostTable, idle_s: float) -> dict[str, Any]:
-    """Measured duration / warm profiled cost of the compute actions (those costing >= 1 ms),
-    split by whether a stretch of >= ``idle_s`` without any action starting or ending (the
-    CPUs asleep) preceded them since the previous compute action (:func:`idle_before`)."""
-    keep = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == ActionKind.FORWARD and get_meta(n).keep_graph}
-    after_busy: list[float] = []
-    after_idle: list[float] = []
-    for t0, _, events in traces:
-        marks = [t0] + [t for e in events for t in (e.start, e.end)]
-        for e, gap in idle_before(events, marks, t0):
-            i = int(e.action[1:])
-            c = warm.costs[i]
-            ref = c.forward_s if e.action[0] == "F" else (c.backward_no_recompute_s if i in keep else c.backward_s)
-            if ref >= 1e-3:
-                (after_idle if gap >= idle_s else after_busy).append((e.end - e.start) / ref)
-    return {
-        "after_busy_ratio": med(after_busy) if after_busy else None,
-        "after_busy_n": len(after_busy),
-        "after_idle_ratio": med(after_idle) if after_idle else None,
-        "after_idle_n": len(after_idle),
-    }
-
-
+# ---- the analysis of measured traces (shfx.cost_model.trace) -----------------------------------
 def analyse_row(row: Row, costs: CostTable, tl: Timeline, steps: int, warm: CostTable, idle_s: float) -> dict[str, Any]:
+    """A row's measured steps (its quiet ones, when enough were quiet) against its program and
+    profile, as the results file has them."""
     program = row.cm.program
     traces = row.traces
     if quiet_times(row, steps):
         traces = [t for t, o in zip(row.traces, row.others) if o < QUIET]
-    per = [a for a in (analyse_trace(program, t0, t1, ev) for t0, t1, ev in traces) if a]
-    waits: dict[str, list[float]] = {}
-    for a in per:
-        for k, v in a["waits"].items():
-            waits.setdefault(k, []).extend(v)
-    n_steps = max(1, len(per))
+    a = analyse_steps(program, traces)
     insitu = simulate(program, in_situ_costs(program, costs, traces, overheads=False)).step_s
-    lead = med([a["lead_s"] for a in per])
-    tail = med([a["tail_s"] for a in per])
-    with_ovh = simulate(program, in_situ_costs(program, costs, traces, overheads=True)).step_s + lead + tail
+    with_ovh = simulate(program, in_situ_costs(program, costs, traces, overheads=True)).step_s + a.lead_s + a.tail_s
     return {
-        "lead_s": lead,
-        "tail_s": tail,
-        "transition_s": med([a["transition_s"] for a in per]),
-        "handoff_median_s": {k: med(v) for k, v in waits.items()},
-        "handoff_total_s": {k: sum(v) / n_steps for k, v in waits.items()},
-        "compute_busy_measured_s": med([a["compute_busy_s"] for a in per]),
+        "lead_s": a.lead_s,
+        "tail_s": a.tail_s,
+        "transition_s": a.transition_s,
+        "handoff_median_s": dict(a.handoff_median_s),
+        "handoff_total_s": dict(a.handoff_per_step_s),
+        "compute_busy_measured_s": a.compute_busy_s,
         "compute_busy_predicted_s": tl.busy_s["compute"],
-        "compute_vs_warm_profile": compute_vs_warm(program, traces, warm, idle_s),
+        "compute_vs_warm_profile": asdict(compute_vs_profile(program, traces, warm, idle_s)),
         "pred_in_situ_s": insitu,
         "pred_in_situ_overheads_s": with_ovh,
     }

@@ -102,6 +102,7 @@ from shfx.passes.stages import StageSpec, consumers_of
 from shfx.passes.units import format_bytes, format_seconds
 
 from .costs import CostModel, Links, StageCost
+from .trace import Event
 
 __all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER"]
 
@@ -113,50 +114,6 @@ _EPS = 1e-12
 
 class SimulationError(ValueError):
     """A program or cost model the simulator cannot run."""
-
-
-@dataclass(frozen=True)
-class Event:
-    """One simulated action.
-
-    Attributes:
-        node: the FX node's name (unique in the program).
-        action: the action string, e.g. ``"PF3"``.
-        phase: ``"forward"`` or ``"backward"``.
-        stream: ``"compute"``, ``"h2d"``, ``"d2h"``, ``"cpu"`` or ``"none"``.
-        start: seconds from the start of the step.
-        end: when the action is done (for OG: its accumulation on the host FIFO ended).
-        bytes: bytes the action moves over the link.
-        copy_end: OG only: the end of its d2h copy (when a RELEASE stops waiting for it).
-        host_start: OG only: when its accumulation started on the host FIFO.
-        worker: CPU_STEP only: the host optimizer worker that ran it.
-        deps: the node names it waited for.
-    """
-
-    node: str
-    action: str
-    phase: str
-    stream: str
-    start: float
-    end: float
-    bytes: int = 0
-    copy_end: float | None = None
-    host_start: float | None = None
-    worker: int | None = None
-    deps: tuple[str, ...] = ()
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def reads_end(self) -> float:
-        """When the action stopped reading its slot (what a RELEASE waits for)."""
-        return self.copy_end if self.copy_end is not None else self.end
-
-    @property
-    def kind(self) -> ActionKind:
-        return ActionKind(self.action.rstrip("0123456789"))
 
 
 @dataclass

@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from shfx.cost_model.trace import Event
 from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
@@ -43,24 +43,11 @@ from .host_store import GRAD_NONE, GRAD_VALID, HostStore
 from .slots import SlotPool
 from .streams import DependencyFailed, DoneToken, JoinToken, Token
 
-__all__ = ["Engine", "StepContext", "TraceEvent", "MemoryEvent"]
+__all__ = ["Engine", "StepContext", "MemoryEvent"]
 
 # A forward longer than this recomputes with early stop (benchmarks/overhead.py on 2 CPU cores:
 # early stop saved 3% on stages of ~8 ms and cost 23% on stages of ~0.5 ms).
 _EARLY_STOP_MIN_S = 2e-3
-
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One executed action: host wall-clock start/end (seconds, ``perf_counter``)."""
-
-    action: str
-    phase: str
-    stream: str
-    start: float
-    end: float
-    bytes: int = 0
 
 
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
@@ -99,7 +86,7 @@ class Engine:
         self.holder: StepContext | None = None  # context whose stages are resident
         self.backward_calls = 0
         self.pending_updates: list[tuple[str, Token]] = []
-        self.trace: list[TraceEvent] = []
+        self.trace: list[Event] = []  # the last step's actions (shfx.cost_model.trace)
         self.tracing = True
         # "early-stop": forward records the graph (checkpoint), backward recomputes only what it
         # needs; "full": backward recomputes the whole stage; "auto": early stop for stages whose
@@ -172,7 +159,12 @@ class Engine:
     # ---- issuing -----------------------------------------------------------------------------
     def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
         """The task of an action: its device reservations belong to it (a memory recording
-        names it), and, when tracing, its start and end are traced."""
+        names it), and, when tracing, its start and end are traced (an OFFLOAD_GRAD's copy
+        only: its event has no ``copy_end``, its ``end`` is when the slot's reads ended).
+
+        NOTE: tracing the accumulation too would make an OFFLOAD_GRAD's ``end`` the end of the
+        accumulation, as the simulator's; readers of ``trace`` (tests/test_runtime.py's
+        residency check) take an OFFLOAD_GRAD's ``end`` as the last read of its slot."""
         label, backend = str(meta.action), self.backend
         if not self.tracing:
 
@@ -187,7 +179,7 @@ class Engine:
             t0 = time.perf_counter()
             with backend.during(label):
                 fn()
-            trace.append(TraceEvent(label, meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
+            trace.append(Event(label, meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
 
         return run
 
