@@ -97,8 +97,8 @@ from typing import Any
 from shfx.passes.meta import get_meta
 from shfx.passes.actions import KINDS, RESOURCES, STREAMS
 from shfx.passes.ledger import Ledger, replay
-from shfx.passes.program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, ActionMeta, Program
-from shfx.passes.stages import StageSpec, consumers_of
+from shfx.passes.program import B, F, PF, R, ActionKind, ActionMeta, Program
+from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
 
 from .costs import CostModel, Links, StageCost
