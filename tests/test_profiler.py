@@ -160,6 +160,8 @@ def test_profile_records_how_steady_it_was():
     assert stats.rounds >= 5 and stats.seconds > 0 and ("compute" in stats.spread or "links" in stats.spread)
     assert all(len(v) == stats.rounds for v in costs.extra["rounds"].values())
     assert f"{stats.rounds} rounds" in stats.summary()
+    rep = cm.report()
+    assert rep.profile is not None and "profile: " in str(rep)
     cm.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -166,3 +167,73 @@ def test_profiling_gives_back_device_memory():
     cm.report()  # profiles with a window-2 program
     assert cm.engine.pool.sizes == pool and cm.backend.used_bytes == used
     cm.close()
+
+
+# ---- drift: measured steps that keep missing the prediction ----------------------------------------
+def _report(measured):
+    from shfx.cost_model.report import WindowReport
+
+    r = tune_window(specs(), costs(2e9))
+    return WindowReport(r, r.window, "synthetic", "auto", list(measured))
+
+
+def test_drift_fires_when_the_steps_run_far_from_the_prediction():
+    """The issue's case: predicted 2.39 s, measured 0.17 s, from the first step on."""
+    from shfx.cost_model.report import detect_drift
+
+    d = detect_drift([5.0] + [0.17] * 25, predicted_s=2.39)  # the first step (capture) is skipped
+    assert d is not None and d.since_step == 2 and d.steps == 25
+    assert d.error == pytest.approx(0.17 / 2.39 - 1)
+    text = str(d)
+    assert "93% faster than predicted" in text and "since about step 2" in text and "cm.retune()" in text
+    slower = detect_drift([0.1] * 5 + [0.3] * 20, predicted_s=0.1)
+    assert slower is not None and "200% slower" in str(slower) and slower.since_step == 6
+
+
+def test_drift_does_not_fire_within_noise_or_on_a_burst():
+    """Steps within +-20% of the prediction (noise), a burst of 4 slow steps, a slow capture
+    step: no drift. Too few steps to say: none either."""
+    from shfx.cost_model.report import detect_drift
+
+    rng = random.Random(0)
+    noisy = [3.0] + [0.1 * rng.uniform(0.8, 1.2) for _ in range(200)]
+    assert detect_drift(noisy, predicted_s=0.1) is None
+    burst = [3.0] + [0.1] * 30 + [0.5] * 4 + [0.1] * 30
+    assert detect_drift(burst, predicted_s=0.1) is None
+    # 18 off steps: 9 rolling medians of 10 steps; the 19th makes the 10th
+    assert detect_drift([3.0] + [0.5] * 18, predicted_s=0.1) is None
+    assert detect_drift([3.0] + [0.5] * 19, predicted_s=0.1) is not None
+
+
+def test_drift_ends_when_the_steps_come_back():
+    from shfx.cost_model.report import detect_drift
+
+    assert detect_drift([1.0] + [0.3] * 30 + [0.1] * 10, predicted_s=0.1) is None
+
+
+def test_report_says_drift_and_offers_a_retune():
+    rep = _report([])
+    p = rep.predicted_s
+    rep.measured_s.extend([p] * 30)
+    assert rep.drift is None and "drift" not in str(rep)
+    rep.measured_s.extend([4 * p] * 25)
+    d = rep.drift
+    assert d is not None and d.measured_s == pytest.approx(4 * p) and d.since_step == 31
+    text = str(rep)
+    assert "drift: the measured steps have run 300% slower than predicted" in text and "cm.retune()" in text
+    assert rep.to_dict()["drift"]["since_step"] == 31
+    # a report made by a retune counts only its own steps
+    later = _report([])
+    later.measured_s.extend(rep.measured_s)
+    later.first_step = len(later.measured_s)
+    assert later.drift is None and later.steps_s == [] and "no steps yet" in str(later)
+    later.measured_s.extend([p] * 5)
+    assert later.measured_median_s == pytest.approx(p) and later.to_dict()["measured_s"] == [p] * 5
+
+
+def test_drift_settings_are_the_reports():
+    rep = _report([])
+    rep.measured_s.extend([rep.predicted_s] + [1.15 * rep.predicted_s] * 30)
+    assert rep.drift is None
+    rep.drift_threshold = 0.1
+    assert rep.drift is not None and rep.drift.threshold == 0.1

@@ -102,6 +102,25 @@ class HostAdamW:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
             return st
 
+    def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Group ``g``'s ``(step, exp_avg, exp_avg_sq)``, dropped here (the group is updated on
+        the device from now on); None when it has none."""
+        with self._lock:
+            st = self.state.get(g)
+            if st is None:
+                return None
+            if st.max_exp_avg_sq is not None:
+                raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
+            del self.state[g]
+        return st.step, st.exp_avg, st.exp_avg_sq
+
+    def put(self, g: int, step: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Take over group ``g``'s states (it is updated on the host from now on)."""
+        st = self._state(g, amsgrad=False)
+        st.step.copy_(step)
+        st.exp_avg.copy_(exp_avg)
+        st.exp_avg_sq.copy_(exp_avg_sq)
+
     def update(self, g: int, hp: dict) -> None:
         if self.store.master(g).numel() == 0:
             return
