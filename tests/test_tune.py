@@ -69,9 +69,11 @@ def test_host_optimizer_bound_is_reported():
 
 
 def test_auto_window_end_to_end(tmp_path):
-    """window="auto" on the emulated device: profiles, tunes, trains, reports."""
-    chosen = {}
-    for name, bw in (("slow", "10MB/s"), ("fast", None)):  # slow: link-bound even on a loaded machine
+    """window="auto" on the emulated device: profiles, tunes, trains, reports, writes a trace
+    and JSON. Nothing here depends on how fast the machine is (which bound the profile finds
+    and which window wins do: other processes change them); the decisions are checked on fixed
+    costs below, and measured in benchmarks/sim_accuracy.py."""
+    for bw in ("10MB/s", None):
         torch.manual_seed(0)
         cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB", h2d=bw, d2h=bw), window="auto", optimizer=shfx.optim.AdamW())
         (x, y), _, _ = token_batch(0)
@@ -80,22 +82,53 @@ def test_auto_window_end_to_end(tmp_path):
             cm.step()
             cm.zero_grad()
         rep = cm.report()
-        chosen[name] = rep.window
-        assert cm.program.num_slots == rep.window
+        n = len(cm.stages.stages)
+        assert rep.how == "auto" and 1 <= rep.window <= n
+        assert [r.window for r in rep.tune.rows] == list(range(1, n + 1))
+        assert cm.program.num_slots == rep.window == rep.tune.window
+        assert rep.predicted_s == rep.tune.chosen.step_s > 0
+        assert rep.tune.chosen.bottleneck in ("compute", "link", "host optimizer")
+        assert rep.profile is not None and rep.profile.rounds >= 5
         assert len(rep.measured_s) == 3 and rep.measured_median_s > 0
+        assert rep.drift is None  # three steps are too few to say
         text = str(rep)
-        assert "window=auto" in text and "<- chosen" in text and "measured:" in text
-        if name == "slow":
-            assert rep.tune.chosen.bottleneck == "link"
-            # one slot cannot overlap any transfer: clearly slower than the choice
-            assert rep.tune.row(1).step_s > 1.2 * rep.tune.chosen.step_s
-            trace = json.loads(open(rep.save_trace(tmp_path / "trace.json")).read())
-            assert trace["traceEvents"]
-            rep.save_json(tmp_path / "report.json")
+        assert "window=auto" in text and "<- chosen" in text and "measured:" in text and "profile: " in text
+        trace = json.loads(open(rep.save_trace(tmp_path / "trace.json")).read())
+        assert trace["traceEvents"]
+        saved = json.loads(open(rep.save_json(tmp_path / "report.json")).read())
+        assert saved["chosen"] == rep.window and len(saved["rows"]) == n and saved["profile"]["rounds"] >= 5
         cm.close()
-    # NOTE: >=, not >: how much W=3 gains over W=2 on the slow link (~3% here, against a 2%
-    # tolerance) depends on compute speed, which other processes on the machine change
-    assert chosen["slow"] >= chosen["fast"] >= 1
+
+
+def _gpt_tied_specs():
+    """The stage specs of the model test_auto_window_end_to_end tunes (a fixed window: nothing
+    is profiled)."""
+    torch.manual_seed(0)
+    cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB"), window=1)
+    (x, y), _, _ = token_batch(0)
+    cm(x, y)
+    specs = cm.stages.specs
+    cm.close()
+    return specs
+
+
+def test_link_speed_decides_the_window_on_fixed_costs():
+    """The end-to-end test's decisions, on fixed costs for the same model: costs like a quiet
+    profile of it (a block's forward 0.3 ms, backward 0.9 ms). A 10 MB/s link makes the step
+    link-bound and wants a deeper window than an unthrottled-fast link; W=1 is clearly slower."""
+    specs = _gpt_tied_specs()
+    n = len(specs)
+
+    def table(bps):
+        return CostTable([StageCost(3e-4, 9e-4, update_s=5e-5)] * n, Links(bps, bps, latency_s=1e-4))
+
+    fast = tune_window(specs, table(25e9), capacity_bytes=64 * MB)
+    slow = tune_window(specs, table(10e6), capacity_bytes=64 * MB)
+    assert fast.chosen.bottleneck == "compute" and fast.window <= 2
+    assert slow.chosen.bottleneck == "link"
+    assert slow.window > fast.window
+    assert slow.row(1).step_s > 1.2 * slow.chosen.step_s  # one slot cannot overlap any transfer
+    assert f"W={slow.window - 1} would be" in slow.reason
 
 
 def test_report_for_a_fixed_window():
