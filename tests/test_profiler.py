@@ -125,8 +125,8 @@ def _compiled(model=gpt_tied, h2d=None):
 def test_a_profile_with_injected_bursts_keeps_the_quiet_costs(monkeypatch):
     """Every BACKWARD of every other round is made to read 10 s longer (a burst of other load,
     injected into the trace the profiler reads: no sleeping, and far beyond anything other load
-    does to the tiny model). The costs stay far below the burst, where a plain median over the
-    rounds (the old statistic) lands on it."""
+    does to the tiny model). Half the rounds, or one more, read the burst: a plain median over
+    them (the old statistic) would be half the burst or all of it; the costs stay far below."""
     cm, inputs = _compiled()
     burst = 10.0
     calls = {"backward": 0}
@@ -148,8 +148,8 @@ def test_a_profile_with_injected_bursts_keeps_the_quiet_costs(monkeypatch):
     assert isinstance(stats, ProfileStats) and stats.rounds >= 5 and calls["backward"] == 2 * (stats.rounds + 1)
     for c in costs.costs:
         assert 0 < c.backward_s < 1.0
-    rounds = costs.extra["rounds"]
-    assert statistics.median(rounds["pipelined B1@backward"]) >= burst  # what a median would have kept
+    slowed = [x for x in costs.extra["rounds"]["pipelined B1@backward"] if x >= burst]
+    assert len(slowed) == (stats.rounds + 1) // 2  # rounds 1, 3, 5, ... (0 is the warm-up)
     cm.close()
 
 
