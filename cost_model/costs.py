@@ -119,7 +119,8 @@ class ProfileStats:
     def summary(self) -> str:
         parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.spread.items())
         state = "steady" if self.steady else f"noisy: the faster rounds disagree by more than {100 * self.tolerance:.0f}%"
-        return f"{self.rounds} rounds in {self.seconds:.2f} s; spread between rounds: {parts} ({state})"
+        spread = f"; spread between rounds: {parts}" if parts else ""
+        return f"{self.rounds} rounds in {self.seconds:.2f} s{spread} ({state})"
 
 
 class CostModel(Protocol):

@@ -442,7 +442,9 @@ class CompiledModel:
         device memory and bottleneck, the choice and why, and measured vs predicted.
 
         With ``window="auto"`` it is the tuner's report; with a fixed window the costs are
-        profiled now (once per signature) to predict every window for comparison."""
+        profiled now (once per signature) to predict every window for comparison. When the
+        measured steps keep missing the prediction it says so (``report.drift``);
+        :meth:`retune` then profiles and tunes again."""
         v = self.variant
         rep = self._reports.get(v.signature)
         if rep is None:
