@@ -101,10 +101,10 @@ class ProfileStats:
         spread: per family of actions (``"compute"``, ``"links"``, ``"host"``) that makes up
             at least 5% of a round, how much slower the slower half of the rounds was than the
             faster half (medians of the family's round totals; 0.03 = 3%).
-        steady: whether the faster half of the rounds agreed within ``tolerance`` for every
-            family that matters (False: the profiler ran out of rounds or time first, and the
-            costs may include other load).
-        tolerance: the agreement asked for.
+        steady: whether, for every family, the faster half of the rounds agreed with the
+            fastest within ``tolerance`` of a round (False: the profiler ran out of rounds or
+            time first, and the costs may include other load).
+        tolerance: the agreement asked for (a fraction of a round).
 
     >>> ProfileStats(5, 0.8, {"compute": 0.031, "links": 0.004}, True, 0.1).summary()
     '5 rounds in 0.80 s; spread between rounds: compute 3%, links 0% (steady)'
@@ -118,7 +118,7 @@ class ProfileStats:
 
     def summary(self) -> str:
         parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.spread.items())
-        state = "steady" if self.steady else f"noisy: the faster rounds disagree by more than {100 * self.tolerance:.0f}%"
+        state = "steady" if self.steady else f"noisy: the faster rounds disagree by more than {100 * self.tolerance:.0f}% of a round"
         spread = f"; spread between rounds: {parts}" if parts else ""
         return f"{self.rounds} rounds in {self.seconds:.2f} s{spread} ({state})"
 

@@ -23,7 +23,7 @@ quarter of the rounds are quiet. When the fastest half of the rounds disagrees b
 rounds took ``budget`` times as long as the first ones. The table's ``extra["profile"]`` (a
 :class:`~shfx.cost_model.costs.ProfileStats`) says how many rounds ran, how long they took, how
 far apart the rounds were and whether the fast half agreed; ``extra["rounds"]`` holds every
-sample.
+sample and ``extra["estimates"]`` the statistic per action.
 
 The timing steps change nothing a user can see: no optimizer update runs, buffers the forward
 mutates (BatchNorm statistics), gradients and the RNG states are restored afterwards.
@@ -57,15 +57,16 @@ __all__ = ["profile_costs", "measure_links", "clear_cache", "low_median", "sprea
 
 _CACHE: dict[tuple, CostTable] = {}
 
-# NOTE: defaults measured on a 2-core VM: a quiet profile's rounds agree within ~5% (fast half),
-# so five rounds end a quiet profile; a burst of other load makes the fast half disagree and
-# buys more rounds, at most doubling the profile's time.
+# NOTE: defaults measured on a 2-core VM: the fast half of a quiet profile's rounds agrees within
+# a few % of a round, so five rounds end a quiet profile (1.04-1.23x the time of the single pass
+# it replaced); a burst of other load makes the fast half disagree and buys more rounds, at most
+# doubling the profile's time.
 ROUNDS = 5
 MAX_ROUNDS = 15
 TOLERANCE = 0.10
 BUDGET = 1.0
-# a family of actions whose rounds are below this share of a round does not decide whether the
-# profile is steady (microsecond actions are noisy and cannot move a prediction)
+# a family of actions below this share of a round is left out of the reported spread
+# (microsecond actions jitter by 100% and more, and cannot move a prediction)
 _MIN_SHARE = 0.05
 
 
