@@ -238,6 +238,16 @@ def test_drift_does_not_fire_within_noise_or_on_a_burst():
     assert detect_drift([3.0] + [0.5] * 19, predicted_s=0.1) is not None
 
 
+def test_drift_ignores_a_toy_models_millisecond_miss():
+    """A 4 ms step measured at 5.2 ms (+30%, the per-step overhead the simulator leaves out on a
+    toy model) is no drift; at 12 ms it is."""
+    from shfx.cost_model.report import detect_drift
+
+    assert detect_drift([0.05] + [0.0052] * 40, predicted_s=0.004) is None
+    assert detect_drift([0.05] + [0.012] * 40, predicted_s=0.004) is not None
+    assert detect_drift([0.05] + [0.0052] * 40, predicted_s=0.004, min_s=0.0) is not None
+
+
 def test_drift_ends_when_the_steps_come_back():
     from shfx.cost_model.report import detect_drift
 
