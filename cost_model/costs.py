@@ -15,7 +15,7 @@ from typing import Protocol
 
 from shfx.passes.stages import StageSpec
 
-__all__ = ["StageCost", "Links", "CostModel", "CostTable"]
+__all__ = ["StageCost", "Links", "CostModel", "CostTable", "ProfileStats"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,41 @@ class Links:
         if bps is None or nbytes == 0:
             return 0.0
         return self.latency_s + nbytes / (bps * (self.duplex if both else 1.0))
+
+
+@dataclass(frozen=True)
+class ProfileStats:
+    """How steady a profile was (``CostTable.extra["profile"]`` of a profiled table).
+
+    The profiler times every action once per round over several rounds and keeps, per action,
+    the median of the fastest half of its rounds (:func:`shfx.profiler.low_median`).
+
+    Attributes:
+        rounds: rounds timed (after one warm-up round).
+        seconds: wall time of the whole profile.
+        spread: per family of actions (``"compute"``, ``"links"``, ``"host"``) that makes up
+            at least 5% of a round, how much slower the slower half of the rounds was than the
+            faster half (medians of the family's round totals; 0.03 = 3%).
+        steady: whether, for every family, the faster half of the rounds agreed with the
+            fastest within ``tolerance`` of a round (False: the profiler ran out of rounds or
+            time first, and the costs may include other load).
+        tolerance: the agreement asked for (a fraction of a round).
+
+    >>> ProfileStats(5, 0.8, {"compute": 0.031, "links": 0.004}, True, 0.1).summary()
+    '5 rounds in 0.80 s; spread between rounds: compute 3%, links 0% (steady)'
+    """
+
+    rounds: int
+    seconds: float
+    spread: dict[str, float]
+    steady: bool
+    tolerance: float = 0.1
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.spread.items())
+        state = "steady" if self.steady else f"noisy: the faster rounds disagree by more than {100 * self.tolerance:.0f}% of a round"
+        spread = f"; spread between rounds: {parts}" if parts else ""
+        return f"{self.rounds} rounds in {self.seconds:.2f} s{spread} ({state})"
 
 
 class CostModel(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -262,13 +263,16 @@ class CompiledModel:
         b = self._backend
         return b.capacity_bytes if b.capacity_bytes is not None else getattr(b, "total_bytes", None)
 
-    def _tune(self, variant: Variant, tensors: list[torch.Tensor], policy: Policy, how: str) -> WindowReport:
-        """Profile ``variant``'s costs on the backend, simulate every window of ``policy`` (its
-        ``"auto"`` fields; all windows for a fixed one, ``how="fixed"``), choose one."""
+    def _tune(
+        self, variant: Variant, tensors: list[torch.Tensor], policy: Policy, how: str, refresh: bool = False
+    ) -> WindowReport:
+        """Profile ``variant``'s costs on the backend (``refresh``: again, replacing the cached
+        profile), simulate every window of ``policy`` (its ``"auto"`` fields; all windows for a
+        fixed one, ``how="fixed"``), choose one."""
         from .profiler import profile_costs
 
         graph = variant.graph
-        costs = profile_costs(self._engine, variant, tensors)
+        costs = profile_costs(self._engine, variant, tensors, refresh=refresh)
         if how == "fixed" and policy.windowed:
             policy = policy.replace(window="auto")
         try:
@@ -285,7 +289,11 @@ class CompiledModel:
                 what="window 1",
             ) from e
         window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
-        return WindowReport(tune, window, self._backend.describe(), how, self._engine.step_times)
+        steps = self._engine.step_times
+        return WindowReport(
+            tune, window, self._backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
+            profile=getattr(costs, "extra", {}).get("profile"),
+        )  # fmt: skip
 
     def _check_one_stage(self, graph: StageGraph) -> None:
         """Refuse a budget too small for the largest stage's slot, saying how to split."""
@@ -434,7 +442,9 @@ class CompiledModel:
         device memory and bottleneck, the choice and why, and measured vs predicted.
 
         With ``window="auto"`` it is the tuner's report; with a fixed window the costs are
-        profiled now (once per signature) to predict every window for comparison."""
+        profiled now (once per signature) to predict every window for comparison. When the
+        measured steps keep missing the prediction it says so (``report.drift``);
+        :meth:`retune` then profiles and tunes again."""
         v = self.variant
         rep = self._reports.get(v.signature)
         if rep is None:
@@ -442,6 +452,68 @@ class CompiledModel:
             rep = self._tune(v, self._last_tensors or [], v.policy, how="fixed")
             self._reports[v.signature] = rep
         return rep
+
+    def retune(self) -> WindowReport:
+        """Profile the costs again and re-run the tuner, for the last input signature.
+
+        The costs are measured again on the device (not taken from the process's cache, which
+        the new profile replaces) and the tuner runs again over the policy's ``"auto"`` fields;
+        if its choice (the window, STRONGHOLD's ``resident_first``) changes, that signature's
+        programs are rebuilt and the next step runs them: weights and optimizer states carry
+        over, so training goes on exactly as before. With a fixed window only the report's
+        predictions are refreshed. For when ``cm.report()`` says the measured steps keep
+        missing the prediction (a profile taken while the machine was busy, say).
+
+        Call it between steps: after ``cm.step()`` and before the next forward.
+
+        Returns:
+            the new :class:`~shfx.cost_model.report.WindowReport` (``cm.report()`` returns it
+            from now on); its measured steps start with the next step.
+
+        Raises:
+            UsageError: before the first call, between a forward and its ``cm.step()``, or for
+                a policy without a window.
+
+        >>> import torch, shfx
+        >>> cm = shfx.compile(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), window="auto",
+        ...                   device=shfx.EmulatedDevice(memory="1MiB"), optimizer=shfx.optim.AdamW(),
+        ...                   blocks=False, num_stages=4)
+        >>> cm(torch.randn(2, 8)).sum().backward(); cm.step(); cm.zero_grad()
+        >>> rep = cm.retune()
+        >>> rep is cm.report() and rep.window == cm.program.num_slots
+        True
+        """
+        self._require_engine("retune")
+        eng = self._engine
+        v = self.variant
+        if eng.holder is not None or eng.pending_updates or (eng.backward_calls and self.optimizer is not None):
+            raise UsageError(
+                "cm.retune() runs between steps, but a step is under way (a forward waiting for its backward, or a "
+                "backward whose optimizer update is pending): finish it with loss.backward() and cm.step() first"
+            )
+        policy = self._options.policy
+        if not policy.windowed:
+            raise UsageError(
+                f"cm.retune() tunes a window, and policy {policy.name!r} has none; use a windowed policy "
+                "(shfx.Stronghold(window='auto'), say) to have shfx choose and re-choose it"
+            )
+        self._settle()
+        how = "auto" if policy.auto else "fixed"
+        tensors = self._last_tensors or []
+        report = self._tune(v, tensors, policy if how == "auto" else v.policy, how, refresh=True)
+        if how == "auto" and report.tune.policy != v.policy:
+            verify = self._options.verify or self._options.verify_each_pass
+            new = dataclasses.replace(with_policy(v, report.tune.policy, verify=verify), passes=v.passes)
+            self._check_capacity(new)
+            self._check_deferrable(new)
+            eng.replace_variant(v, new)
+            for sig, x in self._variants.items():
+                if x is v:
+                    self._variants[sig] = new
+            if self._last is v:
+                self._last = new
+        self._reports[v.signature] = report
+        return report
 
     @property
     def variant(self) -> Variant:
@@ -516,7 +588,9 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             ``shfx.passes.lower_actions``). A field set to ``"auto"`` (``Stronghold(window="auto",
             resident_first="auto")``) is chosen by the tuner at the first call: it profiles the
             costs on the device, simulates every choice and takes the smallest within
-            ``tune_tolerance`` of the fastest that fits (``cm.report()`` explains it).
+            ``tune_tolerance`` of the fastest that fits (``cm.report()`` explains it, and says
+            when the measured steps keep missing the prediction; ``cm.retune()`` then profiles
+            and tunes again).
         window: shorthand for the policy's window (int >= 1; larger than the number of stages
             means all; or ``"auto"``), for a policy given by name or as a function; default the
             policy's own (2). A policy without a window (``"resident"``, ...) refuses one.
@@ -542,7 +616,7 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
     >>> import torch, shfx
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     >>> cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1MiB"), policy=shfx.Stronghold(window=2),
-    ...                   optimizer=shfx.optim.AdamW(lr=1e-3))
+    ...                   optimizer=shfx.optim.AdamW(lr=1e-3), blocks=False, num_stages=4)
     >>> loss = cm(torch.randn(2, 8)).sum(); loss.backward(); cm.step(); cm.zero_grad()
     >>> cm.program.actions()[:4]
     ['PF0', 'PF1', 'F0', 'R0']

@@ -3,84 +3,239 @@
 ``profile_costs(cm_engine, variant, inputs)`` returns a :class:`shfx.cost_model.costs.CostTable`:
 
 - per stage, FORWARD and BACKWARD (with recompute; without for a stage whose forward keeps its
-  graph) from one timing step of a window-1 program with every action serialized, so each is
+  graph) from a timing step of a window-1 program with every action serialized, so each is
   timed alone (wall clock on the emulated device; on CUDA the host waits for each action, so
-  the time includes its launch and one synchronization);
+  the time includes its launch and one synchronization); on the emulated device from a
+  pipelined step of the window-2 program (see the note in :func:`profile_costs`);
 - the links: host->device and device->host bandwidth copying a slot-sized buffer, one
   direction at a time and both at once (the duplex factor);
 - per group, the host optimizer update, run on scratch copies of the group's buffers, the
   host-side add of a staged gradient, and the same update on the device (``device_update_s``,
   for policies that keep the optimizer there).
 
-The timing step changes nothing a user can see: no optimizer update runs, buffers the forward
+**Rounds.** Every action is timed once per *round*, and the rounds repeat (one warm-up round,
+then at least ``rounds``), so a burst of other load on the machine hits a few rounds of every
+action rather than every sample of a few actions. Per action the profile keeps
+:func:`low_median` of its rounds: the median of the fastest half. Other load only ever slows an
+action down, so the estimate stays among the quiet rounds' values while at least about a
+quarter of the rounds are quiet. When the fastest half of the rounds disagrees by more than
+``tolerance`` (the profile is noisy), more rounds run, up to ``max_rounds`` or until the extra
+rounds took ``budget`` times as long as the first ones. The table's ``extra["profile"]`` (a
+:class:`~shfx.cost_model.costs.ProfileStats`) says how many rounds ran, how long they took, how
+far apart the rounds were and whether the fast half agreed; ``extra["rounds"]`` holds every
+sample and ``extra["estimates"]`` the statistic per action.
+
+The timing steps change nothing a user can see: no optimizer update runs, buffers the forward
 mutates (BatchNorm statistics), gradients and the RNG states are restored afterwards.
-Results are cached per (input signature, device) in the process.
+Results are cached per (input signature, device, model graph) in the process;
+``refresh=True`` re-profiles and replaces the cached table (``cm.retune()`` does), and
+``cache=False`` neither reads nor writes the cache.
 """
 
 from __future__ import annotations
 
+import gc
+import re
 import statistics
-import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from shfx.cost_model.costs import CostTable, Links, StageCost
+from shfx.cost_model.costs import CostTable, Links, ProfileStats, StageCost
 from shfx.passes.meta import get_meta
-from shfx.passes.program import ActionKind
 from shfx.passes.pipeline import Variant, with_policy
 from shfx.passes.policies import Stronghold
+from shfx.passes.program import ActionKind
 
 from .runtime.engine import Engine
 from .runtime.host_store import GRAD_NONE, GRAD_VALID
 
-__all__ = ["profile_costs", "measure_links", "clear_cache"]
+__all__ = ["profile_costs", "measure_links", "clear_cache", "low_median", "spread", "run_rounds"]
 
 _CACHE: dict[tuple, CostTable] = {}
+
+# NOTE: defaults measured on a 2-core VM: the fast half of a quiet profile's rounds agrees within
+# a few % of a round, so five rounds end a quiet profile (1.04-1.23x the time of the single pass
+# it replaced); a burst of other load makes the fast half disagree and buys more rounds, at most
+# doubling the profile's time.
+ROUNDS = 5
+MAX_ROUNDS = 15
+TOLERANCE = 0.10
+BUDGET = 1.0
+# a family of actions below this share of a round is left out of the reported spread
+# (microsecond actions jitter by 100% and more, and cannot move a prediction)
+_MIN_SHARE = 0.05
 
 
 def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def low_median(xs: Sequence[float]) -> float:
+    """The median of the fastest half of ``xs`` (the lowest ``ceil(n / 2)`` values), about
+    their lower quartile: samples slowed by other load (which only ever slows a timing down)
+    do not move it while at least about a quarter of them are quiet.
+
+    >>> low_median([1.0, 5.0, 1.1, 4.0, 0.9])
+    1.0
+    """
+    if not xs:
+        raise ValueError("low_median of no samples")
+    s = sorted(xs)
+    return statistics.median(s[: (len(s) + 1) // 2])
 
 
-def measure_links(engine: Engine, nbytes: int, repeats: int = 3) -> Links:
-    """The backend's copies as ``latency + bytes / bandwidth`` per direction (fitted from two
-    sizes around ``nbytes``), and the duplex factor (both directions at once)."""
-    b = engine.backend
-    small = max(1 << 16, int(nbytes))
-    large = 4 * small
-    dev = b.alloc_device(2 * large, "profiling buffer")
-    host = b.alloc_host(2 * large, engine.store.pin)
-    before = (b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h)
+def spread(xs: Sequence[float]) -> float:
+    """How far apart samples are: the median of the slower half over the median of the faster
+    half, minus 1 (about upper over lower quartile); 0.0 for fewer than two samples.
+
+    >>> round(spread([1.0, 1.0, 1.2, 1.2]), 3)
+    0.2
+    """
+    if len(xs) < 2:
+        return 0.0
+    s = sorted(xs)
+    lo = statistics.median(s[: (len(s) + 1) // 2])
+    hi = statistics.median(s[len(s) // 2 :])
+    return hi / lo - 1 if lo > 0 else 0.0
+
+
+def run_rounds(
+    sample: Callable[[], dict[str, float]],
+    family: Callable[[str], str | None],
+    *,
+    rounds: int = ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+    tolerance: float = TOLERANCE,
+    budget: float = BUDGET,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict[str, float], dict[str, list[float]], ProfileStats]:
+    """Run ``sample`` (one round: seconds per action) once to warm up, then at least
+    ``rounds`` times, and more while the profile is noisy; return per action the
+    :func:`low_median` of its rounds, every round's samples, and how steady it was.
+
+    ``family`` puts an action in a family (``"compute"``, ``"links"``, ``"host"``; None: none).
+    The profile is *steady* when, for every family, the fastest half of the rounds agrees: its
+    median is within ``tolerance`` of a round's time (all families) above the fastest round
+    (``low_median(f) - min(f) <= tolerance * low_median(round totals)``); then the estimates
+    come from quiet rounds, and what noise is left moves a step's cost by less than
+    ``tolerance``. While it is not, more rounds run, up to ``max_rounds`` and as long as the
+    extra rounds take at most ``budget`` times what the warm-up and the first ``rounds`` took.
+    The garbage collector is off during the rounds (as ``timeit`` does): a full collection of
+    a compiled model's graphs takes long enough to disturb a round.
+
+    >>> import itertools
+    >>> load = itertools.cycle([1.0, 1.0, 9.0])  # every third round hit by a burst
+    >>> est, samples, stats = run_rounds(lambda: {"F0": 0.01 * next(load)}, lambda k: "compute")
+    >>> round(est["F0"], 6), stats.rounds, stats.steady
+    (0.01, 5, True)
+    """
+    if rounds < 1 or max_rounds < rounds:
+        raise ValueError(f"need 1 <= rounds <= max_rounds, got rounds={rounds}, max_rounds={max_rounds}")
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
+        return _rounds(sample, family, rounds, max_rounds, tolerance, budget, clock)
+    finally:
+        if gc_was_on:
+            gc.enable()
 
-        def one(stream, copy, dst, src) -> float:
-            return _timed(lambda: stream.submit(lambda: copy(dst, src)).wait(), repeats)
 
-        fit = {}
-        for name, stream, copy, a, c in (
-            ("h2d", b.h2d, b.h2d_copy, dev, host),
-            ("d2h", b.d2h, b.d2h_copy, host, dev),
-        ):
-            t_small = one(stream, copy, a[:small], c[:small])
-            t_large = one(stream, copy, a[:large], c[:large])
-            if t_large - t_small <= 1e-6:  # no measurable bandwidth: latency only
-                fit[name] = (None, t_small)
-            else:
-                bps = (large - small) / (t_large - t_small)
-                fit[name] = (bps, max(0.0, t_small - small / bps))
+def _rounds(
+    sample: Callable[[], dict[str, float]],
+    family: Callable[[str], str | None],
+    rounds: int,
+    max_rounds: int,
+    tolerance: float,
+    budget: float,
+    clock: Callable[[], float],
+) -> tuple[dict[str, float], dict[str, list[float]], ProfileStats]:
+    t0 = clock()
+    sample()  # warm-up: first touches, lazy allocations, kernel loads
+    samples: dict[str, list[float]] = {}
+    totals: list[dict[str, float]] = []
+    base_s: float | None = None
+    steady = False
+    while True:
+        one = sample()
+        tot: dict[str, float] = {}
+        for k, v in one.items():
+            samples.setdefault(k, []).append(v)
+            f = family(k)
+            if f is not None:
+                tot[f] = tot.get(f, 0.0) + v
+        totals.append(tot)
+        n = len(totals)
+        if n < rounds:
+            continue
+        if base_s is None:
+            base_s = clock() - t0
+        steady = _steady(totals, tolerance)
+        elapsed = clock() - t0
+        per_round = elapsed / (n + 1)
+        if steady or n >= max_rounds or elapsed + per_round > (1 + budget) * base_s:
+            break
+    stats = ProfileStats(
+        rounds=len(totals),
+        seconds=clock() - t0,
+        spread={f: spread([t.get(f, 0.0) for t in totals]) for f in _families(totals)},
+        steady=steady,
+        tolerance=tolerance,
+    )
+    return {k: low_median(v) for k, v in samples.items()}, samples, stats
+
+
+def _families(totals: list[dict[str, float]]) -> list[str]:
+    """The families that make up at least ``_MIN_SHARE`` of a (fast) round."""
+    lows = {f: low_median([t.get(f, 0.0) for t in totals]) for f in sorted({f for t in totals for f in t})}
+    whole = sum(lows.values())
+    return [f for f, v in lows.items() if whole <= 0 or v >= _MIN_SHARE * whole]
+
+
+def _steady(totals: list[dict[str, float]], tolerance: float) -> bool:
+    fams = sorted({f for t in totals for f in t})
+    whole = low_median([sum(t.values()) for t in totals])
+    for f in fams:
+        xs = [t.get(f, 0.0) for t in totals]
+        if low_median(xs) - min(xs) > tolerance * whole:
+            return False
+    return True
+
+
+# ---- the links -------------------------------------------------------------------------------------
+class _LinkProbe:
+    """Copies of a slot-sized buffer and of four times that, each direction alone and both at
+    once; :meth:`sample` times each once, :meth:`fit` turns samples into :class:`Links`."""
+
+    KEYS = ("link h2d small", "link h2d large", "link d2h small", "link d2h large", "link both")
+
+    def __init__(self, engine: Engine, nbytes: int):
+        self.engine = engine
+        self.small = max(1 << 16, int(nbytes))
+        self.large = 4 * self.small
+
+    @contextmanager
+    def buffers(self) -> Iterator[_LinkProbe]:
+        b = self.engine.backend
+        self.dev = b.alloc_device(2 * self.large, "profiling buffer")
+        self.host = b.alloc_host(2 * self.large, self.engine.store.pin)
+        before = (b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h)
+        try:
+            yield self
+        finally:
+            b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h = before  # not the model's traffic
+            b.free_device(self.dev)
+
+    def sample(self) -> dict[str, float]:
+        b, dev, host, small, large = self.engine.backend, self.dev, self.host, self.small, self.large
+
+        def timed(fn: Callable[[], None]) -> float:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
 
         def both() -> None:
             t1 = b.h2d.submit(lambda: b.h2d_copy(dev[:large], host[:large]))
@@ -88,34 +243,98 @@ def measure_links(engine: Engine, nbytes: int, repeats: int = 3) -> Links:
             t1.wait()
             t2.wait()
 
-        t_both = _timed(both, repeats)
-    finally:
-        b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h = before  # not the model's traffic
-        b.free_device(dev)
-    latency = (fit["h2d"][1] + fit["d2h"][1]) / 2
-    if fit["h2d"][0] is None or fit["d2h"][0] is None:
-        duplex = 1.0
-    else:
-        alone = max(large / fit["h2d"][0], large / fit["d2h"][0])
-        duplex = min(1.0, max(0.05, alone / max(t_both - latency, 1e-9)))
-    return Links(fit["h2d"][0], fit["d2h"][0], duplex=round(duplex, 3), latency_s=latency)
+        return {
+            "link h2d small": timed(lambda: b.h2d.submit(lambda: b.h2d_copy(dev[:small], host[:small])).wait()),
+            "link h2d large": timed(lambda: b.h2d.submit(lambda: b.h2d_copy(dev[:large], host[:large])).wait()),
+            "link d2h small": timed(lambda: b.d2h.submit(lambda: b.d2h_copy(host[:small], dev[:small])).wait()),
+            "link d2h large": timed(lambda: b.d2h.submit(lambda: b.d2h_copy(host[:large], dev[:large])).wait()),
+            "link both": timed(both),
+        }
+
+    def fit(self, est: dict[str, float]) -> Links:
+        """``latency + bytes / bandwidth`` per direction from the two sizes, and the duplex
+        factor from both directions at once."""
+        small, large = self.small, self.large
+        fit: dict[str, tuple[float | None, float]] = {}
+        for d in ("h2d", "d2h"):
+            t_small, t_large = est[f"link {d} small"], est[f"link {d} large"]
+            if t_large - t_small <= 1e-6:  # no measurable bandwidth: latency only
+                fit[d] = (None, t_small)
+            else:
+                bps = (large - small) / (t_large - t_small)
+                fit[d] = (bps, max(0.0, t_small - small / bps))
+        latency = (fit["h2d"][1] + fit["d2h"][1]) / 2
+        h2d, d2h = fit["h2d"][0], fit["d2h"][0]
+        if h2d is None or d2h is None:
+            duplex = 1.0
+        else:
+            alone = max(large / h2d, large / d2h)
+            duplex = min(1.0, max(0.05, alone / max(est["link both"] - latency, 1e-9)))
+        return Links(h2d, d2h, duplex=round(duplex, 3), latency_s=latency)
 
 
-def _update_s(engine: Engine, g: int, repeats: int) -> tuple[float, float]:
-    """Host optimizer update and gradient add for group ``g``, on scratch buffers."""
-    grp = engine.store.groups[g]
-    n = grp.trainable_numel
-    if n == 0:
-        return 0.0, 0.0
-    t_update = engine.optimizer.time_update(g, engine.optimizer.config.hyperparams(), repeats) if engine.optimizer else 0.0
-    a, c = torch.zeros(n, dtype=grp.dtypes.grad), torch.zeros(n, dtype=grp.dtypes.device_grad)
-    return t_update, _timed(lambda: a.add_(c), repeats)
+def measure_links(engine: Engine, nbytes: int, repeats: int = ROUNDS) -> Links:
+    """The backend's copies as ``latency + bytes / bandwidth`` per direction (fitted from two
+    sizes around ``nbytes``), and the duplex factor (both directions at once): one warm-up
+    round, then ``repeats`` rounds, each size and direction's :func:`low_median`."""
+    probe = _LinkProbe(engine, nbytes)
+    with probe.buffers():
+        est, _, _ = run_rounds(probe.sample, lambda k: "links", rounds=repeats, max_rounds=repeats)
+    return probe.fit(est)
 
 
-def _device_update_s(engine: Engine, g: int, repeats: int) -> float:
-    """AdamW of group ``g`` on the device (``DEVICE_STEP``), on scratch device tensors. A group
-    too large for four scratch copies in the free device memory is timed on a slice and scaled
-    by its size (the update is elementwise, linear in the number of parameters)."""
+# ---- optimizer updates ---------------------------------------------------------------------------
+class _HostProbe:
+    """The host optimizer update and the gradient add of every group, on scratch buffers
+    shared by the groups of the same dtypes (sized for the largest: as much memory as timing
+    the largest group alone, allocated once for all rounds)."""
+
+    def __init__(self, engine: Engine, groups: Sequence[int]):
+        self.engine = engine
+        st = engine.store
+        self.groups = [g for g in groups if st.groups[g].trainable_numel]
+        self.opt = engine.optimizer
+        self.hp = self.opt.config.hyperparams() if self.opt is not None else {}
+        largest: dict[tuple, int] = {}
+        for g in self.groups:
+            grp = st.groups[g]
+            key = self._key(g)
+            if key not in largest or grp.trainable_numel > st.groups[largest[key]].trainable_numel:
+                largest[key] = g
+        self.scratch: dict[tuple, list[torch.Tensor]] = {}
+        self.addend: dict[tuple, torch.Tensor] = {}
+        for key, g in largest.items():
+            grp = st.groups[g]
+            if self.opt is not None:
+                self.scratch[key] = self.opt.scratch(g)
+            else:
+                self.scratch[key] = [torch.empty(0), torch.zeros(grp.trainable_numel, dtype=grp.dtypes.grad)]
+            self.addend[key] = torch.zeros(grp.trainable_numel, dtype=grp.dtypes.device_grad)
+
+    def _key(self, g: int) -> tuple:
+        dt = self.engine.store.groups[g].dtypes
+        return (dt.master, dt.grad, dt.state, dt.device_grad)
+
+    def sample(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for g in self.groups:
+            n = self.engine.store.groups[g].trainable_numel
+            key = self._key(g)
+            scratch = self.scratch[key]
+            if self.opt is not None:
+                out[f"update {g}"] = self.opt.time_update_on(g, self.hp, scratch)
+            a, c = scratch[1][:n], self.addend[key][:n]
+            t0 = time.perf_counter()
+            a.add_(c)
+            out[f"add {g}"] = time.perf_counter() - t0
+        return out
+
+
+def _device_update_sample(engine: Engine, g: int) -> float:
+    """One AdamW of group ``g`` on the device (``DEVICE_STEP``), on scratch device tensors
+    allocated for it. A group too large for four scratch copies in the free device memory is
+    timed on a slice and scaled by its size (the update is elementwise, linear in the number
+    of parameters)."""
     from .errors import OutOfDeviceMemory
 
     grp = engine.store.groups[g]
@@ -133,15 +352,16 @@ def _device_update_s(engine: Engine, g: int, repeats: int) -> float:
                 t.zero_()
             p, gr, m, v = ([t] for t in bufs)
             step = [torch.zeros((), dtype=torch.float32, device=b.device)]
-
-            def adam(p=p, gr=gr, m=m, v=v, step=step) -> None:
-                torch._fused_adamw_(p, gr, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
-
-            def run() -> None:
-                b.compute.submit(adam).wait()
-                b.synchronize()
-
-            return _timed(run, repeats) * (n / part)
+            b.synchronize()
+            t0 = time.perf_counter()
+            b.compute.submit(
+                lambda: torch._fused_adamw_(
+                    p, gr, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+                    amsgrad=False, maximize=False,
+                )  # fmt: skip
+            ).wait()
+            b.synchronize()
+            return (time.perf_counter() - t0) * (n / part)
         except OutOfDeviceMemory:
             if part <= 1 << 14:
                 raise
@@ -151,9 +371,23 @@ def _device_update_s(engine: Engine, g: int, repeats: int) -> float:
                 b.free_device(t.view(torch.uint8))
 
 
+def _dispatch_sample(engine: Engine, hops: int = 40) -> float:
+    """The hand-off of one action between two streams (issue, wake-up, completion), averaged
+    over ``hops`` hand-offs."""
+    b = engine.backend
+    noop = lambda: None  # noqa: E731
+    t0 = time.perf_counter()
+    tok = None
+    for i in range(hops):
+        stream = b.compute if i % 2 else b.h2d
+        tok = stream.submit(noop, [tok] if tok is not None else [])
+    tok.wait()
+    return (time.perf_counter() - t0) / hops
+
+
 class _Snapshot:
     """What a timing step may change and must give back: RNG states, gradient buffers and
-    their state, and buffers the forward mutates."""
+    their state, buffers the forward mutates, and the engine's current variant."""
 
     def __init__(self, engine: Engine, variant: Variant):
         self.engine = engine
@@ -162,6 +396,7 @@ class _Snapshot:
         self.dev_rng = engine.backend.get_rng_state()
         self.grad_state = list(st.grad_state)
         self.grads = {g: st.grad(g).clone() for g, s in enumerate(st.grad_state) if s == GRAD_VALID}
+        self.current = engine.current
         self.buffers = []
         for stage in variant.graph.stages:
             for c in stage.slot.buffers_out:
@@ -187,104 +422,141 @@ class _Snapshot:
             if st.grad_state[g] == GRAD_NONE:
                 for _, p in keys:
                     p.grad = None
+        self.engine.current = self.current  # a pipelined timing step made its program current
 
 
-def profile_costs(engine: Engine, variant: Variant, inputs: list[torch.Tensor], *, repeats: int = 3, cache: bool = True) -> CostTable:
-    """Measure stage, link and optimizer costs of ``variant`` on ``engine``'s backend."""
-    key = (variant.signature, engine.backend.describe(), len(variant.graph.stages))
-    if cache and key in _CACHE:
+def _timing_step(
+    engine: Engine, variant: Variant, program_variant: Variant, inputs: list[torch.Tensor], serial: bool
+) -> dict[str, list[float]]:
+    """One forward and backward of ``program_variant`` without an update; seconds per traced
+    action (``"F3@forward"``), compute actions only unless ``serial``, and, for a serialized
+    step, the gap between the forward and the backward phase (``"gap"``)."""
+    outs, ctx = engine.forward(program_variant, inputs, grad=True, serial=serial)
+    grads = [
+        torch.ones_like(o) if variant.graph.values[v].differentiable else None
+        for o, v in zip(outs, variant.graph.outputs)
+    ]
+    engine.backward(ctx, grads, profile=True, serial=serial)
+    out: dict[str, list[float]] = {}
+    for e in engine.trace:
+        if serial or e.stream == "compute":
+            out.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
+    if serial:
+        fwd_end = max(e.end for e in engine.trace if e.phase == "forward")
+        bwd_start = min(e.start for e in engine.trace if e.phase == "backward")
+        out["gap"] = [bwd_start - fwd_end]
+    return out
+
+
+def _cache_key(engine: Engine, variant: Variant) -> tuple:
+    # NOTE: the graph's code is part of the key: two models with the same input signature and
+    # stage count (a GPT with and without dropout) have different costs.
+    return (variant.signature, engine.backend.describe(), len(variant.graph.stages), hash(variant.captured.gm.code))
+
+
+def profile_costs(
+    engine: Engine,
+    variant: Variant,
+    inputs: list[torch.Tensor],
+    *,
+    rounds: int = ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+    tolerance: float = TOLERANCE,
+    budget: float = BUDGET,
+    cache: bool = True,
+    refresh: bool = False,
+) -> CostTable:
+    """Measure stage, link and optimizer costs of ``variant`` on ``engine``'s backend.
+
+    Args:
+        rounds, max_rounds, tolerance, budget: the rounds (module docstring, :func:`run_rounds`).
+        cache: read and write the process-wide cache (per input signature, device and graph).
+        refresh: re-profile even when cached, and replace the cached table.
+
+    Example (``cm`` compiled and called once)::
+
+        costs = profile_costs(cm.engine, cm.variant, [x, y], refresh=True)
+        print(costs.extra["profile"].summary())   # 5 rounds in 0.41 s; ... (steady)
+    """
+    key = _cache_key(engine, variant)
+    if cache and not refresh and key in _CACHE:
         return _CACHE[key]
+    if engine.pending_updates:
+        raise RuntimeError("cannot profile while an optimizer update is pending; call cm.step() first")
     specs = variant.graph.specs
     probe = with_policy(variant, Stronghold(window=1))
     program = probe.train
-    if engine.pending_updates:
-        raise RuntimeError("cannot profile while an optimizer update is pending; call cm.step() first")
-    snap = _Snapshot(engine, variant)
     emulated = engine.backend.name == "emulated"
-    warm: dict[str, list[float]] = {}
-    pipelined: dict[str, list[float]] = {}
-    gaps: list[float] = []
-    with engine.profiling(), snap:
-        engine.ensure_pool(probe.slot_sizes)
-        # NOTE: compute is timed with copies unthrottled, so no compute action follows an idle
-        # stretch. (When compute ran on a worker thread, an action after ~4 ms of idle ran ~1.5x
-        # slower and was profiled that way; compute now runs on the calling thread and the
-        # slowdown is gone (benchmarks/sim_accuracy.py), so no cold costs are taken. The
-        # simulator still accepts them: StageCost.*_cold_s and CostTable.cold_idle_s.)
+    # NOTE: compute timed alone runs 3-12% faster than inside a pipelined step, where copy,
+    # host and optimizer threads share the processor (benchmarks/sim_accuracy.py); so on the
+    # emulated device the compute costs come from pipelined steps of the window-2 program (no
+    # update), measured with the device's real links, and the serialized step gives the gap.
+    pipe_v = with_policy(variant, Stronghold(window=2)) if emulated and len(specs) > 1 else None
+    groups = [st.update_group for st in specs if st.update_group is not None]
+    device_groups = groups if engine.optimizer is not None else []
+    compute_src = "pipelined" if pipe_v is not None else "serial"
+
+    def family(k: str) -> str | None:
+        if k.startswith("link "):
+            return "links"
+        if k.startswith(("update ", "add ")):
+            return "host"
+        if k == "gap" or k.startswith("device update ") or re.fullmatch(rf"{compute_src} [FB]\d+@\w+", k):
+            return "compute"
+        return None
+
+    links = _LinkProbe(engine, variant.graph.slot_bytes)
+    host = _HostProbe(engine, groups)
+
+    def one_round() -> dict[str, float]:
+        out: dict[str, float] = {}
+        # NOTE: the serialized step runs with copies unthrottled, so no compute action follows
+        # an idle stretch. (When compute ran on a worker thread, an action after ~4 ms of idle
+        # ran ~1.5x slower and was profiled that way; compute now runs on the calling thread
+        # and the slowdown is gone (benchmarks/sim_accuracy.py), so no cold costs are taken.
+        # The simulator still accepts them: StageCost.*_cold_s and CostTable.cold_idle_s.)
         with engine.backend.unthrottled():
-            for _ in range(repeats + 1):
-                outs, ctx = engine.forward(probe, inputs, grad=True, serial=True)
-                grads = [
-                    torch.ones_like(o) if variant.graph.values[v].differentiable else None
-                    for o, v in zip(outs, variant.graph.outputs)
-                ]
-                engine.backward(ctx, grads, profile=True)
-                for e in engine.trace:
-                    warm.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
-                fwd_end = max(e.end for e in engine.trace if e.phase == "forward")
-                bwd_start = min(e.start for e in engine.trace if e.phase == "backward")
-                gaps.append(bwd_start - fwd_end)
-        # NOTE: compute timed alone runs 3-12% faster than inside a pipelined step, where copy,
-        # host and optimizer threads share the processor (benchmarks/sim_accuracy.py); so the
-        # compute costs come from pipelined steps of the window-2 program (no update), the
-        # serialized step above giving the phase gap. Measured with the device's real links.
-        if emulated and len(specs) > 1:
-            pipe_v = with_policy(variant, Stronghold(window=2))
-            engine.ensure_pool(pipe_v.slot_sizes)
-            for _ in range(2 * repeats + 1):  # more steps: the median rides out short bursts of other load
-                outs, ctx = engine.forward(pipe_v, inputs, grad=True)
-                grads = [
-                    torch.ones_like(o) if variant.graph.values[v].differentiable else None
-                    for o, v in zip(outs, variant.graph.outputs)
-                ]
-                engine.backward(ctx, grads, profile=True, serial=False)
-                for e in engine.trace:
-                    if e.stream == "compute":
-                        pipelined.setdefault(f"{e.action}@{e.phase}", []).append(e.end - e.start)
+            for k, xs in _timing_step(engine, variant, probe, inputs, serial=True).items():
+                out[k if k == "gap" else f"serial {k}"] = statistics.median(xs)
+        if pipe_v is not None:
+            for k, xs in _timing_step(engine, variant, pipe_v, inputs, serial=False).items():
+                out[f"pipelined {k}"] = statistics.median(xs)
+        out.update(links.sample())
+        out.update(host.sample())
+        for g in device_groups:
+            out[f"device update {g}"] = _device_update_sample(engine, g)
+        if emulated:
+            out["dispatch"] = _dispatch_sample(engine)
+        return out
+
+    with engine.profiling(), _Snapshot(engine, variant), links.buffers():
+        engine.ensure_pool((pipe_v or probe).slot_sizes)
+        est, samples, stats = run_rounds(
+            one_round, family, rounds=rounds, max_rounds=max_rounds, tolerance=tolerance, budget=budget
+        )  # fmt: skip
     keep = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == ActionKind.FORWARD and get_meta(n).keep_graph}
-
-    def med(d: dict[str, list[float]], name: str) -> float | None:
-        xs = d.get(name, [])
-        return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else None  # drop the warm-up
-
-    links = measure_links(engine, variant.graph.slot_bytes)
     costs = []
-    compute = pipelined or warm
     for st in specs:
-        f = med(compute, f"F{st.index}@forward") or 0.0
-        b = med(compute, f"B{st.index}@backward") or 0.0
-        upd, add = _update_s(engine, st.update_group, 3) if st.update_group is not None else (0.0, 0.0)
-        dev_upd = _device_update_s(engine, st.update_group, 3) if st.update_group is not None and engine.optimizer else 0.0
+        f = est.get(f"{compute_src} F{st.index}@forward", 0.0)
+        b = est.get(f"{compute_src} B{st.index}@backward", 0.0)
+        g = st.update_group
+        upd = est.get(f"update {g}", 0.0) if g is not None else 0.0
+        add = est.get(f"add {g}", 0.0) if g is not None else 0.0
+        dev_upd = est.get(f"device update {g}", 0.0) if g is not None else 0.0
         kept = {"backward_s": b + f, "backward_kept_s": b} if st.index in keep else {"backward_s": b}
         costs.append(StageCost(forward_s=f, update_s=upd, accumulate_s=add, device_update_s=dev_upd, **kept))
     table = CostTable(
         costs,
-        links,
+        links.fit(est),
         optimizer_workers=_workers(engine),
         source=f"profiled on {engine.backend.describe()}",
-        extra={"durations": warm, "pipelined": pipelined},
-        dispatch_s=_dispatch_s(engine) if emulated else 0.0,
-        phase_gap_s=statistics.median(gaps) if gaps else 0.0,
+        extra={"profile": stats, "rounds": samples, "estimates": est},
+        dispatch_s=est.get("dispatch", 0.0),
+        phase_gap_s=est.get("gap", 0.0),
     )
-    if cache:
+    if cache or refresh:
         _CACHE[key] = table
     return table
-
-
-def _dispatch_s(engine: Engine, hops: int = 40) -> float:
-    """Median hand-off of one action between two streams (issue, wake-up, completion)."""
-    b = engine.backend
-    noop = lambda: None  # noqa: E731
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        tok = None
-        for i in range(hops):
-            stream = b.compute if i % 2 else b.h2d
-            tok = stream.submit(noop, [tok] if tok is not None else [])
-        tok.wait()
-        times.append((time.perf_counter() - t0) / hops)
-    return statistics.median(times)
 
 
 def _workers(engine: Engine) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -68,9 +69,11 @@ def test_host_optimizer_bound_is_reported():
 
 
 def test_auto_window_end_to_end(tmp_path):
-    """window="auto" on the emulated device: profiles, tunes, trains, reports."""
-    chosen = {}
-    for name, bw in (("slow", "10MB/s"), ("fast", None)):  # slow: link-bound even on a loaded machine
+    """window="auto" on the emulated device: profiles, tunes, trains, reports, writes a trace
+    and JSON. Nothing here depends on how fast the machine is (which bound the profile finds
+    and which window wins do: other processes change them); the decisions are checked on fixed
+    costs below, and measured in benchmarks/sim_accuracy.py."""
+    for bw in ("10MB/s", None):
         torch.manual_seed(0)
         cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB", h2d=bw, d2h=bw), window="auto", optimizer=shfx.optim.AdamW())
         (x, y), _, _ = token_batch(0)
@@ -79,22 +82,53 @@ def test_auto_window_end_to_end(tmp_path):
             cm.step()
             cm.zero_grad()
         rep = cm.report()
-        chosen[name] = rep.window
-        assert cm.program.num_slots == rep.window
+        n = len(cm.stages.stages)
+        assert rep.how == "auto" and 1 <= rep.window <= n
+        assert [r.window for r in rep.tune.rows] == list(range(1, n + 1))
+        assert cm.program.num_slots == rep.window == rep.tune.window
+        assert rep.predicted_s == rep.tune.chosen.step_s > 0
+        assert rep.tune.chosen.bottleneck in ("compute", "link", "host optimizer")
+        assert rep.profile is not None and rep.profile.rounds >= 5
         assert len(rep.measured_s) == 3 and rep.measured_median_s > 0
+        assert rep.drift is None  # three steps are too few to say
         text = str(rep)
-        assert "window=auto" in text and "<- chosen" in text and "measured:" in text
-        if name == "slow":
-            assert rep.tune.chosen.bottleneck == "link"
-            # one slot cannot overlap any transfer: clearly slower than the choice
-            assert rep.tune.row(1).step_s > 1.2 * rep.tune.chosen.step_s
-            trace = json.loads(open(rep.save_trace(tmp_path / "trace.json")).read())
-            assert trace["traceEvents"]
-            rep.save_json(tmp_path / "report.json")
+        assert "window=auto" in text and "<- chosen" in text and "measured:" in text and "profile: " in text
+        trace = json.loads(open(rep.save_trace(tmp_path / "trace.json")).read())
+        assert trace["traceEvents"]
+        saved = json.loads(open(rep.save_json(tmp_path / "report.json")).read())
+        assert saved["chosen"] == rep.window and len(saved["rows"]) == n and saved["profile"]["rounds"] >= 5
         cm.close()
-    # NOTE: >=, not >: how much W=3 gains over W=2 on the slow link (~3% here, against a 2%
-    # tolerance) depends on compute speed, which other processes on the machine change
-    assert chosen["slow"] >= chosen["fast"] >= 1
+
+
+def _gpt_tied_specs():
+    """The stage specs of the model test_auto_window_end_to_end tunes (a fixed window: nothing
+    is profiled)."""
+    torch.manual_seed(0)
+    cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB"), window=1)
+    (x, y), _, _ = token_batch(0)
+    cm(x, y)
+    specs = cm.stages.specs
+    cm.close()
+    return specs
+
+
+def test_link_speed_decides_the_window_on_fixed_costs():
+    """The end-to-end test's decisions, on fixed costs for the same model: costs like a quiet
+    profile of it (a block's forward 0.3 ms, backward 0.9 ms). A 10 MB/s link makes the step
+    link-bound and wants a deeper window than an unthrottled-fast link; W=1 is clearly slower."""
+    specs = _gpt_tied_specs()
+    n = len(specs)
+
+    def table(bps):
+        return CostTable([StageCost(3e-4, 9e-4, update_s=5e-5)] * n, Links(bps, bps, latency_s=1e-4))
+
+    fast = tune_window(specs, table(25e9), capacity_bytes=64 * MB)
+    slow = tune_window(specs, table(10e6), capacity_bytes=64 * MB)
+    assert fast.chosen.bottleneck == "compute" and fast.window <= 2
+    assert slow.chosen.bottleneck == "link"
+    assert slow.window > fast.window
+    assert slow.row(1).step_s > 1.2 * slow.chosen.step_s  # one slot cannot overlap any transfer
+    assert f"W={slow.window - 1} would be" in slow.reason
 
 
 def test_report_for_a_fixed_window():
@@ -166,3 +200,83 @@ def test_profiling_gives_back_device_memory():
     cm.report()  # profiles with a window-2 program
     assert cm.engine.pool.sizes == pool and cm.backend.used_bytes == used
     cm.close()
+
+
+# ---- drift: measured steps that keep missing the prediction ----------------------------------------
+def _report(measured):
+    from shfx.cost_model.report import WindowReport
+
+    r = tune_window(specs(), costs(2e9))
+    return WindowReport(r, r.window, "synthetic", "auto", list(measured))
+
+
+def test_drift_fires_when_the_steps_run_far_from_the_prediction():
+    """The issue's case: predicted 2.39 s, measured 0.17 s, from the first step on."""
+    from shfx.cost_model.report import detect_drift
+
+    d = detect_drift([5.0] + [0.17] * 25, predicted_s=2.39)  # the first step (capture) is skipped
+    assert d is not None and d.since_step == 2 and d.steps == 25
+    assert d.error == pytest.approx(0.17 / 2.39 - 1)
+    text = str(d)
+    assert "93% faster than predicted" in text and "since about step 2" in text and "cm.retune()" in text
+    slower = detect_drift([0.1] * 5 + [0.3] * 20, predicted_s=0.1)
+    assert slower is not None and "200% slower" in str(slower) and slower.since_step == 6
+
+
+def test_drift_does_not_fire_within_noise_or_on_a_burst():
+    """Steps within +-20% of the prediction (noise), a burst of 4 slow steps, a slow capture
+    step: no drift. Too few steps to say: none either."""
+    from shfx.cost_model.report import detect_drift
+
+    rng = random.Random(0)
+    noisy = [3.0] + [0.1 * rng.uniform(0.8, 1.2) for _ in range(200)]
+    assert detect_drift(noisy, predicted_s=0.1) is None
+    burst = [3.0] + [0.1] * 30 + [0.5] * 4 + [0.1] * 30
+    assert detect_drift(burst, predicted_s=0.1) is None
+    # 18 off steps: 9 rolling medians of 10 steps; the 19th makes the 10th
+    assert detect_drift([3.0] + [0.5] * 18, predicted_s=0.1) is None
+    assert detect_drift([3.0] + [0.5] * 19, predicted_s=0.1) is not None
+
+
+def test_drift_ignores_a_toy_models_millisecond_miss():
+    """A 4 ms step measured at 5.2 ms (+30%, the per-step overhead the simulator leaves out on a
+    toy model) is no drift; at 12 ms it is."""
+    from shfx.cost_model.report import detect_drift
+
+    assert detect_drift([0.05] + [0.0052] * 40, predicted_s=0.004) is None
+    assert detect_drift([0.05] + [0.012] * 40, predicted_s=0.004) is not None
+    assert detect_drift([0.05] + [0.0052] * 40, predicted_s=0.004, min_s=0.0) is not None
+
+
+def test_drift_ends_when_the_steps_come_back():
+    from shfx.cost_model.report import detect_drift
+
+    assert detect_drift([1.0] + [0.3] * 30 + [0.1] * 10, predicted_s=0.1) is None
+
+
+def test_report_says_drift_and_offers_a_retune():
+    rep = _report([])
+    p = rep.predicted_s
+    rep.measured_s.extend([p] * 30)
+    assert rep.drift is None and "drift" not in str(rep)
+    rep.measured_s.extend([4 * p] * 25)
+    d = rep.drift
+    assert d is not None and d.measured_s == pytest.approx(4 * p) and d.since_step == 31
+    text = str(rep)
+    assert "drift: the measured steps have run 300% slower than predicted" in text and "cm.retune()" in text
+    assert rep.to_dict()["drift"]["since_step"] == 31
+    # a report made by a retune counts only its own steps
+    later = _report([])
+    later.measured_s.extend(rep.measured_s)
+    later.first_step = len(later.measured_s)
+    assert later.drift is None and later.steps_s == [] and "no steps yet" in str(later)
+    later.measured_s.extend([p] * 5)
+    assert later.measured_median_s == pytest.approx(p) and later.to_dict()["measured_s"] == [p] * 5
+
+
+def test_drift_settings_are_the_reports():
+    rep = _report([])
+    rep.measured_s.extend([rep.predicted_s] + [1.15 * rep.predicted_s] * 30)
+    assert rep.drift is None
+    rep.drift_threshold = 0.1
+    assert rep.drift is not None and rep.drift.threshold == 0.1

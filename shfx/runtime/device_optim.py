@@ -75,6 +75,25 @@ class DeviceAdamW:
             maximize=hp["maximize"],
         )
 
+    def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Group ``g``'s ``(step, m, v)`` copied to the host, its device states freed (the group
+        is updated on the host from now on); None when it has none."""
+        st = self.state.pop(g, None)
+        if st is None:
+            return None
+        out = (st.step.cpu(), st.m.cpu(), st.v.cpu())
+        self.backend.free_device(st.m.view(torch.uint8), f"optimizer state 0 of group {g}", STATES)
+        self.backend.free_device(st.v.view(torch.uint8), f"optimizer state 1 of group {g}", STATES)
+        return out
+
+    def put(self, group: Group, step: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Take over group ``group``'s states from the host (it is updated on the device from now on)."""
+        self.ensure([group])
+        st = self.state[group.index]
+        st.step.copy_(step)
+        st.m.copy_(m)
+        st.v.copy_(v)
+
     def close(self) -> None:
         for st in self.state.values():
             self.backend.free_device(st.m.view(torch.uint8), f"optimizer state 0 of group {st.group}", STATES)

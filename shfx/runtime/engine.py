@@ -473,6 +473,32 @@ class Engine:
             raise errors[0]
         self.loaded = variant
 
+    def replace_variant(self, old: Variant, new: Variant) -> None:
+        """``new`` takes ``old``'s place between steps (a retune rebuilt its programs): weights
+        updated on the device go back to the host and the persistent stages reload at the next
+        forward, the optimizer states of groups that change sides (host <-> device) move with
+        them, and the slot pool takes ``new``'s sizes (another signature's grow it back)."""
+        if self.pending_updates or self.holder is not None:
+            raise UsageError("the programs can only change between steps; finish the step (backward, cm.step()) first")
+        self.finish_delayed(refresh=False)
+        self.sync_to_host()
+        self.loaded = None
+        if self.current is old:
+            self.current = new
+        if self.optimizer is not None and self.device_optimizer is not None:
+            for g in sorted(old.device_groups - new.device_groups):
+                st = self.device_optimizer.take(g)
+                if st is not None:
+                    self.optimizer.put(g, *st)
+            for g in sorted(new.device_groups - old.device_groups):
+                st = self.optimizer.take(g)
+                if st is not None:
+                    self.device_optimizer.put(self.store.groups[g], *st)
+        for g in old.device_groups ^ new.device_groups:
+            self.gradients.device_state.pop(g, None)
+        if self.pool is not None:
+            self.pool.set_sizes(list(new.slot_sizes))
+
     def invalidate_device_weights(self) -> None:
         """The host weights changed (load_state_dict): persistent stages reload before the next step."""
         self.wait_delayed()

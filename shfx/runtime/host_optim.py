@@ -102,6 +102,25 @@ class HostAdamW:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
             return st
 
+    def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Group ``g``'s ``(step, exp_avg, exp_avg_sq)``, dropped here (the group is updated on
+        the device from now on); None when it has none."""
+        with self._lock:
+            st = self.state.get(g)
+            if st is None:
+                return None
+            if st.max_exp_avg_sq is not None:
+                raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
+            del self.state[g]
+        return st.step, st.exp_avg, st.exp_avg_sq
+
+    def put(self, g: int, step: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Take over group ``g``'s states (it is updated on the host from now on)."""
+        st = self._state(g, amsgrad=False)
+        st.step.copy_(step)
+        st.exp_avg.copy_(exp_avg)
+        st.exp_avg_sq.copy_(exp_avg_sq)
+
     def update(self, g: int, hp: dict) -> None:
         if self.store.master(g).numel() == 0:
             return
@@ -130,30 +149,39 @@ class HostAdamW:
         """Median seconds of one update of group ``g``, run on scratch buffers laid out like the
         group's (the same views and kernel calls as :meth:`update`), leaving the state untouched."""
         import statistics
-        import time
 
+        scratch = self.scratch(g)
+        self.time_update_on(g, hp, scratch)  # warm-up
+        return statistics.median(self.time_update_on(g, hp, scratch) for _ in range(repeats))
+
+    def scratch(self, g: int) -> list[torch.Tensor]:
+        """Scratch master, gradient and two state buffers for timing group ``g``'s update (any
+        group of the same dtypes and at most its size can be timed on them)."""
         grp = self.store.groups[g]
         n, dt = grp.trainable_numel, grp.dtypes
-        spans = _spans(grp.trainable_spans(), self.merge_views)
-        if not spans:
-            return 0.0
-        bufs = [
+        return [
             (torch.randn(n) * 1e-3).to(dt.master), (torch.randn(n) * 1e-3).to(dt.grad),
             torch.zeros(n, dtype=dt.state), torch.zeros(n, dtype=dt.state),
         ]  # fmt: skip
-        views = [[b[o : o + k] for o, k in spans] for b in bufs]
+
+    def time_update_on(self, g: int, hp: dict, scratch: list[torch.Tensor]) -> float:
+        """Seconds of one update of group ``g`` (its views and kernel call, as in :meth:`update`)
+        on ``scratch`` (from :meth:`scratch` of a group at least as large, same dtypes)."""
+        import time
+
+        grp = self.store.groups[g]
+        spans = _spans(grp.trainable_spans(), self.merge_views)
+        if not spans:
+            return 0.0
+        views = [[b[o : o + k] for o, k in spans] for b in scratch]
         step = torch.zeros(())
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            step += 1
-            torch._fused_adamw_(
-                *views, [], [step] * len(spans), lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
-                weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=hp["maximize"],
-            )  # fmt: skip
-            if i:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        t0 = time.perf_counter()
+        step += 1
+        torch._fused_adamw_(
+            *views, [], [step] * len(spans), lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
+            weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=hp["maximize"],
+        )  # fmt: skip
+        return time.perf_counter() - t0
 
     def steps(self, g: int) -> int:
         st = self.state.get(g)
