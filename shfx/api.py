@@ -129,6 +129,8 @@ class CompiledModel:
         verify_each_pass: bool = False,
         tune_tolerance: float = 0.02,
         recompute: str = "auto",
+        rollback: bool = True,
+        skip_nonfinite: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -167,7 +169,21 @@ class CompiledModel:
         self.pin_memory = pin_memory
         pol = self._options.policy
         delayed = getattr(pol, "delayed_update", False)
-        self._engine_kwargs = dict(grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed)
+        if skip_nonfinite and delayed:
+            raise ValueError(
+                "skip_nonfinite=True cannot be combined with ZeroOffload(delayed_update=True): the delayed update of "
+                "a step runs after step() returned, so it cannot be skipped; use one or the other"
+            )
+        if skip_nonfinite and overlap_update and not rollback:
+            raise ValueError(
+                "skip_nonfinite=True with overlap_update=True needs rollback=True: the updates of later stages run "
+                "during backward, before the first stages' gradients are checked, and are undone when one is not "
+                "finite. Keep rollback=True, or use overlap_update=False (updates start in step(), after the check)."
+            )
+        self._engine_kwargs = dict(
+            grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed,
+            rollback=bool(rollback), skip_nonfinite=bool(skip_nonfinite),
+        )  # fmt: skip
         self.recompute = recompute
         self._engine: Engine | None = None
         self._store: HostStore | None = None
@@ -366,9 +382,25 @@ class CompiledModel:
     forward = __call__
 
     def step(self) -> None:
-        """Apply the optimizer to every group (waits for updates started during backward)."""
+        """Apply the optimizer to every group (waits for updates started during backward).
+
+        A step that fails or is interrupted is not applied (``rollback=True``): the weights and
+        optimizer states are as before it and the gradients are kept, so calling ``step()``
+        again applies it. With ``skip_nonfinite=True`` a step whose gradients hold inf or NaN is
+        skipped (``cm.last_step_skipped``, ``cm.skipped_steps``); see "When something fails" in
+        docs/usage.md."""
         self._require_engine("step")
         self._engine.step()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient was not finite (``skip_nonfinite=True``)."""
+        return self._engine.skipped_steps if self._engine is not None else 0
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` was skipped for a non-finite gradient."""
+        return self._engine.last_step_skipped if self._engine is not None else False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients, like ``torch.optim.Optimizer.zero_grad``."""
@@ -605,6 +637,14 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             after every pass of the compile pipeline (``shfx.passes.pipeline``).
         tune_tolerance: with ``"auto"``, how much slower (fraction) than the best choice a
             smaller one may be predicted to be.
+        rollback: make a step all-or-nothing (default): a step that fails, is interrupted or is
+            skipped after some updates ran during backward is undone exactly, at the cost of a copy
+            of each group's weights and optimizer states before its update (host memory traffic,
+            ``benchmarks/rollback.py``). False: no copies; a failed step says which groups it
+            updated (reload a checkpoint to go on exactly).
+        skip_nonfinite: check each group's gradient before its update; if any holds inf or NaN
+            the step is skipped everywhere (``cm.last_step_skipped``), as a loss-scaling
+            optimizer skips an overflowing step.
         recompute: how a stage's backward recomputes its forward: ``"early-stop"`` (the forward
             records its graph and the backward recomputes only what it needs, like
             ``torch.utils.checkpoint``), ``"full"`` (recompute the whole stage), ``"auto"``

@@ -17,6 +17,7 @@ __all__ = [
     "OutOfDeviceMemory",
     "ActionError",
     "UsageError",
+    "NonFiniteGradient",
 ]
 
 
@@ -51,3 +52,13 @@ class ActionError(ShfxError):
 class UsageError(ShfxError):
     """The compiled model was used in an order shfx cannot honour (e.g. a forward while the
     previous step's update is still pending)."""
+
+
+class NonFiniteGradient(ShfxError):
+    """A group's gradient holds inf or NaN (raised inside its update with
+    ``skip_nonfinite=True``; the step is then skipped, not applied anywhere). ``.group`` is the
+    parameter group."""
+
+    def __init__(self, message: str, group: int = -1):
+        super().__init__(message)
+        self.group = group

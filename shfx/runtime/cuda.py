@@ -21,7 +21,7 @@ import torch
 
 from ..devices import CudaDevice
 from .backend import Backend
-from .streams import DependencyFailed, JoinToken, Token
+from .streams import JoinToken, Token, skipped
 
 __all__ = ["CudaBackend", "CudaToken", "CudaStream"]
 
@@ -52,7 +52,7 @@ def _stream_wait(stream: torch.cuda.Stream, tok: Token) -> None:
     else:  # host work: wait on the host before issuing
         tok.wait()
         if tok.error is not None:
-            raise DependencyFailed(tok.label)
+            raise skipped(tok)
 
 
 class CudaStream:

@@ -17,6 +17,7 @@ running against the host store).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from shfx.passes.pipeline import Variant
 from shfx.passes.program import ActionMeta, Program
 from shfx.passes.units import format_bytes
 
-from ..errors import ActionError, OutOfDeviceMemory, UsageError
+from ..errors import ActionError, NonFiniteGradient, OutOfDeviceMemory, UsageError
 from .backend import Backend, MemoryEvent
 from .context import StepContext, fork_rng
 from .delayed import DelayedUpdates
@@ -40,14 +41,62 @@ from .device_optim import DeviceAdamW
 from .gradients import GradientRouter
 from .host_optim import HostAdamW
 from .host_store import GRAD_NONE, GRAD_VALID, HostStore
+from .journal import StepJournal
 from .slots import SlotPool
-from .streams import DependencyFailed, DoneToken, JoinToken, Token
+from .streams import Cancelled, DependencyFailed, DoneToken, JoinToken, Token, root_cause
 
 __all__ = ["Engine", "StepContext", "MemoryEvent"]
 
 # A forward longer than this recomputes with early stop (benchmarks/overhead.py on 2 CPU cores:
 # early stop saved 3% on stages of ~8 ms and cost 23% on stages of ~0.5 ms).
 _EARLY_STOP_MIN_S = 2e-3
+
+
+def _check_finite(grad: torch.Tensor, group: int, where: str) -> None:
+    """Raise :class:`NonFiniteGradient` when ``grad`` holds inf or NaN (a sum is inf or NaN
+    then, and reads the buffer once without allocating a mask)."""
+    total = float(grad.sum(dtype=torch.float32)) if grad.numel() else 0.0
+    if total != total or total in (float("inf"), float("-inf")):
+        raise NonFiniteGradient(f"the gradient of group {group} ({where}) is not finite", group)
+
+
+def _state_note(phase: str, restored: list[int], applied: list[int], gradients: str) -> str:
+    """What a failed or interrupted step left behind, and how to go on."""
+    if applied:
+        return (
+            f"The {phase} failed after the updates of parameter groups {applied} had run, and rollback is off "
+            "(shfx.compile(rollback=False)): those groups are updated and the others are not, so the training "
+            "state is inconsistent. Reload the last checkpoint (model and optimizer state) to go on exactly; "
+            + ("calling cm.step() again applies only the updates that did not run." if gradients == "kept" else "")
+        ).rstrip("; ")
+    state = (
+        f"The step was not applied: the updates that had run (parameter groups {restored}) were rolled back, "
+        if restored
+        else "The step was not applied: no update had run, "
+    ) + "so the weights and optimizer states are exactly as before it"
+    if gradients == "kept":
+        return state + "; the gradients are kept: call cm.step() again to apply the step, or cm.zero_grad() to drop it."
+    return state + ", and the gradients of this step were cleared (as by zero_grad()): run the step again from its first forward."
+
+
+def _with_note(err: BaseException, note: str) -> BaseException:
+    """``err`` with ``note`` added: to the message of shfx's errors, as a note (shown under the
+    traceback) on others, such as ``KeyboardInterrupt``, which keep their type."""
+    if isinstance(err, OutOfDeviceMemory):
+        e = OutOfDeviceMemory(
+            f"{err}\n\n{note}", needed_bytes=err.needed_bytes, used_bytes=err.used_bytes,
+            capacity_bytes=err.capacity_bytes, what=err.what,
+        )  # fmt: skip
+        e.__cause__ = err.__cause__
+        return e
+    if isinstance(err, ActionError):
+        msg = str(err)
+        head, sep, program = msg.partition("\n\n")
+        e = ActionError(f"{head}\n\n{note}{sep}{program}", err.action)
+        e.__cause__ = err.__cause__
+        return e
+    err.add_note(note)
+    return err
 
 
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
@@ -73,6 +122,8 @@ class Engine:
         grad_accum_steps: int = 1,
         overlap_update: bool = True,
         delayed_update: bool = False,
+        rollback: bool = True,
+        skip_nonfinite: bool = False,
     ):
         self.backend = backend
         self.store = store
@@ -95,6 +146,13 @@ class Engine:
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list[str]] = {}
         self.device_optimizer = DeviceAdamW(backend) if optimizer is not None else None
+        # what the updates of the current step changed, to undo a step that fails or is skipped
+        self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient
+        self.last_step_skipped = False
+        # set while a failed or interrupted step is abandoned: tasks not started yet are skipped
+        self.cancel = threading.Event()
         self.gradients = GradientRouter(self)
         self.dirty: set[int] = set()  # groups whose device weights are newer than the host's
         self.loaded: Variant | None = None  # the variant whose persistent stages are on the device
@@ -154,7 +212,10 @@ class Engine:
                 for t in (st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq)
                 if t is not None
             )
-        return self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
+        return (
+            self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
+            + self.journal.host_bytes
+        )  # fmt: skip
 
     # ---- issuing -----------------------------------------------------------------------------
     def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
@@ -165,10 +226,12 @@ class Engine:
         NOTE: tracing the accumulation too would make an OFFLOAD_GRAD's ``end`` the end of the
         accumulation, as the simulator's; readers of ``trace`` (tests/test_runtime.py's
         residency check) take an OFFLOAD_GRAD's ``end`` as the last read of its slot."""
-        label, backend = str(meta.action), self.backend
+        label, backend, cancel = str(meta.action), self.backend, self.cancel
         if not self.tracing:
 
             def plain() -> None:
+                if cancel.is_set():
+                    raise Cancelled(f"{label} was not run: the step is being abandoned")
                 with backend.during(label):
                     fn()
 
@@ -176,6 +239,8 @@ class Engine:
         trace = self.trace
 
         def run() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"{label} was not run: the step is being abandoned")
             t0 = time.perf_counter()
             with backend.during(label):
                 fn()
@@ -183,12 +248,33 @@ class Engine:
 
         return run
 
+    def _task(self, label: str, fn: Callable[[], None]) -> Callable[[], None]:
+        """A task issued outside a program (an update started by step()): skipped while a step
+        is abandoned, its reservations named ``label``."""
+        backend, cancel = self.backend, self.cancel
+
+        def run() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"{label} was not run: the step is being abandoned")
+            with backend.during(label):
+                fn()
+
+        return run
+
     def _issue(
-        self, ctx: StepContext, program: Program, nodes: Sequence[fx.Node], cold: bool, skip_updates: bool, serial: bool = False
+        self,
+        ctx: StepContext,
+        program: Program,
+        nodes: Sequence[fx.Node],
+        cold: bool,
+        skip_updates: bool,
+        serial: bool = False,
+        into: list[tuple[fx.Node, Token]] | None = None,
     ) -> list[tuple[fx.Node, Token]]:
-        """Issue ``nodes`` in order; with ``serial`` each waits for the previous one to finish
-        (the profiler times actions in isolation that way)."""
-        issued: list[tuple[fx.Node, Token]] = []
+        """Issue ``nodes`` in order, appending ``(node, token)`` to ``into`` as they are issued
+        (so an interrupt part-way leaves the caller every token to wait for); with ``serial``
+        each waits for the previous one to finish (the profiler times actions in isolation)."""
+        issued: list[tuple[fx.Node, Token]] = [] if into is None else into
         for node in nodes:
             meta = get_meta(node)
             if KINDS[meta.kind].update and skip_updates:
@@ -411,24 +497,38 @@ class Engine:
         owner, base = self._group_base(variant, group)
         grp = self.store.groups[group]
 
+        persistent = owner in variant.train.persistent
+
         def run() -> None:
             if self.gradients.device_state.get(group, GRAD_NONE) != GRAD_VALID:
                 return
             n = grp.trainable_bytes
             params = self.pool.region(slot, base, n).view(grp.dtypes.working)
             grads = self.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
+            if self.skip_nonfinite:
+                _check_finite(grads, group, "device")
+            self.journal.before_device_update(group, params, (slot, base) if persistent else None)
             self.device_optimizer.update(grp, params, grads, hp)
+            self.journal.done("device", group)
             self.dirty.add(group)
-            # persistent borrowers (tied weights) hold copies: refresh them (every contributor's
-            # backward, the last reader of those copies this step, is done)
-            for k, s in enumerate(variant.train.persistent):
-                if s == owner:
-                    continue
-                for c in variant.graph.stages[s].slot.prefetch:
-                    if c.group == group:
-                        self.pool.region(k, c.slot_offset, c.nbytes).copy_(self.pool.region(slot, base + c.host_offset, c.nbytes))
+            self._refresh_borrowers(variant, group)
 
         return run
+
+    def _refresh_borrowers(self, variant: Variant, group: int) -> None:
+        """Persistent borrowers (tied weights) of a device-updated group hold copies: refresh
+        them from the owner's slot (every contributor's backward, the last reader of those
+        copies this step, is done)."""
+        owner, base = self._group_base(variant, group)
+        if owner not in variant.train.persistent:
+            return
+        slot = variant.train.persistent.index(owner)
+        for k, s in enumerate(variant.train.persistent):
+            if s == owner:
+                continue
+            for c in variant.graph.stages[s].slot.prefetch:
+                if c.group == group:
+                    self.pool.region(k, c.slot_offset, c.nbytes).copy_(self.pool.region(slot, base + c.host_offset, c.nbytes))
 
     def _offload_params(self, stage: Stage, slot: int) -> None:
         """OP: the stage's updated parameters (its own group's trainable region) back to the host."""
@@ -512,29 +612,55 @@ class Engine:
         if self.optimizer is None:
             return lambda: None
         hp = self.optimizer.config.hyperparams()
-        opt, store = self.optimizer, self.store
+        opt, store, journal, finite = self.optimizer, self.store, self.journal, self.skip_nonfinite
 
         def run() -> None:
             if not check or store.grad_state[group] == GRAD_VALID:
+                if finite:
+                    _check_finite(store.grad(group), group, "host")
+                journal.before_host_update(group)
                 opt.update(group, hp)
+                journal.done("host", group)
 
         return run
 
     # ---- waiting and errors ------------------------------------------------------------------
-    def _wait(self, program: Program, issued: list[tuple[fx.Node, Token]]) -> None:
-        for _, tok in issued:
-            tok.wait()
+    def _failure(self, program: Program, issued: list[tuple[fx.Node, Token]]) -> BaseException | None:
+        """The error to raise for a phase whose tasks have all finished, or None: the root
+        cause (the first failure that is neither a skip nor a cancellation) wrapped in an
+        :class:`ActionError` naming the action and showing the program, an
+        :class:`OutOfDeviceMemory` saying where, or a ``KeyboardInterrupt`` as it is."""
         failed = [(n, t) for n, t in issued if t.error is not None]
         if not failed:
-            return
-        root = next(((n, t) for n, t in failed if not isinstance(t.error, DependencyFailed)), failed[0])
-        node, tok = root
-        err = tok.error
+            return None
+        causes = [(n, root_cause(t.error)) for n, t in failed]
+        node, err = next(
+            ((n, e) for n, e in causes if not isinstance(e, (DependencyFailed, Cancelled))), causes[0]
+        )  # fmt: skip
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            return err
         action = str(get_meta(node).action)
-        where = f"action {action} of program {program.name!r} failed"
         if isinstance(err, OutOfDeviceMemory):
-            raise _oom_in(err, f"action {action} of program {program.name!r}") from err
-        raise ActionError(f"{where}: {type(err).__name__}: {err}\n\n{program.format(mark=node)}", action) from err
+            e = _oom_in(err, f"action {action} of program {program.name!r}")
+        else:
+            e = ActionError(
+                f"action {action} of program {program.name!r} failed: {type(err).__name__}: {err}\n\n"
+                f"{program.format(mark=node)}",
+                action,
+            )
+        e.__cause__ = err
+        return e
+
+    def _quiesce(self, tokens: Sequence[Token]) -> None:
+        """Abandon a step: tasks not started yet are skipped (:class:`Cancelled`), and every
+        task of ``tokens`` has finished when this returns (nothing left running against the
+        slots or the host store)."""
+        self.cancel.set()
+        try:
+            for t in tokens:
+                t.wait()
+        finally:
+            self.cancel.clear()
 
     def _evict(self) -> None:
         """The resident stages of a pending forward are given up: its backward will prefetch
@@ -551,14 +677,53 @@ class Engine:
             self.holder = None
         ctx.release_all()
 
+    def _undo_step(self) -> tuple[list[int], list[int]]:
+        """Roll back the current step's updates (the journal's copies) when rollback is on;
+        returns (groups restored, groups updated and left applied)."""
+        if self.journal.enabled:
+            restored = self.journal.rollback(self.pool.region if self.pool is not None else None)
+            if restored:
+                # the persistent slots may hold updated weights (a refresh after the host update,
+                # a tied copy of a device-updated group): write the device-updated groups (restored
+                # in their slots) back to the host, and reload every persistent stage from there
+                self.sync_to_host()
+                self.loaded = None
+            return restored, []
+        return [], self.journal.updated_groups()
+
+    def _clear_grads(self) -> None:
+        """Drop every gradient (as ``zero_grad()``): a failed backward's are incomplete."""
+        for g in range(len(self.store.groups)):
+            self.store.grad_state[g] = GRAD_NONE
+        for keys in self.param_keys_by_group.values():
+            for _, p in keys:
+                p.grad = None
+        self.gradients.reset_device()
+        self.backward_calls = 0
+
+    def _abandon_backward(self, ctx: StepContext, program: Program, issued: list[tuple[fx.Node, Token]], err: BaseException) -> BaseException:
+        """A backward failed or was interrupted: wait for what runs, undo the updates it started,
+        drop its gradients, free its context; returns the error to raise, saying so."""
+        tokens = [t for _, t in issued] + [t for _, t in self.pending_updates]
+        self._quiesce(tokens)
+        self.pending_updates.clear()
+        failure = self._failure(program, issued)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)) or failure is None:
+            failure = err
+        restored, applied = self._undo_step()
+        self._clear_grads()
+        self._step_t0 = None
+        self._fail_cleanup(ctx)
+        return _with_note(failure, _state_note("backward", restored, applied, gradients="cleared"))
+
     # ---- phases ----------------------------------------------------------------------------------
     def forward(
         self, variant: Variant, inputs: Sequence[torch.Tensor], grad: bool, *, serial: bool = False
     ) -> tuple[list[torch.Tensor], StepContext]:
         if self.pending_updates:
             accum = (
-                f" (with grad_accum_steps={self.grad_accum_steps} the update starts in every "
-                f"{self.grad_accum_steps}th backward)"
+                f" (with grad_accum_steps={self.grad_accum_steps} the update starts in the last of every "
+                f"{self.grad_accum_steps} backward() calls)"
                 if self.grad_accum_steps > 1
                 else ""
             )
@@ -581,15 +746,24 @@ class Engine:
         ctx = StepContext(self, variant, grad)
         program = variant.train if grad else variant.eval
         nodes = program.phase_nodes("forward") if grad else program.nodes
+        issued: list[tuple[fx.Node, Token]] = []
         try:
             with self.backend.during("forward start"):
                 for name, t in zip(variant.graph.inputs, inputs):
                     ctx.put(name, self.backend.to_device(t))
-            issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial)
-            self._wait(program, issued)
-        except BaseException:
+            issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial, into=issued)
+            for _, tok in issued:
+                tok.wait()
+            failure = self._failure(program, issued)
+        except BaseException as e:  # an interrupt while waiting, or a failure issuing
+            self._quiesce([t for _, t in issued])
+            failure = e if isinstance(e, (KeyboardInterrupt, SystemExit)) else (self._failure(program, issued) or e)
+        if failure is not None:
+            self._step_t0 = None if self.backward_calls == 0 else self._step_t0
             self._fail_cleanup(ctx)
-            raise
+            raise _with_note(failure, "The forward was abandoned; no weight was changed (as in eager PyTorch, "
+                             "buffers a forward updates, such as running statistics, keep the updates of the stages "
+                             "that ran). Call the model again.")
         outs = [ctx.values[v] for v in variant.graph.outputs]
         if grad:
             ctx.hot = True
@@ -608,7 +782,11 @@ class Engine:
         serial: bool | None = None,
     ) -> list[torch.Tensor | None]:
         """Run ``ctx``'s backward phase. ``profile``: no updates, not counted as a micro-step,
-        serialized unless ``serial=False`` (the profiler's timing runs)."""
+        serialized unless ``serial=False`` (the profiler's timing runs).
+
+        A failure or an interrupt abandons the step: what runs is waited for, the updates the
+        backward started are rolled back (``rollback=True``), the gradients are cleared (as
+        ``zero_grad()``), and the error says so; a ``KeyboardInterrupt`` comes out as one."""
         serial = profile if serial is None else serial
         if ctx.backward_done:
             raise UsageError("backward() ran twice through the same shfx forward; run the model again instead")
@@ -627,6 +805,9 @@ class Engine:
             and self.optimizer is not None
             and self.backward_calls == self.grad_accum_steps
         )
+        if final:
+            self.journal.commit()  # a new step (what an earlier failed step left applied is the user's)
+            self.last_step_skipped = False
         variant = ctx.variant
         cold = not ctx.hot or self.holder is not ctx
         if cold:
@@ -636,20 +817,25 @@ class Engine:
         else:
             program = variant.train
             nodes = program.phase_nodes("backward")
+        issued: list[tuple[fx.Node, Token]] = []
+        failure: BaseException | None = None
         try:
             with self.backend.during("backward start"):
                 for v, gr in zip(variant.graph.outputs, grad_outputs):
                     if gr is not None and variant.graph.values[v].differentiable:
                         ctx.add_grad(v, gr)
-            issued = self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial)
-            self._wait(program, [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update])
-        except BaseException:
-            self.pending_updates.clear()
-            self._fail_cleanup(ctx)
-            raise
+            self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
+            compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
+            for _, tok in compute:
+                tok.wait()
+            failure = self._failure(program, compute)
+        except BaseException as e:  # an interrupt while waiting, or a failure issuing
+            failure = e
         finally:
             if self.holder is ctx:
                 self.holder = None
+        if failure is not None:
+            raise self._abandon_backward(ctx, program, issued, failure)
         in_grads = [ctx.grads.get(v) for v in variant.graph.inputs]
         with self.backend.during("end"):
             ctx.release_all()
@@ -661,52 +847,107 @@ class Engine:
         """Point each trainable parameter's ``.grad`` at its slice of the host gradient buffer."""
         self.gradients.expose(self.param_keys_by_group)
 
-    def step(self, program: Program | None = None) -> None:
-        """Apply the optimizer: wait for updates started during backward, or run them now."""
+    def step(self, program: Program | None = None) -> bool:
+        """Apply the optimizer: wait for updates started during backward, or run them now.
+
+        Returns False when the step was skipped (``skip_nonfinite`` and a gradient holds inf or
+        NaN): no group is updated, the gradients stay. A failed or interrupted step is rolled
+        back (``rollback=True``) and the gradients stay, so calling ``step()`` again applies
+        it; with ``rollback=False`` the error says which groups were updated, and calling
+        ``step()`` again applies only the others."""
         if self.optimizer is None:
             raise UsageError("step() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
         if self.delayed_update:
             self._delayed_step()
-            return
+            return True
         if not self.pending_updates:
+            self.last_step_skipped = False
+            done = self.journal.applied  # a retried step: the updates that ran before it failed
             v = self.current
             dev = v.device_groups if v is not None else frozenset()
             groups = [
                 i
                 for i, g in enumerate(self.store.groups)
-                if g.trainable_bytes and i not in dev and self.store.grad_state[i] == GRAD_VALID
+                if g.trainable_bytes and i not in dev and self.store.grad_state[i] == GRAD_VALID and ("host", i) not in done
             ]
             for gi in groups:
-                tok = self.backend.cpu.submit(self._update_task(gi), [], f"U{gi}")
+                tok = self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi)), [], f"U{gi}")
                 self.pending_updates.append((f"U{gi}", tok))
             for gi in sorted(dev):
-                if self.gradients.device_state.get(gi, GRAD_NONE) != GRAD_VALID:
+                if self.gradients.device_state.get(gi, GRAD_NONE) != GRAD_VALID or ("device", gi) in done:
                     continue
                 owner = v.owner_of[gi]
-                if self.loaded is not v or owner not in v.train.persistent:  # pragma: no cover - refused at compile
-                    raise UsageError(f"group {gi} is updated on the device while its stage is resident; it is not now")
+                if self.loaded is not v or owner not in v.train.persistent:
+                    raise UsageError(
+                        f"group {gi} is updated on the device while its stage is resident, and it is not now: "
+                        "its gradient is gone with the slot. Run the step again from the forward."
+                    )
                 slot = v.train.persistent.index(owner)
-                tok = self.backend.compute.submit(self._device_step_task(v, gi, slot), [], f"DU{gi}")
+                tok = self.backend.compute.submit(self._task(f"DU{gi}", self._device_step_task(v, gi, slot)), [], f"DU{gi}")
                 self.pending_updates.append((f"DU{gi}", tok))
         pending, self.pending_updates = self.pending_updates, []
+        interrupt: BaseException | None = None
+        try:
+            for _, tok in pending:
+                tok.wait()
+        except BaseException as e:  # an interrupt while waiting: finish or skip what is left first
+            self._quiesce([t for _, t in pending])
+            interrupt = e
+        causes = [(label, root_cause(tok.error)) for label, tok in pending if tok.error is not None]
+        nonfinite = [(label, e) for label, e in causes if isinstance(e, NonFiniteGradient)]
+        real = [(label, e) for label, e in causes if not isinstance(e, (NonFiniteGradient, Cancelled, DependencyFailed))]
+        if interrupt is None:
+            interrupt = next((e for _, e in real if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+        if interrupt is not None or real:
+            restored, applied = self._undo_step()
+            retry = self._gradients_survive()
+            if not retry:
+                self._clear_grads()
+            self._step_t0 = None
+            note = _state_note("step", restored, applied, gradients="kept" if retry else "cleared")
+            if interrupt is not None:
+                raise _with_note(interrupt, note)
+            label, err = real[0]
+            if isinstance(err, OutOfDeviceMemory):
+                e = _oom_in(err, f"the optimizer update {label}")
+            else:
+                where = "device" if label.startswith("DU") else "host"
+                e = ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label)
+            raise _with_note(e, note) from err
+        if nonfinite:
+            if self.journal.enabled:
+                self._undo_step()
+            elif self.journal.applied:  # pragma: no cover - refused at compile (skip_nonfinite needs rollback)
+                raise AssertionError("a non-finite step was partly applied without rollback")
+            self.journal.commit()
+            self.skipped_steps += 1
+            self.last_step_skipped = True
+            self.backward_calls = 0
+            self._end_step_clock()
+            return False
+        self.journal.commit()
         self.backward_calls = 0
-        for _, tok in pending:
-            tok.wait()
+        self._end_step_clock()
+        return True
+
+    def _end_step_clock(self) -> None:
         if self._step_t0 is not None:
             self.step_times.append(time.perf_counter() - self._step_t0)
             self._step_t0 = None
-        for label, tok in pending:
-            err = tok.error
-            if isinstance(err, OutOfDeviceMemory):
-                raise _oom_in(err, f"the optimizer update {label}") from err
-            if err is not None:
-                where = "device" if label.startswith("DU") else "host"
-                raise ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label) from err
+
+    def _gradients_survive(self) -> bool:
+        """Whether the step's gradients are all still where step() reads them: not when a group
+        updated on the device lost its gradient with a transient slot."""
+        v = self.current
+        if v is None:
+            return True
+        return all(v.owner_of[g] in v.train.persistent for g in v.device_groups)
 
     def _delayed_step(self) -> None:
         """DPU: finish the previous step's updates, refresh the persistent slots with their
         weights, start this step's updates and return while they run."""
         self.finish_delayed(refresh=True)
+        self.journal.commit()
         v = self.current
         dev = v.device_groups if v is not None else frozenset()
         groups = [
@@ -714,16 +955,22 @@ class Engine:
             for gi, g in enumerate(self.store.groups)
             if g.trainable_bytes and gi not in dev and self.store.grad_state[gi] == GRAD_VALID
         ]
-        self.delayed.start(groups, lambda gi: self.backend.cpu.submit(self._update_task(gi, check=False), [], f"U{gi} (delayed)"))
+        self.delayed.start(
+            groups, lambda gi: self.backend.cpu.submit(self._update_task(gi, check=False), [], f"U{gi} (delayed)")
+        )  # fmt: skip
         self.backward_calls = 0
-        if self._step_t0 is not None:
-            self.step_times.append(time.perf_counter() - self._step_t0)
-            self._step_t0 = None
+        self._end_step_clock()
 
     def wait_delayed(self) -> None:
         """Wait for the delayed updates to reach the host weights (state_dict), leaving the
         device on the weights before them until the next step() refreshes it."""
-        self.delayed.wait()
+        try:
+            self.delayed.wait()
+        except ActionError as e:
+            self.delayed.clear()
+            self.loaded = None
+            restored, applied = self._undo_step()
+            raise _with_note(e, _state_note("delayed update", restored, applied, gradients="kept")) from e.__cause__
 
     def finish_delayed(self, refresh: bool = True) -> None:
         """Wait for the delayed updates; with ``refresh``, copy the updated weights into the
@@ -731,9 +978,10 @@ class Engine:
         try:
             if not self.delayed.finish():
                 return
-        except ActionError:
+        except ActionError as e:
             self.loaded = None
-            raise
+            restored, applied = self._undo_step()
+            raise _with_note(e, _state_note("delayed update", restored, applied, gradients="kept")) from e.__cause__
         v = self.loaded
         if v is None:
             return
@@ -754,6 +1002,7 @@ class Engine:
                 "zero_grad() was called between backward() and step() while the update started by backward() is "
                 "pending; call cm.step() first (or compile with overlap_update=False)"
             )
+        self.journal.commit()  # a failed step's records: the user drops that step
         st = self.store
         if not set_to_none:
             self.finish_delayed()  # zeroing the host gradients: the delayed updates read them

@@ -16,15 +16,39 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "HostStream", "WorkerStream", "PoolStream", "InlineStream", "single_omp_thread"]
+__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "Cancelled", "root_cause", "HostStream", "WorkerStream", "PoolStream", "InlineStream", "single_omp_thread"]
 
 
 class DependencyFailed(RuntimeError):
-    """A task was skipped because a task it waits for failed."""
+    """A task was skipped because a task it waits for failed; ``cause`` is the first real
+    error down the chain (the exception of the task that failed, not another skip)."""
 
-    def __init__(self, label: str):
-        super().__init__(f"skipped: {label} failed")
+    def __init__(self, label: str, cause: BaseException | None = None):
+        cause = root_cause(cause) if cause is not None else None
+        why = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        super().__init__(f"skipped: {label} failed{why}")
         self.label = label
+        self.cause = cause
+
+
+class Cancelled(RuntimeError):
+    """A task was not run because its step is being abandoned (another action failed, or the
+    step was interrupted): the engine stops issuing work and waits for what already runs."""
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The error a chain of skips started from (``err`` itself when it is not a skip)."""
+    while isinstance(err, DependencyFailed) and err.cause is not None:
+        err = err.cause
+    return err
+
+
+def skipped(dep: Token) -> DependencyFailed:
+    """The error of a task skipped because ``dep`` failed."""
+    err = dep.error
+    if isinstance(err, DependencyFailed):
+        return err
+    return DependencyFailed(dep.label, err)
 
 
 class Token:
@@ -82,7 +106,7 @@ class JoinToken(Token):
             for p in self.parts:
                 p.wait()
                 if p.error is not None and err is None:
-                    err = p.error if isinstance(p.error, DependencyFailed) else DependencyFailed(p.label)
+                    err = skipped(p)
             self.set(err)
 
     @property
@@ -96,7 +120,7 @@ def wait_deps(deps: Sequence[Token]) -> BaseException | None:
     for d in deps:
         d.wait()
         if d.error is not None and err is None:
-            err = DependencyFailed(d.label) if not isinstance(d.error, DependencyFailed) else d.error
+            err = skipped(d)
     return err
 
 

@@ -1,0 +1,202 @@
+"""The step journal: what the optimizer updates of one step have changed, to undo it exactly.
+
+With the overlapped update (``overlap_update=True``) a stage's optimizer update runs as soon
+as its gradient is complete, while the backward of the stages before it still runs. A step
+can then fail, be interrupted, or be skipped (a non-finite gradient with
+``skip_nonfinite=True``; later fp16 overflow) after some groups were updated. The journal
+makes such a step all-or-nothing: before a group's first update of a step it copies what the
+update overwrites (the host master weights and AdamW states, or the device copies of a group
+updated on the device), and :meth:`StepJournal.rollback` puts them back, bitwise.
+
+The copies cost memory traffic on the thread that runs the update (about 12 bytes read and
+written per parameter beside AdamW's ~28; ``benchmarks/rollback.py`` measures it) and one
+buffer of the group's weights and states each, allocated at the group's first update and
+reused (counted in ``Engine.host_bytes``). ``shfx.compile(rollback=False)`` turns the copies
+off: a failed step then says which groups it updated, and a retried ``cm.step()`` applies only
+the updates that did not run (``applied``), but a backward that fails after some updates ran
+leaves them applied (the error says so; recover by loading a checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .device_optim import DeviceAdamW
+    from .host_optim import HostAdamW
+    from .host_store import HostStore
+
+__all__ = ["StepJournal"]
+
+
+class _HostCopy:
+    """A group's host master weights and AdamW states before the step."""
+
+    __slots__ = ("had_state", "tensors")
+
+    def __init__(self) -> None:
+        self.had_state = False
+        self.tensors: list[torch.Tensor] = []
+
+
+class _DeviceCopy:
+    """A device-updated group's weights (in its slot), AdamW states and host master before the
+    step, copied to the host."""
+
+    __slots__ = ("had_state", "params", "states", "master", "where")
+
+    def __init__(self) -> None:
+        self.had_state = False
+        self.params: torch.Tensor | None = None
+        self.states: list[torch.Tensor] = []
+        self.master: torch.Tensor | None = None
+        self.where: Any = None  # (slot, byte offset) of the group in its slot, persistent owners only
+
+
+def _save(bufs: list[torch.Tensor], i: int, src: torch.Tensor) -> None:
+    """Copy ``src`` into the ``i``-th reusable host buffer (allocated on first use)."""
+    if i == len(bufs):
+        bufs.append(torch.empty(src.shape, dtype=src.dtype))
+    elif bufs[i].shape != src.shape or bufs[i].dtype != src.dtype:
+        bufs[i] = torch.empty(src.shape, dtype=src.dtype)
+    bufs[i].copy_(src)
+
+
+class StepJournal:
+    """Undo records of the current step's optimizer updates (see the module docstring).
+
+    ``enabled``: copy before updating (rollback possible). Either way the journal records which
+    groups were updated this step (``applied``), so an error can say so and a retried step does
+    not update a group twice."""
+
+    def __init__(self, store: HostStore, optimizer: HostAdamW | None, device_optimizer: DeviceAdamW | None, enabled: bool):
+        self.store = store
+        self.optimizer = optimizer
+        self.device_optimizer = device_optimizer
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._host: dict[int, _HostCopy] = {}  # reusable buffers, per group
+        self._device: dict[int, _DeviceCopy] = {}
+        self.saved: set[tuple[str, int]] = set()  # ("host"|"device", group) saved this step
+        self.applied: set[tuple[str, int]] = set()  # updates that completed this step
+
+    # ---- recording (on the threads running the updates) ------------------------------------------
+    def before_host_update(self, g: int) -> None:
+        """Copy group ``g``'s host master and states before its first update of the step."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if ("host", g) in self.saved:
+                return
+            rec = self._host.setdefault(g, _HostCopy())
+        st = self.optimizer.state.get(g) if self.optimizer is not None else None
+        rec.had_state = st is not None
+        srcs = [self.store.master(g)]
+        if st is not None:
+            srcs += [st.step, st.exp_avg, st.exp_avg_sq]
+            if st.max_exp_avg_sq is not None:
+                srcs.append(st.max_exp_avg_sq)
+        for i, t in enumerate(srcs):
+            _save(rec.tensors, i, t)
+        with self._lock:
+            self.saved.add(("host", g))
+
+    def before_device_update(self, g: int, params: torch.Tensor, where: Any) -> None:
+        """Copy device-updated group ``g``'s weights (``params``, its region in the slot; ``where``
+        says where to put them back, None for a transient slot), states and host master."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if ("device", g) in self.saved:
+                return
+            rec = self._device.setdefault(g, _DeviceCopy())
+        st = self.device_optimizer.state.get(g) if self.device_optimizer is not None else None
+        rec.had_state = st is not None
+        rec.where = where
+        if rec.params is None or rec.params.shape != params.shape:
+            rec.params = torch.empty(params.shape, dtype=params.dtype)
+        rec.params.copy_(params)
+        if st is not None:
+            for i, t in enumerate((st.step, st.m, st.v)):
+                _save(rec.states, i, t)
+        master = self.store.master(g)
+        if rec.master is None or rec.master.shape != master.shape:
+            rec.master = torch.empty_like(master)
+        rec.master.copy_(master)
+        with self._lock:
+            self.saved.add(("device", g))
+
+    def done(self, where: str, g: int) -> None:
+        with self._lock:
+            self.applied.add((where, g))
+
+    # ---- ending a step ---------------------------------------------------------------------------
+    def updated_groups(self) -> list[int]:
+        """Groups the step has updated (fully or partly), sorted."""
+        with self._lock:
+            return sorted({g for _, g in self.applied | self.saved})
+
+    def commit(self) -> None:
+        """The step is applied: forget its records (the buffers are kept for the next)."""
+        with self._lock:
+            self.saved.clear()
+            self.applied.clear()
+
+    def rollback(self, region: Any) -> list[int]:
+        """Put back every group saved this step; returns them. ``region(slot, offset, nbytes)``
+        gives a slot's bytes, to restore weights of persistent device-updated groups there.
+        Call it only when no update task is running."""
+        restored = []
+        for where, g in sorted(self.saved):
+            if where == "host":
+                self._restore_host(g)
+            else:
+                self._restore_device(g, region)
+            restored.append(g)
+        self.commit()
+        return restored
+
+    def _restore_host(self, g: int) -> None:
+        rec = self._host[g]
+        self.store.master(g).copy_(rec.tensors[0])
+        if self.optimizer is None:
+            return
+        if not rec.had_state:
+            self.optimizer.state.pop(g, None)  # the group had never been updated
+            return
+        st = self.optimizer.state[g]
+        dsts = [st.step, st.exp_avg, st.exp_avg_sq] + ([st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else [])
+        for dst, src in zip(dsts, rec.tensors[1:]):
+            dst.copy_(src)
+
+    def _restore_device(self, g: int, region: Any) -> None:
+        rec = self._device[g]
+        self.store.master(g).copy_(rec.master)
+        if rec.where is not None:
+            slot, offset = rec.where
+            region(slot, offset, rec.params.numel() * rec.params.element_size()).view(rec.params.dtype).copy_(rec.params)
+        st = self.device_optimizer.state.get(g) if self.device_optimizer is not None else None
+        if st is None:
+            return
+        if not rec.had_state:  # never updated before: start from zero states again
+            st.step.zero_()
+            st.m.zero_()
+            st.v.zero_()
+            return
+        for dst, src in zip((st.step, st.m, st.v), rec.states):
+            dst.copy_(src)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the undo buffers."""
+        n = 0
+        for rec in self._host.values():
+            n += sum(t.numel() * t.element_size() for t in rec.tensors)
+        for rec in self._device.values():
+            for t in [rec.params, rec.master, *rec.states]:
+                if t is not None:
+                    n += t.numel() * t.element_size()
+        return n

@@ -1,0 +1,264 @@
+"""What a failed, interrupted or skipped step leaves behind (docs/usage.md, "When something
+fails"): a fault injected at the n-th action of each kind, for every policy; the post-state is
+checked bitwise against eager PyTorch, then training goes on to eager's numbers."""
+
+from __future__ import annotations
+
+import _thread
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from faults import KINDS, FaultInjector, InjectedFault, count_actions
+from zoo import gpt, token_batch
+
+import shfx
+from shfx.errors import ActionError
+
+LR, WD = 1e-2, 0.01
+
+POLICIES = {
+    "resident": shfx.Resident(),
+    "l2l": shfx.L2L(),
+    "zero-offload": shfx.ZeroOffload(),
+    "zero-infinity": shfx.ZeroInfinity(),
+    "stronghold": shfx.Stronghold(window=2),
+    "stronghold-k1": shfx.Stronghold(window=2, resident_first=1),
+}
+
+
+class Pair:
+    """A compiled model and its eager twin, stepped on the same batches."""
+
+    def __init__(self, policy=shfx.Stronghold(window=2), **kw):
+        torch.manual_seed(0)
+        self.model = gpt(tie_weights=True)
+        self.ref = copy.deepcopy(self.model)
+        self.cm = shfx.compile(
+            self.model,
+            device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None),
+            policy=policy,
+            optimizer=shfx.optim.AdamW(lr=LR, weight_decay=WD),
+            **kw,
+        )
+        self.opt = torch.optim.AdamW(self.ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+        self.n = 0
+
+    def batch(self):
+        (x, y), _, _ = token_batch(self.n)
+        return x, y
+
+    def shfx_step(self, scale: float = 1.0) -> None:
+        (self.cm(*self.batch()) * scale).backward()
+        self.cm.step()
+        self.cm.zero_grad()
+
+    def eager_step(self, apply: bool = True) -> None:
+        if apply:
+            self.ref(*self.batch()).backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        self.n += 1
+
+    def step_both(self) -> None:
+        self.shfx_step()
+        self.eager_step()
+
+    def assert_same(self) -> None:
+        sd = self.cm.state_dict()
+        for k, v in self.ref.state_dict().items():
+            assert torch.equal(sd[k], v), f"{k} differs from eager by {(sd[k] - v).abs().max():.3g}"
+
+
+def _cause(err: BaseException) -> BaseException:
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+def _plan(counts: dict[str, int]) -> list[tuple[str, int]]:
+    return [(k, n) for k in KINDS for n in sorted({1, 2, counts[k]}) if 1 <= n <= counts[k]]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_fault_anywhere_leaves_the_state_before_the_step(name):
+    p = Pair(POLICIES[name])
+    p.step_both()  # captured; every optimizer state exists
+    counts = count_actions(p.cm.backend, p.step_both)
+    used, threads = p.cm.backend.used_bytes, threading.active_count()
+    plan = _plan(counts)
+    assert {k for k, _ in plan} >= {"F", "B"}
+    for kind, n in plan:
+        with FaultInjector(p.cm.backend, kind, n) as f:
+            with pytest.raises(ActionError) as ei:
+                p.shfx_step()
+        assert f.fired, (kind, n)
+        msg = str(ei.value)
+        assert "InjectedFault: injected fault in " + f.fired in msg, msg  # the cause is named
+        assert isinstance(_cause(ei.value), InjectedFault)
+        assert ("forward was abandoned" in msg) or ("was not applied" in msg), msg
+        assert p.cm.engine.pending_updates == []
+        p.cm.zero_grad()
+        p.assert_same()  # exactly the weights before the step (and below: the optimizer states)
+        assert p.cm.backend.used_bytes == used, (kind, n)
+        assert threading.active_count() == threads
+        p.step_both()  # the same batch again: training goes on as eager
+        p.assert_same()
+    p.cm.close()
+
+
+@pytest.mark.parametrize("name", ["resident", "l2l", "zero-offload", "stronghold-k1"])
+def test_an_interrupt_in_any_action_comes_out_as_keyboard_interrupt(name):
+    p = Pair(POLICIES[name])
+    p.step_both()
+    counts = count_actions(p.cm.backend, p.step_both)
+    used = p.cm.backend.used_bytes
+    for kind, n in _plan(counts):
+        with FaultInjector(p.cm.backend, kind, n, exc=KeyboardInterrupt) as f:
+            with pytest.raises(KeyboardInterrupt) as ei:
+                p.shfx_step()
+        assert f.fired
+        notes = " ".join(getattr(ei.value, "__notes__", []))
+        assert ("forward was abandoned" in notes) or ("was not applied" in notes), notes
+        p.cm.zero_grad()
+        p.assert_same()
+        assert p.cm.backend.used_bytes == used
+        p.step_both()
+        p.assert_same()
+    p.cm.close()
+
+
+def _interrupt_main_while(p: Pair, kind: str, n: int, where) -> BaseException:
+    """Ctrl-C in the main thread while it waits for the n-th action of ``kind`` (which sleeps)."""
+
+    def slow(event):
+        threading.Timer(0.05, _thread.interrupt_main).start()
+        time.sleep(0.5)
+
+    with FaultInjector(p.cm.backend, kind, n, action=slow):
+        with pytest.raises(KeyboardInterrupt) as ei:
+            where()
+    return ei.value
+
+
+def test_ctrl_c_during_backward_waits_for_the_streams_and_rolls_back():
+    p = Pair(shfx.Stronghold(window=2))
+    p.step_both()
+    loss = p.cm(*p.batch())
+    err = _interrupt_main_while(p, "OG", 2, loss.backward)  # OG runs on the d2h thread
+    assert "was not applied" in " ".join(err.__notes__)
+    eng = p.cm.engine
+    assert eng.pending_updates == [] and eng.holder is None
+    p.cm.zero_grad()
+    p.assert_same()
+    p.step_both()
+    p.assert_same()
+
+
+def test_ctrl_c_during_step_rolls_back_and_step_can_be_called_again():
+    p = Pair(shfx.Stronghold(window=2), overlap_update=False)
+    p.step_both()
+    p.cm(*p.batch()).backward()
+    err = _interrupt_main_while(p, "U", 2, p.cm.step)
+    assert "call cm.step() again" in " ".join(err.__notes__)
+    p.cm.step()  # the whole step, once
+    p.cm.zero_grad()
+    p.eager_step()
+    p.assert_same()
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_retrying_a_failed_step_applies_each_update_once(rollback):
+    p = Pair(shfx.Stronghold(window=2), rollback=rollback)
+    p.step_both()
+    with FaultInjector(p.cm.backend, "U", 2):  # updates start during backward
+        p.cm(*p.batch()).backward()
+        with pytest.raises(ActionError, match="optimizer update U") as ei:
+            p.cm.step()
+    msg = str(ei.value)
+    if rollback:
+        assert "were rolled back" in msg and "call cm.step() again" in msg
+    else:
+        assert "training state is inconsistent" in msg and "applies only the updates that did not run" in msg
+    p.cm.step()
+    p.cm.zero_grad()
+    p.eager_step()
+    p.assert_same()
+
+
+def test_without_rollback_a_failed_backward_says_which_groups_were_updated():
+    p = Pair(shfx.Stronghold(window=2), rollback=False)
+    p.step_both()
+    with FaultInjector(p.cm.backend, "B", 3):  # after the last stages' updates ran
+        with pytest.raises(ActionError, match=r"updates of parameter groups \[.*\] had run, and rollback is off"):
+            p.shfx_step()
+    p.cm.close()
+
+
+def test_the_cause_of_a_failed_gradient_copy_is_kept():
+    p = Pair(shfx.Stronghold(window=2))
+    p.step_both()
+    with FaultInjector(p.cm.backend, "OG", 1):
+        with pytest.raises(ActionError) as ei:
+            p.shfx_step()
+    assert "action OG" in str(ei.value) and "InjectedFault: injected fault in OG" in str(ei.value)
+    assert isinstance(ei.value.__cause__, InjectedFault)
+    p.cm.close()
+
+
+def _poison_host_grad(p: Pair, group: int):
+    def poison(event):
+        p.cm.engine.store.grad(group)[0] = float("nan")
+
+    return poison
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_skip_nonfinite_skips_the_whole_step(overlap):
+    p = Pair(shfx.Stronghold(window=2), skip_nonfinite=True, overlap_update=overlap)
+    p.step_both()
+    # the first stage's gradient is the last one known: the others' updates ran (overlap) and are undone
+    with FaultInjector(p.cm.backend, "U0", 1, action=_poison_host_grad(p, 0)) as f:
+        p.shfx_step()
+    assert f.fired == "U0"
+    assert p.cm.last_step_skipped and p.cm.skipped_steps == 1
+    p.eager_step(apply=False)  # the step is skipped: eager keeps its weights too
+    p.assert_same()
+    p.step_both()
+    assert not p.cm.last_step_skipped
+    p.assert_same()
+    p.cm.close()
+
+
+def test_skip_nonfinite_on_device_updates():
+    p = Pair(shfx.Resident(), skip_nonfinite=True)
+    p.step_both()
+    p.shfx_step(scale=float("inf"))
+    assert p.cm.last_step_skipped
+    p.eager_step(apply=False)
+    p.assert_same()
+    p.step_both()
+    p.assert_same()
+    p.cm.close()
+
+
+def test_skip_nonfinite_needs_rollback_with_overlap():
+    with pytest.raises(ValueError, match="needs rollback=True"):
+        Pair(skip_nonfinite=True, rollback=False)
+    with pytest.raises(ValueError, match="delayed_update"):
+        Pair(shfx.ZeroOffload(delayed_update=True), skip_nonfinite=True)
+
+
+def test_a_failed_forward_leaves_nothing_running():
+    p = Pair(shfx.Stronghold(window=2))
+    p.step_both()
+    used = p.cm.backend.used_bytes
+    with FaultInjector(p.cm.backend, "PF", 2):
+        with pytest.raises(ActionError, match="forward was abandoned"):
+            p.cm(*p.batch())
+    assert p.cm.engine.holder is None and p.cm.backend.used_bytes == used
+    p.step_both()
+    p.assert_same()
+    p.cm.close()
