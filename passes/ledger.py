@@ -84,6 +84,7 @@ HOST_TERMS = (
     "working copy (16-bit)",
     "gradient staging (pinned)",
     "pending tied gradient",
+    "rollback copies",
 )
 SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
 
@@ -219,6 +220,10 @@ def static_device(programs: Sequence[Program], optimizer_states: int = 2) -> lis
     return [c for c in out if c.nbytes]
 
 
+ROLLBACK = "rollback copies"
+STEP_BYTES = 4  # an AdamW step counter (fp32 scalar)
+
+
 def host_terms(
     stages: Sequence[StageSpec],
     device_groups: frozenset[int] | set[int],
@@ -226,12 +231,15 @@ def host_terms(
     group_bytes: Sequence[int] | None = None,
     grad_accum_steps: int = 1,
     optimizer_states: int = 2,
+    rollback: bool = False,
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
     buffer, optimizer states, the staging buffers gradients are added through (one for a
     borrowed gradient, two under gradient accumulation; each as large as the largest group's
-    gradient) and the buffers a borrowed gradient waits in."""
+    gradient) and the buffers a borrowed gradient waits in. With ``rollback``, the step
+    journal's copies (:mod:`shfx.runtime.journal`): per group its master weights, step counter
+    and optimizer states, and for a group updated on the device its device weights too."""
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
     out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(group_bytes or [o.update_bytes for o in owners.values()])]
@@ -248,6 +256,14 @@ def host_terms(
     largest = max((o.update_bytes for o in owners.values()), default=0)
     out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", largest) for i in range(staging)]
     out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for key, nb in pending]
+    if rollback:
+        for g, o in sorted(owners.items()):
+            if not o.update_bytes:
+                continue
+            n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes
+            if g in device_groups:
+                n += o.update_bytes  # the weights in the slot, beside the host master
+            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
     return [c for c in out if c.nbytes]
 
 
@@ -392,6 +408,7 @@ def replay(
     optimizer_states: int = 2,
     group_bytes: Sequence[int] | None = None,
     grad_accum_steps: int = 1,
+    rollback: bool = False,
 ) -> Ledger:
     """The ledger of one step of ``program`` (see the module docstring).
 
@@ -403,13 +420,14 @@ def replay(
         group_bytes: bytes of every host group (the master copies; default: the owners'
             trainable bytes).
         grad_accum_steps: backward calls per step (gradient staging on the host).
+        rollback: the step journal keeps copies to undo a step (``shfx.compile(rollback=...)``).
     """
     rp = _Replay(program)
     pool = list(programs) if programs is not None else [program]
     setup = static_device(pool, optimizer_states)
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
-        grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states,
+        grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
     )  # fmt: skip
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes

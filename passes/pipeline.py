@@ -130,12 +130,12 @@ class Variant:
         """Bytes per slot that any of the variant's programs needs (:func:`shfx.passes.ledger.pool_sizes`)."""
         return list(pool_sizes(self.programs)[0])
 
-    def ledger(self, grad_accum_steps: int = 1) -> Ledger:
+    def ledger(self, grad_accum_steps: int = 1, rollback: bool = False) -> Ledger:
         """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
         for all three programs, then the train program."""
         return replay(
             self.train, programs=self.programs, group_bytes=[g.nbytes for g in self.graph.groups],
-            grad_accum_steps=grad_accum_steps,
+            grad_accum_steps=grad_accum_steps, rollback=rollback,
         )  # fmt: skip
 
 

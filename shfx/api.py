@@ -129,7 +129,7 @@ class CompiledModel:
         verify_each_pass: bool = False,
         tune_tolerance: float = 0.02,
         recompute: str = "auto",
-        rollback: bool = True,
+        rollback: bool | None = None,
         skip_nonfinite: bool = False,
     ):
         if not isinstance(model, nn.Module):
@@ -174,7 +174,7 @@ class CompiledModel:
                 "skip_nonfinite=True cannot be combined with ZeroOffload(delayed_update=True): the delayed update of "
                 "a step runs after step() returned, so it cannot be skipped; use one or the other"
             )
-        if skip_nonfinite and overlap_update and not rollback:
+        if skip_nonfinite and overlap_update and rollback is False:
             raise ValueError(
                 "skip_nonfinite=True with overlap_update=True needs rollback=True: the updates of later stages run "
                 "during backward, before the first stages' gradients are checked, and are undone when one is not "
@@ -182,7 +182,8 @@ class CompiledModel:
             )
         self._engine_kwargs = dict(
             grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed,
-            rollback=bool(rollback), skip_nonfinite=bool(skip_nonfinite),
+            rollback=bool(skip_nonfinite and overlap_update) if rollback is None else bool(rollback),
+            skip_nonfinite=bool(skip_nonfinite),
         )  # fmt: skip
         self.recompute = recompute
         self._engine: Engine | None = None
@@ -384,9 +385,8 @@ class CompiledModel:
     def step(self) -> None:
         """Apply the optimizer to every group (waits for updates started during backward).
 
-        A step that fails or is interrupted is not applied (``rollback=True``): the weights and
-        optimizer states are as before it and the gradients are kept, so calling ``step()``
-        again applies it. With ``skip_nonfinite=True`` a step whose gradients hold inf or NaN is
+        A failed update leaves the others applied and the gradients kept: calling ``step()``
+        again applies the step exactly once (with ``rollback=True`` the step is undone first). With ``skip_nonfinite=True`` a step whose gradients hold inf or NaN is
         skipped (``cm.last_step_skipped``, ``cm.skipped_steps``); see "When something fails" in
         docs/usage.md."""
         self._require_engine("step")
@@ -637,11 +637,13 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             after every pass of the compile pipeline (``shfx.passes.pipeline``).
         tune_tolerance: with ``"auto"``, how much slower (fraction) than the best choice a
             smaller one may be predicted to be.
-        rollback: make a step all-or-nothing (default): a step that fails, is interrupted or is
-            skipped after some updates ran during backward is undone exactly, at the cost of a copy
-            of each group's weights and optimizer states before its update (host memory traffic,
-            ``benchmarks/rollback.py``). False: no copies; a failed step says which groups it
-            updated (reload a checkpoint to go on exactly).
+        rollback: make every step all-or-nothing: a step that fails, is interrupted or is skipped
+            after some updates ran during backward is undone exactly, at the cost of a copy of each
+            group's weights and optimizer states before its update (host memory: 12 more bytes per
+            fp32 parameter; time: ``benchmarks/rollback.py``). Default (None): on only where
+            ``skip_nonfinite`` needs it. Off, a backward that fails after some updates ran says
+            which groups it updated (reload a checkpoint to go on exactly); every other failure
+            still leaves a consistent state (docs/usage.md, "When something fails").
         skip_nonfinite: check each group's gradient before its update; if any holds inf or NaN
             the step is skipped everywhere (``cm.last_step_skipped``), as a loss-scaling
             optimizer skips an overflowing step.

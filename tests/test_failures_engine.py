@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import copy
+import re
 import threading
 import time
 
@@ -84,7 +85,7 @@ def _plan(counts: dict[str, int]) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_a_fault_anywhere_leaves_the_state_before_the_step(name):
-    p = Pair(POLICIES[name])
+    p = Pair(POLICIES[name], rollback=True)
     p.step_both()  # captured; every optimizer state exists
     counts = count_actions(p.cm.backend, p.step_both)
     used, threads = p.cm.backend.used_bytes, threading.active_count()
@@ -111,7 +112,7 @@ def test_a_fault_anywhere_leaves_the_state_before_the_step(name):
 
 @pytest.mark.parametrize("name", ["resident", "l2l", "zero-offload", "stronghold-k1"])
 def test_an_interrupt_in_any_action_comes_out_as_keyboard_interrupt(name):
-    p = Pair(POLICIES[name])
+    p = Pair(POLICIES[name], rollback=True)
     p.step_both()
     counts = count_actions(p.cm.backend, p.step_both)
     used = p.cm.backend.used_bytes
@@ -143,27 +144,54 @@ def _interrupt_main_while(p: Pair, kind: str, n: int, where) -> BaseException:
     return ei.value
 
 
-def test_ctrl_c_during_backward_waits_for_the_streams_and_rolls_back():
-    p = Pair(shfx.Stronghold(window=2))
+@pytest.mark.parametrize("rollback", [True, False])
+def test_ctrl_c_during_backward_leaves_a_consistent_state(rollback):
+    """Rollback on: the step is undone. Off: the updates already running cannot be undone, so
+    the backward and its updates are finished first and the step is applied."""
+    p = Pair(shfx.Stronghold(window=2), rollback=rollback)
     p.step_both()
     loss = p.cm(*p.batch())
     err = _interrupt_main_while(p, "OG", 2, loss.backward)  # OG runs on the d2h thread
-    assert "was not applied" in " ".join(err.__notes__)
+    notes = " ".join(err.__notes__)
     eng = p.cm.engine
     assert eng.pending_updates == [] and eng.holder is None
+    p.cm.zero_grad()
+    if rollback:
+        assert "was not applied" in notes
+        p.assert_same()
+        p.step_both()
+    else:
+        assert "the step is applied" in notes
+        p.eager_step()
+    p.assert_same()
+    p.step_both()
+    p.assert_same()
+
+
+def test_ctrl_c_during_a_backward_without_updates_drops_it():
+    p = Pair(shfx.Stronghold(window=2), overlap_update=False)
+    p.step_both()
+    loss = p.cm(*p.batch())
+    err = _interrupt_main_while(p, "OG", 2, loss.backward)
+    assert "no update had run" in " ".join(err.__notes__)
     p.cm.zero_grad()
     p.assert_same()
     p.step_both()
     p.assert_same()
 
 
-def test_ctrl_c_during_step_rolls_back_and_step_can_be_called_again():
-    p = Pair(shfx.Stronghold(window=2), overlap_update=False)
+@pytest.mark.parametrize("rollback", [True, False])
+def test_ctrl_c_during_step_leaves_a_consistent_state(rollback):
+    p = Pair(shfx.Stronghold(window=2), overlap_update=False, rollback=rollback)
     p.step_both()
     p.cm(*p.batch()).backward()
     err = _interrupt_main_while(p, "U", 2, p.cm.step)
-    assert "call cm.step() again" in " ".join(err.__notes__)
-    p.cm.step()  # the whole step, once
+    notes = " ".join(err.__notes__)
+    if rollback:
+        assert "call cm.step() again" in notes
+        p.cm.step()  # the whole step, once
+    else:
+        assert "the step is applied" in notes
     p.cm.zero_grad()
     p.eager_step()
     p.assert_same()
@@ -188,12 +216,31 @@ def test_retrying_a_failed_step_applies_each_update_once(rollback):
     p.assert_same()
 
 
-def test_without_rollback_a_failed_backward_says_which_groups_were_updated():
-    p = Pair(shfx.Stronghold(window=2), rollback=False)
+@pytest.mark.parametrize("name", ["stronghold", "resident", "zero-offload"])
+def test_without_rollback_a_failure_says_truly_what_it_left(name):
+    """Rollback off (the default): a failure before any update ran leaves the state before
+    the step; one after some ran says which groups are updated and that the state is
+    inconsistent. Both say so, and the first goes on exactly."""
+    p = Pair(POLICIES[name])
     p.step_both()
-    with FaultInjector(p.cm.backend, "B", 3):  # after the last stages' updates ran
-        with pytest.raises(ActionError, match=r"updates of parameter groups \[.*\] had run, and rollback is off"):
-            p.shfx_step()
+    counts = count_actions(p.cm.backend, p.step_both)
+    inconsistent = 0
+    for kind, n in _plan(counts):
+        with FaultInjector(p.cm.backend, kind, n):
+            with pytest.raises(ActionError) as ei:
+                p.shfx_step()
+        msg = str(ei.value)
+        p.cm.zero_grad()
+        if "training state is inconsistent" in msg:
+            assert re.search(r"updates of parameter groups \[\d.*\] had run", msg), msg
+            inconsistent += 1
+            break  # the model has left eager's path
+        assert ("forward was abandoned" in msg) or ("no update had run" in msg) or ("call cm.step() again" in msg), msg
+        p.assert_same()
+        p.step_both()
+        p.assert_same()
+    if name == "stronghold":
+        assert inconsistent  # a backward fault after the last stages' updates
     p.cm.close()
 
 
@@ -219,10 +266,15 @@ def _poison_host_grad(p: Pair, group: int):
 def test_skip_nonfinite_skips_the_whole_step(overlap):
     p = Pair(shfx.Stronghold(window=2), skip_nonfinite=True, overlap_update=overlap)
     p.step_both()
-    # the first stage's gradient is the last one known: the others' updates ran (overlap) and are undone
-    with FaultInjector(p.cm.backend, "U0", 1, action=_poison_host_grad(p, 0)) as f:
-        p.shfx_step()
-    assert f.fired == "U0"
+    if overlap:  # the first stage's gradient is the last one known: the others' updates ran, and are undone
+        with FaultInjector(p.cm.backend, "U0", 1, action=_poison_host_grad(p, 0)) as f:
+            p.shfx_step()
+        assert f.fired == "U0"
+    else:  # step() checks every gradient before it starts an update
+        p.cm(*p.batch()).backward()
+        _poison_host_grad(p, 0)("")
+        p.cm.step()
+        p.cm.zero_grad()
     assert p.cm.last_step_skipped and p.cm.skipped_steps == 1
     p.eager_step(apply=False)  # the step is skipped: eager keeps its weights too
     p.assert_same()

@@ -100,6 +100,23 @@ def test_gradient_accumulation_and_a_second_step():
     cm.close()
 
 
+@pytest.mark.parametrize("policy", [*POLICIES[:4], shfx.Stronghold(window=2, resident_first=1)], ids=str)
+def test_rollback_copies_are_in_the_host_ledger(policy):
+    """With rollback on, the step journal's copies (master, step, m, v; device weights for a
+    group updated on the device) are host memory the ledger counts, once every group has run."""
+    cm = shfx.compile(_model(2, True), device=shfx.EmulatedDevice(memory="64MiB"), policy=policy,
+                      optimizer=shfx.optim.AdamW(), rollback=True)  # fmt: skip
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the first update of a group has no states to copy yet
+        cm(x, x).backward()
+        cm.step()
+        cm.zero_grad()
+    led = cm.variant.ledger(rollback=True)
+    assert led.static("host")["rollback copies"] == cm.engine.journal.host_bytes > 0
+    assert cm.engine.host_bytes() == sum(led.static("host").values())
+    cm.close()
+
+
 def test_ledger_of_a_synthetic_chain():
     """A spec without value lists has one output of ``activation_bytes``; the backward starts
     with the gradient of the model's output; a tied tail's gradient waits on the device for a

@@ -17,6 +17,7 @@ running against the host store).
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -153,6 +154,7 @@ class Engine:
         self.last_step_skipped = False
         # set while a failed or interrupted step is abandoned: tasks not started yet are skipped
         self.cancel = threading.Event()
+        self.interrupted = False  # Ctrl-C came while a phase ran (see _deferred_interrupt)
         self.gradients = GradientRouter(self)
         self.dirty: set[int] = set()  # groups whose device weights are newer than the host's
         self.loaded: Variant | None = None  # the variant whose persistent stages are on the device
@@ -489,7 +491,7 @@ class Engine:
             for v in ctx.free_after_b.get(s, []):
                 ctx.drop(v)
 
-    def _device_step_task(self, variant: Variant, group: int, slot: int) -> Callable[[], None]:
+    def _device_step_task(self, variant: Variant, group: int, slot: int, finite: bool | None = None) -> Callable[[], None]:
         """DU: AdamW on the device for ``group``, in the slot of the stage owning it."""
         if self.device_optimizer is None:
             return lambda: None
@@ -498,6 +500,7 @@ class Engine:
         grp = self.store.groups[group]
 
         persistent = owner in variant.train.persistent
+        finite = self.skip_nonfinite if finite is None else finite
 
         def run() -> None:
             if self.gradients.device_state.get(group, GRAD_NONE) != GRAD_VALID:
@@ -505,7 +508,7 @@ class Engine:
             n = grp.trainable_bytes
             params = self.pool.region(slot, base, n).view(grp.dtypes.working)
             grads = self.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
-            if self.skip_nonfinite:
+            if finite:
                 _check_finite(grads, group, "device")
             self.journal.before_device_update(group, params, (slot, base) if persistent else None)
             self.device_optimizer.update(grp, params, grads, hp)
@@ -606,13 +609,14 @@ class Engine:
         self.dirty.clear()
         self.loaded = None
 
-    def _update_task(self, group: int, check: bool = True) -> Callable[[], None]:
+    def _update_task(self, group: int, check: bool = True, finite: bool | None = None) -> Callable[[], None]:
         """The host update of ``group``; with ``check``, only if its gradient is valid when the
         task runs (a delayed update was checked when issued: zero_grad() may run before it)."""
         if self.optimizer is None:
             return lambda: None
         hp = self.optimizer.config.hyperparams()
-        opt, store, journal, finite = self.optimizer, self.store, self.journal, self.skip_nonfinite
+        opt, store, journal = self.optimizer, self.store, self.journal
+        finite = self.skip_nonfinite if finite is None else finite
 
         def run() -> None:
             if not check or store.grad_state[group] == GRAD_VALID:
@@ -650,6 +654,33 @@ class Engine:
             )
         e.__cause__ = err
         return e
+
+    @contextlib.contextmanager
+    def _deferred_interrupt(self, abandon: bool) -> Iterator[None]:
+        """Ctrl-C while a phase runs sets ``interrupted`` instead of raising in whatever the
+        main thread runs then (an action running inline, a wait): the phase then ends cleanly
+        and raises ``KeyboardInterrupt`` itself. With ``abandon`` the tasks not started yet are
+        skipped at once; without, the phase runs to its end (its updates cannot be undone). A
+        second Ctrl-C raises at once. Only where Python's default SIGINT handler is installed,
+        in the main thread (a user's own handler is left alone)."""
+        self.interrupted = False
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+            if abandon:
+                self.cancel.set()
+
+        prev = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, prev)
+            self.cancel.clear()
 
     def _quiesce(self, tokens: Sequence[Token]) -> None:
         """Abandon a step: tasks not started yet are skipped (:class:`Cancelled`), and every
@@ -716,6 +747,34 @@ class Engine:
         self._fail_cleanup(ctx)
         return _with_note(failure, _state_note("backward", restored, applied, gradients="cleared"))
 
+    def _finish_interrupted(
+        self, ctx: StepContext, program: Program, issued: list[tuple[fx.Node, Token]], interrupt: BaseException
+    ) -> BaseException:
+        """Ctrl-C came during a backward whose updates had started, without rollback: finish the
+        backward and its updates (the step is then applied, as by ``step()``) and return the
+        interrupt to raise, saying so. A failure meanwhile abandons the step as usual."""
+        try:
+            for _, t in issued:
+                t.wait()
+        except BaseException as e:  # a second interrupt: stop now
+            return self._abandon_backward(ctx, program, issued, e)
+        failure = self._failure(program, issued)
+        if failure is not None:
+            return self._abandon_backward(ctx, program, issued, failure)
+        with self.backend.during("end"):
+            ctx.release_all()
+        self.expose_grads()
+        self.pending_updates.clear()
+        self.journal.commit()
+        self.backward_calls = 0
+        self._end_step_clock()
+        return _with_note(
+            interrupt,
+            "The interrupt came during backward() after its optimizer updates had started (they cannot be undone "
+            "with rollback off), so shfx finished the backward and the updates first: the step is applied, as by "
+            "cm.step(), and the state is consistent. Call cm.zero_grad() and go on with the next batch.",
+        )
+
     # ---- phases ----------------------------------------------------------------------------------
     def forward(
         self, variant: Variant, inputs: Sequence[torch.Tensor], grad: bool, *, serial: bool = False
@@ -748,13 +807,14 @@ class Engine:
         nodes = program.phase_nodes("forward") if grad else program.nodes
         issued: list[tuple[fx.Node, Token]] = []
         try:
-            with self.backend.during("forward start"):
-                for name, t in zip(variant.graph.inputs, inputs):
-                    ctx.put(name, self.backend.to_device(t))
-            issued = self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial, into=issued)
-            for _, tok in issued:
-                tok.wait()
-            failure = self._failure(program, issued)
+            with self._deferred_interrupt(abandon=True):
+                with self.backend.during("forward start"):
+                    for name, t in zip(variant.graph.inputs, inputs):
+                        ctx.put(name, self.backend.to_device(t))
+                self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial, into=issued)
+                for _, tok in issued:
+                    tok.wait()
+            failure = KeyboardInterrupt() if self.interrupted else self._failure(program, issued)
         except BaseException as e:  # an interrupt while waiting, or a failure issuing
             self._quiesce([t for _, t in issued])
             failure = e if isinstance(e, (KeyboardInterrupt, SystemExit)) else (self._failure(program, issued) or e)
@@ -819,21 +879,30 @@ class Engine:
             nodes = program.phase_nodes("backward")
         issued: list[tuple[fx.Node, Token]] = []
         failure: BaseException | None = None
+        # an interrupt abandons the step, unless updates run that cannot be undone: then the
+        # step is finished first
+        finish = final and not self.journal.enabled
         try:
-            with self.backend.during("backward start"):
-                for v, gr in zip(variant.graph.outputs, grad_outputs):
-                    if gr is not None and variant.graph.values[v].differentiable:
-                        ctx.add_grad(v, gr)
-            self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
-            compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
-            for _, tok in compute:
-                tok.wait()
+            with self._deferred_interrupt(abandon=not finish):
+                with self.backend.during("backward start"):
+                    for v, gr in zip(variant.graph.outputs, grad_outputs):
+                        if gr is not None and variant.graph.values[v].differentiable:
+                            ctx.add_grad(v, gr)
+                self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
+                compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
+                for _, tok in compute:
+                    tok.wait()
             failure = self._failure(program, compute)
-        except BaseException as e:  # an interrupt while waiting, or a failure issuing
+            if self.interrupted:
+                failure = KeyboardInterrupt() if failure is None or not finish else failure
+        except BaseException as e:  # an interrupt while waiting (not deferred), or a failure issuing
             failure = e
         finally:
             if self.holder is ctx:
                 self.holder = None
+        if isinstance(failure, KeyboardInterrupt) and finish:
+            # updates are running and cannot be undone: finish the step, then raise
+            raise self._finish_interrupted(ctx, program, issued, failure)
         if failure is not None:
             raise self._abandon_backward(ctx, program, issued, failure)
         in_grads = [ctx.grads.get(v) for v in variant.graph.inputs]
@@ -870,9 +939,7 @@ class Engine:
                 for i, g in enumerate(self.store.groups)
                 if g.trainable_bytes and i not in dev and self.store.grad_state[i] == GRAD_VALID and ("host", i) not in done
             ]
-            for gi in groups:
-                tok = self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi)), [], f"U{gi}")
-                self.pending_updates.append((f"U{gi}", tok))
+            dev_groups = []
             for gi in sorted(dev):
                 if self.gradients.device_state.get(gi, GRAD_NONE) != GRAD_VALID or ("device", gi) in done:
                     continue
@@ -882,16 +949,36 @@ class Engine:
                         f"group {gi} is updated on the device while its stage is resident, and it is not now: "
                         "its gradient is gone with the slot. Run the step again from the forward."
                     )
-                slot = v.train.persistent.index(owner)
-                tok = self.backend.compute.submit(self._task(f"DU{gi}", self._device_step_task(v, gi, slot)), [], f"DU{gi}")
+                dev_groups.append((gi, v.train.persistent.index(owner)))
+            if self.skip_nonfinite and not self._all_finite(v, groups, dev_groups):
+                return self._skip_step()  # every gradient is known: nothing has run
+            for gi in groups:
+                tok = self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi, finite=False)), [], f"U{gi}")
+                self.pending_updates.append((f"U{gi}", tok))
+            for gi, slot in dev_groups:
+                task = self._device_step_task(v, gi, slot, finite=False)
+                tok = self.backend.compute.submit(self._task(f"DU{gi}", task), [], f"DU{gi}")
                 self.pending_updates.append((f"DU{gi}", tok))
         pending, self.pending_updates = self.pending_updates, []
         interrupt: BaseException | None = None
         try:
-            for _, tok in pending:
-                tok.wait()
-        except BaseException as e:  # an interrupt while waiting: finish or skip what is left first
-            self._quiesce([t for _, t in pending])
+            with self._deferred_interrupt(abandon=self.journal.enabled):
+                for _, tok in pending:
+                    tok.wait()
+            if self.interrupted:
+                raise KeyboardInterrupt
+        except BaseException as e:  # an interrupt while waiting
+            if self.journal.enabled:  # skip what has not started, then undo the rest (below)
+                self._quiesce([t for _, t in pending])
+            else:  # the updates cannot be undone: let them all finish, then raise
+                for _, tok in pending:
+                    tok.wait()
+                if all(tok.error is None for _, tok in pending):
+                    self.journal.commit()
+                    self.backward_calls = 0
+                    self._end_step_clock()
+                    raise _with_note(e, "The interrupt came during cm.step(); shfx finished its updates first: the "
+                                     "step is applied and the state is consistent.") from None
             interrupt = e
         causes = [(label, root_cause(tok.error)) for label, tok in pending if tok.error is not None]
         nonfinite = [(label, e) for label, e in causes if isinstance(e, NonFiniteGradient)]
@@ -919,16 +1006,33 @@ class Engine:
                 self._undo_step()
             elif self.journal.applied:  # pragma: no cover - refused at compile (skip_nonfinite needs rollback)
                 raise AssertionError("a non-finite step was partly applied without rollback")
-            self.journal.commit()
-            self.skipped_steps += 1
-            self.last_step_skipped = True
-            self.backward_calls = 0
-            self._end_step_clock()
-            return False
+            return self._skip_step()
         self.journal.commit()
         self.backward_calls = 0
         self._end_step_clock()
         return True
+
+    def _all_finite(self, v: Variant | None, groups: list[int], dev_groups: list[tuple[int, int]]) -> bool:
+        """Whether every gradient a step() would apply is finite (checked before any update)."""
+        try:
+            for gi in groups:
+                _check_finite(self.store.grad(gi), gi, "host")
+            for gi, slot in dev_groups:
+                _, base = self._group_base(v, gi)
+                grp = self.store.groups[gi]
+                _check_finite(self.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad), gi, "device")
+        except NonFiniteGradient:
+            return False
+        return True
+
+    def _skip_step(self) -> bool:
+        """The step is not applied (a non-finite gradient); the gradients stay for the user."""
+        self.journal.commit()
+        self.skipped_steps += 1
+        self.last_step_skipped = True
+        self.backward_calls = 0
+        self._end_step_clock()
+        return False
 
     def _end_step_clock(self) -> None:
         if self._step_t0 is not None:
