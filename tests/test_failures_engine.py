@@ -314,3 +314,22 @@ def test_a_failed_forward_leaves_nothing_running():
     p.step_both()
     p.assert_same()
     p.cm.close()
+
+
+def test_a_failed_delayed_update_is_rolled_back():
+    """ZeRO-Offload's delayed update runs after step() returned: its failure surfaces at the
+    next call that needs the weights, and with rollback the step's updates are undone."""
+    p = Pair(shfx.ZeroOffload(delayed_update=True), rollback=True)
+    p.shfx_step()
+    p.cm(*p.batch()).backward()
+    before = {k: v.clone() for k, v in p.cm.state_dict().items()}  # waits for the last step's updates
+    with FaultInjector(p.cm.backend, "U", 2):
+        p.cm.step()  # starts this step's updates and returns
+        with pytest.raises(ActionError, match=r"U\d \(delayed\) failed: InjectedFault") as ei:
+            p.cm.state_dict()
+    assert "were rolled back" in str(ei.value)
+    for k, v in p.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    p.cm.zero_grad()
+    p.shfx_step()  # training goes on
+    p.cm.close()

@@ -865,7 +865,7 @@ class Engine:
             and self.optimizer is not None
             and self.backward_calls == self.grad_accum_steps
         )
-        if final:
+        if final and not self.delayed:  # (delayed updates of the last step() may still be journaled)
             self.journal.commit()  # a new step (what an earlier failed step left applied is the user's)
             self.last_step_skipped = False
         variant = ctx.variant
@@ -1060,7 +1060,7 @@ class Engine:
             if g.trainable_bytes and gi not in dev and self.store.grad_state[gi] == GRAD_VALID
         ]
         self.delayed.start(
-            groups, lambda gi: self.backend.cpu.submit(self._update_task(gi, check=False), [], f"U{gi} (delayed)")
+            groups, lambda gi: self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi, check=False)), [], f"U{gi} (delayed)")
         )  # fmt: skip
         self.backward_calls = 0
         self._end_step_clock()
@@ -1106,7 +1106,8 @@ class Engine:
                 "zero_grad() was called between backward() and step() while the update started by backward() is "
                 "pending; call cm.step() first (or compile with overlap_update=False)"
             )
-        self.journal.commit()  # a failed step's records: the user drops that step
+        if not self.delayed:
+            self.journal.commit()  # a failed step's records: the user drops that step
         st = self.store
         if not set_to_none:
             self.finish_delayed()  # zeroing the host gradients: the delayed updates read them
