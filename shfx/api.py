@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -69,6 +70,15 @@ def _make_backend(device: Any, optimizer_workers: int) -> Backend:
     raise TypeError(f"device must be 'cuda', a CudaDevice or an EmulatedDevice, got {device!r}")
 
 
+def _clamped_window(variant: Variant) -> int | None:
+    """The fixed window the user asked for when it is larger than the stages ``variant``
+    streams (the policy then keeps all of them on the device), else None."""
+    asked = getattr(variant.policy, "window", None) if variant.policy.windowed else None
+    if not isinstance(asked, int) or isinstance(asked, bool):
+        return None
+    return asked if asked > variant.train.num_slots - len(variant.train.persistent) else None
+
+
 class _OffloadFunction(torch.autograd.Function):
     """Runs the forward program in forward and the backward program in backward, so
     ``loss.backward()`` drives the offloaded backward, whatever the loss is computed from."""
@@ -95,7 +105,14 @@ class _OffloadFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        sctx: StepContext = ctx.sctx
+        sctx: StepContext | None = ctx.sctx
+        if sctx is None:
+            raise UsageError(
+                "backward() ran a second time through the same shfx forward (loss.backward(retain_graph=True) "
+                "then backward() again, or two losses computed from the same model output); shfx runs one "
+                "backward per forward, and frees the forward's state in it. Add the losses and call backward() "
+                "once ((loss1 + loss2).backward()), or call the model again for another backward."
+            )
         ctx.sctx = None
         in_grads = ctx.engine.backward(sctx, list(grads))
         return (None, None, None, *in_grads)
@@ -213,6 +230,15 @@ class CompiledModel:
             return report.tune.policy
 
         variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose)
+        asked = _clamped_window(variant)
+        if asked is not None:
+            n, k = len(variant.graph.stages), len(variant.train.persistent)
+            streamed = f"{n - k} stages to stream ({n} stages, {k} kept on the device)" if k else f"{n} stages"
+            warnings.warn(
+                f"window={asked} is more than the {streamed}: shfx keeps all of them on the device "
+                f"(window {n - k}). Pass window={n - k} to say so, or a smaller window to stream.",
+                stacklevel=4,
+            )
         self._ensure_store(variant.captured, variant.graph)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)
@@ -290,9 +316,10 @@ class CompiledModel:
             ) from e
         window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
         steps = self._engine.step_times
+        asked = _clamped_window(variant) if how == "fixed" else None
         return WindowReport(
             tune, window, self._backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
-            profile=getattr(costs, "extra", {}).get("profile"),
+            profile=getattr(costs, "extra", {}).get("profile"), window_asked=asked,
         )  # fmt: skip
 
     def _check_one_stage(self, graph: StageGraph) -> None:
@@ -592,8 +619,9 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             when the measured steps keep missing the prediction; ``cm.retune()`` then profiles
             and tunes again).
         window: shorthand for the policy's window (int >= 1; larger than the number of stages
-            means all; or ``"auto"``), for a policy given by name or as a function; default the
-            policy's own (2). A policy without a window (``"resident"``, ...) refuses one.
+            means all, with a warning at the first call and a line in ``cm.report()``; or
+            ``"auto"``), for a policy given by name or as a function; default the policy's own
+            (2). A policy without a window (``"resident"``, ...) refuses one.
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
         blocks: module path of the repeated blocks (default: auto-detected), or False to split
             by parameter bytes into ``num_stages`` stages.

@@ -70,6 +70,23 @@ def assert_bitwise(model: nn.Module, ref: nn.Module) -> None:
 # ---- 14: smaller ------------------------------------------------------------------------------------------
 
 
+def test_second_backward_through_one_forward_is_a_usage_error():
+    cm, _, _, _ = pair()
+    loss = cm(batch(0))
+    loss.backward(retain_graph=True)
+    with pytest.raises(shfx.UsageError, match=r"backward\(\) ran a second time.*\(loss1 \+ loss2\)\.backward\(\)"):
+        loss.backward()
+    cm.step()
+    cm.zero_grad()
+    out = cm(batch(1))
+    a, b = out * 2, out * 3
+    a.backward()
+    with pytest.raises(shfx.UsageError, match="second time"):
+        b.backward()
+    cm.step()
+    cm.close()
+
+
 @pytest.mark.parametrize("memory", ["-1GiB", -1, 0, "0", "0.1B", float("nan"), float("inf"), "1e400", "1e400GiB"])
 def test_device_memory_must_be_a_positive_finite_size(memory):
     with pytest.raises(ValueError, match=r"EmulatedDevice memory must be (> 0|a finite number)"):
@@ -92,3 +109,38 @@ def test_device_specs_still_accepted():
     assert shfx.EmulatedDevice(memory=1, h2d="800MiB/s").h2d_bps == 800 * 2**20
     with pytest.raises(ValueError, match=r"duplex must be in \(0, 1\]: a number"):
         shfx.EmulatedDevice(duplex="half")
+
+
+def test_window_larger_than_the_stages_is_said():
+    cm, _, _, _ = pair(window=100)
+    with pytest.warns(UserWarning, match=r"window=100 is more than the 5 stages.*window 5"):
+        cm(batch(0)).backward()
+    cm.step()
+    assert cm.program.num_slots == 5  # all stages, as documented
+    text = str(cm.report())
+    assert "window=100 was set by the user, more than the 5 stages there are to stream" in text
+    assert cm.report().to_dict()["window_asked"] == 100
+    cm.close()
+
+
+def test_window_equal_to_the_stages_is_quiet(recwarn):
+    cm, _, _, _ = pair(window=5)
+    cm(batch(0)).backward()
+    cm.step()
+    assert not [w for w in recwarn if "window=" in str(w.message)]
+    cm.close()
+
+
+def test_accumulation_message_ordinals():
+    from shfx.runtime.engine import _ordinal
+
+    assert [_ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th",
+    ]  # fmt: skip
+    cm, _, _, _ = pair(grad_accum_steps=2)
+    cm(batch(0, 0)).backward()
+    cm(batch(0, 1)).backward()
+    with pytest.raises(shfx.UsageError, match="every 2nd backward"):
+        cm(batch(1))
+    cm.step()
+    cm.close()

@@ -50,6 +50,12 @@ __all__ = ["Engine", "StepContext", "MemoryEvent"]
 _EARLY_STOP_MIN_S = 2e-3
 
 
+def _ordinal(n: int) -> str:
+    """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd'."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
     """The same out-of-memory error, saying where in the step it happened."""
     return OutOfDeviceMemory(
@@ -558,7 +564,7 @@ class Engine:
         if self.pending_updates:
             accum = (
                 f" (with grad_accum_steps={self.grad_accum_steps} the update starts in every "
-                f"{self.grad_accum_steps}th backward)"
+                f"{_ordinal(self.grad_accum_steps)} backward)"
                 if self.grad_accum_steps > 1
                 else ""
             )
