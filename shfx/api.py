@@ -40,7 +40,14 @@ _POLICY_OPTIONS = {
     "lookahead": "policy=shfx.ZeroInfinity(lookahead=2)",
 }
 
-_COMPILED: weakref.WeakKeyDictionary[nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
+# model -> its live compiled model. NOTE: the value is a weak reference: the compiled model holds
+# its model, so a strong value would keep both (and the backend's worker threads) alive forever.
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[CompiledModel]] = weakref.WeakKeyDictionary()
+
+
+def _compiled_of(model: nn.Module) -> CompiledModel | None:
+    ref = _COMPILED.get(model)
+    return ref() if ref is not None else None
 
 
 def _make_backend(device: Any, optimizer_workers: int) -> Backend:
@@ -149,7 +156,7 @@ class CompiledModel:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
-        if model in _COMPILED:
+        if _compiled_of(model) is not None:
             raise UsageError(
                 f"this {type(model).__name__} is already compiled by shfx; use that compiled model, or call its "
                 ".close() first (its parameters live in that model's host store)"
@@ -173,6 +180,9 @@ class CompiledModel:
                 f"got {type(optimizer).__name__}"
             )
         self._backend = _make_backend(device, optimizer_workers)
+        # dropped without close() (or failing below): stop the worker threads and free the device
+        # when the compiled model is garbage (the finalizer holds the backend, not self)
+        self._finalizer = weakref.finalize(self, self._backend.close)
         dev = str(self._backend.device) if self._backend.name == "cuda" else None
         self._options = PipelineOptions(
             policy=policy, window=window, blocks=blocks, num_stages=num_stages, verify=verify,
@@ -193,7 +203,7 @@ class CompiledModel:
         self._last: Variant | None = None
         self._last_tensors: list[torch.Tensor] | None = None
         self._dummy = torch.empty(0, requires_grad=True)
-        _COMPILED[model] = self
+        _COMPILED[model] = weakref.ref(self)
 
     @property
     def policy(self) -> Policy:
@@ -581,17 +591,15 @@ class CompiledModel:
 
     def close(self) -> None:
         """Stop the worker threads and free device memory; the model keeps its (host) weights."""
-        if self._engine is not None:
-            self._engine.close()
-        else:
-            self._backend.close()
-        _COMPILED.pop(self.module, None)
-
-    def __del__(self) -> None:
         try:
-            self._backend.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+            if self._engine is not None:
+                self._engine.close()
+            else:
+                self._backend.close()
+        finally:
+            self._finalizer.detach()
+            if _compiled_of(self.module) is self:
+                _COMPILED.pop(self.module, None)
 
     def __repr__(self) -> str:
         n = len(self._variants)

@@ -67,6 +67,48 @@ def assert_bitwise(model: nn.Module, ref: nn.Module) -> None:
         torch.testing.assert_close(sd[k], rsd[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
+# ---- 8: a compiled model dropped without close() ----------------------------------------------------
+
+
+def _threads_settle(baseline: int, timeout_s: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    return threading.active_count()
+
+
+def test_dropped_compiled_models_free_their_threads():
+    gc.collect()
+    baseline = threading.active_count()
+    for i in range(10):
+        cm, model, _, _ = pair()
+        cm(batch(i)).backward()
+        cm.step()
+        cm.zero_grad()
+        del cm, model
+    gc.collect()
+    assert _threads_settle(baseline) == baseline
+
+
+def test_already_compiled_while_alive_and_free_once_dropped():
+    torch.manual_seed(0)
+    model = Net()
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(), optimizer=shfx.optim.AdamW())
+    cm(batch(0)).backward()
+    cm.step()
+    with pytest.raises(shfx.UsageError, match="already compiled"):
+        shfx.compile(model, device=shfx.EmulatedDevice())
+    del cm
+    gc.collect()
+    cm2 = shfx.compile(model, device=shfx.EmulatedDevice(), optimizer=shfx.optim.AdamW())  # released
+    cm2(batch(1)).backward()
+    cm2.step()
+    cm2.close()
+    cm3 = shfx.compile(model, device=shfx.EmulatedDevice())  # and after close()
+    cm3.close()
+
+
 # ---- 14: smaller ------------------------------------------------------------------------------------------
 
 
