@@ -121,7 +121,10 @@ class _OffloadFunction(torch.autograd.Function):
                 "once ((loss1 + loss2).backward()), or call the model again for another backward."
             )
         ctx.sctx = None
-        in_grads = ctx.engine.backward(sctx, list(grads))
+        eng: Engine = ctx.engine
+        if not eng.pending_updates:  # (else the backward is refused: the update reads the gradients)
+            eng.gradients.take_user_grads(eng.param_keys_by_group)  # model.zero_grad(), p.grad = ...
+        in_grads = eng.backward(sctx, list(grads))
         return (None, None, None, *in_grads)
 
 
@@ -403,9 +406,29 @@ class CompiledModel:
     forward = __call__
 
     def step(self) -> None:
-        """Apply the optimizer to every group (waits for updates started during backward)."""
+        """Apply the optimizer to every group (waits for updates started during backward).
+
+        Gradients are read as PyTorch code left them (``p.grad`` edited in place, rebound, or
+        set to None for every parameter of a stage), as ``torch.optim`` reads them, except after
+        a backward that started the updates (``overlap_update=True``, the default): they have
+        already read the gradients, so an edit since raises :class:`UsageError` here (after the
+        step has been applied with the gradients the backward computed)."""
         self._require_engine("step")
-        self._engine.step()
+        eng = self._engine
+        grads = eng.gradients
+        edited = grads.edited_since_expose()
+        if edited is None and not eng.pending_updates:
+            grads.take_user_grads(eng.param_keys_by_group, before_step=True)
+        eng.step()
+        if edited is not None:
+            raise UsageError(
+                f"{edited} after backward(), but the optimizer update had already started during backward() "
+                "(overlap_update=True, the default) and read the gradients as backward computed them: this step "
+                "was applied without your edit (an edit racing with a running update may have been seen in part). "
+                "To edit gradients before the update (gradient clipping, scaling), compile with "
+                "overlap_update=False; exact clipping with the overlapped update comes with shfx's trainer. "
+                "Reload the last checkpoint if this step must not count."
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients, like ``torch.optim.Optimizer.zero_grad``."""

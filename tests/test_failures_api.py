@@ -67,6 +67,76 @@ def assert_bitwise(model: nn.Module, ref: nn.Module) -> None:
         torch.testing.assert_close(sd[k], rsd[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
+# ---- 3: gradient edits between backward and step ---------------------------------------------------
+
+
+def test_clipping_after_an_overlapped_backward_is_refused_at_step():
+    """The updates started during backward and read the gradients: clipping after it cannot
+    count, so step() says so (and what to do) instead of silently training other weights."""
+    cm, model, _, _ = pair()
+    cm(batch(0)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(shfx.UsageError, match=r"changed in place.*overlap_update=False.*trainer"):
+        cm.step()
+    # the step finished (nothing left running); training goes on
+    cm.zero_grad()
+    cm(batch(1)).backward()
+    cm.step()
+    cm.close()
+
+
+@pytest.mark.parametrize("edit", ["rebind", "none"])
+def test_rebinding_grad_after_an_overlapped_backward_is_refused_at_step(edit):
+    cm, model, _, _ = pair()
+    cm(batch(0)).backward()
+    p = model.blocks[2].fc.weight
+    p.grad = p.grad * 0.5 if edit == "rebind" else None
+    with pytest.raises(shfx.UsageError, match=r"'blocks\.2\.fc\.weight' was (replaced|set to None)"):
+        cm.step()
+    cm.close()
+
+
+def test_no_edit_after_an_overlapped_backward_steps_quietly():
+    cm, model, ref, opt = pair()
+    for step in range(3):
+        cm(batch(step)).backward()
+        _ = [p.grad.norm() for p in model.parameters()]  # reading is fine
+        cm.step()
+        cm.zero_grad()
+        ref(batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_bitwise(model, ref)
+    cm.close()
+
+
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "rebind"])
+def test_clipping_without_overlap_trains_like_eager(how):
+    """With overlap_update=False the updates run in step(): gradients edited in place (clipping)
+    or rebound to new tensors before it are what it applies, bitwise as torch.optim."""
+    cm, model, ref, opt = pair(overlap_update=False)
+
+    def clip(m: nn.Module) -> None:
+        if how == "clip_grad_norm_":
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            assert norm > 0.05  # the clipping acts
+        else:
+            for p in m.parameters():
+                p.grad = p.grad.clamp(-1e-3, 1e-3)
+
+    for step in range(4):
+        cm(batch(step)).backward()
+        clip(model)
+        cm.step()
+        cm.zero_grad()
+        ref(batch(step)).backward()
+        clip(ref)
+        opt.step()
+        opt.zero_grad()
+    assert_bitwise(model, ref)
+    cm.close()
+
+
 # ---- 8: a compiled model dropped without close() ----------------------------------------------------
 
 
@@ -107,6 +177,72 @@ def test_already_compiled_while_alive_and_free_once_dropped():
     cm2.close()
     cm3 = shfx.compile(model, device=shfx.EmulatedDevice())  # and after close()
     cm3.close()
+
+
+# ---- 10: zeroing gradients through the original model ----------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize(
+    "how", ["model.zero_grad()", "set_to_none=False", "optimizer-style", "between forward and backward"]
+)
+def test_zeroing_through_the_model_trains_like_eager(how, overlap):
+    """Hugging Face's Trainer zeroes with model.zero_grad(); torch.optim's zero_grad sets each
+    p.grad to None (or zeroes it in place): either acts as cm.zero_grad() would."""
+    cm, model, ref, opt = pair(overlap_update=overlap)
+
+    def zero(m: nn.Module) -> None:
+        if how in ("model.zero_grad()", "between forward and backward"):
+            m.zero_grad()
+        elif how == "set_to_none=False":
+            m.zero_grad(set_to_none=False)
+        else:
+            for p in m.parameters():
+                p.grad = None
+
+    for step in range(4):
+        for call, m, stepper in ((cm, model, cm), (ref, ref, opt)):
+            loss = call(batch(step))
+            if how == "between forward and backward":
+                zero(m)
+            loss.backward()
+            stepper.step()
+            if how != "between forward and backward":
+                zero(m)
+    assert_bitwise(model, ref)
+    cm.close()
+
+
+def test_one_grad_set_to_none_between_accumulated_backwards_trains_like_eager():
+    """Per parameter: a .grad set to None between two backward() calls of one step starts that
+    parameter's gradient from zero, the rest of its stage keeps accumulating."""
+    cm, model, ref, opt = pair(grad_accum_steps=2)
+    for step in range(3):
+        for call, m in ((cm, model), (ref, ref)):
+            call(batch(step, 0)).backward()
+            m.blocks[1].fc.bias.grad = None
+            call(batch(step, 1)).backward()
+        cm.step()
+        opt.step()
+        model.zero_grad()
+        opt.zero_grad()
+    assert_bitwise(model, ref)
+    cm.close()
+
+
+def test_some_grads_of_a_stage_none_at_step_is_refused():
+    cm, model, _, _ = pair(overlap_update=False)
+    cm(batch(0)).backward()
+    model.blocks[1].fc.bias.grad = None
+    with pytest.raises(shfx.UsageError, match=r"'blocks\.1\.fc\.bias' of a stage has \.grad None.*Nothing was updated"):
+        cm.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.blocks[1].fc.weight.grad = None  # the whole stage: skipped, as torch.optim skips it
+    cm.step()
+    after = model.state_dict()
+    assert torch.equal(before["blocks.1.fc.weight"], after["blocks.1.fc.weight"])
+    assert not torch.equal(before["blocks.0.fc.weight"], after["blocks.0.fc.weight"])
+    cm.close()
 
 
 # ---- 14: smaller ------------------------------------------------------------------------------------------
