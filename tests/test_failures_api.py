@@ -179,6 +179,75 @@ def test_already_compiled_while_alive_and_free_once_dropped():
     cm3.close()
 
 
+# ---- 9: the model changed after the first call ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("to", [False, True])
+def test_requires_grad_changed_after_the_first_call_is_refused(to):
+    torch.manual_seed(0)
+    model = Net()
+    p = model.blocks[1].fc.weight
+    p.requires_grad_(not to)
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(), window=2, optimizer=shfx.optim.AdamW())
+    cm(batch(0)).backward()
+    cm.step()
+    cm.zero_grad()
+    p.requires_grad_(to)
+    with pytest.raises(shfx.UsageError, match=rf"'blocks\.1\.fc\.weight' has requires_grad={to}.*first call"):
+        cm(batch(1))
+    with torch.no_grad():
+        cm(batch(1))  # without grad, requires_grad does not matter
+    p.requires_grad_(not to)  # set back: training goes on
+    cm(batch(1)).backward()
+    cm.step()
+    cm.close()
+
+
+def test_replaced_parameter_is_refused():
+    cm, model, _, _ = pair()
+    cm(batch(0)).backward()
+    cm.step()
+    cm.zero_grad()
+    model.head.weight = nn.Parameter(torch.zeros_like(model.head.weight))
+    with pytest.raises(shfx.UsageError, match=r"'head\.weight' was replaced by another object"):
+        cm(batch(1))
+    cm.close()
+
+
+@pytest.mark.parametrize("policy", [shfx.Stronghold(window=2), shfx.Stronghold(window=2, resident_first=1), shfx.Resident()])
+def test_data_rebound_between_steps_trains_like_eager(policy):
+    """``p.data = t`` detaches the parameter from the host store; the next call copies t in and
+    binds p again (the device copies of persistent stages reload): the new values train."""
+    cm, model, ref, opt = pair(policy=policy, window=None)
+    g = torch.Generator().manual_seed(7)
+    for step in range(4):
+        if step == 2:
+            for name in ("blocks.0.fc.weight", "head.bias"):
+                new = torch.randn(model.get_parameter(name).shape, generator=g)
+                model.get_parameter(name).data = new.clone()
+                ref.get_parameter(name).data = new.clone()
+        cm(batch(step)).backward()
+        cm.step()
+        cm.zero_grad()
+        ref(batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    cm.sync()
+    assert_bitwise(model, ref)
+    cm.close()
+
+
+def test_data_rebound_to_another_shape_is_refused():
+    cm, model, _, _ = pair()
+    cm(batch(0)).backward()
+    cm.step()
+    cm.zero_grad()
+    model.head.bias.data = torch.zeros(3)
+    with pytest.raises(shfx.UsageError, match=r"'head\.bias' was given new data .*shape \(3,\).*holds it as shape \(1,\)"):
+        cm(batch(1))
+    cm.close()
+
+
 # ---- 10: zeroing gradients through the original model ----------------------------------------------------
 
 
