@@ -217,8 +217,9 @@ class WindowReport:
             lines.append(t.reason)
         elif self.window_asked is not None and self.window_asked > self.window:
             lines.append(
-                f"window={self.window_asked} was set by the user, more than the {self.window} stages there are to "
-                f"stream: all of them are resident (window {self.window}); the tuner would choose {t.window}."
+                f"window={self.window_asked} was set by the user, more than the {self.window} "
+                f"stage{'s' if self.window != 1 else ''} there are to stream: all of them are resident "
+                f"(window {self.window}); the tuner would choose {t.window}."
             )
         else:
             lines.append(f"window {self.window} was set by the user; the tuner would choose {t.window}.")

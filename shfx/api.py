@@ -249,12 +249,19 @@ class CompiledModel:
         asked = _clamped_window(variant)
         if asked is not None:
             n, k = len(variant.graph.stages), len(variant.train.persistent)
-            streamed = f"{n - k} stages to stream ({n} stages, {k} kept on the device)" if k else f"{n} stages"
-            warnings.warn(
-                f"window={asked} is more than the {streamed}: shfx keeps all of them on the device "
-                f"(window {n - k}). Pass window={n - k} to say so, or a smaller window to stream.",
-                stacklevel=4,
-            )
+
+            def stages(m: int) -> str:
+                return f"{m} stage" + ("s" if m != 1 else "")
+
+            if k == n:
+                what = f"window={asked} is unused: every stage ({n}) is kept on the device (resident_first={k})"
+            else:
+                streamed = f"{stages(n - k)} to stream ({stages(n)}, {k} kept on the device)" if k else stages(n)
+                what = (
+                    f"window={asked} is more than the {streamed}: shfx keeps all of them on the device "
+                    f"(window {n - k}). Pass window={n - k} to say so, or a smaller window to stream"
+                )
+            warnings.warn(what + ".", stacklevel=4)
         self._ensure_store(variant.captured, variant.graph)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)
