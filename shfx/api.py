@@ -509,7 +509,10 @@ class CompiledModel:
         edited = grads.edited_since_expose()
         if edited is None and not eng.pending_updates:
             grads.take_user_grads(eng.param_keys_by_group, before_step=True)
-        eng.step()
+        try:
+            eng.step()
+        finally:
+            grads.note_step()
         if edited is not None:
             raise UsageError(
                 f"{edited} after backward(), but the optimizer update had already started during backward() "

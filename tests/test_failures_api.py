@@ -391,3 +391,20 @@ def test_accumulation_message_ordinals():
         cm(batch(1))
     cm.step()
     cm.close()
+
+
+@pytest.mark.parametrize("policy", [shfx.Resident(), shfx.Stronghold(window=2, resident_first=1)])
+def test_model_zero_grad_with_groups_updated_on_the_device_trains_like_eager(policy):
+    """Groups updated on the device keep their gradients there (their .grad is never exposed):
+    model.zero_grad() after a step (every .grad None) starts them from zero too."""
+    cm, model, ref, opt = pair(policy=policy, window=None)
+    for step in range(4):
+        cm(batch(step)).backward()
+        cm.step()
+        model.zero_grad()
+        ref(batch(step)).backward()
+        opt.step()
+        ref.zero_grad()
+    cm.sync()
+    assert_bitwise(model, ref)
+    cm.close()

@@ -57,6 +57,7 @@ class GradientRouter:
         self._views: dict[str, torch.Tensor] = {}  # parameter -> its slice of the host gradient buffer
         # after an overlapped backward: (parameter, its .grad, that .grad's version) as exposed
         self._exposed: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] | None = None
+        self._stepped = False  # a step() ran since the last backward (see take_user_grads)
 
     # ---- device gradient buffers ------------------------------------------------------------------
     def ensure_buffers(self, sizes: Sequence[int]) -> None:
@@ -310,6 +311,11 @@ class GradientRouter:
                 )
         return None
 
+    def note_step(self) -> None:
+        """A step applied the gradients (:meth:`take_user_grads` then reads an all-None ``.grad``
+        as zeroed for the groups updated on the device)."""
+        self._stepped = True
+
     def take_user_grads(self, param_keys_by_group: dict[int, list], *, before_step: bool = False) -> None:
         """Make the host gradients what PyTorch code left in ``.grad`` since :meth:`expose`,
         as eager autograd and ``torch.optim`` would read them: a ``.grad`` set to None starts
@@ -320,10 +326,20 @@ class GradientRouter:
         some but not all of a group's parameters without a gradient is refused (shfx updates a
         group whole, where ``torch.optim`` would skip just those parameters).
 
+        Groups updated on the device keep their gradients there and never expose them: at the
+        first backward after a step, when every parameter's ``.grad`` is None (``model.zero_grad()``),
+        they start from zero too; otherwise they accumulate, as the exposed ones then do.
+
         The common cases cost one identity check per parameter."""
         st, views = self.store, self._views
         cur = self.engine.current
         dev = cur.device_groups if cur is not None else frozenset()
+        if self._stepped and not before_step:
+            self._stepped = False
+            if GRAD_VALID in self.device_state.values() and all(
+                p.grad is None for keys in param_keys_by_group.values() for _, p in keys
+            ):
+                self.reset_device()
         for g, keys in param_keys_by_group.items():
             if g in dev:
                 continue  # updated on the device: its gradients are never exposed
