@@ -408,3 +408,20 @@ def test_model_zero_grad_with_groups_updated_on_the_device_trains_like_eager(pol
     cm.sync()
     assert_bitwise(model, ref)
     cm.close()
+
+
+def test_model_zero_grad_with_the_delayed_update_is_cm_zero_grad():
+    """ZeRO-Offload's delayed update reads the gradients after step() returns: model.zero_grad()
+    trains exactly as cm.zero_grad() does there (that policy is checked against eager in
+    tests/test_policies.py)."""
+    states = []
+    for zero in ("cm", "model"):
+        cm, model, _, _ = pair(policy=shfx.ZeroOffload(delayed_update=True), window=None)
+        for step in range(4):
+            cm(batch(step)).backward()
+            cm.step()
+            cm.zero_grad() if zero == "cm" else model.zero_grad()
+        states.append({k: v.clone() for k, v in cm.state_dict().items()})
+        cm.close()
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
