@@ -147,6 +147,8 @@ class WindowReport:
         first_step: index in ``measured_s`` of the first step this report predicts (a report
             made by ``cm.retune()`` starts at the step after it).
         profile: how steady the profile behind the prediction was (None: not profiled).
+        window_asked: the fixed window the user set when it is larger than the stages there are
+            to stream (``window`` is then all of them); None otherwise.
         drift_window, drift_threshold, drift_min_s: the drift detector's settings (see
             :attr:`drift`).
 
@@ -169,6 +171,7 @@ class WindowReport:
     measured_s: list[float] = field(default_factory=list)
     first_step: int = 0
     profile: ProfileStats | None = None
+    window_asked: int | None = None
     drift_window: int = DRIFT_STEPS
     drift_threshold: float = DRIFT_THRESHOLD
     drift_min_s: float = DRIFT_MIN_S
@@ -210,9 +213,16 @@ class WindowReport:
         if t.capacity_bytes is not None:
             lines.append(f"  device budget: {format_bytes(t.capacity_bytes)}; tolerance {100 * t.tolerance:.0f}%")
         lines.append(t.table())
-        lines.append(
-            t.reason if self.how in ("auto", "analytic") else f"window {self.window} was set by the user; the tuner would choose {t.window}."
-        )
+        if self.how in ("auto", "analytic"):
+            lines.append(t.reason)
+        elif self.window_asked is not None and self.window_asked > self.window:
+            lines.append(
+                f"window={self.window_asked} was set by the user, more than the {self.window} "
+                f"stage{'s' if self.window != 1 else ''} there are to stream: all of them are resident "
+                f"(window {self.window}); the tuner would choose {t.window}."
+            )
+        else:
+            lines.append(f"window {self.window} was set by the user; the tuner would choose {t.window}.")
         m = self.measured_median_s
         if m is not None:
             err = 100 * (self.predicted_s / m - 1)
@@ -237,6 +247,7 @@ class WindowReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "window": self.window,
+            "window_asked": self.window_asked,
             "how": self.how,
             "device": self.device,
             "source": self.tune.source,

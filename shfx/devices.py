@@ -35,15 +35,19 @@ class EmulatedDevice:
     duplex: float = 1.0
 
     def __post_init__(self) -> None:
-        parse_bytes(self.memory, what="EmulatedDevice memory")
+        parse_bytes(self.memory, what="EmulatedDevice memory", positive=True)
         parse_bandwidth(self.h2d, what="EmulatedDevice h2d bandwidth")
         parse_bandwidth(self.d2h, what="EmulatedDevice d2h bandwidth")
-        if not (0 < float(self.duplex) <= 1.0):
-            raise ValueError(f"EmulatedDevice duplex must be in (0, 1], got {self.duplex}")
+        ok = isinstance(self.duplex, (int, float)) and not isinstance(self.duplex, bool) and 0 < self.duplex <= 1.0
+        if not ok:
+            raise ValueError(
+                f"EmulatedDevice duplex must be in (0, 1]: a number, the fraction of its bandwidth each direction "
+                f"keeps while the other copies too (1.0: full duplex), got {self.duplex!r}"
+            )
 
     @property
     def memory_bytes(self) -> int:
-        return parse_bytes(self.memory, what="EmulatedDevice memory")
+        return parse_bytes(self.memory, what="EmulatedDevice memory", positive=True)
 
     @property
     def h2d_bps(self) -> float | None:
@@ -67,9 +71,15 @@ class CudaDevice:
     index: int = 0
     memory: int | str | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"CudaDevice index must be an int >= 0 (cuda:N), got {self.index!r}")
+        if self.memory is not None:
+            parse_bytes(self.memory, what="CudaDevice memory", positive=True)
+
     @property
     def memory_bytes(self) -> int | None:
-        return None if self.memory is None else parse_bytes(self.memory, what="CudaDevice memory")
+        return None if self.memory is None else parse_bytes(self.memory, what="CudaDevice memory", positive=True)
 
     def __str__(self) -> str:
         return f"cuda:{self.index}" + (f" (budget {format_bytes(self.memory_bytes)})" if self.memory is not None else "")

@@ -98,6 +98,10 @@ def _with_note(err: BaseException, note: str) -> BaseException:
         return e
     err.add_note(note)
     return err
+def _ordinal(n: int) -> str:
+    """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd'."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
@@ -781,8 +785,8 @@ class Engine:
     ) -> tuple[list[torch.Tensor], StepContext]:
         if self.pending_updates:
             accum = (
-                f" (with grad_accum_steps={self.grad_accum_steps} the update starts in the last of every "
-                f"{self.grad_accum_steps} backward() calls)"
+                f" (with grad_accum_steps={self.grad_accum_steps} the update starts in every "
+                f"{_ordinal(self.grad_accum_steps)} backward)"
                 if self.grad_accum_steps > 1
                 else ""
             )

@@ -19,6 +19,7 @@ import torch
 from shfx.passes.partition import Stage
 from shfx.passes.program import ActionMeta
 
+from ..errors import UsageError
 from .host_store import GRAD_NONE, GRAD_VALID
 from .streams import Token
 
@@ -53,6 +54,10 @@ class GradientRouter:
         self.buffers: list[torch.Tensor | None] = []  # per slot, for backwards that keep params
         self.device_state: dict[int, int] = {}  # group -> GRAD_NONE/GRAD_VALID of its device gradient
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._views: dict[str, torch.Tensor] = {}  # parameter -> its slice of the host gradient buffer
+        # after an overlapped backward: (parameter, its .grad, that .grad's version) as exposed
+        self._exposed: list[tuple[str, torch.Tensor, torch.Tensor | None, int]] | None = None
+        self._stepped = False  # a step() ran since the last backward (see take_user_grads)
 
     # ---- device gradient buffers ------------------------------------------------------------------
     def ensure_buffers(self, sizes: Sequence[int]) -> None:
@@ -255,12 +260,121 @@ class GradientRouter:
         """Host bytes of the buffers borrowed gradients wait in."""
         return sum(t.numel() * t.element_size() for t in self._pending_bufs.values())
 
-    # ---- what PyTorch code sees ---------------------------------------------------------------------
+    # ---- what PyTorch code sees, and what it did ------------------------------------------------
     def expose(self, param_keys_by_group: dict[int, list]) -> None:
-        """Point each trainable parameter's ``.grad`` at its slice of the host gradient buffer."""
+        """Point each trainable parameter's ``.grad`` at its slice of the host gradient buffer.
+
+        When updates are already running (the overlapped update started during backward) it
+        also records each ``.grad`` and its version counter, after shfx's own writes: an edit
+        from now on comes too late for this step (:meth:`edited_since_expose`)."""
         st = self.store
         for g, keys in param_keys_by_group.items():
             if st.grad_state[g] == GRAD_VALID:
                 for k, p in keys:
-                    if p.grad is None or p.grad.data_ptr() != st.param_grad_view(k, g).data_ptr():
-                        p.grad = st.param_grad_view(k, g)
+                    v = self._view(k, g)
+                    if p.grad is not v:
+                        p.grad = v
+        if self.engine.pending_updates:
+            self._exposed = [
+                (k, p, p.grad, -1 if p.grad is None else p.grad._version)
+                for keys in param_keys_by_group.values()
+                for k, p in keys
+            ]
+        else:
+            self._exposed = None
+
+    def _view(self, key: str, group: int) -> torch.Tensor:
+        """``key``'s slice of its group's host gradient buffer, the one tensor its ``.grad`` is
+        (so that ``p.grad is view`` says whether PyTorch code rebound it)."""
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = self.store.param_grad_view(key, group)
+        return v
+
+    def edited_since_expose(self) -> str | None:
+        """After an overlapped backward (updates started during it): how PyTorch code changed a
+        ``.grad`` since (in place: its version counter moved; or rebound it), in words; None
+        when nothing changed or there was no overlapped backward. Forgets the record.
+
+        NOTE: the gradient views of one group share their buffer's version counter, so an
+        in-place edit of one parameter's gradient shows on every parameter of its group."""
+        exposed, self._exposed = self._exposed, None
+        for key, p, grad, version in exposed or ():
+            now = p.grad
+            if now is not grad:
+                how = "set to None" if now is None else "replaced by another tensor"
+                return f"the .grad of parameter {key!r} was {how}"
+            if grad is not None and grad._version != version:
+                return (
+                    f"the .grad of parameter {key!r} (or of another parameter of its stage: they share one "
+                    "buffer) was changed in place"
+                )
+        return None
+
+    def note_step(self) -> None:
+        """A step applied the gradients (:meth:`take_user_grads` then reads an all-None ``.grad``
+        as zeroed for the groups updated on the device)."""
+        self._stepped = True
+
+    def take_user_grads(self, param_keys_by_group: dict[int, list], *, before_step: bool = False) -> None:
+        """Make the host gradients what PyTorch code left in ``.grad`` since :meth:`expose`,
+        as eager autograd and ``torch.optim`` would read them: a ``.grad`` set to None starts
+        from zero at the next backward (the parameter's slice is zeroed; the group holds no
+        gradient when all of its parameters were set to None), one rebound to another tensor
+        has its values copied into the slice (and points at the slice again). In-place edits
+        need nothing: ``.grad`` is the slice. ``before_step``: a step is about to read them;
+        some but not all of a group's parameters without a gradient is refused (shfx updates a
+        group whole, where ``torch.optim`` would skip just those parameters).
+
+        Groups updated on the device keep their gradients there and never expose them: at the
+        first backward after a step, when every parameter's ``.grad`` is None (``model.zero_grad()``),
+        they start from zero too; otherwise they accumulate, as the exposed ones then do.
+
+        The common cases cost one identity check per parameter."""
+        st, views = self.store, self._views
+        cur = self.engine.current
+        dev = cur.device_groups if cur is not None else frozenset()
+        if self._stepped and not before_step:
+            self._stepped = False
+            if GRAD_VALID in self.device_state.values() and all(
+                p.grad is None for keys in param_keys_by_group.values() for _, p in keys
+            ):
+                self.reset_device()
+        for g, keys in param_keys_by_group.items():
+            if g in dev:
+                continue  # updated on the device: its gradients are never exposed
+            valid = st.grad_state[g] == GRAD_VALID
+            changed = [(k, p, p.grad) for k, p in keys if (p.grad is not views.get(k) if valid else p.grad is not None)]
+            if not changed:
+                continue
+            none = [k for k, p in keys if p.grad is None]
+            if len(none) == len(keys):  # all set to None (model.zero_grad())
+                st.grad_state[g] = GRAD_NONE
+                continue
+            if before_step and none:
+                have = [k for k, p in keys if p.grad is not None]
+                raise UsageError(
+                    f"step() updates a stage's parameters together, but {', '.join(map(repr, none[:3]))}"
+                    f"{' ...' if len(none) > 3 else ''} of a stage {'has' if len(none) == 1 else 'have'} .grad None "
+                    f"while {', '.join(map(repr, have[:3]))}{' ...' if len(have) > 3 else ''} of the same stage "
+                    "have a gradient (torch.optim would skip just the former). Set every .grad to None "
+                    "(model.zero_grad()) or none, or zero a gradient in place (p.grad.zero_()) to update with a "
+                    "zero gradient. Nothing was updated."
+                )
+            self.engine.wait_delayed()  # a delayed update (ZeRO-Offload's) may still read the buffer
+            with torch.no_grad():
+                if not valid:
+                    st.grad(g).zero_()
+                    st.grad_state[g] = GRAD_VALID
+                for k, p, gr in changed:
+                    v = self._view(k, g)
+                    if gr is None:
+                        v.zero_()
+                        continue
+                    if gr.shape != v.shape:
+                        raise UsageError(
+                            f"the .grad of parameter {k!r} was set to a tensor of shape {tuple(gr.shape)}, but the "
+                            f"parameter has shape {tuple(v.shape)}: assign a gradient of the parameter's shape"
+                        )
+                    v.copy_(gr)
+                    p.grad = v
