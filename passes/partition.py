@@ -311,6 +311,24 @@ def _alias_base(n: fx.Node) -> fx.Node:
     return n
 
 
+def _storage_base(n: fx.Node) -> fx.Node:
+    """The node whose memory ``n`` is: through views and through in-place ops, which return
+    the tensor they write (``add_``, ``copy_``)."""
+    while n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node):
+        schema = getattr(n.target, "_schema", None)
+        aliases_first = (
+            schema is not None
+            and schema.returns
+            and schema.returns[0].alias_info is not None
+            and schema.arguments
+            and schema.arguments[0].alias_info is not None
+        )
+        if not (getattr(n.target, "is_view", False) or aliases_first):
+            break
+        n = n.args[0]
+    return n
+
+
 def _is_float_tensor(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
 
@@ -663,7 +681,20 @@ def _stage_module(
             env[by_name[p.name]] = key_ph[p.key]
     for n in members:
         env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(tuple(env[by_name[o]] for o in outs))
+    kinds = {p.name: p.kind for p in captured.placeholders}
+    results = []
+    for o in outs:
+        r = env[by_name[o]]
+        base = _storage_base(by_name[o])
+        if base.op == "placeholder" and kinds[base.name] != "input":
+            # NOTE: an output that is a parameter or buffer, or a view or in-place result of one
+            # (``b.cnt.add_(1)`` in the parent's loop, read by the next stage), would hand the
+            # next stage memory of this stage's slot, which the next prefetch overwrites: it
+            # leaves as a copy, as the value was when this stage ran.
+            r = g.call_function(torch.ops.aten.clone.default, (r,))
+            r.meta = {"val": by_name[o].meta.get("val")}
+        results.append(r)
+    g.output(tuple(results))
     return fx.GraphModule(captured.gm, g, class_name=f"Stage{s}")
 
 
