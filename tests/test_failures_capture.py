@@ -72,3 +72,22 @@ def test_buffer_mutated_from_the_parents_loop_trains_like_eager(window, recomput
     _, _, cm, model, _ = assert_trains_like_eager(ParentCounts, vectors, window=window, steps=3, recompute=recompute)
     assert [float(b.cnt) for b in model.blocks] == [3.0] * 4  # each mutation once per step
     cm.close()
+
+
+# ---- a buffer updated in the stage that keeps its graph ---------------------------------------
+
+
+def layers_with_batchnorm() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.BatchNorm1d(8))
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_batchnorm_after_a_layer_in_the_stage_that_keeps_its_graph(num_stages):
+    """The last stage keeps its forward's graph: BatchNorm's in-place statistics update must
+    not count as a change to the weights that graph saved (they share the slot's memory)."""
+    _, _, cm, _, _ = assert_trains_like_eager(
+        layers_with_batchnorm, vectors, window=1, steps=3, blocks=False, num_stages=num_stages,
+        loss_fn=lambda out, aux: out.pow(2).mean(),
+    )  # fmt: skip
+    assert len(cm.stages.stages) == num_stages
+    cm.close()

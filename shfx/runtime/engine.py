@@ -50,6 +50,19 @@ __all__ = ["Engine", "StepContext", "MemoryEvent"]
 _EARLY_STOP_MIN_S = 2e-3
 
 
+def _own_version(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor with an autograd version counter of its own.
+
+    NOTE: a stage's parameters and buffers are views of one slot tensor and share its version
+    counter. A buffer updated in place during the forward (BatchNorm's ``num_batches_tracked``)
+    then counts as a change to every parameter and buffer the forward saved before it (a
+    weight, another BatchNorm's running statistics), and the backward of a stage that kept its
+    graph refuses them ("modified by an inplace operation"). The slot is not rewritten while
+    the graph lives (the program's edges see to it), so each tensor gets a counter of its own:
+    autograd still sees a change to the tensor itself."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
     """The same out-of-memory error, saying where in the step it happened."""
     return OutOfDeviceMemory(
@@ -300,11 +313,11 @@ class Engine:
         if keep:
             trainable = set(stage.trainable)
             with torch.enable_grad():
-                pleaves = [p.detach().requires_grad_(k in trainable) for k, p in zip(stage.params, params)]
+                pleaves = [_own_version(p).requires_grad_(k in trainable) for k, p in zip(stage.params, params)]
                 ileaves = [
                     x.detach().requires_grad_(True) if g.values[v].differentiable else x for v, x in zip(stage.inputs, ins)
                 ]
-                outs = stage.gm(*pleaves, *bufs, *ileaves)
+                outs = stage.gm(*pleaves, *[_own_version(b) for b in bufs], *ileaves)
             ctx.saved[stage.index] = (outs, pleaves, ileaves)
         elif ctx.grad and self._early_stop(stage):
             # NOTE: the forward records its autograd graph without keeping activations
