@@ -42,6 +42,28 @@ _POLICY_OPTIONS = {
 _COMPILED: weakref.WeakKeyDictionary[nn.Module, CompiledModel] = weakref.WeakKeyDictionary()
 
 
+# every device type torch.autocast knows (and the out-of-tree backend's name, added at run time)
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
+
+
+def _autocast_device_types() -> list[str]:
+    """The device types torch.autocast is enabled for in this thread."""
+    types = list(_AUTOCAST_DEVICE_TYPES)
+    backend = getattr(torch._C, "_get_privateuse1_backend_name", lambda: "privateuseone")()
+    if backend not in types:
+        types.append(backend)
+    enabled = []
+    for t in types:
+        try:
+            if torch.is_autocast_enabled(t):
+                enabled.append(t)
+        except (RuntimeError, TypeError, ValueError):  # a device type this build of torch does not know
+            continue
+    if not enabled and torch.is_autocast_enabled():  # the CUDA check of older torch
+        enabled.append("cuda")
+    return enabled
+
+
 def _make_backend(device: Any, optimizer_workers: int) -> Backend:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else EmulatedDevice()
@@ -351,9 +373,13 @@ class CompiledModel:
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_autocast_enabled():
+        autocast = _autocast_device_types()
+        if autocast:
             raise NotImplementedError(
-                "shfx does not support torch.autocast yet: the model trains in its parameters' dtype (fp32)"
+                f"shfx does not support mixed precision yet: torch.autocast is enabled for "
+                f"{', '.join(repr(t) for t in autocast)} around this call, and shfx's stages would not run as eager "
+                "autocast does (other dtypes, other numbers). Train in fp32: call the compiled model outside "
+                "torch.autocast; autocast support is coming."
             )
         variant, tensors = self._variant(args, kwargs)
         assert self._engine is not None

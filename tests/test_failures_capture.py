@@ -91,3 +91,19 @@ def test_batchnorm_after_a_layer_in_the_stage_that_keeps_its_graph(num_stages):
     )  # fmt: skip
     assert len(cm.stages.stages) == num_stages
     cm.close()
+
+
+# ---- autocast -----------------------------------------------------------------------------------
+
+
+def test_cpu_autocast_is_refused():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    cm = shfx.compile(model, device=emulated(), optimizer=shfx.optim.AdamW())
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(NotImplementedError, match=r"mixed precision .* enabled for 'cpu'.*Train in fp32"):
+            cm(x)
+    assert not cm._variants  # nothing was captured under autocast
+    cm(x).sum().backward()  # outside autocast it trains
+    cm.step()
+    cm.close()
