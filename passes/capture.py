@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,28 @@ __all__ = [
 ]
 
 _WRAPPED = "m"  # attribute name of the user's model inside the capture wrapper
+
+
+def _import_export() -> None:
+    """Import what ``torch.export.export`` imports on its first call, and repair what an
+    interrupted import left behind (before every capture: it costs a millisecond).
+
+    NOTE: the first export imports torch._dynamo (a second or two). A KeyboardInterrupt (or any
+    exception) during that import drops the modules being imported from ``sys.modules`` but
+    keeps the submodules already imported, and when the parent is imported again they are not
+    bound to it: every later export then fails with "module 'torch._dynamo' has no attribute
+    'exc'". After importing, each torch submodule in ``sys.modules`` is bound to its parent, as
+    an uninterrupted import leaves it.
+    """
+    import torch.export._trace  # noqa: F401 - imports torch._dynamo
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch."):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = sys.modules.get(parent_name)
+        if parent is not None and child not in vars(parent):
+            setattr(parent, child, module)
 
 
 class CaptureError(RuntimeError):
@@ -257,6 +280,7 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     )
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
+    _import_export()
     try:
         with warnings.catch_warnings():
             # torch.export's own pytree internals warn about a deprecated LeafSpec check

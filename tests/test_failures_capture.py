@@ -107,3 +107,71 @@ def test_cpu_autocast_is_refused():
     cm(x).sum().backward()  # outside autocast it trains
     cm.step()
     cm.close()
+
+
+# ---- an interrupt during the first capture ---------------------------------------------------------
+
+_INTERRUPTED_IMPORT = """
+import sys, torch, torch.nn as nn
+
+class Interrupt:  # Ctrl-C while the first export imports torch._dynamo
+    armed = True
+
+    def find_spec(self, name, path, target=None):
+        if Interrupt.armed and name == "torch._dynamo.eval_frame":
+            Interrupt.armed = False
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+import shfx
+
+torch.manual_seed(0)
+cm = shfx.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), device=shfx.EmulatedDevice(memory="64MiB"),
+                  optimizer=shfx.optim.AdamW())
+x = torch.randn(2, 4)
+try:
+    cm(x)
+except KeyboardInterrupt:
+    print("interrupted")
+assert not Interrupt.armed, "the first capture should import torch._dynamo"
+cm(x).sum().backward()
+cm.step()
+print("trained")
+"""
+
+
+def test_interrupt_while_the_first_capture_imports_then_capture_works():
+    """Run in a fresh interpreter: torch._dynamo must not be imported yet."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["interrupted", "trained"]
+
+
+class InterruptsOnce(nn.Module):
+    calls = 0  # on the class: torch.export restores the module's own attributes after tracing
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        type(self).calls += 1
+        if type(self).calls == 1:
+            raise KeyboardInterrupt
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x.pow(2).mean()
+
+
+def test_interrupt_inside_the_first_traced_forward_then_capture_works():
+    cm = shfx.compile(InterruptsOnce(), device=emulated(), optimizer=shfx.optim.AdamW())
+    x = torch.randn(2, 8)
+    with pytest.raises(KeyboardInterrupt):
+        cm(x)
+    assert not cm._variants
+    cm(x).backward()
+    cm.step()
+    cm.close()
