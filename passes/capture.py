@@ -14,9 +14,11 @@ parameters mutated in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -36,9 +38,92 @@ __all__ = [
     "capture_model",
     "flatten_inputs",
     "InputSignature",
+    "CAPTURE_GATE",
 ]
 
 _WRAPPED = "m"  # attribute name of the user's model inside the capture wrapper
+
+
+class _CaptureGate:
+    """Captures run alone: one at a time, and while no stage runs in another thread.
+
+    NOTE: torch.export sets process-wide state while it traces, not per thread: the
+    ``torch.compiler.is_exporting()`` flag, the annotations of ``torch.fx.traceback``, global
+    module hooks, patched ``__getattribute__``. Two exports at once corrupt each other and leave
+    every later capture in the process failing; a stage that runs in another thread meanwhile
+    (``torch.utils.checkpoint`` reads the flag) fails or changes the export's state. So a capture
+    waits for the stages under way to finish, and holds back new ones until it is done; stages
+    run side by side as before when no capture is under way. Code outside shfx (an eager model
+    in another thread) is not held back.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._owner: int | None = None  # the thread capturing
+        self._depth = 0
+        self._waiting = 0  # captures waiting for the stages under way
+        self._running = 0
+        self._section = _StageSection(self)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Hold the gate for a capture (re-entrant in the capturing thread)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                self._waiting += 1
+                try:
+                    self._cond.wait_for(lambda: self._owner is None and self._running == 0)
+                finally:
+                    self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+                    self._cond.notify_all()
+
+    def stage(self) -> _StageSection:
+        """Run a stage's computation (``with CAPTURE_GATE.stage():``): waits while a capture is
+        under way or waiting (not in the capturing thread itself). It must not wait for other
+        stages inside."""
+        return self._section
+
+    def _enter_stage(self) -> None:
+        with self._cond:
+            if self._owner is not None or self._waiting:
+                me = threading.get_ident()
+                if self._owner != me:
+                    self._cond.wait_for(lambda: self._owner is None and self._waiting == 0)
+            self._running += 1
+
+    def _exit_stage(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if self._running == 0 and self._waiting:
+                self._cond.notify_all()
+
+
+class _StageSection:
+    """``with``: a stage's computation (a class, not a generator: it runs around every stage)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: _CaptureGate):
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate._enter_stage()
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate._exit_stage()
+
+
+CAPTURE_GATE = _CaptureGate()
 
 
 def _import_export() -> None:
@@ -280,28 +365,29 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     )
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
-    _import_export()
-    try:
-        with warnings.catch_warnings():
-            # torch.export's own pytree internals warn about a deprecated LeafSpec check
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-            ep = torch.export.export(wrapper, example, strict=False)
-    except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise _capture_error(model, e) from e
-    finally:
-        wrapper.train(model.training)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-            analysis = ep.run_decompositions({}).graph_signature
-        mutated_targets = set(analysis.buffers_to_mutate.values())
-        mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
-        mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})
-    except Exception as e:  # noqa: BLE001
-        raise CaptureError(
-            f"shfx captured {type(model).__name__} but could not analyse which buffers its forward "
-            f"mutates (functionalization failed: {_first_line(e)}). Please report this model."
-        ) from e
+    with CAPTURE_GATE.capture():
+        _import_export()
+        try:
+            with warnings.catch_warnings():
+                # torch.export's own pytree internals warn about a deprecated LeafSpec check
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+                ep = torch.export.export(wrapper, example, strict=False)
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            raise _capture_error(model, e) from e
+        finally:
+            wrapper.train(model.training)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+                analysis = ep.run_decompositions({}).graph_signature
+            mutated_targets = set(analysis.buffers_to_mutate.values())
+            mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
+            mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError(
+                f"shfx captured {type(model).__name__} but could not analyse which buffers its forward "
+                f"mutates (functionalization failed: {_first_line(e)}). Please report this model."
+            ) from e
     if mutated_params:
         names = ", ".join(sorted(_strip(t) for t in mutated_params.values()))
         raise CaptureError(

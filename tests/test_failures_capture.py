@@ -175,3 +175,34 @@ def test_interrupt_inside_the_first_traced_forward_then_capture_works():
     cm(x).backward()
     cm.step()
     cm.close()
+
+
+# ---- two captures at once ---------------------------------------------------------------------------
+
+
+def test_two_threads_capture_at_once():
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def train(seed: int) -> None:
+        try:
+            torch.manual_seed(seed)
+            cm = shfx.compile(gpt_tied(), device=emulated(), window=2, optimizer=shfx.optim.AdamW())
+            (x, y), _, _ = token_batch(seed)
+            barrier.wait()
+            for _ in range(2):
+                cm(x, y).backward()
+                cm.step()
+                cm.zero_grad()
+            cm.close()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, repr(errors)
+    _, _, cm, _, _ = assert_trains_like_eager(gpt_tied, token_batch, window=2, steps=2)  # a third capture afterwards
+    cm.close()

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from shfx.cost_model.trace import Event
 from shfx.passes.actions import KINDS
+from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
 from shfx.passes.pipeline import Variant
@@ -248,7 +249,12 @@ class Engine:
 
     def _run_forward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
-        return self._submit(m, lambda: self._forward(ctx, stage, m.slot, m.keep_graph), deps)
+
+        def run() -> None:
+            with CAPTURE_GATE.stage():
+                self._forward(ctx, stage, m.slot, m.keep_graph)
+
+        return self._submit(m, run, deps)
 
     def _run_offload_buffers(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
@@ -257,7 +263,12 @@ class Engine:
     def _run_backward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
         grads_to = m.grads_to or "slot"
-        return self._submit(m, lambda: self._backward(ctx, stage, m.slot, cold, grads_to), deps)
+
+        def run() -> None:
+            with CAPTURE_GATE.stage():
+                self._backward(ctx, stage, m.slot, cold, grads_to)
+
+        return self._submit(m, run, deps)
 
     def _run_offload_grad(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
