@@ -187,9 +187,9 @@ def _module_paths(node: fx.Node, prefix: str) -> list[str]:
 
 
 def _block_of(node: fx.Node, prefix: str, container: str) -> str | None:
-    head = container + "."
+    head = container + "." if container else ""  # "": the model itself is the container (a Sequential)
     for p in _module_paths(node, prefix):
-        if p.startswith(head):
+        if p and p.startswith(head):
             return p[len(head) :].split(".")[0]
     return None
 
@@ -242,7 +242,7 @@ def _label_blocks(nodes: list[fx.Node], prefix: str, container: str) -> tuple[di
         else:
             s = cur
         labels[n] = s
-    names = ["head"] + [f"{container}.{b}" for b in order] + ["tail"]
+    names = ["head"] + [f"{container}.{b}" if container else b for b in order] + ["tail"]
     return labels, names
 
 

@@ -206,3 +206,14 @@ def test_two_threads_capture_at_once():
     assert not errors, repr(errors)
     _, _, cm, _, _ = assert_trains_like_eager(gpt_tied, token_batch, window=2, steps=2)  # a third capture afterwards
     cm.close()
+
+
+# ---- the model itself as the container of blocks -----------------------------------------------
+
+
+def test_a_sequential_of_one_layer_type_streams_its_layers():
+    """The model itself is the container of repeated blocks (found as path ''): one stage per layer."""
+    make = lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])  # noqa: E731
+    _, _, cm, _, _ = assert_trains_like_eager(make, vectors, window=1, steps=2, loss_fn=lambda out, aux: out.pow(2).mean())
+    assert [s.name for s in cm.stages.stages] == ["0", "1", "2"] and cm.stages.method == "blocks:"
+    cm.close()
