@@ -208,6 +208,105 @@ def test_two_threads_capture_at_once():
     cm.close()
 
 
+# ---- the byte split -------------------------------------------------------------------------------
+
+
+def big_head() -> nn.Module:
+    """The last module holds most of the bytes (a wide output head)."""
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2048))
+
+
+def stage_bytes(g) -> list[int]:
+    return [s.spec.prefetch_bytes for s in g.stages]
+
+
+@pytest.mark.parametrize("num_stages", [None, 2, 3])
+def test_byte_split_with_a_dominant_last_module(num_stages):
+    model = big_head()
+    g = partition_stages(capture_model(model, (torch.randn(2, 32),)), model=model, blocks=False, num_stages=num_stages)
+    assert len(g.stages) == (num_stages or 3)
+    assert g.stages[-1].name == "4" and g.stages[-1].params == ("4.weight", "4.bias")  # the head alone
+
+
+def test_byte_split_says_why_it_cannot_give_more_stages():
+    model = big_head()
+    cap = capture_model(model, (torch.randn(2, 32),))
+    with pytest.raises(PartitionError, match=r"num_stages=8: Sequential splits by parameter bytes into at most 3 stages.*the largest, 4, holds.*num_stages<=3"):
+        partition_stages(cap, model=model, blocks=False, num_stages=8)
+
+
+@pytest.mark.parametrize("num_stages", [0, -1, 2.5, True])
+def test_num_stages_below_one_is_refused(num_stages):
+    model = big_head()
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
+        label_stages(capture_model(model, (torch.randn(2, 32),)), model=model, blocks=False, num_stages=num_stages)
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1"):
+        shfx.compile(model, device=emulated(), blocks=False, num_stages=num_stages)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's: BatchNorm, an in-place residual add and an in-place ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) if stride > 1 else None
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class TinyResNet(nn.Module):
+    """Few top-level modules, each a Sequential of blocks: asked for more stages than
+    top-level modules, the split goes down into the blocks and their layers."""
+
+    def __init__(self, c: int = 8, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(BasicBlock(c, c), BasicBlock(c, c))
+        self.layer2 = nn.Sequential(BasicBlock(c, 2 * c, 2), BasicBlock(2 * c, 2 * c))
+        self.fc = nn.Linear(2 * c, classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def images(step: int, micro: int = 0) -> tuple[tuple, dict, dict]:
+    g = torch.Generator().manual_seed(5000 + 17 * step + micro)
+    return (torch.randn(4, 3, 8, 8, generator=g),), {}, {"target": torch.randint(0, 10, (4,), generator=g)}
+
+
+@pytest.mark.parametrize("num_stages", [6, 12])
+def test_byte_split_goes_into_submodules(num_stages):
+    model = TinyResNet()
+    g = partition_stages(capture_model(model, images(0)[0]), model=model, blocks=False, num_stages=num_stages)
+    assert len(g.stages) == num_stages
+    sizes = stage_bytes(g)
+    assert max(sizes) < 2.5 * sum(sizes) / num_stages  # balanced as the modules allow
+
+
+def test_byte_split_into_submodules_trains_like_eager():
+    _, _, cm, _, _ = assert_trains_like_eager(TinyResNet, images, window=2, steps=3, blocks=False, num_stages=6)
+    assert len(cm.stages.stages) == 6
+    cm.close()
+
+
+def test_byte_split_of_a_gpt_goes_into_its_blocks():
+    model = gpt_tied()
+    g = partition_stages(capture_model(model, token_batch(0)[0]), model=model, blocks=False, num_stages=6)
+    assert len(g.stages) == 6
+    assert all(n.startswith("transformer.") or n.startswith("lm_head") for s in g.stages for n in s.name.split(".."))
+
+
 # ---- the model itself as the container of blocks -----------------------------------------------
 
 
