@@ -9,7 +9,10 @@ The graph executed is the training IR (``torch.export.export(..., strict=False)`
 ``torch.no_grad()`` regions (as ``wrap_with_set_grad_enabled``) and the model's in-place
 buffer updates. A functionalized copy (``run_decompositions({})``) is made once for analysis
 only: it names the buffers the forward mutates (BatchNorm statistics) and any inputs or
-parameters mutated in place.
+parameters mutated in place. A tensor assigned to a registered buffer in forward
+(``self.last = x.mean()``) is traced as a copy into the buffer, so it is one of them.
+
+Captures run one at a time and never while a stage runs in another thread (``CAPTURE_GATE``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,18 +292,63 @@ class _CaptureWrapper(nn.Module):
         seen: list[OutputStructure] = []
         self._record = seen.append
         self._seen_ref = lambda: seen
+        refused: list[str] = []  # buffer assignments that cannot become in-place copies
+        self._refuse = refused.append
+        self._refused_ref = lambda: refused
 
     @property
     def structure(self) -> OutputStructure | None:
         seen = self._seen_ref()
         return seen[-1] if seen else None
 
+    @property
+    def refused(self) -> list[str]:
+        return self._refused_ref()
+
     def forward(self, *tensors: torch.Tensor):
         args, kwargs = self._rebuild(list(tensors))
-        out = getattr(self, _WRAPPED)(*args, **kwargs)
+        model = getattr(self, _WRAPPED)
+        with _assignments_as_copies(model, self._refuse):
+            out = model(*args, **kwargs)
         st = OutputStructure(out)
         self._record(st)
         return tuple(st.tensors)
+
+
+@contextlib.contextmanager
+def _assignments_as_copies(model: nn.Module, refuse: Callable[[str], None]):
+    """While the model's forward is traced, ``self.buf = t`` on a registered buffer of
+    ``model`` becomes ``self.buf.copy_(t)``: the graph then updates the buffer in place, like
+    BatchNorm's statistics, and the host store keeps the value (eager PyTorch rebinds the
+    attribute to ``t``; the values are the same). An assignment that changes the buffer's
+    shape or dtype, or gives a tensor to a buffer registered as None, cannot be a copy: it is
+    recorded with ``refuse`` (one line naming the buffer) and left to happen as it would."""
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def hook(module: nn.Module, name: str, value: Any) -> Any:
+        if id(module) not in names or name not in module._buffers or not isinstance(value, torch.Tensor):
+            return None  # another model, a new buffer being registered, or None
+        old = module._buffers[name]
+        if old is value:
+            return None
+        key = f"{names[id(module)]}.{name}" if names[id(module)] else name
+        if old is None:
+            refuse(f"{key!r} (registered as None) is assigned a tensor of shape {list(value.shape)} {value.dtype}")
+            return None
+        if old.shape != value.shape or old.dtype != value.dtype:
+            refuse(
+                f"{key!r} (shape {list(old.shape)} {old.dtype}) is assigned a tensor of shape "
+                f"{list(value.shape)} {value.dtype}"
+            )
+            return None
+        old.copy_(value)
+        return old
+
+    handle = nn.modules.module.register_module_buffer_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # ---- the captured program -------------------------------------------------------------------
@@ -373,9 +421,11 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
                 ep = torch.export.export(wrapper, example, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with context
+            _refuse_assignments(model, wrapper.refused)
             raise _capture_error(model, e) from e
         finally:
             wrapper.train(model.training)
+        _refuse_assignments(model, wrapper.refused)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
@@ -466,6 +516,16 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
         model_name=type(model).__name__,
         persistent=persistent,
     )
+
+
+def _refuse_assignments(model: nn.Module, refused: Sequence[str]) -> None:
+    if refused:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward assigns a new tensor to a registered buffer: "
+            f"{'; '.join(dict.fromkeys(refused))}. shfx keeps buffers in its host store and updates them in place, "
+            "so an assignment must keep the buffer's shape and dtype. Register the buffer with the shape and dtype "
+            "it will hold, or convert the value (self.buf = value.reshape(shape).to(dtype))."
+        )
 
 
 # ---- error messages ---------------------------------------------------------------------------

@@ -307,6 +307,53 @@ def test_byte_split_of_a_gpt_goes_into_its_blocks():
     assert all(n.startswith("transformer.") or n.startswith("lm_head") for s in g.stages for n in s.name.split(".."))
 
 
+# ---- a buffer rebound in forward --------------------------------------------------------------------
+
+
+class RecordsLast(nn.Module):
+    """``self.last = ...`` rebinds a registered buffer: the mean activation of the last call,
+    and a running average of it (read before it is rebound)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.register_buffer("last", torch.zeros(()))
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        self.last = x.mean()
+        self.avg = 0.9 * self.avg + 0.1 * x.mean(0).detach()
+        return (x * (1 + self.avg)).pow(2).mean()
+
+
+@pytest.mark.parametrize("window", [1, 99])
+def test_buffer_rebound_in_forward_trains_like_eager(window):
+    _, _, cm, model, ref = assert_trains_like_eager(RecordsLast, vectors, window=window, steps=3)
+    assert model.last != 0 and torch.equal(model.last, ref.last.detach())
+    cm.close()
+
+
+class RebindsToAnotherShape(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("last", torch.zeros(()))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.last = y.mean(0)  # shape [8], registered as a scalar
+        return y.sum()
+
+
+def test_buffer_rebound_to_another_shape_is_refused():
+    cm = shfx.compile(RebindsToAnotherShape(), device=emulated())
+    with pytest.raises(shfx.CaptureError, match=r"assigns a new tensor to a registered buffer: 'last' \(shape \[\] torch.float32\) is assigned a tensor of shape \[8\]"):
+        cm(torch.randn(2, 8))
+    cm.close()
+
+
 # ---- the model itself as the container of blocks -----------------------------------------------
 
 
