@@ -41,6 +41,7 @@ __all__ = [
     "capture_model",
     "flatten_inputs",
     "InputSignature",
+    "check_real_inputs",
     "CAPTURE_GATE",
 ]
 
@@ -407,6 +408,8 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     # the parameters live on the host (CPU); a model built on the meta device (for planning
     # models too large to allocate) is traced on meta inputs
     on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        check_real_inputs(tensors, type(model).__name__)
     example = tuple(
         (torch.empty_like(t, device="meta") if on_meta else t.detach().to("cpu")).requires_grad_(t.requires_grad)
         for t in tensors
@@ -422,6 +425,8 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
                 ep = torch.export.export(wrapper, example, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             _refuse_assignments(model, wrapper.refused)
+            if _raised_by_model(e):
+                raise  # the model's own error, as eager PyTorch raises it
             raise _capture_error(model, e) from e
         finally:
             wrapper.train(model.training)
@@ -518,6 +523,17 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     )
 
 
+def check_real_inputs(tensors: Sequence[torch.Tensor], model_name: str) -> None:
+    """Refuse inputs that hold no data (the meta device): shfx runs the model on real tensors."""
+    for i, t in enumerate(tensors):
+        if t.is_meta:
+            raise CaptureError(
+                f"{model_name} was called with tensor input {i} (shape {list(t.shape)}) on the meta device, which "
+                "holds no data; shfx trains on real tensors. Pass inputs on the CPU or on the compute device "
+                "(a meta model and meta inputs are for planning: shfx.cost_model.planner)."
+            )
+
+
 def _refuse_assignments(model: nn.Module, refused: Sequence[str]) -> None:
     if refused:
         raise CaptureError(
@@ -562,23 +578,39 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {s[0] if s else ''}"
 
 
+def _is_user_file(filename: str) -> bool:
+    """True for the model's code: neither torch's, nor shfx's, nor generated code."""
+    return not (
+        filename.startswith(os.path.dirname(torch.__file__))
+        or filename.startswith(os.path.dirname(__file__))
+        or "site-packages/torch" in filename
+        or filename.startswith("<")
+    )
+
+
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
     frames = traceback.extract_tb(e.__traceback__)
     cur: BaseException | None = e
     while cur is not None:  # follow the chain: the user's frame is often in the cause
         frames += traceback.extract_tb(cur.__traceback__)
         cur = cur.__cause__ or cur.__context__
-    user = [
-        f
-        for f in frames
-        if not f.filename.startswith(torch_dir)
-        and not f.filename.startswith(here)
-        and "site-packages/torch" not in f.filename
-        and not f.filename.startswith("<")
-    ]
+    user = [f for f in frames if _is_user_file(f.filename)]
     return user[-1] if user else None
+
+
+# errors a model raises itself to say it was called wrongly; torch's own (and the
+# data-dependent guards of tracing) are RuntimeErrors and raised in torch's code
+_MODEL_ERRORS = (TypeError, ValueError, AssertionError, KeyError, IndexError)
+
+
+def _raised_by_model(e: BaseException) -> bool:
+    """True when ``e`` is the model's own error (``raise ValueError(...)`` in its forward):
+    a TypeError, ValueError, ... raised in the model's code, not in torch's. Eager PyTorch
+    raises the same, so it is no limitation of the capture."""
+    if not isinstance(e, _MODEL_ERRORS) or isinstance(e, RuntimeError):
+        return False
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and _is_user_file(frames[-1].filename)
 
 
 def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:

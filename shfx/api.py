@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from shfx.passes.capture import Captured, flatten_inputs
+from shfx.passes.capture import Captured, check_real_inputs, flatten_inputs
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
@@ -214,6 +214,7 @@ class CompiledModel:
     # ---- compilation -------------------------------------------------------------------------
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Variant, list[torch.Tensor]]:
         tensors, sig, _ = flatten_inputs(args, kwargs, self.module.training)
+        check_real_inputs(tensors, type(self.module).__name__)
         v = self._variants.get(sig)
         if v is None:
             v = self._build(args, kwargs, tensors)

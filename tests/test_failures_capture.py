@@ -354,6 +354,48 @@ def test_buffer_rebound_to_another_shape_is_refused():
     cm.close()
 
 
+# ---- inputs and the model's own errors ----------------------------------------------------------------
+
+
+def test_meta_input_is_refused():
+    cm = shfx.compile(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)), device=emulated())
+    with pytest.raises(shfx.CaptureError, match="tensor input 0 .* on the meta device.*Pass inputs on the CPU"):
+        cm(torch.randn(2, 8, device="meta"))
+    cm(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(shfx.CaptureError, match="on the meta device"):  # a signature already captured
+        cm(torch.randn(2, 8, device="meta"))
+    cm.close()
+
+
+class Checks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mode: str = "sum"):
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if x.dim() != 2:
+            raise TypeError("x must be a matrix")
+        y = self.fc(x)
+        return y.sum() if mode == "sum" else y.mean()
+
+
+def test_the_models_own_errors_come_through_unchanged():
+    cm = shfx.compile(Checks(), device=emulated())
+    with pytest.raises(ValueError, match="^mode must be 'sum' or 'mean', got 'max'$") as e:
+        cm(torch.randn(2, 8), mode="max")
+    assert not isinstance(e.value, shfx.CaptureError)
+    with pytest.raises(TypeError, match="^x must be a matrix$"):
+        cm(torch.randn(2, 8, 1))
+    gpt = shfx.compile(gpt_tied(), device=emulated())
+    with pytest.raises(ValueError, match="sequence of length 20 is longer than the model's seq 16"):
+        gpt(torch.zeros(2, 20, dtype=torch.long))
+    assert cm(torch.randn(2, 8), mode="mean").dim() == 0
+    cm.close()
+    gpt.close()
+
+
 # ---- the model itself as the container of blocks -----------------------------------------------
 
 
