@@ -9,16 +9,22 @@ The graph executed is the training IR (``torch.export.export(..., strict=False)`
 ``torch.no_grad()`` regions (as ``wrap_with_set_grad_enabled``) and the model's in-place
 buffer updates. A functionalized copy (``run_decompositions({})``) is made once for analysis
 only: it names the buffers the forward mutates (BatchNorm statistics) and any inputs or
-parameters mutated in place.
+parameters mutated in place. A tensor assigned to a registered buffer in forward
+(``self.last = x.mean()``) is traced as a copy into the buffer, so it is one of them.
+
+Captures run one at a time and never while a stage runs in another thread (``CAPTURE_GATE``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
+import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +41,115 @@ __all__ = [
     "capture_model",
     "flatten_inputs",
     "InputSignature",
+    "check_real_inputs",
+    "CAPTURE_GATE",
 ]
 
 _WRAPPED = "m"  # attribute name of the user's model inside the capture wrapper
+
+
+class _CaptureGate:
+    """Captures run alone: one at a time, and while no stage runs in another thread.
+
+    NOTE: torch.export sets process-wide state while it traces, not per thread: the
+    ``torch.compiler.is_exporting()`` flag, the annotations of ``torch.fx.traceback``, global
+    module hooks, patched ``__getattribute__``. Two exports at once corrupt each other and leave
+    every later capture in the process failing; a stage that runs in another thread meanwhile
+    (``torch.utils.checkpoint`` reads the flag) fails or changes the export's state. So a capture
+    waits for the stages under way to finish, and holds back new ones until it is done; stages
+    run side by side as before when no capture is under way. Code outside shfx (an eager model
+    in another thread) is not held back.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._owner: int | None = None  # the thread capturing
+        self._depth = 0
+        self._waiting = 0  # captures waiting for the stages under way
+        self._running = 0
+        self._section = _StageSection(self)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Hold the gate for a capture (re-entrant in the capturing thread)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                self._waiting += 1
+                try:
+                    self._cond.wait_for(lambda: self._owner is None and self._running == 0)
+                finally:
+                    self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+                    self._cond.notify_all()
+
+    def stage(self) -> _StageSection:
+        """Run a stage's computation (``with CAPTURE_GATE.stage():``): waits while a capture is
+        under way or waiting (not in the capturing thread itself). It must not wait for other
+        stages inside."""
+        return self._section
+
+    def _enter_stage(self) -> None:
+        with self._cond:
+            if self._owner is not None or self._waiting:
+                me = threading.get_ident()
+                if self._owner != me:
+                    self._cond.wait_for(lambda: self._owner is None and self._waiting == 0)
+            self._running += 1
+
+    def _exit_stage(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if self._running == 0 and self._waiting:
+                self._cond.notify_all()
+
+
+class _StageSection:
+    """``with``: a stage's computation (a class, not a generator: it runs around every stage)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: _CaptureGate):
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate._enter_stage()
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate._exit_stage()
+
+
+CAPTURE_GATE = _CaptureGate()
+
+
+def _import_export() -> None:
+    """Import what ``torch.export.export`` imports on its first call, and repair what an
+    interrupted import left behind (before every capture: it costs a millisecond).
+
+    NOTE: the first export imports torch._dynamo (a second or two). A KeyboardInterrupt (or any
+    exception) during that import drops the modules being imported from ``sys.modules`` but
+    keeps the submodules already imported, and when the parent is imported again they are not
+    bound to it: every later export then fails with "module 'torch._dynamo' has no attribute
+    'exc'". After importing, each torch submodule in ``sys.modules`` is bound to its parent, as
+    an uninterrupted import leaves it.
+    """
+    import torch.export._trace  # noqa: F401 - imports torch._dynamo
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch."):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = sys.modules.get(parent_name)
+        if parent is not None and child not in vars(parent):
+            setattr(parent, child, module)
 
 
 class CaptureError(RuntimeError):
@@ -181,18 +293,63 @@ class _CaptureWrapper(nn.Module):
         seen: list[OutputStructure] = []
         self._record = seen.append
         self._seen_ref = lambda: seen
+        refused: list[str] = []  # buffer assignments that cannot become in-place copies
+        self._refuse = refused.append
+        self._refused_ref = lambda: refused
 
     @property
     def structure(self) -> OutputStructure | None:
         seen = self._seen_ref()
         return seen[-1] if seen else None
 
+    @property
+    def refused(self) -> list[str]:
+        return self._refused_ref()
+
     def forward(self, *tensors: torch.Tensor):
         args, kwargs = self._rebuild(list(tensors))
-        out = getattr(self, _WRAPPED)(*args, **kwargs)
+        model = getattr(self, _WRAPPED)
+        with _assignments_as_copies(model, self._refuse):
+            out = model(*args, **kwargs)
         st = OutputStructure(out)
         self._record(st)
         return tuple(st.tensors)
+
+
+@contextlib.contextmanager
+def _assignments_as_copies(model: nn.Module, refuse: Callable[[str], None]):
+    """While the model's forward is traced, ``self.buf = t`` on a registered buffer of
+    ``model`` becomes ``self.buf.copy_(t)``: the graph then updates the buffer in place, like
+    BatchNorm's statistics, and the host store keeps the value (eager PyTorch rebinds the
+    attribute to ``t``; the values are the same). An assignment that changes the buffer's
+    shape or dtype, or gives a tensor to a buffer registered as None, cannot be a copy: it is
+    recorded with ``refuse`` (one line naming the buffer) and left to happen as it would."""
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def hook(module: nn.Module, name: str, value: Any) -> Any:
+        if id(module) not in names or name not in module._buffers or not isinstance(value, torch.Tensor):
+            return None  # another model, a new buffer being registered, or None
+        old = module._buffers[name]
+        if old is value:
+            return None
+        key = f"{names[id(module)]}.{name}" if names[id(module)] else name
+        if old is None:
+            refuse(f"{key!r} (registered as None) is assigned a tensor of shape {list(value.shape)} {value.dtype}")
+            return None
+        if old.shape != value.shape or old.dtype != value.dtype:
+            refuse(
+                f"{key!r} (shape {list(old.shape)} {old.dtype}) is assigned a tensor of shape "
+                f"{list(value.shape)} {value.dtype}"
+            )
+            return None
+        old.copy_(value)
+        return old
+
+    handle = nn.modules.module.register_module_buffer_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # ---- the captured program -------------------------------------------------------------------
@@ -251,33 +408,41 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     # the parameters live on the host (CPU); a model built on the meta device (for planning
     # models too large to allocate) is traced on meta inputs
     on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        check_real_inputs(tensors, type(model).__name__)
     example = tuple(
         (torch.empty_like(t, device="meta") if on_meta else t.detach().to("cpu")).requires_grad_(t.requires_grad)
         for t in tensors
     )
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
-    try:
-        with warnings.catch_warnings():
-            # torch.export's own pytree internals warn about a deprecated LeafSpec check
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-            ep = torch.export.export(wrapper, example, strict=False)
-    except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise _capture_error(model, e) from e
-    finally:
-        wrapper.train(model.training)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-            analysis = ep.run_decompositions({}).graph_signature
-        mutated_targets = set(analysis.buffers_to_mutate.values())
-        mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
-        mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})
-    except Exception as e:  # noqa: BLE001
-        raise CaptureError(
-            f"shfx captured {type(model).__name__} but could not analyse which buffers its forward "
-            f"mutates (functionalization failed: {_first_line(e)}). Please report this model."
-        ) from e
+    with CAPTURE_GATE.capture():
+        _import_export()
+        try:
+            with warnings.catch_warnings():
+                # torch.export's own pytree internals warn about a deprecated LeafSpec check
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+                ep = torch.export.export(wrapper, example, strict=False)
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            _refuse_assignments(model, wrapper.refused)
+            if _raised_by_model(e):
+                raise  # the model's own error, as eager PyTorch raises it
+            raise _capture_error(model, e) from e
+        finally:
+            wrapper.train(model.training)
+        _refuse_assignments(model, wrapper.refused)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+                analysis = ep.run_decompositions({}).graph_signature
+            mutated_targets = set(analysis.buffers_to_mutate.values())
+            mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
+            mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})
+        except Exception as e:  # noqa: BLE001
+            raise CaptureError(
+                f"shfx captured {type(model).__name__} but could not analyse which buffers its forward "
+                f"mutates (functionalization failed: {_first_line(e)}). Please report this model."
+            ) from e
     if mutated_params:
         names = ", ".join(sorted(_strip(t) for t in mutated_params.values()))
         raise CaptureError(
@@ -358,6 +523,27 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
     )
 
 
+def check_real_inputs(tensors: Sequence[torch.Tensor], model_name: str) -> None:
+    """Refuse inputs that hold no data (the meta device): shfx runs the model on real tensors."""
+    for i, t in enumerate(tensors):
+        if t.is_meta:
+            raise CaptureError(
+                f"{model_name} was called with tensor input {i} (shape {list(t.shape)}) on the meta device, which "
+                "holds no data; shfx trains on real tensors. Pass inputs on the CPU or on the compute device "
+                "(a meta model and meta inputs are for planning: shfx.cost_model.planner)."
+            )
+
+
+def _refuse_assignments(model: nn.Module, refused: Sequence[str]) -> None:
+    if refused:
+        raise CaptureError(
+            f"{type(model).__name__}'s forward assigns a new tensor to a registered buffer: "
+            f"{'; '.join(dict.fromkeys(refused))}. shfx keeps buffers in its host store and updates them in place, "
+            "so an assignment must keep the buffer's shape and dtype. Register the buffer with the shape and dtype "
+            "it will hold, or convert the value (self.buf = value.reshape(shape).to(dtype))."
+        )
+
+
 # ---- error messages ---------------------------------------------------------------------------
 
 _HINTS: list[tuple[tuple[str, ...], str]] = [
@@ -392,23 +578,39 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {s[0] if s else ''}"
 
 
+def _is_user_file(filename: str) -> bool:
+    """True for the model's code: neither torch's, nor shfx's, nor generated code."""
+    return not (
+        filename.startswith(os.path.dirname(torch.__file__))
+        or filename.startswith(os.path.dirname(__file__))
+        or "site-packages/torch" in filename
+        or filename.startswith("<")
+    )
+
+
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
     frames = traceback.extract_tb(e.__traceback__)
     cur: BaseException | None = e
     while cur is not None:  # follow the chain: the user's frame is often in the cause
         frames += traceback.extract_tb(cur.__traceback__)
         cur = cur.__cause__ or cur.__context__
-    user = [
-        f
-        for f in frames
-        if not f.filename.startswith(torch_dir)
-        and not f.filename.startswith(here)
-        and "site-packages/torch" not in f.filename
-        and not f.filename.startswith("<")
-    ]
+    user = [f for f in frames if _is_user_file(f.filename)]
     return user[-1] if user else None
+
+
+# errors a model raises itself to say it was called wrongly; torch's own (and the
+# data-dependent guards of tracing) are RuntimeErrors and raised in torch's code
+_MODEL_ERRORS = (TypeError, ValueError, AssertionError, KeyError, IndexError)
+
+
+def _raised_by_model(e: BaseException) -> bool:
+    """True when ``e`` is the model's own error (``raise ValueError(...)`` in its forward):
+    a TypeError, ValueError, ... raised in the model's code, not in torch's. Eager PyTorch
+    raises the same, so it is no limitation of the capture."""
+    if not isinstance(e, _MODEL_ERRORS) or isinstance(e, RuntimeError):
+        return False
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and _is_user_file(frames[-1].filename)
 
 
 def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:

@@ -9,9 +9,11 @@ when it recomputes). Stages are:
   same-type modules holding the most parameters (at least half of the model's), or named with
   ``blocks="transformer.h"``; everything before the first block is the *head* stage,
   everything after the last the *tail*; code between blocks joins the block before it.
-- **by bytes** (fallback, or ``blocks=False``): cuts between top-level modules so stages hold
-  about equal parameter bytes (``num_stages``, default up to 8) - for models without repeated
-  blocks, e.g. a CNN with skip connections.
+- **by bytes** (fallback, or ``blocks=False``): ``num_stages`` stages (default up to 8) of about
+  equal parameter bytes - for models without repeated blocks, e.g. a CNN with skip
+  connections. Cuts go between modules: the top-level ones, and inside a module that holds more
+  than its share, between its children (recursively); the largest stage is made as small as
+  the modules allow. Asked for more stages than there are pieces holding bytes, it says so.
 
 Stages without parameters or buffers are merged into a neighbour. A tensor used by several
 stages (a tied embedding and head) is owned by the first and borrowed by the others.
@@ -187,9 +189,9 @@ def _module_paths(node: fx.Node, prefix: str) -> list[str]:
 
 
 def _block_of(node: fx.Node, prefix: str, container: str) -> str | None:
-    head = container + "."
+    head = container + "." if container else ""  # "": the model itself is the container (a Sequential)
     for p in _module_paths(node, prefix):
-        if p.startswith(head):
+        if p and p.startswith(head):
             return p[len(head) :].split(".")[0]
     return None
 
@@ -197,11 +199,6 @@ def _block_of(node: fx.Node, prefix: str, container: str) -> str | None:
 def _is_root_level(node: fx.Node, prefix: str) -> bool:
     """True for operations written in the model's own forward, outside any submodule."""
     return all(p == "" for p in _module_paths(node, prefix))
-
-
-def _top_module(node: fx.Node, prefix: str) -> str | None:
-    tops = [p.split(".")[0] for p in _module_paths(node, prefix) if p]
-    return tops[0] if tops else None
 
 
 def _label_blocks(nodes: list[fx.Node], prefix: str, container: str) -> tuple[dict[fx.Node, int], list[str]]:
@@ -242,45 +239,218 @@ def _label_blocks(nodes: list[fx.Node], prefix: str, container: str) -> tuple[di
         else:
             s = cur
         labels[n] = s
-    names = ["head"] + [f"{container}.{b}" for b in order] + ["tail"]
+    names = ["head"] + [f"{container}.{b}" if container else b for b in order] + ["tail"]
     return labels, names
 
 
-def _label_bytes(
-    nodes: list[fx.Node], prefix: str, first_use_bytes: dict[fx.Node, int], num_stages: int | None
-) -> tuple[dict[fx.Node, int], list[str]]:
-    tops = [_top_module(n, prefix) for n in nodes]
-    cuts: list[int] = []  # node positions where a new top-level module starts
-    prev = None
-    for i, t in enumerate(tops):
-        if t is not None and prev is not None and t != prev:
-            cuts.append(i)
-        if t is not None:
-            prev = t
-    want = num_stages if num_stages is not None else min(8, len(cuts) + 1)
-    want = max(1, min(want, len(cuts) + 1))
-    total = sum(first_use_bytes.values())
-    chosen: list[int] = []
+def _unit_of(paths: Sequence[str], expanded: set[str]) -> str | None:
+    """The module a node counts under in the byte split: the outermost module on its stack
+    that is not expanded into its children. None for the model's own code, and for an expanded
+    module's own code outside its children: such a node stays in the stage it falls in."""
+    for p in paths:
+        if p not in expanded:
+            return p
+    return None
+
+
+def _uncuttable(captured: Captured, nodes: Sequence[fx.Node]) -> list[bool]:
+    """For each position ``i``, whether a stage must not start at ``nodes[i]``: a node at or
+    after ``i`` writes in place to a value computed before it, a buffer the forward mutates is
+    read on both sides, or a value that is not a tensor would cross (the checks that
+    :func:`check_stage_inputs_unmodified`, :func:`check_mutated_buffers` and
+    :func:`collect_boundary_values` make on any partition)."""
+    ph_info = _placeholder_info(captured)
+    pos = {n: i for i, n in enumerate(nodes)}
+    delta = [0] * (len(nodes) + 1)
+
+    def forbid(a: int, b: int) -> None:  # no stage may start at a + 1 .. b
+        if b > a:
+            delta[a + 1] += 1
+            delta[b + 1] -= 1
+
+    reads: dict[str, list[int]] = {}
+    for j, n in enumerate(nodes):
+        for w in _written_args(n):
+            base = _alias_base(w)
+            if base in pos:
+                forbid(pos[base], j)
+        for a in _inputs_of(n):
+            if a.op == "placeholder" and ph_info[a.name].key in captured.mutated_buffers:
+                reads.setdefault(ph_info[a.name].key, []).append(j)
+        users = [pos[u] for u in n.users if u in pos]
+        if users and not isinstance(n.meta.get("val"), torch.Tensor):
+            forbid(j, max(users))
+    for js in reads.values():
+        forbid(min(js), max(js))
+    out: list[bool] = []
     acc = 0
-    cut_set = set(cuts)
-    for i, n in enumerate(nodes):
-        if i in cut_set and len(chosen) < want - 1 and acc >= total / want * (len(chosen) + 1) - 1e-9 and acc > 0:
-            chosen.append(i)
-        acc += first_use_bytes.get(n, 0)
+    for i in range(len(nodes)):
+        acc += delta[i]
+        out.append(acc > 0)
+    return out
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A run of nodes between two places the byte split may cut."""
+
+    start: int  # position of its first node
+    nbytes: int  # parameter, buffer and constant bytes it is the first to read
+    units: tuple[str, ...]  # the modules it runs, in order
+
+
+def _pieces(
+    nodes: Sequence[fx.Node], units: Sequence[str | None], uncuttable: Sequence[bool], first_use_bytes: dict[fx.Node, int]
+) -> list[_Piece]:
+    """Cut wherever the unit changes and a stage may start, into pieces."""
+    starts = [0]
+    prev = None
+    for i, u in enumerate(units):
+        if u is not None:
+            if prev is not None and u != prev and not uncuttable[i]:
+                starts.append(i)
+            prev = u
+    out = []
+    for a, b in zip(starts, starts[1:] + [len(nodes)]):
+        mods: list[str] = []
+        for u in units[a:b]:
+            if u is not None and (not mods or mods[-1] != u):
+                mods.append(u)
+        out.append(_Piece(a, sum(first_use_bytes.get(n, 0) for n in nodes[a:b]), tuple(mods)))
+    return out
+
+
+def _balanced_cuts(sizes: Sequence[int], k: int) -> list[int]:
+    """Split ``sizes`` (each > 0) into ``k <= len(sizes)`` contiguous parts: the largest part
+    as small as possible, then the sum of the parts' squares as small as possible (the parts
+    as even as the largest allows). Returns the index where each part after the first starts.
+
+    >>> _balanced_cuts([1, 1, 1, 1, 8], 3)
+    [2, 4]
+    """
+    m = len(sizes)
+    prefix = [0]
+    for x in sizes:
+        prefix.append(prefix[-1] + x)
+
+    def parts_needed(limit: int) -> int:
+        parts, acc = 1, 0
+        for x in sizes:
+            if acc + x > limit:
+                parts, acc = parts + 1, 0
+            acc += x
+        return parts
+
+    lo, hi = max(sizes), prefix[-1]
+    while lo < hi:  # the smallest largest part
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if parts_needed(mid) <= k else (mid + 1, hi)
+    limit = lo
+    inf = float("inf")
+    # best[c][j]: least sum of squares of j pieces in c parts, each at most ``limit``
+    best = [[inf] * (m + 1) for _ in range(k + 1)]
+    back = [[0] * (m + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for c in range(1, k + 1):
+        for j in range(c, m - (k - c) + 1):
+            for i in range(j - 1, c - 2, -1):
+                part = prefix[j] - prefix[i]
+                if part > limit:
+                    break
+                cand = best[c - 1][i] + part * part
+                if cand < best[c][j]:
+                    best[c][j], back[c][j] = cand, i
+    cuts = []
+    j = m
+    for c in range(k, 1, -1):
+        j = back[c][j]
+        cuts.append(j)
+    return cuts[::-1]
+
+
+_DEFAULT_BYTE_STAGES = 8
+
+
+def _label_bytes(
+    captured: Captured, nodes: list[fx.Node], num_stages: int | None
+) -> tuple[dict[fx.Node, int], list[str]]:
+    """Stages of about equal parameter bytes, ``num_stages`` of them (default: up to 8).
+
+    Cuts go between modules: first the top-level ones; a module holding more than its share
+    (``1/num_stages`` of the bytes), or any module holding bytes while there are fewer pieces
+    than stages asked, is split between its children, recursively. Then the pieces are
+    grouped into stages, the largest stage as small as possible. Asked for more stages than
+    there are pieces holding bytes, it says why.
+    """
+    prefix = captured.module_prefix
+    first_use_bytes = _first_use_bytes(captured, nodes)
+    paths = [[p for p in _module_paths(n, prefix) if p] for n in nodes]
+    uncuttable = _uncuttable(captured, nodes)
+    total = sum(first_use_bytes.values())
+    want = num_stages if num_stages is not None else _DEFAULT_BYTE_STAGES
+    expanded: set[str] = set()
+    while True:
+        units = [_unit_of(ps, expanded) for ps in paths]
+        unit_bytes: dict[str, int] = {}
+        divisible: set[str] = set()
+        for n, ps, u in zip(nodes, paths, units):
+            if u is not None:
+                unit_bytes[u] = unit_bytes.get(u, 0) + first_use_bytes.get(n, 0)
+                if ps[-1] != u:
+                    divisible.add(u)
+        pieces = _pieces(nodes, units, uncuttable, first_use_bytes)
+        big = {u for u in divisible if unit_bytes[u] > total / want}
+        if not big and sum(1 for p in pieces if p.nbytes) < want:
+            holding = [u for u in divisible if unit_bytes[u]]
+            big = {max(holding, key=lambda u: unit_bytes[u])} if holding else set()
+        if not big:
+            break
+        expanded |= big
+    # pieces without bytes join the piece before them (the first, the one after it)
+    merged: list[_Piece] = []
+    for p in pieces:
+        if merged and (not p.nbytes or not merged[-1].nbytes):
+            last = merged.pop()
+            mods = last.units + p.units[1:] if last.units and p.units and last.units[-1] == p.units[0] else last.units + p.units
+            merged.append(_Piece(last.start, last.nbytes + p.nbytes, mods))
+        else:
+            merged.append(p)
+    holding = [p for p in merged if p.nbytes]
+    if num_stages is not None and max(1, len(holding)) < num_stages:
+        largest = max(holding, key=lambda p: p.nbytes) if holding else None
+        detail = (
+            f"; the largest, {_piece_name(largest)}, holds {format_bytes(largest.nbytes)} of {format_bytes(total)}"
+            if largest
+            else ""
+        )
+        raise PartitionError(
+            f"num_stages={num_stages}: {captured.model_name} splits by parameter bytes into at most {len(holding)} "
+            f"stages. The split cuts between modules (going down into submodules as far as needed) and never "
+            f"inside one, and {len(holding)} pieces hold parameters or buffers{detail}. Use num_stages<={len(holding)}, "
+            "or blocks= naming the repeated blocks."
+        )
+    k = max(1, min(want, len(holding)))
+    cuts = _balanced_cuts([p.nbytes for p in merged], k) if k > 1 else []
+    starts = [0] + [merged[c].start for c in cuts]
     labels: dict[fx.Node, int] = {}
     s = 0
-    bounds = set(chosen)
+    bounds = set(starts[1:])
     for i, n in enumerate(nodes):
         if i in bounds:
             s += 1
         labels[n] = s
     names = []
-    starts = [0] + chosen
-    ends = chosen + [len(nodes)]
-    for a, b in zip(starts, ends):
-        mods = [t for t in tops[a:b] if t is not None]
-        names.append(mods[0] if mods and mods[0] == mods[-1] else (f"{mods[0]}..{mods[-1]}" if mods else f"ops{a}"))
+    for c0, c1 in zip([0] + cuts, cuts + [len(merged)]):
+        mods = [u for p in merged[c0:c1] for u in p.units]
+        start = merged[c0].start
+        names.append(mods[0] if mods and mods[0] == mods[-1] else (f"{mods[0]}..{mods[-1]}" if mods else f"ops{start}"))
     return labels, names
+
+
+def _piece_name(p: _Piece) -> str:
+    if not p.units:
+        return f"the code at node {p.start}"
+    return p.units[0] if len(set(p.units)) == 1 else f"{p.units[0]}..{p.units[-1]}"
 
 
 # ---- helpers over the FX graph ------------------------------------------------------------
@@ -307,6 +477,24 @@ def _written_args(n: fx.Node) -> list[fx.Node]:
 
 def _alias_base(n: fx.Node) -> fx.Node:
     while n.op == "call_function" and getattr(n.target, "is_view", False) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _storage_base(n: fx.Node) -> fx.Node:
+    """The node whose memory ``n`` is: through views and through in-place ops, which return
+    the tensor they write (``add_``, ``copy_``)."""
+    while n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node):
+        schema = getattr(n.target, "_schema", None)
+        aliases_first = (
+            schema is not None
+            and schema.returns
+            and schema.returns[0].alias_info is not None
+            and schema.arguments
+            and schema.arguments[0].alias_info is not None
+        )
+        if not (getattr(n.target, "is_view", False) or aliases_first):
+            break
         n = n.args[0]
     return n
 
@@ -398,11 +586,13 @@ def label_stages(
 
     With blocks (``blocks`` a path or the container module, or None to detect them in
     ``model``), the stages are the head, one per block and the tail; otherwise cuts between
-    top-level modules balance parameter bytes over ``num_stages`` stages (see the module
-    docstring). Then each ``getitem`` joins the stage of the tuple it reads and each
+    modules balance parameter bytes over ``num_stages`` stages (see the module docstring and
+    :func:`_label_bytes`). Then each ``getitem`` joins the stage of the tuple it reads and each
     ``get_attr`` (a higher-order op's body) the first stage that uses it. Stages may be empty
     or read no tensors; :func:`merge_tensorless_stages` folds them away.
     """
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
+        raise PartitionError(f"num_stages must be an int >= 1 (or None: up to 8 by parameter bytes), got {num_stages!r}")
     ph_info = _placeholder_info(captured)
     for n in captured.gm.graph.nodes:
         if n.op == "placeholder" and n.name not in ph_info:
@@ -419,7 +609,7 @@ def label_stages(
     else:
         if blocks is None and num_stages is None and model is not None and len(list(model.children())) == 0:
             num_stages = 1
-        labels, names = _label_bytes(nodes, prefix, _first_use_bytes(captured, nodes), num_stages)
+        labels, names = _label_bytes(captured, nodes, num_stages)
         method = "bytes"
 
     # getitem follows its source; get_attr (HOP bodies) follows its first user
@@ -663,7 +853,20 @@ def _stage_module(
             env[by_name[p.name]] = key_ph[p.key]
     for n in members:
         env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(tuple(env[by_name[o]] for o in outs))
+    kinds = {p.name: p.kind for p in captured.placeholders}
+    results = []
+    for o in outs:
+        r = env[by_name[o]]
+        base = _storage_base(by_name[o])
+        if base.op == "placeholder" and kinds[base.name] != "input":
+            # NOTE: an output that is a parameter or buffer, or a view or in-place result of one
+            # (``b.cnt.add_(1)`` in the parent's loop, read by the next stage), would hand the
+            # next stage memory of this stage's slot, which the next prefetch overwrites: it
+            # leaves as a copy, as the value was when this stage ran.
+            r = g.call_function(torch.ops.aten.clone.default, (r,))
+            r.meta = {"val": by_name[o].meta.get("val")}
+        results.append(r)
+    g.output(tuple(results))
     return fx.GraphModule(captured.gm, g, class_name=f"Stage{s}")
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from shfx.passes.capture import Captured, flatten_inputs
+from shfx.passes.capture import Captured, check_real_inputs, flatten_inputs
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
@@ -48,6 +48,28 @@ _COMPILED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[CompiledModel]] = we
 def _compiled_of(model: nn.Module) -> CompiledModel | None:
     ref = _COMPILED.get(model)
     return ref() if ref is not None else None
+
+
+# every device type torch.autocast knows (and the out-of-tree backend's name, added at run time)
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
+
+
+def _autocast_device_types() -> list[str]:
+    """The device types torch.autocast is enabled for in this thread."""
+    types = list(_AUTOCAST_DEVICE_TYPES)
+    backend = getattr(torch._C, "_get_privateuse1_backend_name", lambda: "privateuseone")()
+    if backend not in types:
+        types.append(backend)
+    enabled = []
+    for t in types:
+        try:
+            if torch.is_autocast_enabled(t):
+                enabled.append(t)
+        except (RuntimeError, TypeError, ValueError):  # a device type this build of torch does not know
+            continue
+    if not enabled and torch.is_autocast_enabled():  # the CUDA check of older torch
+        enabled.append("cuda")
+    return enabled
 
 
 def _make_backend(device: Any, optimizer_workers: int) -> Backend:
@@ -242,6 +264,7 @@ class CompiledModel:
     # ---- compilation -------------------------------------------------------------------------
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Variant, list[torch.Tensor]]:
         tensors, sig, _ = flatten_inputs(args, kwargs, self.module.training)
+        check_real_inputs(tensors, type(self.module).__name__)
         v = self._variants.get(sig)
         if v is None:
             v = self._build(args, kwargs, tensors)
@@ -496,9 +519,13 @@ class CompiledModel:
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_autocast_enabled():
+        autocast = _autocast_device_types()
+        if autocast:
             raise NotImplementedError(
-                "shfx does not support torch.autocast yet: the model trains in its parameters' dtype (fp32)"
+                f"shfx does not support mixed precision yet: torch.autocast is enabled for "
+                f"{', '.join(repr(t) for t in autocast)} around this call, and shfx's stages would not run as eager "
+                "autocast does (other dtypes, other numbers). Train in fp32: call the compiled model outside "
+                "torch.autocast; autocast support is coming."
             )
         if self._engine is not None and not self._engine.pending_updates:  # (else engine.forward refuses)
             self._check_model()

@@ -198,7 +198,9 @@ def test_label_stages_by_blocks():
 def test_label_stages_by_bytes_and_refuses_a_foreign_capture():
     model, cap = tiny()
     labels = label_stages(cap, model=model, blocks=False, num_stages=2)
-    assert labels.method == "bytes" and labels.names == ("blocks", "act")
+    # "blocks" holds every byte: the split goes into it (top-level cuts gave ("blocks", "act"),
+    # and "act", with no parameters, merged away: one stage of the two asked)
+    assert labels.method == "bytes" and labels.names == ("blocks.0", "blocks.1..act")
     with pytest.raises(PartitionError, match="label_stages: graph placeholder 'p_m_blocks_0_weight' is not in"):
         label_stages(replace(cap, placeholders=cap.placeholders[1:]), model=model)
 

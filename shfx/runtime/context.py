@@ -64,9 +64,11 @@ class StepContext:
         g = variant.graph
         # forward refcounts (eval: free a value once every consumer's forward ran)
         self.fwd_left = {v: len(info.consumers) for v, info in g.values.items()}
-        # backward: a value is last needed by the backward of its earliest consumer
+        # backward: a value is last needed by the backward of its earliest consumer (freed in the
+        # ledger's order: the stages' outputs, stage by stage, then the model's inputs)
         self.free_after_b: dict[int, list[str]] = {}
-        for v, info in g.values.items():
+        for v in [v for st in g.stages for v in st.outputs] + list(g.inputs):
+            info = g.values[v]
             if info.consumers and v not in g.outputs:
                 self.free_after_b.setdefault(min(info.consumers), []).append(v)
 

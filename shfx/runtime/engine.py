@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from shfx.cost_model.trace import Event
 from shfx.passes.actions import KINDS
+from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
 from shfx.passes.pipeline import Variant
@@ -98,10 +99,25 @@ def _with_note(err: BaseException, note: str) -> BaseException:
         return e
     err.add_note(note)
     return err
+
+
 def _ordinal(n: int) -> str:
     """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd'."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
+
+
+def _own_version(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor with an autograd version counter of its own.
+
+    NOTE: a stage's parameters and buffers are views of one slot tensor and share its version
+    counter. A buffer updated in place during the forward (BatchNorm's ``num_batches_tracked``)
+    then counts as a change to every parameter and buffer the forward saved before it (a
+    weight, another BatchNorm's running statistics), and the backward of a stage that kept its
+    graph refuses them ("modified by an inplace operation"). The slot is not rewritten while
+    the graph lives (the program's edges see to it), so each tensor gets a counter of its own:
+    autograd still sees a change to the tensor itself."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
@@ -327,7 +343,12 @@ class Engine:
 
     def _run_forward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
-        return self._submit(m, lambda: self._forward(ctx, stage, m.slot, m.keep_graph), deps)
+
+        def run() -> None:
+            with CAPTURE_GATE.stage():
+                self._forward(ctx, stage, m.slot, m.keep_graph)
+
+        return self._submit(m, run, deps)
 
     def _run_offload_buffers(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
@@ -336,7 +357,12 @@ class Engine:
     def _run_backward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
         grads_to = m.grads_to or "slot"
-        return self._submit(m, lambda: self._backward(ctx, stage, m.slot, cold, grads_to), deps)
+
+        def run() -> None:
+            with CAPTURE_GATE.stage():
+                self._backward(ctx, stage, m.slot, cold, grads_to)
+
+        return self._submit(m, run, deps)
 
     def _run_offload_grad(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
@@ -392,11 +418,11 @@ class Engine:
         if keep:
             trainable = set(stage.trainable)
             with torch.enable_grad():
-                pleaves = [p.detach().requires_grad_(k in trainable) for k, p in zip(stage.params, params)]
+                pleaves = [_own_version(p).requires_grad_(k in trainable) for k, p in zip(stage.params, params)]
                 ileaves = [
                     x.detach().requires_grad_(True) if g.values[v].differentiable else x for v, x in zip(stage.inputs, ins)
                 ]
-                outs = stage.gm(*pleaves, *bufs, *ileaves)
+                outs = stage.gm(*pleaves, *[_own_version(b) for b in bufs], *ileaves)
             ctx.saved[stage.index] = (outs, pleaves, ileaves)
         elif ctx.grad and self._early_stop(stage):
             # NOTE: the forward records its autograd graph without keeping activations
