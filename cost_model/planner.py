@@ -495,6 +495,7 @@ def memory_model(
         "working copy (16-bit)": streamed // 2 if fam.mixed else 0,
         "gradient staging (pinned)": _staging_buffers(grad_accum_steps, bool(host_groups["head"]), host_trainable) * largest_group,
         "pending tied gradient": 4 * V * h if host_groups["head"] else 0,
+        "rollback copies": 0,  # plans assume shfx.compile's default, rollback off
     }
     ssd: dict[str, int] = {}
     if policy == "zero-infinity":

@@ -35,10 +35,12 @@ class DelayedUpdates:
         return [t for g, t in self.running.items() if g in set(groups)]
 
     def wait(self) -> None:
-        """Wait for every update to reach the host weights; raise the first failure (they stay
-        recorded: a later :meth:`finish` raises it too)."""
-        for g, tok in self.running.items():
+        """Wait for every update to reach the host weights; then raise the first failure (they
+        stay recorded: a later :meth:`finish` raises it too). Every update has finished when
+        this raises: the caller may undo them."""
+        for tok in self.running.values():
             tok.wait()
+        for g, tok in self.running.items():
             if tok.error is not None:
                 raise _failed(g, tok)
 
