@@ -250,14 +250,7 @@ class Engine:
         residency check) take an OFFLOAD_GRAD's ``end`` as the last read of its slot."""
         label, backend, cancel = str(meta.action), self.backend, self.cancel
         if not self.tracing:
-
-            def plain() -> None:
-                if cancel.is_set():
-                    raise Cancelled(f"{label} was not run: the step is being abandoned")
-                with backend.during(label):
-                    fn()
-
-            return plain
+            return self._task(label, fn)
         trace = self.trace
 
         def run() -> None:
@@ -271,8 +264,8 @@ class Engine:
         return run
 
     def _task(self, label: str, fn: Callable[[], None]) -> Callable[[], None]:
-        """A task issued outside a program (an update started by step()): skipped while a step
-        is abandoned, its reservations named ``label``."""
+        """``fn`` as a task named ``label`` (an action not traced, an update started by step()):
+        skipped while a step is abandoned, its reservations named ``label``."""
         backend, cancel = self.backend, self.cancel
 
         def run() -> None:
