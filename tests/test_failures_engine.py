@@ -80,7 +80,9 @@ def _cause(err: BaseException) -> BaseException:
 
 
 def _plan(counts: dict[str, int]) -> list[tuple[str, int]]:
-    return [(k, n) for k in KINDS for n in sorted({1, 2, counts[k]}) if 1 <= n <= counts[k]]
+    """The first and the last action of each kind (the middle ones fail like the first: the
+    suite's time goes where the states differ)."""
+    return [(k, n) for k in KINDS for n in sorted({1, counts[k]}) if 1 <= n <= counts[k]]
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -110,7 +112,7 @@ def test_a_fault_anywhere_leaves_the_state_before_the_step(name):
     p.cm.close()
 
 
-@pytest.mark.parametrize("name", ["resident", "l2l", "zero-offload", "stronghold-k1"])
+@pytest.mark.parametrize("name", ["l2l", "zero-offload", "stronghold-k1"])
 def test_an_interrupt_in_any_action_comes_out_as_keyboard_interrupt(name):
     p = Pair(POLICIES[name], rollback=True)
     p.step_both()
@@ -216,7 +218,7 @@ def test_retrying_a_failed_step_applies_each_update_once(rollback):
     p.assert_same()
 
 
-@pytest.mark.parametrize("name", ["stronghold", "resident", "zero-offload"])
+@pytest.mark.parametrize("name", ["stronghold", "resident"])
 def test_without_rollback_a_failure_says_truly_what_it_left(name):
     """Rollback off (the default): a failure before any update ran leaves the state before
     the step; one after some ran says which groups are updated and that the state is
