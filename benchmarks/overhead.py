@@ -70,6 +70,7 @@ import shfx  # noqa: E402
 from shfx.models import GPT, GPTShape  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+warnings.filterwarnings("ignore", message=r"window=\d+ is more than")  # every stage resident on purpose
 
 TARGET_RATIO = 1.05
 QUIET_SHARE = 0.10  # a step pair is "quiet" if other processes used less than this share of the CPUs
@@ -218,6 +219,8 @@ class Runner:
 
 def _worker(conn: Any, kind: str, size: Size, seed: int, total: int, threads: int | None, early_stop: bool) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+    # every stage resident on purpose: a window larger than the stages says so, not needed here
+    warnings.filterwarnings("ignore", message=r"window=\d+ is more than")
     if threads:
         torch.set_num_threads(threads)
     try:
