@@ -259,7 +259,9 @@ def test_the_cause_of_a_failed_gradient_copy_is_kept():
 
 def _poison_host_grad(p: Pair, group: int):
     def poison(event):
-        p.cm.engine.store.grad(group)[0] = float("nan")
+        # through .data: a gradient that arrives non-finite, not an edit by the user (an in-place
+        # write to the exposed buffer after backward is one, and step() would refuse it)
+        p.cm.engine.store.grad(group).data[0] = float("nan")
 
     return poison
 
