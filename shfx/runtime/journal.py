@@ -84,14 +84,21 @@ class StepJournal:
         self.applied: set[tuple[str, int]] = set()  # updates that completed this step
 
     # ---- recording (on the threads running the updates) ------------------------------------------
+    def _first(self, where: str, g: int, records: dict, make: type) -> Any:
+        """Group ``g``'s reusable record when its copy is still to be made this step, else None
+        (rollback off, or already saved)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if (where, g) in self.saved:
+                return None
+            return records.setdefault(g, make())
+
     def before_host_update(self, g: int) -> None:
         """Copy group ``g``'s host master and states before its first update of the step."""
-        if not self.enabled:
+        rec = self._first("host", g, self._host, _HostCopy)
+        if rec is None:
             return
-        with self._lock:
-            if ("host", g) in self.saved:
-                return
-            rec = self._host.setdefault(g, _HostCopy())
         st = self.optimizer.state.get(g) if self.optimizer is not None else None
         rec.had_state = st is not None
         srcs = [self.store.master(g)]
@@ -107,12 +114,9 @@ class StepJournal:
     def before_device_update(self, g: int, params: torch.Tensor, where: Any) -> None:
         """Copy device-updated group ``g``'s weights (``params``, its region in the slot; ``where``
         says where to put them back, None for a transient slot), states and host master."""
-        if not self.enabled:
+        rec = self._first("device", g, self._device, _DeviceCopy)
+        if rec is None:
             return
-        with self._lock:
-            if ("device", g) in self.saved:
-                return
-            rec = self._device.setdefault(g, _DeviceCopy())
         st = self.device_optimizer.state.get(g) if self.device_optimizer is not None else None
         rec.had_state = st is not None
         rec.where = where
