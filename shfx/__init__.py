@@ -10,6 +10,7 @@ A re-implementation of STRONGHOLD (SC22) as a compiler over torch.fx::
 """
 
 from . import optim
+from .amp import LossScaler
 from .api import CompiledModel, compile
 from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
@@ -40,6 +41,7 @@ __all__ = [
     "compare",
     "CompareResult",
     "optim",
+    "LossScaler",
     "EmulatedDevice",
     "CudaDevice",
     "plan",
