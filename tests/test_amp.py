@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -203,6 +205,12 @@ def _assert_working_is_cast_master(r, dtype):
         assert b.dtype == dict(r["model"].named_buffers())[n].dtype, n
 
 
+@functools.cache
+def _fp32_gpt_tied() -> dict:
+    """The fp32 run the 16-bit runs are compared with (computed once; read-only)."""
+    return train_mixed_eager(gpt_tied, token_batch, "fp32", 3)
+
+
 def _assert_near(master: dict, fp32_master: dict, *, mean: float, steps: int = 3, lr: float = 1e-2):
     """Masters after ``steps`` AdamW steps from the same start: each element within Adam's
     reach (about ``lr`` a step each way: a near-zero gradient can flip an element's sign),
@@ -212,7 +220,7 @@ def _assert_near(master: dict, fp32_master: dict, *, mean: float, steps: int = 3
 
 
 def test_bf16_recipe_runs_in_bf16():
-    fp32 = train_mixed_eager(gpt_tied, token_batch, "fp32", 3)
+    fp32 = _fp32_gpt_tied()
     r = train_mixed_eager(gpt_tied, token_batch, "bf16", 3)
     assert r["loss_dtype"] == torch.bfloat16 and r["skipped"] == [False] * 3
     _assert_working_is_cast_master(r, torch.bfloat16)
@@ -242,7 +250,7 @@ def test_fp16_default_scale_overflows_the_first_step():
 
 
 def test_fp16_with_a_safe_scale_trains_like_fp32():
-    fp32 = train_mixed_eager(gpt_tied, token_batch, "fp32", 3)
+    fp32 = _fp32_gpt_tied()
     r = train_mixed_eager(gpt_tied, token_batch, "fp16", 3, scaler_kwargs=dict(init_scale=1024.0))
     assert r["loss_dtype"] == torch.float16 and r["skipped"] == [False] * 3
     assert r["scales"] == [1024.0] * 3 and r["growth_trackers"] == [1, 2, 3]
