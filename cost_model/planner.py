@@ -783,7 +783,10 @@ def memory_for_model(
         graph, progs = variant.graph, variant.programs
     else:
         progs = build_programs(graph.specs, pol, verify=False)
-    led = replay(progs[0], programs=progs, group_bytes=[g.nbytes for g in graph.groups], grad_accum_steps=grad_accum_steps)
+    led = replay(
+        progs[0], programs=progs, group_bytes=[g.host_master_bytes for g in graph.groups],
+        working_bytes=[g.working_bytes for g in graph.groups], grad_accum_steps=grad_accum_steps,
+    )  # fmt: skip
     device = dict.fromkeys(DEVICE_TERMS, 0)
     device.update({k: v for k, v in led.terms_at_peak("device").items() if v})
     device["workspace"] = workspace_bytes

@@ -383,6 +383,10 @@ class Captured:
     module_prefix: str = _WRAPPED + "."
     model_name: str = ""
     persistent: dict[str, bool] = field(default_factory=dict)
+    # mixed precision: parameter key -> the dtype the graph was traced with (and the device
+    # holds), for parameters cast from the model's dtype
+    device_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    working_dtype: torch.dtype | None = None
 
     def placeholder_of(self, name: str) -> Placeholder:
         for p in self.placeholders:
@@ -396,15 +400,60 @@ def _strip(name: str) -> str:
     return name[len(pre) :] if name.startswith(pre) else name
 
 
-def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+def cast_for_device(model: nn.Module, working_dtype: torch.dtype) -> dict[str, nn.Parameter]:
+    """The parameters a mixed-precision device holds in ``working_dtype``: every floating-point
+    parameter of another dtype, except the affine parameters of BatchNorm layers, which stay in
+    full precision beside their full-precision running statistics (as apex's
+    ``keep_batchnorm_fp32``; the CPU's batch norm refuses a 16-bit weight with fp32 statistics)."""
+    keep: set[int] = set()
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            keep.update(id(p) for p in mod.parameters(recurse=False))
+    return {
+        n: p
+        for n, p in model.named_parameters()
+        if p.is_floating_point() and p.dtype != working_dtype and id(p) not in keep
+    }
+
+
+def cast_inputs(tensors: Sequence[torch.Tensor], working_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Floating-point inputs in the working dtype (mixed precision), others as they are."""
+    if working_dtype is None:
+        return list(tensors)
+    return [t.to(working_dtype) if t.is_floating_point() and t.dtype != working_dtype else t for t in tensors]
+
+
+@contextlib.contextmanager
+def _params_cast(params: dict[str, nn.Parameter], working_dtype: torch.dtype | None):
+    """The parameters hold casts to ``working_dtype`` inside the block (the trace sees the
+    16-bit model copy), their own data again after it."""
+    saved = {n: p.data for n, p in params.items()}
+    try:
+        for p in params.values():
+            p.data = p.data.to(working_dtype)
+        yield
+    finally:
+        for n, p in params.items():
+            p.data = saved[n]
+
+
+def capture_model(
+    model: nn.Module, args: tuple, kwargs: dict | None = None, working_dtype: torch.dtype | None = None
+) -> Captured:
     """Capture ``model(*args, **kwargs)`` with torch.export (training IR, non-strict).
 
     Inputs are moved to the CPU for tracing (the parameters live on the host); the graph is
     retargeted later if the compute device differs. Raises :class:`CaptureError` with the
     construct, the model's source line, and a suggested fix when export fails.
+
+    ``working_dtype`` (mixed precision): trace the model's 16-bit copy, as eager PyTorch runs a
+    ``to(dtype)`` copy of it (:func:`cast_for_device` says which parameters; floating-point
+    inputs are cast too), so every dtype the model's code derives from its parameters is the
+    16-bit one.
     """
     kwargs = dict(kwargs or {})
     tensors, signature, rebuild = flatten_inputs(args, kwargs, model.training)
+    cast = cast_for_device(model, working_dtype) if working_dtype is not None else {}
     # the parameters live on the host (CPU); a model built on the meta device (for planning
     # models too large to allocate) is traced on meta inputs
     on_meta = any(p.is_meta for p in model.parameters())
@@ -412,7 +461,7 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
         check_real_inputs(tensors, type(model).__name__)
     example = tuple(
         (torch.empty_like(t, device="meta") if on_meta else t.detach().to("cpu")).requires_grad_(t.requires_grad)
-        for t in tensors
+        for t in cast_inputs(tensors, working_dtype)
     )
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
@@ -422,7 +471,8 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
             with warnings.catch_warnings():
                 # torch.export's own pytree internals warn about a deprecated LeafSpec check
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-                ep = torch.export.export(wrapper, example, strict=False)
+                with _params_cast(cast, working_dtype):
+                    ep = torch.export.export(wrapper, example, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             _refuse_assignments(model, wrapper.refused)
             if _raised_by_model(e):
@@ -520,6 +570,8 @@ def capture_model(model: nn.Module, args: tuple, kwargs: dict | None = None) -> 
         signature=signature,
         model_name=type(model).__name__,
         persistent=persistent,
+        device_dtypes={canon_param.get(id(p), n): working_dtype for n, p in cast.items()},
+        working_dtype=working_dtype,
     )
 
 

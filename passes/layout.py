@@ -3,15 +3,23 @@
 Each *group* is one contiguous host buffer holding the tensors a stage owns (the stage that
 first uses them), in this order, every tensor aligned to :data:`ALIGN` bytes::
 
-    [ trainable params (master) | frozen params | buffers the forward mutates | other buffers, constants ]
+    [ trainable params | frozen params | buffers the forward mutates | other buffers, constants ]
 
-The trainable region ``[0, trainable_bytes)`` is also the layout, element for element, of the
-group's gradient buffer and optimizer states, so one optimizer call covers a whole group
-(padding is zero and stays zero). Each copy of that region has its own dtype
-(:class:`CopyDtypes`: host master, host gradient, optimizer state, device working copy, device
-gradient), carried by the group; byte counts everywhere come from it. A stage's *slot* holds the whole region of each group it uses entirely, then
-single tensors it borrows from other groups (a tied embedding used by the head and the tail).
-Transfers are lists of :class:`Copy`, merged where contiguous: one copy per stage in the
+That buffer is the group's *image*: what a stage's slot holds and a PREFETCH moves, each tensor
+in its device dtype (:attr:`TensorInfo.dtype`). In fp32 training the image's trainable region
+is also the master weights. In mixed precision (16-bit parameters on the device) the image's
+parameters are the 16-bit working copy and the fp32 master weights live in a second host buffer
+(:attr:`Group.master_offsets`), never sent over the link.
+
+The trainable region is laid out in *elements*: each trainable parameter gets an element offset
+(aligned to :data:`ALIGN` bytes in the narrowest dtype of the region), valid alike in the image
+(in the parameter's device dtype), the fp32 master, the gradient buffer and each optimizer state,
+so one optimizer call covers a whole group (padding is zero and stays zero). Parameters of one
+device dtype form a :class:`Part` (a bf16 group whose BatchNorm weights stay fp32 has two). Each
+copy of that region has its own dtype (:class:`CopyDtypes`), carried by the group; byte counts
+everywhere come from it. A stage's *slot* holds the whole image of each group it uses entirely,
+then single tensors it borrows from other groups (a tied embedding used by the head and the
+tail). Transfers are lists of :class:`Copy`, merged where contiguous: one copy per stage in the
 common case.
 """
 
@@ -22,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "align"]
+__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Part", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "align", "PRECISIONS", "precision_dtype"]
 
 ALIGN = 64
 
@@ -41,6 +49,7 @@ class TensorInfo:
     dtype: torch.dtype
     trainable: bool = False
     mutable: bool = False
+    host_dtype: torch.dtype | None = None  # the model's dtype, where the device holds a cast (mixed precision)
 
     @property
     def numel(self) -> int:
@@ -54,8 +63,14 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
     @classmethod
-    def of(cls, key: str, kind: str, t: torch.Tensor, trainable: bool = False, mutable: bool = False) -> TensorInfo:
-        return cls(key, kind, tuple(t.shape), t.dtype, trainable, mutable)
+    def of(
+        cls, key: str, kind: str, t: torch.Tensor, trainable: bool = False, mutable: bool = False,
+        device_dtype: torch.dtype | None = None,
+    ) -> TensorInfo:  # fmt: skip
+        """``t``'s facts; ``device_dtype``: the dtype the device holds it in, when it is a cast."""
+        if device_dtype is None or device_dtype == t.dtype:
+            return cls(key, kind, tuple(t.shape), t.dtype, trainable, mutable)
+        return cls(key, kind, tuple(t.shape), device_dtype, trainable, mutable, host_dtype=t.dtype)
 
 
 @dataclass(frozen=True)
@@ -77,17 +92,60 @@ class CopyDtypes:
     device_grad: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        # NOTE: a slot holds the host group's bytes as they are, so the working copy and the
-        # device gradient share the master's layout; a 16-bit working copy (mixed precision)
-        # needs its own slot layout and a cast on the host (a later issue).
-        if not (self.working == self.master == self.device_grad == self.grad):
+        # NOTE: a backward writes the gradients over the working copy in the slot (or beside it,
+        # laid out alike), so they share a dtype; the host gradient is added into the master's
+        # layout, element for element
+        if self.working != self.device_grad or self.grad != self.master:
             raise NotImplementedError(
-                f"a working copy, device gradient or host gradient in another dtype than the master ({self}) is not "
-                "supported yet: shfx trains in the parameters' dtype"
+                f"{self}: the device gradient must have the working copy's dtype and the host gradient the master's"
             )
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the device works on a cast of the master weights (mixed precision)."""
+        return self.working != self.master
 
 
 FP32 = CopyDtypes()
+
+PRECISIONS = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}  # fmt: skip
+
+
+def precision_dtype(precision: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` (or ``"bfloat16"``, ``torch.bfloat16``) -> ``torch.bfloat16``; the device's
+    working dtype of a precision."""
+    if isinstance(precision, torch.dtype) and precision in PRECISIONS.values():
+        return precision
+    if isinstance(precision, str) and precision.lower() in PRECISIONS:
+        return PRECISIONS[precision.lower()]
+    raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16' (or float32, bfloat16, float16), got {precision!r}")
+
+
+def copy_dtypes(precision: str | torch.dtype) -> CopyDtypes:
+    """The copies of a precision: fp32 master, gradients and states on the host; the working
+    copy and device gradients in the precision's dtype."""
+    w = precision_dtype(precision)
+    return CopyDtypes(working=w, device_grad=w)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A run of the trainable region whose parameters share one device dtype: elements
+    ``[elem, elem + numel)`` of the master, gradient and states are bytes
+    ``[offset, offset + numel * dtype.itemsize)`` of the image."""
+
+    elem: int
+    numel: int
+    offset: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -99,7 +157,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Group:
-    """One host buffer: the tensors stage ``index`` owns (in the capture that planned it)."""
+    """One host buffer, the *image*: the tensors stage ``index`` owns (in the capture that
+    planned it), each in its device dtype; in mixed precision also the fp32 master of its
+    parameters (``master_offsets``: byte offsets in a second buffer of ``master_nbytes``)."""
 
     index: int
     infos: tuple[TensorInfo, ...]
@@ -108,6 +168,9 @@ class Group:
     mutable_range: tuple[int, int]
     nbytes: int
     dtypes: CopyDtypes = FP32
+    parts: tuple[Part, ...] = ()
+    master_offsets: dict[str, int] = field(default_factory=dict, hash=False)
+    master_nbytes: int = 0
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -117,7 +180,34 @@ class Group:
     def trainable_numel(self) -> int:
         """Elements of the trainable region (padding included): of the master, the gradient
         buffer and each optimizer state alike."""
-        return self.trainable_bytes // self.dtypes.master.itemsize
+        return sum(p.numel for p in self.parts)
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the master weights are a buffer of their own (mixed precision), not the image."""
+        return self.master_nbytes > 0
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of the master weights' trainable region (what the host update reads and writes)."""
+        return self.trainable_numel * self.dtypes.master.itemsize
+
+    @property
+    def param_end(self) -> int:
+        """Image bytes of the parameters (trainable and frozen); buffers and constants follow."""
+        return min((self.offsets[i.key] for i in self.infos if i.kind != "param"), default=self.nbytes)
+
+    @property
+    def working_bytes(self) -> int:
+        """Host bytes of the parameters' working copy kept beside a separate master (0 when the
+        image is the master)."""
+        return self.param_end if self.separate_master else 0
+
+    @property
+    def host_master_bytes(self) -> int:
+        """Host bytes of the master copy of the group: its master weights, frozen parameters,
+        buffers and constants (everything but the separate working copy)."""
+        return self.master_nbytes + self.nbytes - self.param_end if self.separate_master else self.nbytes
 
     @property
     def grad_bytes(self) -> int:
@@ -129,10 +219,38 @@ class Group:
         """Bytes of one optimizer state (AdamW has two: m and v)."""
         return self.trainable_numel * self.dtypes.state.itemsize
 
+    @property
+    def part_starts(self) -> tuple[int, ...]:
+        """Element offsets where a part after the first begins (an update's views never span one)."""
+        return tuple(p.elem for p in self.parts[1:])
+
+    def part_at(self, offset: int) -> Part:
+        """The part holding image byte ``offset`` of the trainable region."""
+        for p in self.parts:
+            if p.offset <= offset < p.offset + p.nbytes:
+                return p
+        raise KeyError(f"byte {offset} is outside group {self.index}'s trainable region")
+
+    def elements(self, offset: int, nbytes: int) -> list[tuple[Part, int, int, int]]:
+        """The image bytes ``[offset, offset + nbytes)`` of the trainable region as
+        ``(part, first element, numel, byte offset in the range)`` per part they cover."""
+        out = []
+        end = offset + nbytes
+        for p in self.parts:
+            lo, hi = max(offset, p.offset), min(end, p.offset + p.nbytes)
+            if lo < hi:
+                size = p.dtype.itemsize
+                out.append((p, p.elem + (lo - p.offset) // size, (hi - lo) // size, lo - offset))
+        return out
+
     def trainable_spans(self) -> list[tuple[int, int]]:
         """``(element offset, numel)`` of each trainable parameter in the trainable region."""
-        size = self.dtypes.master.itemsize
-        return [(self.offsets[i.key] // size, i.numel) for i in self.infos if i.kind == "param" and i.trainable]
+        out = []
+        for i in self.infos:
+            if i.kind == "param" and i.trainable:
+                p = self.part_at(self.offsets[i.key])
+                out.append((p.elem + (self.offsets[i.key] - p.offset) // p.dtype.itemsize, i.numel))
+        return out
 
     def info(self, key: str) -> TensorInfo:
         for i in self.infos:
@@ -168,40 +286,79 @@ class SlotPlan:
         return sum(c.nbytes for c in copies)
 
 
-def _order(info: TensorInfo) -> int:
+def _order(info: TensorInfo) -> tuple[int, int]:
     if info.kind == "param":
-        return 0 if info.trainable else 1
+        # trainable parameters by device dtype, narrowest first: one part per dtype
+        return (0, info.dtype.itemsize) if info.trainable else (1, 0)
     if info.mutable:
-        return 2
-    return 3
+        return (2, 0)
+    return (3, 0)
 
 
 def plan_groups(owned: Sequence[Sequence[TensorInfo]], dtypes: CopyDtypes = FP32) -> list[Group]:
     """Given the tensors each stage owns (first-use order) and the dtypes of the copies of their
-    trainable regions, lay out one host group per stage."""
+    trainable regions, lay out one host group per stage.
+
+    A trainable parameter must have the master dtype on the host; on the device it has its
+    :attr:`TensorInfo.dtype` (the working dtype, or the master's for a parameter kept in full
+    precision, such as a BatchNorm weight in mixed precision)."""
     groups = []
     for gi, infos in enumerate(owned):
         for i in infos:
-            if i.trainable and i.dtype != dtypes.master:
+            if i.trainable and (i.host_dtype or i.dtype) != dtypes.master:
                 m = dtype_name(dtypes.master)
                 raise NotImplementedError(
-                    f"parameter {i.key!r} is {i.dtype} and trainable; shfx keeps {m} master weights and for now trains "
-                    f"{m} parameters only. Convert the model with model.float() before shfx.compile."
+                    f"parameter {i.key!r} is {i.host_dtype or i.dtype} and trainable; shfx keeps {m} master weights "
+                    f"and trains {m} parameters (precision='bf16' or 'fp16' puts 16-bit copies on the device). "
+                    "Convert the model with model.float() before shfx.compile."
                 )
         ordered = sorted(infos, key=_order)  # stable: keeps first-use order inside each region
+        trainable = [i for i in ordered if i.kind == "param" and i.trainable]
+        sizes = {i.dtype.itemsize for i in trainable} | {dtypes.master.itemsize}
+        unit = max(1, ALIGN // min(sizes))  # elements: ALIGN bytes in the narrowest copy
         offsets: dict[str, int] = {}
+        parts: list[Part] = []
+        elems: dict[str, int] = {}
+        elem = 0
         pos = 0
-        trainable_end = 0
+        for info in trainable:
+            if not parts or parts[-1].dtype != info.dtype:
+                if parts:
+                    p = parts[-1]
+                    parts[-1] = Part(p.elem, elem - p.elem, p.offset, p.dtype)
+                    pos = align(p.offset + (elem - p.elem) * p.dtype.itemsize)
+                parts.append(Part(elem, 0, pos, info.dtype))
+            p = parts[-1]
+            offsets[info.key] = p.offset + (elem - p.elem) * p.dtype.itemsize
+            elems[info.key] = elem
+            elem = (elem + info.numel + unit - 1) // unit * unit
+        if parts:
+            p = parts[-1]
+            parts[-1] = Part(p.elem, elem - p.elem, p.offset, p.dtype)
+            pos = align(p.offset + (elem - p.elem) * p.dtype.itemsize)
+        trainable_end = pos
         mut = [None, None]
-        for info in ordered:
+        for info in ordered[len(trainable) :]:
             offsets[info.key] = pos
             pos = align(pos + info.nbytes)
-            if info.kind == "param" and info.trainable:
-                trainable_end = pos
             if info.kind != "param" and info.mutable:
                 if mut[0] is None:
                     mut[0] = offsets[info.key]
                 mut[1] = pos
+        # mixed precision: the fp32 master of every trainable parameter (element for element
+        # as in the image) and of every frozen parameter the device holds a cast of
+        master_offsets: dict[str, int] = {}
+        mpos = 0
+        if dtypes.mixed:
+            msize = dtypes.master.itemsize
+            master_offsets = {k: e * msize for k, e in elems.items()}
+            mpos = align(elem * msize)
+            for info in ordered[len(trainable) :]:
+                if info.host_dtype is not None:
+                    master_offsets[info.key] = mpos
+                    mpos = align(mpos + info.numel * info.host_dtype.itemsize)
+        elif any(i.host_dtype is not None for i in infos):
+            raise NotImplementedError("a tensor cast for the device in a group without mixed-precision dtypes")
         groups.append(
             Group(
                 index=gi,
@@ -211,6 +368,9 @@ def plan_groups(owned: Sequence[Sequence[TensorInfo]], dtypes: CopyDtypes = FP32
                 mutable_range=(mut[0] or 0, mut[1] or 0),
                 nbytes=pos,
                 dtypes=dtypes,
+                parts=tuple(parts),
+                master_offsets=master_offsets,
+                master_nbytes=mpos,
             )
         )
     return groups

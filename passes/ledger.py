@@ -232,6 +232,7 @@ def host_terms(
     grad_accum_steps: int = 1,
     optimizer_states: int = 2,
     rollback: bool = False,
+    working_bytes: Sequence[int] | None = None,
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
@@ -243,6 +244,7 @@ def host_terms(
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
     out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(group_bytes or [o.update_bytes for o in owners.values()])]
+    out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
     out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host]
     out += [
         Change("host", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
@@ -409,6 +411,7 @@ def replay(
     group_bytes: Sequence[int] | None = None,
     grad_accum_steps: int = 1,
     rollback: bool = False,
+    working_bytes: Sequence[int] | None = None,
 ) -> Ledger:
     """The ledger of one step of ``program`` (see the module docstring).
 
@@ -419,6 +422,8 @@ def replay(
         optimizer_states: optimizer states per parameter group (AdamW: 2, m and v).
         group_bytes: bytes of every host group (the master copies; default: the owners'
             trainable bytes).
+        working_bytes: mixed precision: bytes of every group's 16-bit working copy on the host
+            (the image a PREFETCH sends, beside the fp32 master).
         grad_accum_steps: backward calls per step (gradient staging on the host).
         rollback: the step journal keeps copies to undo a step (``shfx.compile(rollback=...)``).
     """
@@ -428,6 +433,7 @@ def replay(
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
+        working_bytes=working_bytes,
     )  # fmt: skip
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes

@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import Captured, Placeholder
-from .layout import Group, SlotPlan, TensorInfo, plan_groups, plan_slot
+from .layout import FP32, Group, SlotPlan, TensorInfo, copy_dtypes, plan_groups, plan_slot
 from .stages import StageSpec, Value
 from .units import format_bytes
 
@@ -685,8 +685,9 @@ def assign_owners(captured: Captured, labels: StageLabels, groups: Sequence[Grou
         if p.kind == "input":
             continue
         tensors[p.key] = TensorInfo.of(
-            p.key, p.kind, tensor_obj[p.key], trainable=p.key in captured.trainable, mutable=p.key in captured.mutated_buffers
-        )
+            p.key, p.kind, tensor_obj[p.key], trainable=p.key in captured.trainable,
+            mutable=p.key in captured.mutated_buffers, device_dtype=captured.device_dtypes.get(p.key),
+        )  # fmt: skip
     if groups is None:
         owned: list[list[TensorInfo]] = [[] for _ in stage_keys]
         owner: dict[str, int] = {}
@@ -695,7 +696,8 @@ def assign_owners(captured: Captured, labels: StageLabels, groups: Sequence[Grou
                 if k not in owner:
                     owner[k] = s
                     owned[s].append(tensors[k])
-        groups = plan_groups(owned)
+        wd = captured.working_dtype
+        groups = plan_groups(owned, copy_dtypes(wd) if wd is not None else FP32)
     else:
         owner = {k: g.index for g in groups for k in g.keys}
         for ks in stage_keys:
@@ -926,7 +928,7 @@ def build_stages(
             update_group=update_group,
             activation_bytes=sum(values[v].nbytes for v in outs),
             slot_bytes=slot.nbytes,
-            update_bytes=groups[update_group].trainable_bytes if update_group is not None else 0,
+            update_bytes=groups[update_group].master_bytes if update_group is not None else 0,
             grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
         )
         stages.append(
@@ -962,7 +964,7 @@ def assign_update_groups(stages: Sequence[Stage], groups: Sequence[Group]) -> li
             users = [st for st in out if grp.index in st.spec.grad_groups]
             if users and users[0].spec.update_group is None:
                 st = users[0]
-                out[st.index] = replace(st, spec=replace(st.spec, update_group=grp.index, update_bytes=grp.trainable_bytes))
+                out[st.index] = replace(st, spec=replace(st.spec, update_group=grp.index, update_bytes=grp.master_bytes))
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from .capture import Captured, InputSignature, capture_model
-from .layout import Group
+from .layout import Group, dtype_name, precision_dtype
 from .ledger import Ledger, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
@@ -60,6 +60,9 @@ class PipelineOptions:
             program as soon as it is built), so a broken invariant names the pass.
         device: the device the stage graphs run on (``"cuda:0"``); None: the CPU (also the
             emulated device).
+        precision: ``"fp32"``, or ``"bf16"``/``"fp16"`` (mixed precision: the model is captured
+            as its 16-bit copy, the device holds 16-bit parameters and gradients, the host the
+            fp32 master weights; :func:`shfx.passes.layout.precision_dtype`).
     """
 
     policy: Any = "stronghold"
@@ -69,8 +72,10 @@ class PipelineOptions:
     verify: bool = True
     verify_each_pass: bool = False
     device: str | None = None
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
         if isinstance(self.window, str) and self.window != "auto":
             raise ValueError(f"window must be an int >= 1 or 'auto', got {self.window!r}")
         if self.window is not None and self.window != "auto":
@@ -134,8 +139,8 @@ class Variant:
         """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
         for all three programs, then the train program."""
         return replay(
-            self.train, programs=self.programs, group_bytes=[g.nbytes for g in self.graph.groups],
-            grad_accum_steps=grad_accum_steps, rollback=rollback,
+            self.train, programs=self.programs, group_bytes=[g.host_master_bytes for g in self.graph.groups],
+            grad_accum_steps=grad_accum_steps, rollback=rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
         )  # fmt: skip
 
 
@@ -193,7 +198,8 @@ def compile_variant(
     chosen (the tuner, which needs the model on a device); without it an ``"auto"`` policy is an
     error."""
     passes: list[str] = []
-    captured = capture_model(module, args, kwargs or {})
+    working = precision_dtype(options.precision)
+    captured = capture_model(module, args, kwargs or {}, working_dtype=None if working == torch.float32 else working)
     passes.append("capture")
     graph = partition_stages(captured, blocks=options.blocks, num_stages=options.num_stages, groups=groups, model=module)
     passes.append("partition")
@@ -213,5 +219,13 @@ def compile_variant(
         passes.append("choose")
     verify = options.verify or options.verify_each_pass
     train, ev, cold = build_programs(graph.specs, policy, verify=verify)
+    if captured.working_dtype is not None and train.device_groups():
+        groups_ = sorted(train.device_groups())
+        raise ScheduleError(
+            f"{train.name} updates parameter groups {groups_} on the device, which precision={options.precision!r} does "
+            "not support yet (the device would need fp32 master weights beside the 16-bit working copy). Use a "
+            "policy that updates on the host: stronghold with resident_first=0, zero-offload or zero-infinity, or "
+            "precision='fp32'."
+        )
     passes += ["lower", "derive"] + (["verify"] if verify else [])
     return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes))

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from shfx.passes.capture import Captured, check_real_inputs, flatten_inputs
+from shfx.passes.capture import Captured, cast_inputs, check_real_inputs, flatten_inputs
+from shfx.passes.layout import dtype_name, precision_dtype
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
@@ -23,6 +24,7 @@ from shfx.passes.units import format_bytes
 from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import NoWindowFits, tune_window
 
+from .amp import LossScaler
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
 from .optim import AdamW
@@ -150,6 +152,21 @@ class _OffloadFunction(torch.autograd.Function):
         return (None, None, None, *in_grads)
 
 
+class _Prescaled(torch.autograd.Function):
+    """Identity, whose backward tells the engine that the gradients reaching the model's outputs
+    in this backward pass are already scaled (:meth:`CompiledModel.scale_loss`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, engine: Engine):  # type: ignore[override]
+        ctx.engine = engine
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.engine.prescaled = True
+        return grad, None
+
+
 class CompiledModel:
     """A model compiled by :func:`shfx.compile`: call it like the model, then
     ``loss.backward()``, ``cm.step()``, ``cm.zero_grad()``.
@@ -180,6 +197,8 @@ class CompiledModel:
         recompute: str = "auto",
         rollback: bool | None = None,
         skip_nonfinite: bool = False,
+        precision: str = "fp32",
+        scaler: LossScaler | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -206,6 +225,23 @@ class CompiledModel:
                 f"optimizer must be shfx.optim.AdamW(...) (it runs on the host next to the master weights), "
                 f"got {type(optimizer).__name__}"
             )
+        working = precision_dtype(precision)
+        if working == torch.float16:
+            if scaler is None:
+                scaler = LossScaler()
+            elif not isinstance(scaler, LossScaler):
+                raise TypeError(f"scaler must be a shfx.LossScaler, got {type(scaler).__name__}")
+            if overlap_update and rollback is False:
+                raise ValueError(
+                    "precision='fp16' skips a step whose scaled gradients overflow, and with overlap_update=True "
+                    "the updates of later stages run before that is known: they are rolled back, which needs "
+                    "rollback=True (the default for fp16). Keep it, or use overlap_update=False."
+                )
+            skip_nonfinite = True
+        elif scaler is not None:
+            raise ValueError(f"a loss scaler is for precision='fp16'; precision={precision!r} needs none")
+        self.scaler = scaler
+        self.precision = dtype_name(working)
         self._backend = _make_backend(device, optimizer_workers)
         # dropped without close() (or failing below): stop the worker threads and free the device
         # when the compiled model is garbage (the finalizer holds the backend, not self)
@@ -213,7 +249,7 @@ class CompiledModel:
         dev = str(self._backend.device) if self._backend.name == "cuda" else None
         self._options = PipelineOptions(
             policy=policy, window=window, blocks=blocks, num_stages=num_stages, verify=verify,
-            verify_each_pass=verify_each_pass, device=dev,
+            verify_each_pass=verify_each_pass, device=dev, precision=self.precision,
         )  # fmt: skip
         self.module = model
         self.optimizer = optimizer
@@ -235,7 +271,7 @@ class CompiledModel:
         self._engine_kwargs = dict(
             grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed,
             rollback=bool(skip_nonfinite and overlap_update) if rollback is None else bool(rollback),
-            skip_nonfinite=bool(skip_nonfinite),
+            skip_nonfinite=bool(skip_nonfinite), scaler=scaler,
         )  # fmt: skip
         self.recompute = recompute
         self._engine: Engine | None = None
@@ -522,15 +558,17 @@ class CompiledModel:
         autocast = _autocast_device_types()
         if autocast:
             raise NotImplementedError(
-                f"shfx does not support mixed precision yet: torch.autocast is enabled for "
-                f"{', '.join(repr(t) for t in autocast)} around this call, and shfx's stages would not run as eager "
-                "autocast does (other dtypes, other numbers). Train in fp32: call the compiled model outside "
-                "torch.autocast; autocast support is coming."
+                f"torch.autocast is enabled for {', '.join(repr(t) for t in autocast)} around this call; shfx does "
+                "not run under autocast (its stages are captured once, and autocast's per-op casts of fp32 weights "
+                "would not match eager autocast). For mixed precision compile with shfx.compile(model, "
+                "precision='bf16') or precision='fp16' (16-bit weights and gradients on the device, fp32 master "
+                "weights on the host) and call the compiled model outside torch.autocast."
             )
         if self._engine is not None and not self._engine.pending_updates:  # (else engine.forward refuses)
             self._check_model()
         variant, tensors = self._variant(args, kwargs)
         assert self._engine is not None
+        tensors = cast_inputs(tensors, variant.captured.working_dtype)  # mixed precision: as the 16-bit copy takes them
         if torch.is_grad_enabled():
             outs = _OffloadFunction.apply(self, variant, self._dummy, *tensors)
         else:
@@ -572,6 +610,18 @@ class CompiledModel:
                 "overlap_update=False; exact clipping with the overlapped update comes with shfx's trainer. "
                 "Reload the last checkpoint if this step must not count."
             )
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16; other precisions: ``loss`` itself), for a loss
+        computed outside the model: ``cm.scale_loss(loss).backward()``, as
+        ``torch.amp.GradScaler.scale(loss).backward()``, so the loss's own backward runs scaled
+        too. ``loss.backward()`` alone also trains (the backward scales the gradients reaching
+        the model's outputs), but the gradient of the loss computed outside is then unscaled in
+        16-bit, where small values lose precision or flush to zero."""
+        if self.scaler is None:
+            return loss
+        self._require_engine("scale_loss")
+        return _Prescaled.apply(loss * self.scaler.scale_tensor(), self._engine)
 
     @property
     def skipped_steps(self) -> int:

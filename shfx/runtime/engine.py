@@ -56,10 +56,11 @@ _EARLY_STOP_MIN_S = 2e-3
 
 def _check_finite(grad: torch.Tensor, group: int, where: str) -> None:
     """Raise :class:`NonFiniteGradient` when ``grad`` holds inf or NaN (a sum is inf or NaN
-    then, and reads the buffer once without allocating a mask)."""
+    then, and reads the buffer once without allocating a mask). ``where``: whose gradient, in
+    words."""
     total = float(grad.sum(dtype=torch.float32)) if grad.numel() else 0.0
     if total != total or total in (float("inf"), float("-inf")):
-        raise NonFiniteGradient(f"the gradient of group {group} ({where}) is not finite", group)
+        raise NonFiniteGradient(f"the gradient of {where} holds inf or NaN", group)
 
 
 def _state_note(phase: str, restored: list[int], applied: list[int], gradients: str) -> str:
@@ -145,6 +146,7 @@ class Engine:
         delayed_update: bool = False,
         rollback: bool = True,
         skip_nonfinite: bool = False,
+        scaler: Any = None,
     ):
         self.backend = backend
         self.store = store
@@ -170,6 +172,15 @@ class Engine:
         # what the updates of the current step changed, to undo a step that fails or is skipped
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
         self.skip_nonfinite = skip_nonfinite
+        # every update checks its gradient first (a sum over it): inf or NaN skips the step
+        # (skip_nonfinite, fp16) or fails it with an error naming the stage
+        self.check_finite = True
+        self._nonfinite: NonFiniteGradient | None = None
+        self.unscaled: set[int] = set()  # fp16: groups whose host gradient is unscaled this step
+        # fp16: the loss scaler (shfx.amp.LossScaler); backward seeds the loss gradient with its
+        # scale, the host update unscales, an overflow skips the step and backs the scale off
+        self.scaler = scaler
+        self.prescaled = False  # the next backward's loss gradient was scaled by cm.scale_loss
         self.skipped_steps = 0  # steps skipped for a non-finite gradient
         self.last_step_skipped = False
         # set while a failed or interrupted step is abandoned: tasks not started yet are skipped
@@ -523,7 +534,7 @@ class Engine:
         grp = self.store.groups[group]
 
         persistent = owner in variant.train.persistent
-        finite = self.skip_nonfinite if finite is None else finite
+        finite = self.check_finite if finite is None else finite
 
         def run() -> None:
             if self.gradients.device_state.get(group, GRAD_NONE) != GRAD_VALID:
@@ -532,7 +543,7 @@ class Engine:
             params = self.pool.region(slot, base, n).view(grp.dtypes.working)
             grads = self.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
             if finite:
-                _check_finite(grads, group, "device")
+                _check_finite(grads, group, self._whose(group, "device"))
             self.journal.before_device_update(group, params, (slot, base) if persistent else None)
             self.device_optimizer.update(grp, params, grads, hp)
             self.journal.done("device", group)
@@ -639,14 +650,23 @@ class Engine:
             return lambda: None
         hp = self.optimizer.config.hyperparams()
         opt, store, journal = self.optimizer, self.store, self.journal
-        finite = self.skip_nonfinite if finite is None else finite
+        finite = self.check_finite if finite is None else finite
+        refresh = store.groups[group].separate_master
+        scaler, unscaled, whose = self.scaler, self.unscaled, self._whose(group, "host")
 
         def run() -> None:
             if not check or store.grad_state[group] == GRAD_VALID:
                 if finite:
-                    _check_finite(store.grad(group), group, "host")
+                    _check_finite(store.grad(group), group, whose)
                 journal.before_host_update(group)
+                if scaler is not None and group not in unscaled:
+                    # as the fused kernel's grad_scale divides (bitwise alike); through .data, so
+                    # the exposed .grad views' version counters see no user edit
+                    store.grad(group).data.div_(scaler.scale_tensor())
+                    unscaled.add(group)
                 opt.update(group, hp)
+                if refresh:  # TODO(fused): the host optimizer writes the working copy itself
+                    store.refresh_working(group)
                 journal.done("host", group)
 
         return run
@@ -880,6 +900,7 @@ class Engine:
                 "started. Call cm.step() after every grad_accum_steps backward() calls, or raise grad_accum_steps."
             )
         ctx.backward_done = True
+        self.unscaled.clear()  # new (scaled) gradients arrive
         if not profile:
             self.backward_calls += 1
         final = (
@@ -908,8 +929,14 @@ class Engine:
         try:
             with self._deferred_interrupt(abandon=not finish):
                 with self.backend.during("backward start"):
+                    scale = None
+                    if self.scaler is not None and not profile and not self.prescaled:
+                        scale = self.scaler.scale_tensor()
+                    self.prescaled = False
                     for v, gr in zip(variant.graph.outputs, grad_outputs):
                         if gr is not None and variant.graph.values[v].differentiable:
+                            if scale is not None:  # as autograd's gradient of (loss * scale), fp32 scale
+                                gr = (gr.to(torch.float32) * scale).to(gr.dtype)
                             ctx.add_grad(v, gr)
                 self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
                 compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
@@ -973,8 +1000,10 @@ class Engine:
                         "its gradient is gone with the slot. Run the step again from the forward."
                     )
                 dev_groups.append((gi, v.train.persistent.index(owner)))
-            if self.skip_nonfinite and not self._all_finite(v, groups, dev_groups):
-                return self._skip_step()  # every gradient is known: nothing has run
+            if self.check_finite and not self._all_finite(v, groups, dev_groups):
+                if self.skip_nonfinite:
+                    return self._skip_step()  # every gradient is known: nothing has run
+                raise self._nonfinite_error(self._nonfinite, [], [])
             for gi in groups:
                 tok = self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi, finite=False)), [], f"U{gi}")
                 self.pending_updates.append((f"U{gi}", tok))
@@ -1025,6 +1054,9 @@ class Engine:
                 e = ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label)
             raise _with_note(e, note) from err
         if nonfinite:
+            if not self.skip_nonfinite:
+                restored, applied = self._undo_step()
+                raise self._nonfinite_error(nonfinite[0][1], restored, applied)
             if self.journal.enabled:
                 self._undo_step()
             elif self.journal.applied:  # pragma: no cover - refused at compile (skip_nonfinite needs rollback)
@@ -1033,26 +1065,64 @@ class Engine:
         self.journal.commit()
         self.backward_calls = 0
         self._end_step_clock()
+        if self.scaler is not None:
+            self.scaler.update(False)
         return True
 
     def _all_finite(self, v: Variant | None, groups: list[int], dev_groups: list[tuple[int, int]]) -> bool:
         """Whether every gradient a step() would apply is finite (checked before any update)."""
         try:
             for gi in groups:
-                _check_finite(self.store.grad(gi), gi, "host")
+                _check_finite(self.store.grad(gi), gi, self._whose(gi, "host"))
             for gi, slot in dev_groups:
                 _, base = self._group_base(v, gi)
                 grp = self.store.groups[gi]
-                _check_finite(self.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad), gi, "device")
-        except NonFiniteGradient:
+                dgrad = self.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
+                _check_finite(dgrad, gi, self._whose(gi, "device"))
+        except NonFiniteGradient as e:
+            self._nonfinite = e
             return False
         return True
+
+    def _whose(self, group: int, where: str) -> str:
+        """``group``'s gradient, in words: the stage owning it (``"stage 'blocks.2' (parameter
+        group 3, on the host)"``)."""
+        v = self.current
+        name = ""
+        if v is not None and group in v.owner_of:
+            name = f"stage {v.graph.stages[v.owner_of[group]].name!r} "
+        return f"{name}(parameter group {group}, on the {where})"
+
+    def _nonfinite_error(self, err: NonFiniteGradient | None, restored: list[int], applied: list[int]) -> NonFiniteGradient:
+        """The error of a step whose gradient holds inf or NaN (``skip_nonfinite`` off): the step
+        is dropped, the gradients stay for inspection."""
+        self.journal.commit()
+        self.backward_calls = 0
+        self._step_t0 = None
+        if applied:
+            state = (
+                f"The updates of parameter groups {applied} had already run during backward (rollback is off: "
+                "shfx.compile(rollback=True) makes a step all-or-nothing), so those groups are updated and the others "
+                "are not; reload the last checkpoint to go on exactly."
+            )
+        else:
+            state = "The step was not applied: " + (
+                f"the updates that had run (parameter groups {restored}) were rolled back, so " if restored else ""
+            ) + "the weights and optimizer states are exactly as before it."
+        msg = (
+            f"{err} after backward(): {state} The gradients are kept for inspection (.grad); call cm.zero_grad() "
+            "and go on with the next batch, or lower the learning rate. To skip such steps instead of raising, "
+            "compile with skip_nonfinite=True (or precision='fp16', which skips overflowing steps)."
+        )
+        return NonFiniteGradient(msg, err.group if err is not None else -1)
 
     def _skip_step(self) -> bool:
         """The step is not applied (a non-finite gradient); the gradients stay for the user."""
         self.journal.commit()
         self.skipped_steps += 1
         self.last_step_skipped = True
+        if self.scaler is not None:  # an overflow: back the scale off
+            self.scaler.update(True)
         self.backward_calls = 0
         self._end_step_clock()
         return False

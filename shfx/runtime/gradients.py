@@ -182,7 +182,7 @@ class GradientRouter:
                     and c.host_offset == 0
                     and c.nbytes == store.groups[c.group].trainable_bytes
                 )
-                if full and store.grad_state[c.group] == GRAD_NONE:
+                if full and store.grad_state[c.group] == GRAD_NONE and not store.groups[c.group].dtypes.mixed:
                     backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
                     store.grad_state[c.group] = GRAD_VALID
                     plan.append(("direct", c, None))
@@ -196,7 +196,7 @@ class GradientRouter:
                 for kind, c, buf in plan:
                     g = c.group
                     if kind == "shared":
-                        src = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
+                        src = buf[: c.nbytes].view(self._dtype(c))
                         if g in acc.flushed:  # the owner's sum is in already: add directly
                             self._grad_slice(g, c, zero_if_none=True).add_(src)
                         else:
@@ -208,11 +208,21 @@ class GradientRouter:
                                 acc.pending_keys.add((g, c.host_offset))
                                 acc.pending.setdefault(g, []).append(c)
                     elif kind == "add":
-                        stg = buf[: c.nbytes].view(store.groups[g].dtypes.device_grad)
-                        size = stg.element_size()
+                        # the sum of the stage's own gradient and the borrowed ones, in the device
+                        # dtype (as autograd sums a tied weight's contributions), then into the
+                        # host gradient (cast to its dtype in mixed precision)
                         for pc in acc.pending.pop(g, []):
-                            stg[pc.host_offset // size : (pc.host_offset + pc.nbytes) // size].add_(self._pending(pc))
-                        store.grad(g).add_(stg)
+                            buf[pc.host_offset : pc.host_offset + pc.nbytes].view(self._dtype(pc)).add_(self._pending(pc))
+                        grp = store.groups[g]
+                        first = store.grad_state[g] == GRAD_NONE
+                        grad = store.grad(g)
+                        for part, elem, n, off in grp.elements(0, c.nbytes):
+                            stg = buf[off : off + n * part.dtype.itemsize].view(part.dtype)
+                            if first:
+                                grad[elem : elem + n].copy_(stg)
+                            else:
+                                grad[elem : elem + n].add_(stg)
+                        store.grad_state[g] = GRAD_VALID
                         acc.flushed.add(g)
                     else:  # direct: the group's gradient was copied in whole
                         for pc in acc.pending.pop(g, []):
@@ -243,14 +253,18 @@ class GradientRouter:
                 raise AssertionError(f"group {g} has no gradient to add to")
             st.grad(g).zero_()
             st.grad_state[g] = GRAD_VALID
-        size = st.groups[g].dtypes.grad.itemsize
-        return st.grad(g)[c.host_offset // size : (c.host_offset + c.nbytes) // size]
+        ((_, elem, n, _),) = st.groups[g].elements(c.host_offset, c.nbytes)
+        return st.grad(g)[elem : elem + n]
+
+    def _dtype(self, c: Any) -> torch.dtype:
+        """The device dtype of a gradient copy (the part of its group's trainable region it is in)."""
+        return self.store.groups[c.group].part_at(c.host_offset).dtype
 
     def _pending(self, c: Any) -> torch.Tensor:
         key = (c.group, c.host_offset, c.nbytes)
         t = self._pending_bufs.get(key)
         if t is None:
-            dt = self.store.groups[c.group].dtypes.grad
+            dt = self._dtype(c)  # summed as autograd sums them: in the device dtype
             t = torch.empty(c.nbytes // dt.itemsize, dtype=dt)
             self._pending_bufs[key] = t
         return t

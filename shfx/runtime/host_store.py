@@ -2,13 +2,17 @@
 
 The model's own tensors are rebound to views of these buffers (``param.data = view``), so the
 model and the store share memory: ``model.state_dict()`` always reads the current master
-weights, and nothing is held twice on the host. Per group the store also keeps a flat fp32
+weights, and nothing is held twice on the host. In mixed precision each group has two buffers:
+its image (16-bit parameters, buffers, constants: what a PREFETCH sends) and its fp32 master
+(the parameters the model sees); the host update writes both (:meth:`HostStore.working_view`),
+and :meth:`HostStore.refresh_working` recasts the image after the master changed otherwise. Per group the store also keeps a flat fp32
 gradient buffer laid out like the group's trainable region, created on first use, and a
 per-group gradient state (none / valid) that mirrors ``p.grad is None``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -22,6 +26,11 @@ __all__ = ["HostStore", "GRAD_NONE", "GRAD_VALID"]
 
 GRAD_NONE = 0
 GRAD_VALID = 1
+
+
+def _host_info(info: TensorInfo) -> TensorInfo:
+    """``info`` as the model holds it (its master dtype)."""
+    return dataclasses.replace(info, dtype=info.host_dtype or info.dtype, host_dtype=None)
 
 
 def typed_view(buf: torch.Tensor, offset: int, info: TensorInfo) -> torch.Tensor:
@@ -47,13 +56,24 @@ class HostStore:
         self.groups = list(groups)
         self.pin = pin
         self.buffers = [backend.alloc_host(g.nbytes, pin) for g in self.groups]
+        # mixed precision: the fp32 masters (never sent over the link: not pinned)
+        self.masters = [torch.zeros(g.master_nbytes, dtype=torch.uint8) if g.separate_master else None for g in self.groups]
         self.tensors: dict[str, torch.Tensor] = {}
+        self._casts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.groups]  # (image, master) views
         for g in self.groups:
             for info in g.infos:
                 view = typed_view(self.buffers[g.index], g.offsets[info.key], info)
                 src = tensors[info.key]
-                with torch.no_grad():
-                    view.copy_(src.detach())
+                if info.key in g.master_offsets:
+                    mview = typed_view(self.masters[g.index], g.master_offsets[info.key], _host_info(info))
+                    with torch.no_grad():
+                        mview.copy_(src.detach())
+                        view.copy_(mview)
+                    self._casts[g.index].append((view, mview))
+                    view = mview  # the model sees its master
+                else:
+                    with torch.no_grad():
+                        view.copy_(src.detach())
                 if not info.key.startswith("<constant>"):
                     src.data = view  # the model's tensor now lives in the store
                 self.tensors[info.key] = view
@@ -73,7 +93,31 @@ class HostStore:
         """The trainable region of group ``g`` (the master weights, padding included), in the
         master dtype."""
         grp = self.groups[g]
+        if grp.separate_master:
+            return self.masters[g][: grp.master_bytes].view(grp.dtypes.master)
         return self.buffers[g][: grp.trainable_bytes].view(grp.dtypes.master)
+
+    def working_view(self, g: int, elem: int, numel: int) -> torch.Tensor | None:
+        """Elements ``[elem, elem + numel)`` of group ``g``'s working copy (the image's trainable
+        region, in the device dtype of the part holding them), or None when the image is the
+        master (fp32 training)."""
+        grp = self.groups[g]
+        if not grp.separate_master:
+            return None
+        for p in grp.parts:
+            if p.elem <= elem and elem + numel <= p.elem + p.numel:
+                size = p.dtype.itemsize
+                lo = p.offset + (elem - p.elem) * size
+                return self.buffers[g][lo : lo + numel * size].view(p.dtype)
+        raise ValueError(f"elements [{elem}, {elem + numel}) of group {g} span parts of different dtypes")
+
+    def refresh_working(self, g: int | None = None) -> None:
+        """Recast the working copy of group ``g`` (every group: None) from its master: after the
+        master changed other than by the host update (load_state_dict, a rollback)."""
+        with torch.no_grad():
+            for gi in range(len(self.groups)) if g is None else (g,):
+                for view, mview in self._casts[gi]:
+                    view.copy_(mview)
 
     def grad(self, g: int) -> torch.Tensor:
         """Group ``g``'s flat gradient buffer in the host gradient dtype (created zeroed on first use)."""
@@ -90,11 +134,13 @@ class HostStore:
     def param_grad_view(self, key: str, owner: int) -> torch.Tensor:
         g = self.groups[owner]
         info = g.info(key)
+        if g.separate_master:  # laid out as the master
+            return typed_view(self.grad_bytes(owner), g.master_offsets[key], _host_info(info))
         return typed_view(self.grad_bytes(owner), g.offsets[key], info)
 
     @property
     def host_bytes(self) -> int:
-        n = sum(b.numel() for b in self.buffers)
+        n = sum(b.numel() for b in self.buffers) + sum(b.numel() for b in self.masters if b is not None)
         n += sum(t.numel() * t.element_size() for t in self._grads if t is not None)
         return n
 

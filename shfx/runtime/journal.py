@@ -166,6 +166,7 @@ class StepJournal:
     def _restore_host(self, g: int) -> None:
         rec = self._host[g]
         self.store.master(g).copy_(rec.tensors[0])
+        self.store.refresh_working(g)  # mixed precision: the 16-bit copy the update wrote too
         if self.optimizer is None:
             return
         if not rec.had_state:
