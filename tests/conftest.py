@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -15,6 +16,12 @@ def _fresh_state():
 
 
 def pytest_collection_modifyitems(config, items):
+    # long tests (whole matrices whose fast subset runs by default) run with SHFX_SLOW=1 or -m slow
+    if not os.environ.get("SHFX_SLOW") and "slow" not in (config.getoption("-m") or ""):
+        slow = pytest.mark.skip(reason="slow: run with SHFX_SLOW=1 (or -m slow)")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
