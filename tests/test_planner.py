@@ -477,3 +477,16 @@ def test_memory_for_model_precision():
     else:  # pragma: no cover - once the runtime lays out 16-bit stages
         fp16 = memory_for_model("stronghold", model, (x,), EMU, precision="fp16")
         assert fp16.host["rollback copies"] > 0 and fp16.settings["rollback"]
+
+
+def test_cli_plan_precision(capsys):
+    from shfx.cli import main
+
+    outs = []
+    for name in ("fp16", "float16"):
+        assert main(["plan", "--precision", name, "--policies", "stronghold"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and "float16" in outs[0] and "host: rollback copies" in outs[0]
+    assert main(["plan", "--precision", "bf16", "--policies", "stronghold", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["family"]["precision"] == "bfloat16" and data["rows"][0]["host"]["rollback copies"] == 0
