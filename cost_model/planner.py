@@ -344,14 +344,15 @@ def _layout(policy: str, layers: int, window: int, resident_first: int) -> _Layo
     return _Layout(runs, pers, pers)
 
 
-def _staging_buffers(grad_accum_steps: int, borrowed_to_host: bool, host_trainable: int) -> int:
+def _staging_buffers(grad_accum_steps: int, borrowed_to_host: bool, host_trainable: int, mixed: bool = False) -> int:
     """Host staging buffers the runtime allocates (``HostStore.acquire_staging``, each as large as
     the largest group): a gradient copy that is added rather than copied in needs one - the tied
     embedding's gradient from the tail, or every copy after the first under gradient
-    accumulation, when up to two are in flight."""
+    accumulation, when up to two are in flight; in mixed precision every copy (the 16-bit
+    gradient is cast into the fp32 host gradient from there), up to two in flight."""
     if not host_trainable:
         return 0
-    return _STAGING_BUFFERS if grad_accum_steps > 1 else int(borrowed_to_host)
+    return _STAGING_BUFFERS if grad_accum_steps > 1 or mixed else int(borrowed_to_host)
 
 
 def _resolve(target: Target, workspace_bytes: int | None, allocator_slack: float, working_set: bool | None):
@@ -463,7 +464,7 @@ def memory_model(
     states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
     A = b * s * h * elt  # one boundary activation [b, s, h]
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
-    out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (fp32 scalar) or the logits
+    out = elt if fam.loss_in_model else b * s * V * elt  # the loss (a scalar in the model's dtype) or the logits
     korthikanti = s * b * h * (34 + (5 * a * s / h if attention_scores else 0)) * elt / 2  # bytes per layer
     if fam.checkpointing:
         acts = inputs + (L + 1) * A + out  # the head's and every block's output, kept for the backward
@@ -513,7 +514,8 @@ def memory_model(
         "gradients (fp32)": host_trainable,
         "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * host_trainable,
         "working copy (16-bit)": working,
-        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, bool(host_groups["head"]), host_trainable) * largest_group,
+        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, bool(host_groups["head"]), host_trainable, fam.mixed)
+        * largest_group,
         # the tail's gradient of the tied embedding, in the device's dtype (summed with the
         # head's in 16-bit, then cast, as autograd does on a 16-bit model)
         "pending tied gradient": elt * V * h if host_groups["head"] else 0,
@@ -756,25 +758,6 @@ def plan(
 # ---- any model, from its capture ----------------------------------------------------------------
 
 
-def _precision_option(precision: str) -> dict[str, str]:
-    """``PipelineOptions``' keyword for a 16-bit capture (none for fp32, as before mixed
-    precision). A pipeline without the option cannot lay out 16-bit stages: say so rather
-    than plan fp32 bytes under a 16-bit name."""
-    from dataclasses import fields
-
-    from shfx.passes.pipeline import PipelineOptions
-
-    if precision == "float32":
-        return {}
-    if "precision" not in {f.name for f in fields(PipelineOptions)}:
-        raise ValueError(
-            f"planning {precision} for a captured model needs the mixed-precision compile pipeline "
-            "(PipelineOptions.precision), which this shfx does not have; for the GPT family use memory_model "
-            "with GPTShape(precision=...)"
-        )
-    return {"precision": short_precision(precision)}
-
-
 def _any_policy(policy: str | Policy, window: int | None, resident_first: int | None) -> Policy:
     """A policy object for the program replay: any Policy (registered or not), or a name with
     stronghold's window and k."""
@@ -828,7 +811,7 @@ def memory_for_model(
     precision = normalize_precision(precision)
     rollback = precision == "float16" if rollback is None else bool(rollback)
     if graph is None:
-        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, **_precision_option(precision))
+        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision))
         variant = compile_variant(model, tuple(example_inputs), {}, opts)
         graph, progs = variant.graph, variant.programs
     else:
@@ -875,7 +858,7 @@ def plan_for_model(
     pols = [_any_policy(p, window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else p for p in policies]
     tgt = as_target(hardware)
     precision = normalize_precision(precision)
-    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, **_precision_option(precision))
+    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, precision=short_precision(precision))
     graph = compile_variant(model, tuple(example_inputs), {}, opts).graph
     n_params = sum(
         info.numel for k, info in graph.tensors.items() if info.kind == "param" and info.trainable

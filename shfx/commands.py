@@ -17,41 +17,21 @@ from shfx.passes.units import format_bytes
 from . import models
 from .models import GPTShape
 
-__all__ = ["tune_gpt", "gpt_plan_inputs", "precision_kwargs", "compile_supports_precision"]
-
-
-def compile_supports_precision() -> bool:
-    """Whether this shfx's ``shfx.compile`` takes ``precision=`` (mixed-precision training)."""
-    import inspect
-
-    import shfx
-
-    try:
-        return "precision" in inspect.signature(shfx.compile).parameters
-    except (TypeError, ValueError):  # pragma: no cover - a compile without a signature
-        return False
+__all__ = ["tune_gpt", "gpt_plan_inputs", "precision_kwargs"]
 
 
 def precision_kwargs(precision: str) -> dict[str, str]:
     """The keywords that make ``shfx.compile`` train in ``precision`` (any of ``fp32 bf16 fp16``
-    or the long names): none for fp32 (the default, as before mixed precision), else
-    ``{"precision": "bf16"}`` / ``{"precision": "fp16"}``.
+    or the long names): none for fp32 (the default, so an fp32 run compiles exactly as before
+    mixed precision), else ``{"precision": "bf16"}`` / ``{"precision": "fp16"}``.
 
-    >>> precision_kwargs("float32"), precision_kwargs("bfloat16")  # doctest: +SKIP
+    >>> precision_kwargs("float32"), precision_kwargs("bfloat16")
     ({}, {'precision': 'bf16'})
-
-    Raises:
-        ValueError: a 16-bit precision on a shfx whose ``compile`` does not train in 16-bit.
     """
     from shfx.cost_model.shapes import normalize_precision, short_precision
 
     if normalize_precision(precision) == "float32":
         return {}
-    if not compile_supports_precision():
-        raise ValueError(
-            f"this shfx trains in fp32 only (shfx.compile takes no precision=); {short_precision(precision)} can be "
-            "predicted for a hardware profile (--hardware) but not run"
-        )
     return {"precision": short_precision(precision)}
 
 

@@ -604,6 +604,7 @@ def compare(
 
     rows: list[PolicyResult] = []
     programs: dict[str, Any] = {}
+    on_device: list[str] = []  # 16-bit: policies updating on the device, which shfx.compile does not run yet
     for pol in configured:
         if pol.auto:
             pol, why = _auto_window(specs, costs, pol, capacity, rollback)
@@ -616,8 +617,16 @@ def compare(
         )
         rows.append(row)
         programs[row.label] = pol
+        if shape.mixed and program.device_groups():
+            on_device.append(row.label)
+    if on_device:
+        notes.append(
+            f"{', '.join(on_device)}: update{'s' if len(on_device) == 1 else ''} parameter groups on the device, which "
+            f"shfx.compile(precision={short_precision(shape.precision)!r}) does not run yet: predicted only"
+        )
     if measure:
-        _measure(rows, programs, device_obj, cfg, make_inputs, lr, seed, steps, warmup, interleave, compile_kw)
+        runnable = [r for r in rows if r.label not in on_device]
+        _measure(runnable, programs, device_obj, cfg, make_inputs, lr, seed, steps, warmup, interleave, compile_kw)
     return CompareResult(
         model=model_name,
         params=params,

@@ -250,7 +250,7 @@ def run_demo(
         max_bytes=max_bytes, precision=normalize_precision(precision),
     )  # fmt: skip
     _check(cfg)
-    compile_kw = precision_kwargs(cfg.precision)  # refuses a 16-bit run this shfx cannot train, before any work
+    compile_kw = precision_kwargs(cfg.precision)
     out = file if file is not None else sys.stdout
 
     def say(line: str = "") -> None:

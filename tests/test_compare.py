@@ -117,14 +117,6 @@ def test_hardware_path_predicts_without_building_weights(monkeypatch, capsys):
 # ---- mixed precision -------------------------------------------------------------------------------
 
 
-def _has_precision() -> bool:
-    """shfx.compile trains in 16-bit (issue 10's runtime); until then only predictions are tested.
-    (Not through shfx.commands: importing it at collection would bind shfx.models.GPT early.)"""
-    import inspect
-
-    return "precision" in inspect.signature(shfx.compile).parameters
-
-
 REF = dict(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
 
 
@@ -162,15 +154,6 @@ def test_cli_precision_names(capsys):
         main([*args, "--precision", "fp8"])
 
 
-@pytest.mark.skipif(_has_precision(), reason="shfx.compile trains in 16-bit here")
-def test_a_16_bit_run_is_refused_clearly_without_the_runtime(capsys):
-    argv = ["compare", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
-            "--device", "emulated", "--precision", "bf16", "--steps", "1"]  # fmt: skip
-    assert main(argv) == 1
-    assert "trains in fp32 only" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(not _has_precision(), reason="shfx.compile does not take precision= yet (issue 10's runtime)")
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_16_bit_predicted_and_measured(precision):
     """A 16-bit run copies what its program says, half the fp32 run's bytes."""

@@ -459,3 +459,20 @@ def test_fp32_stage_times_are_unchanged_by_the_precision_parameters():
     assert a["block"].pf == hw.link_latency_s + sp.Float(4) * fm.params_block(2048) / sp.Float(hw.h2d_bps)
     with pytest.raises(ValueError, match="dtype must be one of"):
         fm.gpt_stage_times(hw, 2048, 1024, 4, 50304, dtype="int8")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision_specs_are_the_16_bit_capture(precision):
+    """What the analytic model assumes of a 16-bit GPT (an fp32 capture rescaled by
+    precision_specs) is what the compile pipeline lays out for precision= (the runtime's bytes)."""
+    from shfx.cost_model.analytic import precision_specs
+    from shfx.models.gpt import GPT, GPTShape
+    from shfx.passes.pipeline import PipelineOptions, compile_variant
+
+    h, a, s, b, V = (SMALL[k] for k in "hasbV")
+    with torch.device("meta"):
+        model = GPT(GPTShape(vocab=V, seq=s, layers=3, heads=a, hidden=h))
+        idx = torch.zeros(b, s, dtype=torch.long)
+    fp32 = compile_variant(model, (idx, idx), {}, PipelineOptions(verify=False)).graph.specs
+    real = compile_variant(model, (idx, idx), {}, PipelineOptions(verify=False, precision=precision)).graph.specs
+    assert precision_specs(fp32, precision) == list(real)

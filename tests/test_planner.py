@@ -459,24 +459,24 @@ def test_fp16_trains_fewer_layers_than_bf16_on_a_host_bound_machine():
     assert largest_trainable("stronghold", replace(REF, precision="fp16"), V100, rollback=False).layers == rows["bf16"].layers
 
 
-def test_memory_for_model_precision():
-    """A 16-bit plan of a captured model needs the pipeline's 16-bit layout; the rollback
-    default follows the precision (fp16: on)."""
-    from dataclasses import fields
-
-    from shfx.passes.pipeline import PipelineOptions
-
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    x = torch.zeros(2, 8)
-    fp32 = memory_for_model("stronghold", model, (x,), EMU)
-    assert fp32.host["rollback copies"] == 0 and fp32.settings["precision"] == "float32"
-    assert memory_for_model("stronghold", model, (x,), EMU, rollback=True).host["rollback copies"] > 0
-    if "precision" not in {f.name for f in fields(PipelineOptions)}:
-        with pytest.raises(ValueError, match="mixed-precision compile pipeline"):
-            memory_for_model("stronghold", model, (x,), EMU, precision="bf16")
-    else:  # pragma: no cover - once the runtime lays out 16-bit stages
-        fp16 = memory_for_model("stronghold", model, (x,), EMU, precision="fp16")
-        assert fp16.host["rollback copies"] > 0 and fp16.settings["rollback"]
+def test_closed_form_is_the_ledger_in_16_bit():
+    """In bf16 and fp16 the GPT closed form is the ledger of the real 16-bit capture (the
+    compile pipeline's precision=), for the policies that update on the host (device updates
+    are not supported in 16-bit): the 16-bit image, two staging buffers for the casts, the
+    16-bit loss and pending gradient, and fp16's rollback copies."""
+    fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=3)
+    with torch.device("meta"):
+        model = GPT(fam)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    for precision in ("bf16", "fp16"):
+        for policy, kw in (("stronghold", {"window": 2}), ("stronghold", {"window": 3}), ("zero-offload", {}),
+                           ("zero-infinity", {})):  # fmt: skip
+            want = memory_model(policy, replace(fam, precision=precision), EMU, **kw)
+            got = memory_for_model(policy, model, (idx, idx), EMU, precision=precision, **kw)
+            assert got.device == want.device, (precision, policy, kw)
+            assert got.host == want.host, (precision, policy, kw)
+            assert (got.host["rollback copies"] > 0) == (precision == "fp16") == got.settings["rollback"]
+    assert memory_for_model("stronghold", model, (idx, idx), EMU, precision="fp16", rollback=False).host["rollback copies"] == 0
 
 
 def test_cli_plan_precision(capsys):

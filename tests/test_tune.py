@@ -282,14 +282,6 @@ def test_drift_settings_are_the_reports():
     assert rep.drift is not None and rep.drift.threshold == 0.1
 
 
-def _has_precision() -> bool:
-    """shfx.compile trains in 16-bit (issue 10's runtime); until then only predictions are tested.
-    (Not through shfx.commands: importing it at collection would bind shfx.models.GPT early.)"""
-    import inspect
-
-    return "precision" in inspect.signature(shfx.compile).parameters
-
-
 def test_shfx_tune_cli_analytic_16_bit(capsys):
     """The analytic report in bf16 and fp16 (the latter with the step journal's rollback copies:
     host updates take longer, never shorter, at every window)."""
@@ -309,7 +301,6 @@ def test_shfx_tune_cli_analytic_16_bit(capsys):
         assert rb.by_resource["host optimizer"] >= r.by_resource["host optimizer"]
 
 
-@pytest.mark.skipif(not _has_precision(), reason="shfx.compile does not take precision= yet (issue 10's runtime)")
 def test_shfx_tune_cli_emulated_16_bit(capsys):
     from shfx.cli import main
 
