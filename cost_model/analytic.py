@@ -10,6 +10,15 @@ Per stage, one run of its graph on fake tensors counts matmul-class FLOPs
   writes p, m, v), the gradient add 12 bytes per parameter,
 - copies over the profile's links.
 
+Mixed precision (``precision="bfloat16"``/``"float16"``, what ``shfx.compile(precision=...)``
+trains): matmuls at the profile's 16-bit rate, the other ops' bytes and every copy at 2 bytes
+per element (:func:`precision_specs` turns an fp32 capture's stage specs into the 16-bit
+model's), CPU_STEP 40 bytes per parameter (:func:`shfx.cost_model.costs.host_update_bytes`: the
+gradient's cast and the working copy's refresh on top of AdamW). Every stage also carries the
+host time of the step journal's rollback copy of its group (``StageCost.rollback_s``,
+:data:`shfx.cost_model.costs.ROLLBACK_COPY_RATIO` x the fp32 update), which the simulator
+charges when asked to (``simulate(..., rollback=True)``: fp16's default).
+
 :func:`repeat_blocks` turns the specs and costs of a model captured with a few blocks into those
 of the same model with any number of blocks, so what-if studies at billions of parameters need
 neither the memory nor the capture time of the full model (see :func:`plan_inputs`).
@@ -26,10 +35,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shfx.passes.partition import StageGraph
 from shfx.passes.stages import StageSpec, Value
 
-from .costs import CostTable, Links, StageCost
+from .costs import ROLLBACK_COPY_RATIO, CostTable, Links, StageCost, host_accumulate_bytes, host_update_bytes
 from .hardware import Hardware, get_profile
+from .shapes import PRECISIONS, normalize_precision
 
-__all__ = ["StageWork", "stage_work", "analytic_costs", "repeat_blocks", "links_of", "plan_inputs"]
+__all__ = [
+    "StageWork", "stage_work", "analytic_costs", "repeat_blocks", "links_of", "plan_inputs", "precision_specs",
+    "matmul_dtype",
+]
 
 _MATMUL = {
     "mm",
@@ -64,10 +77,12 @@ def _counted_by_flop_counter(func) -> bool:
 
 @dataclass(frozen=True)
 class StageWork:
-    """What one FORWARD of a stage does: matmul-class FLOPs and bytes written by other ops."""
+    """What one FORWARD of a stage does: matmul-class FLOPs and bytes written by other ops
+    (``float_bytes`` of them floating point: what a 16-bit model writes half of)."""
 
     flops: float
     other_bytes: float
+    float_bytes: float = 0.0
 
 
 class _BytesMode(TorchDispatchMode):
@@ -77,6 +92,7 @@ class _BytesMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
+        self.float_bytes = 0
         self.attention_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -90,6 +106,8 @@ class _BytesMode(TorchDispatchMode):
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
                     self.bytes += t.numel() * t.element_size()
+                    if t.dtype.is_floating_point:
+                        self.float_bytes += t.numel() * t.element_size()
         return out
 
 
@@ -106,7 +124,7 @@ def stage_work(graph: StageGraph) -> list[StageWork]:
             counter = FlopCounterMode(display=False)
             with counter, torch.no_grad(), _BytesMode() as bm:
                 st.gm(*args)
-        out.append(StageWork(float(counter.get_total_flops() + bm.attention_flops), float(bm.bytes)))
+        out.append(StageWork(float(counter.get_total_flops() + bm.attention_flops), float(bm.bytes), float(bm.float_bytes)))
     return out
 
 
@@ -114,34 +132,108 @@ def links_of(hw: Hardware) -> Links:
     return Links(hw.h2d_bps, hw.d2h_bps, duplex=hw.duplex, latency_s=hw.link_latency_s)
 
 
+def matmul_dtype(precision: str, dtype: str | None = None) -> str:
+    """The dtype whose FLOP/s a stage's matmuls run at: ``dtype`` when given (``"tf32"``), else
+    the precision's own (``"bf16"`` -> ``"bfloat16"``)."""
+    return normalize_precision(precision) if dtype is None else dtype
+
+
+def _capture_element_bytes(graph: StageGraph) -> int:
+    """Bytes per element of the captured model's floating-point parameters (4 for an fp32
+    capture, 2 for one captured in 16-bit); 4 when it has none."""
+    sizes = {t.dtype.itemsize for t in graph.tensors.values() if t.kind == "param" and t.dtype.is_floating_point}
+    return max(sizes, default=4)
+
+
 def analytic_costs(
-    graph: StageGraph, hardware: Hardware | str, *, dtype: str = "float32", optimizer_workers: int = 1
+    graph: StageGraph,
+    hardware: Hardware | str,
+    *,
+    dtype: str | None = None,
+    optimizer_workers: int = 1,
+    precision: str = "float32",
 ) -> CostTable:
-    """Costs of ``graph``'s stages on ``hardware`` (see the module docstring)."""
+    """Costs of ``graph``'s stages on ``hardware`` (see the module docstring).
+
+    ``precision``: what the stages compute in (``fp32``, ``bf16``, ``fp16`` or the long names);
+    an fp32 capture of a model trained in 16-bit has its non-matmul bytes halved. ``dtype``:
+    the matmul rate's dtype when it is not the precision's (``"tf32"``)."""
     hw = get_profile(hardware)
+    precision = normalize_precision(precision)
+    dtype = matmul_dtype(precision, dtype)
     rate = hw.matmul_flops(dtype)
     works = stage_work(graph)
+    scale = PRECISIONS[precision] / _capture_element_bytes(graph)
+    upd, acc = float(host_update_bytes(precision)), float(host_accumulate_bytes(precision))
     costs = []
     for st, w in zip(graph.stages, works):
-        fwd = w.flops / rate + 2.0 * w.other_bytes / hw.device_mem_bps
+        other = w.other_bytes if scale == 1 else w.other_bytes + (scale - 1) * w.float_bytes
+        fwd = w.flops / rate + 2.0 * other / hw.device_mem_bps
         n_train = sum(graph.tensors[k].numel for k in graph.tensors if graph.owner[k] == st.index and graph.tensors[k].trainable)
         costs.append(
             StageCost(
                 forward_s=fwd,
                 backward_s=3.0 * fwd,
                 backward_kept_s=2.0 * fwd,
-                update_s=28.0 * n_train / hw.host_mem_bps,
+                update_s=upd * n_train / hw.host_mem_bps,
                 device_update_s=28.0 * n_train / hw.device_mem_bps,
-                accumulate_s=12.0 * n_train / hw.host_mem_bps,
+                accumulate_s=acc * n_train / hw.host_mem_bps,
+                rollback_s=ROLLBACK_COPY_RATIO * host_update_bytes() * n_train / hw.host_mem_bps,
             )
         )
+    what = dtype if precision == "float32" else precision + ("" if dtype == precision else f", {dtype} matmuls")
     return CostTable(
         costs,
         links_of(hw),
         optimizer_workers=optimizer_workers,
-        source=f"analytic: {hw.name}, {dtype}",
-        extra={"work": works},
+        source=f"analytic: {hw.name}, {what}",
+        extra={"work": works, "precision": precision},
     )
+
+
+def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_bytes: int = 4) -> list[StageSpec]:
+    """The stage specs of a model captured with ``captured_bytes`` per floating-point element
+    (an fp32 capture: 4) when it trains in ``precision``: what the device holds and the links
+    carry (slots, prefetches, gradient copies, boundary activations and their gradients) is
+    rescaled to the working dtype; what the host's optimizer holds (``update_bytes``,
+    ``state_bytes``: the fp32 master, gradient and AdamW states) and the buffers (which keep
+    their dtype) are not. The specs are returned unchanged when the dtypes agree.
+
+    NOTE: a model with large floating-point buffers inside a group's image, or boundary values
+    that are not floating point, is approximated (every byte of a prefetch and a boundary value
+    produced by a stage is taken as floating point); the GPT has neither (the model's token ids
+    are its only integer tensors and are not rescaled).
+
+    >>> from shfx.passes.stages import chain
+    >>> s = precision_specs(chain(2, prefetch_bytes=1024, activation_bytes=64), "bf16")
+    >>> s[0].prefetch_bytes, s[0].grad_bytes, s[0].activation_bytes, s[0].update_bytes, s[0].state_bytes
+    (512, 512, 32, 1024, 1024)
+    """
+    e = PRECISIONS[normalize_precision(precision)]
+    if e == captured_bytes:
+        return list(specs)
+
+    def sc(n: int) -> int:
+        return n * e // captured_bytes
+
+    def value(v: Value) -> Value:
+        return v if v.producer < 0 else replace(v, nbytes=sc(v.nbytes))
+
+    return [
+        replace(
+            st,
+            prefetch_bytes=sc(st.prefetch_bytes),
+            grad_bytes=sc(st.grad_bytes),
+            slot_bytes=sc(st.slot_bytes),
+            activation_bytes=sc(st.activation_bytes),
+            grad_group_bytes=tuple((g, sc(n)) for g, n in st.grad_group_bytes),
+            borrowed_grads=tuple((k, g, sc(n)) for k, g, n in st.borrowed_grads),
+            inputs=tuple(value(v) for v in st.inputs),
+            outputs=tuple(value(v) for v in st.outputs),
+            state_bytes=st.state_bytes,
+        )
+        for st in specs
+    ]
 
 
 def repeat_blocks(
@@ -274,15 +366,18 @@ def plan_inputs(
     blocks: str,
     layers: int,
     hardware: Hardware | str,
-    dtype: str = "float32",
+    dtype: str | None = None,
     template_layers: int = 2,
+    precision: str = "float32",
 ) -> tuple[list[StageSpec], CostTable]:
     """Stage specs and analytic costs of ``build(layers)`` without building it.
 
     ``build(n)`` makes the model with ``n`` blocks (it is called on the meta device with
     ``template_layers``); ``inputs()`` returns its example arguments (meta tensors are fine);
     ``blocks`` names the block container. The captured template's block stage is repeated to
-    ``layers`` blocks by :func:`repeat_blocks`.
+    ``layers`` blocks by :func:`repeat_blocks`. ``precision``: the model trains in it (its fp32
+    capture's specs rescaled by :func:`precision_specs`, costs at its rates); ``dtype``: the
+    matmul rate's dtype when not the precision's.
     """
     from shfx.passes.capture import capture_model
     from shfx.passes.partition import partition_stages
@@ -293,6 +388,7 @@ def plan_inputs(
     graph = partition_stages(capture_model(model, args), model=model, blocks=blocks)
     nblocks = sum(1 for s in graph.stages if s.name.startswith(blocks + "."))
     first = next(s.index for s in graph.stages if s.name.startswith(blocks + "."))
-    table = analytic_costs(graph, hardware, dtype=dtype)
-    specs, costs = repeat_blocks(graph.specs, table.costs, range(first, first + nblocks), layers)
+    table = analytic_costs(graph, hardware, dtype=dtype, precision=precision)
+    template = precision_specs(graph.specs, precision, captured_bytes=_capture_element_bytes(graph))
+    specs, costs = repeat_blocks(template, table.costs, range(first, first + nblocks), layers)
     return specs, replace(table, costs=costs, source=table.source + f", {layers} blocks")

@@ -15,7 +15,36 @@ from typing import Protocol
 
 from shfx.passes.stages import StageSpec
 
-__all__ = ["StageCost", "Links", "CostModel", "CostTable", "ProfileStats"]
+__all__ = [
+    "StageCost", "Links", "CostModel", "CostTable", "ProfileStats", "ROLLBACK_COPY_RATIO",
+    "host_update_bytes", "host_accumulate_bytes",
+]
+
+ROLLBACK_COPY_RATIO = 1.46
+"""Host time of the step journal's copy of a group before its update (fp32 master, AdamW m and
+v: 12 bytes per parameter read and 12 written, in three separate copies) over the time of that
+group's fp32 AdamW update: 3.02 ms of copies against 2.07 ms of updates over the groups of a GPT
+4 x 256 on the 2-core VM (``benchmarks/rollback.py``, ``benchmarks/results/rollback.json``).
+What :func:`shfx.cost_model.simulate.simulate` charges per CPU_STEP with ``rollback=True`` where
+a stage has no :attr:`StageCost.rollback_s` of its own."""
+
+
+def host_update_bytes(precision: str = "float32") -> int:
+    """Host memory bytes one parameter's optimizer update moves: AdamW reads the fp32 weight,
+    gradient, m and v and writes the weight, m and v (28); in mixed precision the 16-bit
+    gradient is first cast to the fp32 gradient (read 2, write 4) and the 16-bit working copy
+    refreshed from the master after (read 4, write 2): 40.
+
+    >>> host_update_bytes(), host_update_bytes("bfloat16")
+    (28, 40)
+    """
+    return 28 if precision in ("float32", "fp32") else 40
+
+
+def host_accumulate_bytes(precision: str = "float32") -> int:
+    """Host memory bytes of adding one parameter's staged gradient copy into the fp32 gradient:
+    read the copy (4, or 2 in 16-bit) and the gradient (4), write the gradient (4)."""
+    return 12 if precision in ("float32", "fp32") else 10
 
 
 @dataclass(frozen=True)
@@ -35,6 +64,10 @@ class StageCost:
         forward_cold_s, backward_cold_s, backward_kept_cold_s: the same actions when they start
             after the processor sat idle for :attr:`CostTable.cold_idle_s` (on the emulated
             device compute runs ~1.5x slower then; None: no difference).
+        rollback_s: host time of the step journal's copy of the group this stage owns (its
+            master weights, step and AdamW states) before its update, paid by the CPU_STEP when
+            the simulation keeps rollback copies (``simulate(..., rollback=True)``, what
+            ``shfx.compile`` does in fp16); None: :data:`ROLLBACK_COPY_RATIO` x ``update_s``.
     """
 
     forward_s: float
@@ -46,6 +79,7 @@ class StageCost:
     backward_cold_s: float | None = None
     backward_kept_cold_s: float | None = None
     device_update_s: float = 0.0
+    rollback_s: float | None = None
 
     @property
     def backward_no_recompute_s(self) -> float:
@@ -68,7 +102,13 @@ class StageCost:
             backward_cold_s=sc(self.backward_cold_s),
             backward_kept_cold_s=sc(self.backward_kept_cold_s),
             device_update_s=self.device_update_s * compute,
+            rollback_s=None if self.rollback_s is None else self.rollback_s * host,
         )
+
+    def rollback_copy_s(self, ratio: float = ROLLBACK_COPY_RATIO) -> float:
+        """Host seconds of the rollback copy before this stage's update: :attr:`rollback_s`, or
+        ``ratio`` x :attr:`update_s` when it has none."""
+        return self.rollback_s if self.rollback_s is not None else ratio * self.update_s
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from shfx.passes.stages import StageSpec
 from .analytic import plan_inputs, repeat_blocks
 from .costs import CostTable, Links
 from .hardware import Hardware, get_profile
+from .shapes import normalize_precision
 from .simulate import Timeline, simulate
 
 __all__ = ["DepthModel"]
@@ -51,8 +52,13 @@ class DepthModel:
         inputs: returns its example arguments (meta tensors are fine).
         blocks: module path of the repeated blocks (e.g. ``"transformer.h"``).
         hardware: a :class:`shfx.cost_model.hardware.Hardware` or a profile name.
-        dtype: the dtype whose FLOP/s the analytic model uses.
+        dtype: the dtype whose FLOP/s the analytic model uses (default: the precision's).
         template_layers: blocks in the captured template (at least 2).
+        precision: what the model trains in (``fp32``, ``bf16``, ``fp16`` or the long names):
+            16-bit specs move and hold half the bytes on the device and the links, and compute
+            at the profile's 16-bit rate (:func:`shfx.cost_model.analytic.plan_inputs`).
+        rollback: :meth:`simulate` charges the step journal's rollback copies (default: on for
+            fp16, as ``shfx.compile`` does).
     """
 
     def __init__(
@@ -62,12 +68,16 @@ class DepthModel:
         *,
         blocks: str,
         hardware: Hardware | str,
-        dtype: str = "float32",
+        dtype: str | None = None,
         template_layers: int = 2,
+        precision: str = "float32",
+        rollback: bool | None = None,
     ):
         self.hw = get_profile(hardware)
+        self.precision = normalize_precision(precision)
+        self.rollback = self.precision == "float16" if rollback is None else bool(rollback)
         self.specs, self.table = plan_inputs(
-            build, inputs, blocks=blocks, layers=template_layers, hardware=self.hw, dtype=dtype
+            build, inputs, blocks=blocks, layers=template_layers, hardware=self.hw, dtype=dtype, precision=self.precision
         )
         idx = [s.index for s in self.specs if s.name.startswith("block.")]
         if not idx or idx != list(range(idx[0], idx[-1] + 1)):
@@ -99,4 +109,4 @@ class DepthModel:
     ) -> Timeline:
         """One simulated step of ``policy`` at ``layers`` blocks (:func:`shfx.cost_model.simulate.simulate`)."""
         specs, table = self.at(layers, links)
-        return simulate(policy_program(policy, specs, window, resident_first), table)
+        return simulate(policy_program(policy, specs, window, resident_first), table, rollback=self.rollback)

@@ -612,7 +612,7 @@ def flops_per_iteration(l=l, h=h, s=s, b=b, V=V, *, recompute: bool = True):
     return 72 * b * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
 
 
-def gpt_stage_work(h=h, s=s, b=b, V=V, *, attention_flops: bool = True) -> dict:
+def gpt_stage_work(h=h, s=s, b=b, V=V, *, attention_flops: bool = True, elt: int = FP32) -> dict:
     """Per stage kind, one FORWARD's matmul FLOPs and bytes written by other ops, as
     :func:`shfx.cost_model.analytic.stage_work` counts them for :class:`shfx.models.gpt.GPT`:
 
@@ -620,13 +620,16 @@ def gpt_stage_work(h=h, s=s, b=b, V=V, *, attention_flops: bool = True) -> dict:
     - block: ``24 b s h^2`` + ``4 b s^2 h`` for attention scores and values
       (``attention_flops=False`` leaves them out); ``4(8bsh + 4bs)`` bytes (LayerNorms, GELU,
       residuals, their statistics);
-    - tail: ``2 b s h V`` (the logits); ``4(2bsV + bsh + 2bs) + 8`` bytes.
+    - tail: ``2 b s h V`` (the logits); ``4(2bsV + bsh + 2bs + 2)`` bytes.
+
+    ``elt``: bytes per floating-point element (2 for a 16-bit model: the 4 above becomes 2; the
+    head's int64 positions stay 8 bytes each).
     """
     attn = 4 * b * s**2 * h if attention_flops else 0
     return {
-        "head": (sp.S.Zero, FP32 * (2 * b * s * h + s * h) + 8 * s),
-        "block": (24 * b * s * h**2 + attn, FP32 * (8 * b * s * h + 4 * b * s)),
-        "tail": (2 * b * s * h * V, FP32 * (2 * b * s * V + b * s * h + 2 * b * s) + 8),
+        "head": (sp.S.Zero, elt * (2 * b * s * h + s * h) + 8 * s),
+        "block": (24 * b * s * h**2 + attn, elt * (8 * b * s * h + 4 * b * s)),
+        "tail": (2 * b * s * h * V, elt * (2 * b * s * V + b * s * h + 2 * b * s + 2)),
     }
 
 
@@ -635,23 +638,49 @@ HW_SYMBOLS = sp.symbols("F_rate B_dev lat B_h2d B_d2h B_host", positive=True)
 bandwidth, per-copy latency, host->device and device->host bandwidth, host memory bandwidth."""
 
 
+_ELEMENT_BYTES = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}
+
+
 def gpt_stage_times(hw=None, h=h, s=s, b=b, V=V, *, dtype: str = "float32", attention_flops: bool = True,
-                    duplex_copies: bool = False) -> dict:
+                    duplex_copies: bool = False, rollback: bool = False) -> dict:
     """:class:`StageTimes` of the head, a block and the tail on a :class:`shfx.cost_model.hardware.Hardware`
     profile (``None``: the symbols :data:`HW_SYMBOLS`), with the analytic model's rules
     (:mod:`shfx.cost_model.analytic`):
 
     ``t_f = FLOPs / rate + 2 bytes / device_mem_bps``, ``t_b = 3 t_f`` (recompute, then twice the
-    work), ``t_pf = latency + 4 P_slot / h2d``, ``t_og = latency + 4 P_grad / d2h``,
+    work), ``t_pf = latency + e P_slot / h2d``, ``t_og = latency + e P_grad / d2h``,
     ``t_u = 28 P_own / host_mem_bps`` (AdamW reads p, g, m, v, writes p, m, v).
+
+    ``dtype``: the compute dtype: ``"float32"`` (``e = 4`` bytes per element; ``"tf32"``: fp32
+    storage at the TF32 matmul rate) or mixed precision, ``"bfloat16"``/``"float16"``: the
+    16-bit matmul rate, ``e = 2`` for the copies and the other ops' bytes, and
+    ``t_u = 40 P_own / host_mem_bps`` (:func:`shfx.cost_model.costs.host_update_bytes`: the
+    gradient's cast to fp32 and the working copy's refresh on top of AdamW). ``rollback``: the
+    update also pays the step journal's copy of the group,
+    :data:`shfx.cost_model.costs.ROLLBACK_COPY_RATIO` x the fp32 update (fp16's default).
+
+    >>> from shfx.cost_model.hardware import get_profile
+    >>> fp32 = gpt_stage_times(get_profile("A100-80GB-PCIe4"), 2048, 1024, 4, 50304)["block"]
+    >>> bf16 = gpt_stage_times(get_profile("A100-80GB-PCIe4"), 2048, 1024, 4, 50304, dtype="bfloat16")["block"]
+    >>> float(bf16.pf / fp32.pf) < 0.51, float(bf16.f / fp32.f) < 0.1
+    (True, True)
     """
-    work = gpt_stage_work(h, s, b, V, attention_flops=attention_flops)
+    from .costs import ROLLBACK_COPY_RATIO, host_update_bytes
+
+    try:
+        e = _ELEMENT_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(_ELEMENT_BYTES)}, got {dtype!r}") from None
+    work = gpt_stage_work(h, s, b, V, attention_flops=attention_flops, elt=e)
     counts = stage_param_counts(h, s, V)
     if hw is None:
         rate, mem, lat, h2d, d2h, host = HW_SYMBOLS
     else:
         rate, mem, lat = sp.Float(hw.matmul_flops(dtype)), sp.Float(hw.device_mem_bps), sp.Float(hw.link_latency_s)
         h2d, d2h, host = sp.Float(hw.h2d_bps), sp.Float(hw.d2h_bps), sp.Float(hw.host_mem_bps)
+    upd = 28 if e == 4 else host_update_bytes("bfloat16")
+    if rollback:
+        upd = upd + sp.Float(ROLLBACK_COPY_RATIO) * 28
     out = {}
     for kind in ("head", "block", "tail"):
         fl, by = work[kind]
@@ -660,24 +689,25 @@ def gpt_stage_times(hw=None, h=h, s=s, b=b, V=V, *, dtype: str = "float32", atte
         out[kind] = StageTimes(
             f=tf,
             b=3 * tf,
-            pf=lat + FP32 * pc["slot"] / h2d,
-            og=lat + FP32 * pc["grad"] / d2h,
-            u=28 * pc["own"] / host,
+            pf=lat + e * pc["slot"] / h2d,
+            og=lat + e * pc["grad"] / d2h,
+            u=upd * pc["own"] / host,
         )
     return out
 
 
 def step_time_gpt_hw(l=l, W=W, hw=None, h=h, s=s, b=b, V=V, *, attention_flops: bool = True, duplex=1,
-                     dtype: str = "float32"):
+                     dtype: str = "float32", rollback: bool = False):
     """:func:`step_time_gpt` with the stage times of :func:`gpt_stage_times` (FLOPs and bytes over a
-    hardware profile). ``duplex=hw.duplex`` gives the pessimistic coupled-link bound.
+    hardware profile, in ``dtype``, with ``rollback`` copies or not). ``duplex=hw.duplex`` gives
+    the pessimistic coupled-link bound.
 
     >>> from shfx.cost_model.hardware import get_profile
     >>> round(float(step_time_gpt_hw(32, 4, get_profile("V100-32GB-PCIe3"), 2048, 1024, 4, 50304,
     ...                              attention_flops=False)), 3)
     4.676
     """
-    st = gpt_stage_times(hw, h, s, b, V, dtype=dtype, attention_flops=attention_flops)
+    st = gpt_stage_times(hw, h, s, b, V, dtype=dtype, attention_flops=attention_flops, rollback=rollback)
     return step_time_gpt(l, W, st["head"], st["block"], st["tail"], duplex=duplex)
 
 

@@ -53,6 +53,9 @@ class Hardware:
     ssd_bytes: int = 0
 
     def matmul_flops(self, dtype: str = "float32") -> float:
+        """Achieved matmul FLOP/s in ``dtype`` (a key of :attr:`flops`; the short names
+        ``fp32``/``bf16``/``fp16`` are accepted for those three)."""
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
         try:
             return self.flops[dtype]
         except KeyError:
@@ -72,7 +75,9 @@ PROFILES: dict[str, Hardware] = {
     "V100-32GB-PCIe3": Hardware(
         name="V100-32GB-PCIe3",
         device_memory_bytes=32 * GiB,
-        flops={"float32": 12.5e12, "float16": 90e12},
+        # NOTE: Volta has no bf16 tensor cores; bf16 matmuls run on the CUDA cores at about the
+        # fp32 rate. fp16 (with loss scaling) is this card's 16-bit format.
+        flops={"float32": 12.5e12, "float16": 90e12, "bfloat16": 12.5e12},
         device_mem_bps=800 * GB,
         h2d_bps=12 * GB,
         d2h_bps=12 * GB,
@@ -87,7 +92,7 @@ PROFILES: dict[str, Hardware] = {
     "A100-80GB-PCIe4": Hardware(
         name="A100-80GB-PCIe4",
         device_memory_bytes=80 * GiB,
-        flops={"float32": 17e12, "tf32": 120e12, "bfloat16": 230e12},
+        flops={"float32": 17e12, "tf32": 120e12, "bfloat16": 230e12, "float16": 230e12},
         device_mem_bps=1800 * GB,
         h2d_bps=25 * GB,
         d2h_bps=25 * GB,
@@ -102,7 +107,7 @@ PROFILES: dict[str, Hardware] = {
     "H100-80GB-PCIe5": Hardware(
         name="H100-80GB-PCIe5",
         device_memory_bytes=80 * GiB,
-        flops={"float32": 48e12, "tf32": 350e12, "bfloat16": 650e12},
+        flops={"float32": 48e12, "tf32": 350e12, "bfloat16": 650e12, "float16": 650e12},
         device_mem_bps=2800 * GB,
         h2d_bps=55 * GB,
         d2h_bps=55 * GB,
@@ -117,7 +122,7 @@ PROFILES: dict[str, Hardware] = {
     "GH200": Hardware(
         name="GH200",
         device_memory_bytes=96 * GiB,
-        flops={"float32": 60e12, "tf32": 450e12, "bfloat16": 800e12},
+        flops={"float32": 60e12, "tf32": 450e12, "bfloat16": 800e12, "float16": 800e12},
         device_mem_bps=3500 * GB,
         h2d_bps=300 * GB,
         d2h_bps=300 * GB,

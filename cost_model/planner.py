@@ -38,7 +38,7 @@ from shfx.passes.ledger import DEVICE_TERMS, HOST_TERMS, SSD_TERMS, pool_sizes, 
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
-from .shapes import GPTShape
+from .shapes import GPTShape, normalize_precision, short_precision
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
@@ -65,6 +65,7 @@ emulated device."""
 ALIGN = 64  # shfx.passes.layout.ALIGN: every tensor in a host group and a slot starts on 64 bytes
 _GROUP_STATE_BYTES = 8  # AdamW m and v, fp32, per parameter
 _STAGING_BUFFERS = 2  # shfx.runtime.host_store.HostStore(staging_buffers=2)
+_STEP_BYTES = 4  # shfx.passes.ledger.STEP_BYTES: AdamW's step counter, copied with a group's states
 
 
 
@@ -343,14 +344,15 @@ def _layout(policy: str, layers: int, window: int, resident_first: int) -> _Layo
     return _Layout(runs, pers, pers)
 
 
-def _staging_buffers(grad_accum_steps: int, borrowed_to_host: bool, host_trainable: int) -> int:
+def _staging_buffers(grad_accum_steps: int, borrowed_to_host: bool, host_trainable: int, mixed: bool = False) -> int:
     """Host staging buffers the runtime allocates (``HostStore.acquire_staging``, each as large as
     the largest group): a gradient copy that is added rather than copied in needs one - the tied
     embedding's gradient from the tail, or every copy after the first under gradient
-    accumulation, when up to two are in flight."""
+    accumulation, when up to two are in flight; in mixed precision every copy (the 16-bit
+    gradient is cast into the fp32 host gradient from there), up to two in flight."""
     if not host_trainable:
         return 0
-    return _STAGING_BUFFERS if grad_accum_steps > 1 else int(borrowed_to_host)
+    return _STAGING_BUFFERS if grad_accum_steps > 1 or mixed else int(borrowed_to_host)
 
 
 def _resolve(target: Target, workspace_bytes: int | None, allocator_slack: float, working_set: bool | None):
@@ -387,6 +389,7 @@ def memory_model(
     attention_scores: bool = True,
     nvme: bool | None = None,
     grad_accum_steps: int = 1,
+    rollback: bool | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes per tier and term when ``policy`` trains ``family`` (at ``family.layers``) on
     ``hardware``.
@@ -413,6 +416,11 @@ def memory_model(
             when host RAM overflows and the target has an SSD. (The shfx runtime has no NVMe tier.)
         grad_accum_steps: with more than one, gradients are added on the host through up to two
             staging buffers (one otherwise, for the tied embedding's gradient from the tail).
+        rollback: count the step journal's copies (``shfx.compile(rollback=...)``, the host term
+            ``rollback copies``: per group its fp32 master, step counter and AdamW m and v, and
+            for a group updated on the device its weights in the slot too). Default: what
+            ``shfx.compile`` does at ``family.precision``: on for ``float16`` (the loss scaler
+            undoes the updates an overflowing step already ran), off otherwise.
 
     >>> m = memory_model("resident", GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304, layers=30), "V100-32GB-PCIe3")
     >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
@@ -425,9 +433,12 @@ def memory_model(
         raise TypeError(f"family must be a GPTShape, got {type(family).__name__}")
     if nvme is not None and not isinstance(nvme, bool):
         raise ValueError(f"nvme must be True, False or None, got {nvme!r}")
+    if rollback is not None and not isinstance(rollback, bool):
+        raise ValueError(f"rollback must be True, False or None (the precision's default), got {rollback!r}")
     tgt = as_target(hardware)
     workspace_bytes, allocator_slack, working_set = _resolve(tgt, workspace_bytes, allocator_slack, working_set)
     fam = family
+    rollback = fam.rollback_default if rollback is None else rollback
     L, h, a, s, b, V = fam.layers, fam.hidden, fam.heads, fam.seq, fam.batch, fam.vocab
     elt = fam.param_bytes
     # NOTE: l2l updates each stage on the device and copies it back (OP): in mixed precision the
@@ -436,6 +447,8 @@ def memory_model(
     size = _stage_bytes(fam, slot_elt)
     own32 = _stage_bytes(fam, 4)
     group32 = {"head": own32["head"], "block": own32["block"], "tail": own32["tail_own"]}
+    own16 = _stage_bytes(fam, elt)
+    group16 = {"head": own16["head"], "block": own16["block"], "tail": own16["tail_own"]}  # the working copy
     lay = _layout(policy, L, window, resident_first)
 
     # ---- device
@@ -451,7 +464,7 @@ def memory_model(
     states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
     A = b * s * h * elt  # one boundary activation [b, s, h]
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
-    out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (fp32 scalar) or the logits
+    out = elt if fam.loss_in_model else b * s * V * elt  # the loss (a scalar in the model's dtype) or the logits
     korthikanti = s * b * h * (34 + (5 * a * s / h if attention_scores else 0)) * elt / 2  # bytes per layer
     if fam.checkpointing:
         acts = inputs + (L + 1) * A + out  # the head's and every block's output, kept for the backward
@@ -482,20 +495,31 @@ def memory_model(
     host_groups = {k: (1 if k != "block" else L) - lay.device_groups[k] for k in ("head", "block", "tail")}
     if policy in ("resident", "l2l"):
         host_groups = {"head": 0, "block": 0, "tail": 0}
-    master = sum(group32[k] * c for k, c in {"head": 1, "block": L, "tail": 1}.items())
+    all_groups = {"head": 1, "block": L, "tail": 1}
+    master = sum(group32[k] * c for k, c in all_groups.items())
     host_trainable = sum(group32[k] * c for k, c in host_groups.items())
-    streamed = {"resident": 0, "l2l": 0}.get(policy)
-    if streamed is None:  # what is prefetched from the host: everything not persistent (zero-offload refreshes all)
-        streamed = master if policy == "zero-offload" else master - sum(group32[k] * c for k, c in lay.persistent.items())
+    # NOTE: in mixed precision the host store keeps every group's image (what a PREFETCH sends:
+    # the parameters in the working dtype) beside its fp32 master, persistent stages' included
+    # (loaded once, refreshed from the master after their host update); l2l's slot carries the
+    # fp32 master it updates on the device (see above), so it needs no 16-bit image.
+    working = sum(group16[k] * c for k, c in all_groups.items()) if fam.mixed and policy != "l2l" else 0
     largest_group = max(group32.values())
+    rollback_bytes = 0
+    if rollback:  # shfx.passes.ledger.host_terms(rollback=True): master, step, m, v; + slot weights on the device
+        slot_group = {"head": size["head"], "block": size["block"], "tail": size["tail_own"]}
+        rollback_bytes = sum((3 * group32[k] + _STEP_BYTES) * c for k, c in all_groups.items())
+        rollback_bytes += sum(slot_group[k] * c for k, c in lay.device_groups.items())
     host = {
         "master parameters (fp32)": master,
         "gradients (fp32)": host_trainable,
         "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * host_trainable,
-        "working copy (16-bit)": streamed // 2 if fam.mixed else 0,
-        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, bool(host_groups["head"]), host_trainable) * largest_group,
-        "pending tied gradient": 4 * V * h if host_groups["head"] else 0,
-        "rollback copies": 0,  # plans assume shfx.compile's default, rollback off
+        "working copy (16-bit)": working,
+        "gradient staging (pinned)": _staging_buffers(grad_accum_steps, bool(host_groups["head"]), host_trainable, fam.mixed)
+        * largest_group,
+        # the tail's gradient of the tied embedding, in the device's dtype (summed with the
+        # head's in 16-bit, then cast, as autograd does on a 16-bit model)
+        "pending tied gradient": elt * V * h if host_groups["head"] else 0,
+        "rollback copies": rollback_bytes,
     }
     ssd: dict[str, int] = {}
     if policy == "zero-infinity":
@@ -514,6 +538,7 @@ def memory_model(
         "working_set": working_set,
         "attention_scores": attention_scores,
         "grad_accum_steps": grad_accum_steps,
+        "rollback": rollback,
     }
     return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
 
@@ -760,6 +785,8 @@ def memory_for_model(
     allocator_slack: float = 0.0,
     grad_accum_steps: int = 1,
     graph: Any = None,
+    precision: str = "float32",
+    rollback: bool | None = None,
 ) -> MemoryBreakdown:
     """The memory model of any model shfx can capture, from its real stages and step program.
 
@@ -771,21 +798,27 @@ def memory_for_model(
     their gradients and pre-forward buffer copies replayed in program order. Exact on the
     emulated device for every model; on a real GPU the working set of a stage is not known here
     (pass it in ``workspace_bytes``). ``graph``: a :class:`shfx.passes.partition.StageGraph` already
-    partitioned (skips the capture).
+    partitioned (skips the capture; it is taken in the precision it was partitioned for).
+    ``precision``: what ``shfx.compile(precision=...)`` trains in (``fp32``, ``bf16``, ``fp16``
+    or the long names); ``rollback``: count the step journal's copies (default: as
+    ``shfx.compile`` does, on for fp16).
     """
     from shfx.passes.pipeline import PipelineOptions, build_programs, compile_variant
 
     pol = _any_policy(policy, window, resident_first)
     tgt = as_target(hardware)
     workspace_bytes, allocator_slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
+    precision = normalize_precision(precision)
+    rollback = precision == "float16" if rollback is None else bool(rollback)
     if graph is None:
-        variant = compile_variant(model, tuple(example_inputs), {}, PipelineOptions(policy=pol, blocks=blocks, verify=False))
+        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision))
+        variant = compile_variant(model, tuple(example_inputs), {}, opts)
         graph, progs = variant.graph, variant.programs
     else:
         progs = build_programs(graph.specs, pol, verify=False)
     led = replay(
         progs[0], programs=progs, group_bytes=[g.host_master_bytes for g in graph.groups],
-        working_bytes=[g.working_bytes for g in graph.groups], grad_accum_steps=grad_accum_steps,
+        working_bytes=[g.working_bytes for g in graph.groups], grad_accum_steps=grad_accum_steps, rollback=rollback,
     )  # fmt: skip
     device = dict.fromkeys(DEVICE_TERMS, 0)
     device.update({k: v for k, v in led.terms_at_peak("device").items() if v})
@@ -797,7 +830,7 @@ def memory_for_model(
     name = type(model).__name__ if model is not None else "model"
     settings = {"window": getattr(pol, "window", None), "resident_first": getattr(pol, "resident_first", 0),
                 "workspace_bytes": workspace_bytes, "allocator_slack": allocator_slack, "working_set": False,
-                "stages": len(graph.stages)}
+                "stages": len(graph.stages), "precision": precision, "rollback": rollback}
     return MemoryBreakdown(pol.name, None, device, host, {}, tgt, slot_sizes, grad_sizes, settings, name=name)
 
 
@@ -812,22 +845,30 @@ def plan_for_model(
     blocks: Any = None,
     workspace_bytes: int | None = None,
     allocator_slack: float = 0.0,
+    precision: str = "float32",
+    rollback: bool | None = None,
 ) -> Plan:
     """Does ``model`` (at its own size) fit with each policy? One capture, then
     :func:`memory_for_model` per policy; each row's ``layers`` is the number of stages if it
-    fits, else 0, and its binding the tightest tier and term."""
+    fits, else 0, and its binding the tightest tier and term. ``precision``, ``rollback``: as
+    :func:`memory_for_model`."""
     from shfx.passes.pipeline import PipelineOptions, compile_variant
 
     policies = policy_names() if policies is None else (policies,) if isinstance(policies, (str, Policy)) else policies
     pols = [_any_policy(p, window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else p for p in policies]
     tgt = as_target(hardware)
-    graph = compile_variant(model, tuple(example_inputs), {}, PipelineOptions(policy=pols[0], blocks=blocks, verify=False)).graph
+    precision = normalize_precision(precision)
+    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, precision=short_precision(precision))
+    graph = compile_variant(model, tuple(example_inputs), {}, opts).graph
     n_params = sum(
         info.numel for k, info in graph.tensors.items() if info.kind == "param" and info.trainable
     )
     rows = []
     for p in pols:
-        bd = memory_for_model(p, model, example_inputs, tgt, workspace_bytes=workspace_bytes, allocator_slack=allocator_slack, graph=graph)
+        bd = memory_for_model(
+            p, model, example_inputs, tgt, workspace_bytes=workspace_bytes, allocator_slack=allocator_slack, graph=graph,
+            precision=precision, rollback=rollback,
+        )  # fmt: skip
         ok = bd.fits(tgt)
         rows.append(PlanRow(p.name, len(graph.stages) if ok else 0, n_params if ok else 0, bd, bd.binding(tgt)))
     ws, slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)

@@ -13,12 +13,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["GPTShape", "PRECISIONS"]
+__all__ = ["GPTShape", "PRECISIONS", "PRECISION_NAMES", "normalize_precision", "short_precision"]
 
 PRECISIONS = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Compute dtype of the parameters on the device -> bytes per element. ``bfloat16``/``float16``
-model mixed precision (16-bit working copy on the device, fp32 master and states); the shfx
-runtime itself trains fp32 only."""
+model mixed precision (16-bit working copy and gradients on the device, fp32 master weights,
+gradients and AdamW states on the host)."""
+
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PRECISION_NAMES = tuple(_SHORT.values()) + tuple(_SHORT)
+"""Every name a precision is accepted by: ``fp32 bf16 fp16`` (what ``shfx.compile(precision=)``
+takes) and the long names ``float32 bfloat16 float16`` (the keys of :data:`PRECISIONS`)."""
+
+
+def normalize_precision(precision: str) -> str:
+    """The long name (a key of :data:`PRECISIONS`) of any accepted precision name, in one
+    direction everywhere: the planner, the cost models and :class:`GPTShape` use the long
+    names; :func:`short_precision` gives what ``shfx.compile(precision=)`` takes.
+
+    >>> normalize_precision("bf16"), normalize_precision("float16")
+    ('bfloat16', 'float16')
+    """
+    if isinstance(precision, str):
+        key = precision.strip().lower()
+        for long, short in _SHORT.items():
+            if key in (long, short):
+                return long
+    raise ValueError(f"precision must be one of {', '.join(PRECISION_NAMES)}, got {precision!r}")
+
+
+def short_precision(precision: str) -> str:
+    """``"bfloat16"`` (or ``"bf16"``) -> ``"bf16"``: the name ``shfx.compile(precision=)`` takes.
+
+    >>> short_precision("float32")
+    'fp32'
+    """
+    return _SHORT[normalize_precision(precision)]
 
 
 def _positive_int(name: str, v: object) -> int:
@@ -39,10 +69,11 @@ class GPTShape:
         batch: sequences per micro-batch.
         dropout, bias, tie_weights, mask_buffer: the model's options (``mask_buffer``: an
             explicit causal-mask buffer instead of ``is_causal``, as older GPT code does).
-        precision: compute dtype of the parameters on the device as the planner models it:
-            ``"float32"``, or ``"bfloat16"``/``"float16"`` (mixed precision: 16-bit parameters,
-            gradients and activations on the device, fp32 master and AdamW states). The shfx
-            runtime trains fp32 only; 16-bit rows are a model of what peers do.
+        precision: compute dtype of the parameters on the device: ``"float32"``, or
+            ``"bfloat16"``/``"float16"`` (mixed precision: 16-bit parameters, gradients and
+            activations on the device, fp32 master weights, gradients and AdamW states on the
+            host, as ``shfx.compile(precision=...)`` trains). The short names ``fp32``, ``bf16``,
+            ``fp16`` are accepted and stored as the long ones (:func:`normalize_precision`).
         checkpointing: keep only stage-boundary activations (what shfx does); ``False`` keeps
             every layer's activations (Korthikanti et al.'s ``s b h (34 + 5 a s / h)``).
         loss_in_model: the model is called as ``model(idx, targets)`` and returns the scalar
@@ -68,8 +99,12 @@ class GPTShape:
             _positive_int(f"GPTShape.{name}", getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(f"GPTShape.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"GPTShape.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        try:
+            object.__setattr__(self, "precision", normalize_precision(self.precision))
+        except ValueError:
+            raise ValueError(
+                f"GPTShape.precision must be one of {', '.join(PRECISION_NAMES)}, got {self.precision!r}"
+            ) from None
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTShape.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -83,7 +118,15 @@ class GPTShape:
 
     @property
     def mixed(self) -> bool:
+        """16-bit on the device, fp32 master on the host."""
         return self.precision != "float32"
+
+    @property
+    def rollback_default(self) -> bool:
+        """Whether ``shfx.compile`` keeps the step journal's rollback copies by default at this
+        precision: on for fp16 (an overflow found by the loss scaler undoes the updates that
+        already ran during the backward), off otherwise."""
+        return self.precision == "float16"
 
     @property
     def params_per_layer(self) -> int:

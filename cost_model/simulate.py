@@ -21,7 +21,9 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   no earlier than the end of the forward phase (``phase_barrier=True``, the default).
 - **Durations.** FORWARD: ``forward_s``. BACKWARD: ``backward_no_recompute_s`` when the stage's
   FORWARD before it in this program kept its graph (``meta.keep_graph``), else ``backward_s``.
-  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g``; DEVICE_STEP
+  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g`` (with
+  ``rollback``, plus the step journal's copy of the group before it, on the same worker:
+  :meth:`shfx.cost_model.costs.StageCost.rollback_copy_s`); DEVICE_STEP
   ``DU g`` (on the compute stream): its ``device_update_s``. OFFLOAD_PARAMS (``OP``) is a d2h
   copy of the owner's updated parameters; a refreshing PREFETCH of a persistent stage is an
   h2d copy like any other (it does not count as a new resident stage). Copies move
@@ -75,6 +77,8 @@ What it does NOT model:
   host group region: modelled as one copy of ``meta.bytes``), and copy/compute interference on
   a real GPU's memory bandwidth.
 - ``meta.cost_s`` annotations: durations always come from ``costs``.
+- The rollback copy of a group updated on the device (its slot weights and states copied to
+  the host before a DEVICE_STEP): with ``rollback`` only host updates pay for their copies.
 
 >>> from shfx.passes.stages import chain
 >>> from shfx.passes.schedule import schedule_window
@@ -101,7 +105,7 @@ from shfx.passes.program import B, F, PF, R, ActionKind, ActionMeta, Program
 from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
 
-from .costs import CostModel, Links, StageCost
+from .costs import ROLLBACK_COPY_RATIO, CostModel, Links, StageCost
 from .trace import Event
 
 __all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER"]
@@ -355,8 +359,10 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
                 f"the cost model has no cost for stage {spec.index} ({spec.name!r}) of program {program.name!r} "
                 f"({len(program.stages)} stages): {e}"
             ) from None
-        for f in ("forward_s", "backward_s", "backward_no_recompute_s", "update_s", "accumulate_s", "device_update_s"):
+        for f in ("forward_s", "backward_s", "backward_no_recompute_s", "update_s", "accumulate_s", "device_update_s",
+                  "rollback_s"):
             v = getattr(c, f, 0.0)
+            v = 0.0 if v is None else v
             if not (v >= 0 and math.isfinite(v)):
                 raise SimulationError(f"stage {spec.index} ({spec.name!r}) has {f}={v!r}; costs must be finite and >= 0")
         table[spec.index] = c
@@ -365,9 +371,11 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
 
 class _Sim:
     def __init__(
-        self, program: Program, costs: CostModel, accumulate: bool, phase_barrier: bool, extra: dict[int, float] | None = None
+        self, program: Program, costs: CostModel, accumulate: bool, phase_barrier: bool, extra: dict[int, float] | None = None,
+        rollback: float | None = None,
     ):
         self.program = program
+        self.rollback = rollback  # None: no rollback copies; else the ratio for stages without rollback_s
         self.extra = extra or {}  # node index -> seconds added to a compute action (CPU sharing)
         self.table, self.links, self.workers = _check_costs(program, costs)
         self.cold_idle_s = getattr(costs, "cold_idle_s", None)
@@ -411,6 +419,8 @@ class _Sim:
                     )
                 info = KINDS[k]
                 add = self.extra.get(nd.i, 0.0) if info.stream == "compute" else 0.0
+                if self.rollback is not None and info.stream == "cpu":  # the journal's copy, then the update
+                    add += owner[s].rollback_copy_s(self.rollback)
                 nd.dur = getattr(owner[s], info.cost, 0.0) + self.dispatch_s + add
                 continue
             if s not in self.table:
@@ -801,7 +811,7 @@ class _Sim:
         return [events[i] for i in path], by
 
 
-def _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k):
+def _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k, rollback=None):
     """Stretch each compute action by ``k`` x the host CPU work that overlaps it (the memcpy
     part of copies at ``costs.memcpy_bps``, host updates, gradient adds), to a fixed point.
 
@@ -829,13 +839,26 @@ def _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k)
         if all(abs(new.get(i, 0.0) - extra.get(i, 0.0)) < 1e-7 for i in set(new) | set(extra)):
             break
         extra = new
-        sim = _Sim(program, costs, accumulate, phase_barrier, extra)
+        sim = _Sim(program, costs, accumulate, phase_barrier, extra, rollback)
         sim.run()
         events = sim.events()
     return sim, events
 
 
-def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, phase_barrier: bool = True) -> Timeline:
+def _rollback_ratio(rollback: bool | float) -> float | None:
+    """``simulate``'s ``rollback`` as the ratio for stages without ``rollback_s`` (None: off)."""
+    if isinstance(rollback, bool):
+        return ROLLBACK_COPY_RATIO if rollback else None
+    if not isinstance(rollback, (int, float)) or not (rollback >= 0 and math.isfinite(rollback)):
+        raise SimulationError(
+            f"rollback must be True, False or a ratio >= 0 of the update time, got {rollback!r}"
+        )
+    return float(rollback)
+
+
+def simulate(
+    program: Program, costs: CostModel, *, accumulate: bool = False, phase_barrier: bool = True, rollback: bool | float = False
+) -> Timeline:
     """Simulate one step of ``program`` with ``costs`` (see the module docstring for the model).
 
     Args:
@@ -847,6 +870,11 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
             ``accumulate_s`` on the host FIFO); False: the first backward after ``zero_grad``.
         phase_barrier: backward-phase actions wait until every forward-phase action is done,
             as the runtime issues the backward only after the forward returned.
+        rollback: the step journal keeps a rollback copy of each group before its host update
+            (``shfx.compile(rollback=True)``, the default in fp16): each CPU_STEP also pays its
+            stage's ``rollback_s``, or, for a stage without one, a ratio of its ``update_s``:
+            :data:`shfx.cost_model.costs.ROLLBACK_COPY_RATIO` with ``True``, the number given
+            with a float (e.g. one measured by ``benchmarks/rollback.py``).
 
     Raises:
         SimulationError: the cost model lacks stages of the program, has negative or
@@ -861,12 +889,13 @@ def simulate(program: Program, costs: CostModel, *, accumulate: bool = False, ph
     [('PF0', 0.0, 1.0), ('F0', 1.0, 2.0), ('B0', 2.0, 4.0), ('OG0', 4.0, 4.5), ('U0', 4.5, 5.0),
      ('R0', 4.5, 4.5)]
     """
-    sim = _Sim(program, costs, accumulate, phase_barrier)
+    ratio = _rollback_ratio(rollback)
+    sim = _Sim(program, costs, accumulate, phase_barrier, rollback=ratio)
     sim.run()
     events = sim.events()
     k = float(getattr(costs, "cpu_contention", 0.0) or 0.0)
     if k > 0:
-        sim, events = _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k)
+        sim, events = _with_cpu_sharing(program, costs, accumulate, phase_barrier, sim, events, k, ratio)
     step_s = max((e.end for e in events), default=0.0)
     busy, util = sim.busy(step_s)
     led, memory = sim.memory(step_s)

@@ -241,6 +241,7 @@ def tune_window(
     policy: Policy | Callable[[Sequence[StageSpec], int], Program] = Stronghold(window="auto"),
     windows: Sequence[int] | None = None,
     resident_first: Sequence[int] | None = None,
+    rollback: bool | float = False,
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -259,6 +260,9 @@ def tune_window(
             it is a number).
         resident_first: the k to try for :class:`~shfx.passes.policies.Stronghold` (default: all
             when the policy's is ``"auto"``, else its own); windows then run over 1..(stages - k).
+        rollback: the host updates also pay the step journal's rollback copies
+            (:func:`~shfx.cost_model.simulate.simulate`'s ``rollback``; ``shfx.compile`` keeps
+            them in fp16 and with ``rollback=True``).
 
     Raises:
         NoWindowFits: when no window fits the budget.
@@ -293,7 +297,7 @@ def tune_window(
     rows = []
     for k, w in pairs:
         concrete = pol.replace(window=w, **({"resident_first": k} if has_k else {}))
-        tl = simulate(concrete.program(specs), costs)
+        tl = simulate(concrete.program(specs), costs, rollback=rollback)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
         rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k, concrete))

@@ -12,8 +12,11 @@ formulas of :mod:`shfx.cost_model.formulas`.
 Prints (i) iteration time vs layers at a fixed window, (ii) iteration time vs window at a fixed
 size (also over a pageable-memory link, where the window matters more), (iii) the largest
 trainable layer count and the smallest hiding window, each cross-checked with the simulator,
-and (iv) where the memory model spends bytes it need not. Writes CSVs under examples/out/ (and
-PNG plots if matplotlib is installed).
+(iv) where the memory model spends bytes it need not, and (v) mixed precision on every hardware
+profile: fp32, bf16 and fp16 (with the step journal's rollback copies, as ``shfx.compile``
+keeps them in fp16) side by side: the largest model per policy (the capacity planner), the
+simulated stronghold step and the bytes it moves over the link. Writes CSVs under examples/out/
+(and PNG plots if matplotlib is installed). ``--only-precision`` prints (v) alone.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ import torch
 from shfx.cost_model import formulas as fm
 from shfx.cost_model.analytic import links_of
 from shfx.cost_model.depth import DepthModel
-from shfx.cost_model.hardware import get_profile
+from shfx.cost_model.hardware import PROFILES, get_profile
+from shfx.cost_model.planner import plan
+from shfx.cost_model.shapes import short_precision
+from shfx.cost_model.simulate import simulate
 from shfx.models.gpt import GPT, GPTShape
+from shfx.passes.policies import policy_names, policy_program
 
 H, A, S, B, V = 2048, 16, 1024, 4, 50304
 PROFILE = "V100-32GB-PCIe3"
@@ -50,9 +57,49 @@ def inputs() -> tuple:
     return idx, idx
 
 
-def Model(hw) -> DepthModel:
-    """Specs and costs for any layer count from one capture (plan_inputs + repeat_blocks)."""
-    return DepthModel(build, inputs, blocks="transformer.h", hardware=hw)
+def Model(hw, precision: str = "float32") -> DepthModel:
+    """Specs and costs for any layer count from one capture (plan_inputs + repeat_blocks), in
+    ``precision`` (fp16: its simulated steps pay the step journal's rollback copies)."""
+    return DepthModel(build, inputs, blocks="transformer.h", hardware=hw, precision=precision)
+
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+def precision_study() -> list[list]:
+    """(v) fp32, bf16 and fp16 on every hardware profile: the largest model per policy, and at
+    FIXED_LAYERS the simulated stronghold step (W=WINDOW) and the bytes it moves each way."""
+    policies = policy_names()
+    rows = []
+    for name in PROFILES:
+        hw = get_profile(name)
+        for prec in PRECISIONS:
+            family = GPTShape(vocab=V, seq=S, heads=A, hidden=H, batch=B, precision=prec)
+            largest = {r.policy: r for r in plan(family, hw).rows}
+            specs, costs = Model(hw, prec).at(FIXED_LAYERS)
+            prog = policy_program("stronghold", specs, WINDOW, 0)
+            tl = simulate(prog, costs, rollback=family.rollback_default)
+            moved = prog.bytes_moved()
+            host = tl.by_resource.get("host optimizer", 0.0) / tl.step_s
+            rows.append([
+                name, short_precision(prec) + ("+rb" if family.rollback_default else ""), f"{hw.matmul_flops(prec) / 1e12:g}",
+                *(largest[p].layers for p in policies), largest["stronghold"].binding,
+                f"{tl.step_s:.3f}", tl.bottleneck, round(100 * host), f"{moved['h2d'] / GiB:.1f}", f"{moved['d2h'] / GiB:.1f}",
+            ])
+    return rows
+
+
+def print_precision_study() -> list[list]:
+    rows = precision_study()
+    hdr = ["profile", "precision", "TFLOP/s", *(f"largest {p}" for p in policy_names()), "stronghold limited by",
+           f"step s ({FIXED_LAYERS}L W={WINDOW})", "bound", "host opt %", "h2d GiB", "d2h GiB"]
+    print(fmt_table(hdr, rows, f"(v) Mixed precision on each profile: largest layers per policy (window 2, the planner's "
+                               f"default), and one stronghold step at {FIXED_LAYERS} layers, W={WINDOW} "
+                               "(fp16+rb: with the step journal's rollback copies, fp16's default)"))
+    print("  bf16/fp16: 16-bit working copy and gradients on the device, fp32 master, gradients and AdamW m, v on the host "
+          "(plus the 16-bit image prefetches send); V100 runs bf16 matmuls at its fp32 rate (no bf16 tensor cores).")
+    write_csv("reference_precision.csv", hdr, rows)
+    return rows
 
 
 def fmt_table(headers: list[str], rows: list[list], title: str) -> str:
@@ -107,8 +154,17 @@ def print_formulas() -> None:
     print()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only-precision", action="store_true", help="print (v), mixed precision per profile, only")
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.only_precision:
+        print_precision_study()
+        print(f"\nCSV files in {OUT}; {time.perf_counter() - t0:.1f} s")
+        return
     hw = get_profile(PROFILE)
     print(hw.describe())
     print(f"GPT h={H} heads={A} seq={S} batch={B} vocab={V}, fp32; host RAM {HOST_BYTES_GB / GB:.0f} GB\n")
@@ -279,6 +335,10 @@ def main() -> None:
           f"l={fitg.by_constraint['device']}: at l={fitg.layers} the GPU holds {dev_at / GiB:.1f} of "
           f"{hw.device_memory_bytes / GiB:.0f} GiB ({100 * dev_at / hw.device_memory_bytes:.0f}%); the optimizer states "
           f"(8 B/param) are {8 * fm.evaluate(fm.params_total(), l=fitg.layers, h=H, s=S, V=V) / GB:.0f} GB of the host's 90")
+    print()
+
+    # ---- (v) mixed precision on every profile ----------------------------------------------------
+    print_precision_study()
 
     # ---- plots -----------------------------------------------------------------------------------
     try:

@@ -57,6 +57,29 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _precision_arg(text: str) -> str:
+    """``fp32|bf16|fp16`` (or ``float32|bfloat16|float16``) -> the long name (one way, everywhere:
+    :func:`shfx.cost_model.shapes.normalize_precision`)."""
+    from shfx.cost_model.shapes import normalize_precision
+
+    try:
+        return normalize_precision(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_PRECISION_HELP = (
+    "fp32, or mixed precision bf16/fp16 (16-bit working copy and gradients on the device, fp32 master and AdamW "
+    "states on the host; fp16 with loss scaling and the step journal's rollback copies); float32/bfloat16/float16 "
+    "also accepted"
+)
+
+
+def _add_precision_arg(p: argparse.ArgumentParser, run_note: str = "") -> None:
+    p.add_argument("--precision", type=_precision_arg, default="float32", metavar="{fp32,bf16,fp16}",
+                   help=_PRECISION_HELP + run_note)
+
+
 def _bandwidth_arg(text: str) -> str:
     from shfx.passes.units import parse_bandwidth
 
@@ -111,6 +134,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-batches", type=_positive_int, default=d.eval_batches, help="batches per validation loss")
     p.add_argument("--log-interval", type=_positive_int, default=None, help="steps between log lines (default: ~15 lines)")
     p.add_argument("--data-bytes", type=_bytes_arg, default=d.max_bytes, help="bytes of standard-library source to read")
+    _add_precision_arg(p, " (shfx.compile(precision=...))")
     p.set_defaults(func=_run_demo)
 
 
@@ -135,6 +159,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         eval_batches=args.eval_batches,
         log_interval=args.log_interval,
         max_bytes=args.data_bytes,
+        precision=args.precision,
     )
     return 0 if result.losses else 1
 
@@ -158,6 +183,7 @@ def _add_gpt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_positive_int, default=128)
     p.add_argument("--batch", type=_positive_int, default=4)
     p.add_argument("--vocab", type=_positive_int, default=256)
+    _add_precision_arg(p, "; predicted with --hardware, else run with shfx.compile(precision=...)")
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
@@ -333,7 +359,6 @@ def _fraction_arg(text: str) -> float:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     from shfx.cost_model.hardware import PROFILES
-    from shfx.cost_model.shapes import PRECISIONS
     from shfx.passes.policies import policy_names
 
     p = sub.add_parser(
@@ -353,8 +378,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=_positive_int, default=1024)
     p.add_argument("--batch", type=_positive_int, default=4)
     p.add_argument("--vocab", type=_positive_int, default=50304)
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="float32",
-                   help="device compute dtype (16-bit: mixed precision, modelled; the runtime trains fp32)")
+    _add_precision_arg(p)
     p.add_argument("--hardware", choices=sorted(PROFILES), default=None,
                    help="hardware profile (default V100-32GB-PCIe3 unless --device-memory is given)")
     p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device memory, e.g. '32GiB' (overrides the profile's)")

@@ -154,6 +154,7 @@ class CompareResult:
     steps: int = 0
     warmup: int = 0
     notes: list[str] = field(default_factory=list)
+    precision: str = "float32"
 
     def row(self, name: str) -> PolicyResult:
         """The row of a policy, by label or policy name (the first match)."""
@@ -325,14 +326,16 @@ def _predict(
     *,
     capacity_bytes: int | None,
     host_capacity_bytes: int | None,
+    rollback: bool = False,
 ) -> Predicted:
-    """Simulate ``program`` with ``costs``; ``memory`` is its :class:`shfx.cost_model.planner.MemoryBreakdown`."""
+    """Simulate ``program`` with ``costs`` (``rollback``: with the step journal's copies);
+    ``memory`` is its :class:`shfx.cost_model.planner.MemoryBreakdown`."""
     from shfx.cost_model.simulate import simulate
 
     moved = program.bytes_moved()
     step_s = bottleneck = peak = error = None
     try:
-        tl = simulate(program, costs)
+        tl = simulate(program, costs, rollback=rollback)
         step_s, bottleneck, peak = tl.step_s, tl.bottleneck, tl.peak_device_bytes
     except Exception as e:  # noqa: BLE001 - a policy the simulator cannot run still gets its memory and traffic
         error = f"{type(e).__name__}: {e}"
@@ -490,7 +493,10 @@ def compare(
     """Compare the policies on one GPT: predicted everywhere, measured where it runs.
 
     Args:
-        shape: the GPT and its batch (:class:`shfx.GPTShape`; ``shfx.models.GPT``, tied embedding).
+        shape: the GPT and its batch (:class:`shfx.GPTShape`; ``shfx.models.GPT``, tied embedding),
+            and its ``precision``: fp32, or bf16/fp16 mixed precision (predicted with 16-bit
+            copies and rates, fp16 with the step journal's rollback copies; run with
+            ``shfx.compile(precision=...)``).
         policies: policy names or ``shfx.Policy`` objects, in table order (default: every
             registered policy, :func:`shfx.passes.policies.policy_names`).
         window: stronghold's window (int), or ``"auto"``: the tuner's choice from the predicted
@@ -521,7 +527,9 @@ def compare(
     import torch
 
     from shfx.cost_model.planner import Target, as_target, memory_for_model, memory_model
-    from shfx.cost_model.shapes import GPTShape
+    from shfx.cost_model.shapes import GPTShape, short_precision
+
+    from .commands import precision_kwargs
     from shfx.passes.schedule import check_window
 
     from .devices import EmulatedDevice
@@ -545,6 +553,9 @@ def compare(
         f"GPT {shape.layers} layers, hidden {shape.hidden}, heads {shape.heads}, seq {shape.seq}, batch {shape.batch}, "
         f"vocab {shape.vocab}"
     )
+    rollback = shape.rollback_default
+    if shape.mixed:
+        model_name += f", {short_precision(shape.precision)}" + (" (rollback copies)" if rollback else "")
 
     def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -566,6 +577,7 @@ def compare(
         def memory(policy: Any) -> Any:
             return memory_model(policy, shape, hw)
     else:
+        compile_kw = precision_kwargs(shape.precision)
         device_obj = _resolve_device(device)
         params = cfg.num_params()
         avail = _available_host_bytes()
@@ -578,7 +590,7 @@ def compare(
         if measure and interleave and avail is not None and need * len(policies) > avail:
             interleave = False
             notes.append("policies ran one after the other: their models do not fit in host memory together")
-        graph, costs = _profile(device_obj, cfg, make_inputs, lr, seed)
+        graph, costs = _profile(device_obj, cfg, make_inputs, lr, seed, compile_kw)
         specs = graph.specs
         capacity = device_obj.memory_bytes
         if capacity is None:  # a CudaDevice without a budget: the card's memory
@@ -588,24 +600,33 @@ def compare(
         target = as_target(device_obj) if isinstance(device_obj, EmulatedDevice) else Target(where, capacity)
 
         def memory(policy: Any) -> Any:
-            return memory_for_model(policy, None, (), target, graph=graph)
+            return memory_for_model(policy, None, (), target, graph=graph, precision=shape.precision)
 
     rows: list[PolicyResult] = []
     programs: dict[str, Any] = {}
+    on_device: list[str] = []  # 16-bit: policies updating on the device, which shfx.compile does not run yet
     for pol in configured:
         if pol.auto:
-            pol, why = _auto_window(specs, costs, pol, capacity)
+            pol, why = _auto_window(specs, costs, pol, capacity, rollback)
             if why:
                 notes.append(f"{pol.name}: {why}")
         program = pol.program(specs)
         row = PolicyResult(pol.name, _label(pol, program), program.num_slots)
         row.predicted = _predict(
-            program, costs, memory(pol), capacity_bytes=capacity, host_capacity_bytes=host_capacity
+            program, costs, memory(pol), capacity_bytes=capacity, host_capacity_bytes=host_capacity, rollback=rollback
         )
         rows.append(row)
         programs[row.label] = pol
+        if shape.mixed and program.device_groups():
+            on_device.append(row.label)
+    if on_device:
+        notes.append(
+            f"{', '.join(on_device)}: update{'s' if len(on_device) == 1 else ''} parameter groups on the device, which "
+            f"shfx.compile(precision={short_precision(shape.precision)!r}) does not run yet: predicted only"
+        )
     if measure:
-        _measure(rows, programs, device_obj, cfg, make_inputs, lr, seed, steps, warmup, interleave)
+        runnable = [r for r in rows if r.label not in on_device]
+        _measure(runnable, programs, device_obj, cfg, make_inputs, lr, seed, steps, warmup, interleave, compile_kw)
     return CompareResult(
         model=model_name,
         params=params,
@@ -618,21 +639,22 @@ def compare(
         steps=steps if measure else 0,
         warmup=warmup if measure else 0,
         notes=notes,
+        precision=shape.precision,
     )
 
 
-def _auto_window(specs, costs, policy, capacity) -> tuple[Any, str]:
+def _auto_window(specs, costs, policy, capacity, rollback: bool = False) -> tuple[Any, str]:
     """The tuner's choice for ``policy``'s ``"auto"`` fields from the predicted costs."""
     from shfx.cost_model.tune import NoWindowFits, tune_window
 
     try:
-        t = tune_window(specs, costs, capacity_bytes=capacity, policy=policy)
+        t = tune_window(specs, costs, capacity_bytes=capacity, policy=policy, rollback=rollback)
     except NoWindowFits:
         return policy.replace(window=1, **({"resident_first": 0} if policy.resident_first == "auto" else {})), "no window fits the device; showing W=1"
     return t.policy, f"window {t.window} chosen by the tuner"
 
 
-def _profile(device: Any, cfg: Any, make_inputs: Callable, lr: float, seed: int) -> tuple[Any, Any]:
+def _profile(device: Any, cfg: Any, make_inputs: Callable, lr: float, seed: int, compile_kw: dict | None = None) -> tuple[Any, Any]:
     """The partitioned GPT (a ``StageGraph``) and its costs profiled on ``device`` without its
     memory budget (costs do not depend on the policy, and a policy that does not fit is still
     predicted)."""
@@ -644,7 +666,8 @@ def _profile(device: Any, cfg: Any, make_inputs: Callable, lr: float, seed: int)
     from .profiler import profile_costs
 
     torch.manual_seed(seed)
-    cm = shfx.compile(GPT(cfg), device=_unbudgeted(device), policy=shfx.Stronghold(window=2), optimizer=shfx.optim.AdamW(lr=lr))
+    cm = shfx.compile(GPT(cfg), device=_unbudgeted(device), policy=shfx.Stronghold(window=2), optimizer=shfx.optim.AdamW(lr=lr),
+                      **(compile_kw or {}))  # fmt: skip
     try:
         x, y = make_inputs()
         cm(x, y).backward()
@@ -657,7 +680,7 @@ def _profile(device: Any, cfg: Any, make_inputs: Callable, lr: float, seed: int)
     return graph, costs
 
 
-def _measure(rows, programs, device, cfg, make_inputs, lr, seed, steps, warmup, interleave) -> None:
+def _measure(rows, programs, device, cfg, make_inputs, lr, seed, steps, warmup, interleave, compile_kw=None) -> None:
     import gc
 
     import torch
@@ -672,7 +695,8 @@ def _measure(rows, programs, device, cfg, make_inputs, lr, seed, steps, warmup, 
     def start(row: PolicyResult) -> _Run | None:
         torch.manual_seed(seed)
         try:
-            cm = shfx.compile(GPT(cfg), device=device, policy=programs[row.label], optimizer=shfx.optim.AdamW(lr=lr))
+            cm = shfx.compile(GPT(cfg), device=device, policy=programs[row.label], optimizer=shfx.optim.AdamW(lr=lr),
+                              **(compile_kw or {}))  # fmt: skip
         except OutOfDeviceMemory as e:
             row.measure_error = str(e)
             return None

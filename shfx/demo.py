@@ -54,6 +54,7 @@ class DemoConfig:
     eval_batches: int = 8
     log_interval: int | None = None
     max_bytes: int = DEFAULT_MAX_BYTES
+    precision: str = "float32"
 
 
 @dataclass
@@ -69,6 +70,7 @@ class DemoResult:
         model_bytes: the model's parameter bytes (fp32).
         device_budget: the device memory budget in bytes (``None``: unlimited).
         stats: ``cm.stats()`` at the end.
+        skipped_steps: steps the fp16 loss scaler skipped (an overflow; 0 in fp32 and bf16).
     """
 
     config: DemoConfig
@@ -79,6 +81,7 @@ class DemoResult:
     model_bytes: int = 0
     device_budget: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    skipped_steps: int = 0
 
     @property
     def first_loss(self) -> float:
@@ -98,7 +101,7 @@ def estimate_device_bytes(cfg: GPTShape, window: int) -> dict[str, int]:
 
     Returns a dict with ``slot`` (the largest stage's parameter bytes: a block, or the
     embedding/head stage when that is bigger), ``activation`` (one stage-boundary tensor,
-    ``batch * seq * hidden`` fp32), ``inputs`` (the token ids and targets, int64) and
+    ``batch * seq * hidden`` in ``cfg.precision``), ``inputs`` (the token ids and targets, int64) and
     ``peak``: ``window`` slots, the boundary activations kept from forward to backward, the
     gradients in flight, and the inputs.
 
@@ -111,7 +114,7 @@ def estimate_device_bytes(cfg: GPTShape, window: int) -> dict[str, int]:
     bd = memory_model("stronghold", cfg, Target("emulated device", 1 << 62, emulated=True), window=window)
     return {
         "slot": max(bd.slot_sizes),
-        "activation": 4 * cfg.batch * cfg.seq * cfg.hidden,
+        "activation": cfg.param_bytes * cfg.batch * cfg.seq * cfg.hidden,
         "inputs": 2 * 8 * cfg.batch * cfg.seq,
         "peak": bd.device_total,
     }
@@ -200,6 +203,7 @@ def run_demo(
     warmup: int = DemoConfig.warmup,
     log_interval: int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    precision: str = DemoConfig.precision,
     file: TextIO | None = None,
 ) -> DemoResult:
     """Train a byte-level GPT on the standard library's sources with shfx and print a report.
@@ -219,6 +223,9 @@ def run_demo(
         eval_batches: validation batches per evaluation (the same batches every time).
         log_interval: steps between log lines (default: about 15 lines).
         max_bytes: bytes of standard-library source to read.
+        precision: ``fp32`` (default), or ``bf16``/``fp16`` mixed precision (16-bit working copy
+            and gradients on the device, fp32 master and AdamW states on the host; fp16 with
+            dynamic loss scaling): ``shfx.compile(precision=...)``; the long names work too.
         file: where to print (default ``sys.stdout``).
 
     Returns:
@@ -233,13 +240,17 @@ def run_demo(
     """
     import shfx  # the package's top level (compile); imported here to avoid an import cycle
 
+    from .commands import precision_kwargs
+    from .cost_model.shapes import normalize_precision, short_precision
+
     cfg = DemoConfig(
         steps=steps, layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, window=window,
         device=device, device_memory=device_memory, h2d=h2d, d2h=d2h, lr=lr, warmup=min(warmup, steps // 10),
         seed=seed, eval_interval=eval_interval, eval_batches=eval_batches, log_interval=log_interval,
-        max_bytes=max_bytes,
+        max_bytes=max_bytes, precision=normalize_precision(precision),
     )  # fmt: skip
     _check(cfg)
+    compile_kw = precision_kwargs(cfg.precision)
     out = file if file is not None else sys.stdout
 
     def say(line: str = "") -> None:
@@ -250,11 +261,15 @@ def run_demo(
 
     # ---- data, model, device -------------------------------------------------------------
     ds = TextDataset.from_stdlib(max_bytes=cfg.max_bytes)
-    gcfg = GPTShape(layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden, seq=cfg.seq, vocab=ds.vocab_size, batch=cfg.batch)
+    gcfg = GPTShape(
+        layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden, seq=cfg.seq, vocab=ds.vocab_size, batch=cfg.batch,
+        precision=cfg.precision,
+    )  # fmt: skip
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    device_model_bytes = model_bytes * gcfg.param_bytes // 4  # the working copy the device would hold
     est = estimate_device_bytes(gcfg, cfg.window)
     budget = parse_bytes(cfg.device_memory, what="device memory") if cfg.device_memory is not None else default_device_memory(
         gcfg, cfg.window
@@ -269,15 +284,16 @@ def run_demo(
     say(
         f"  model    GPT: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq {cfg.seq}: "
         f"{n_params:,} params = {_mib(model_bytes)} of fp32 weights"
+        + (f", trained in {short_precision(cfg.precision)} ({_mib(device_model_bytes)} on the device)" if gcfg.mixed else "")
     )
     say(f"           (weights + grads + AdamW state: {_mib(4 * model_bytes)}, before any activation)")
     say(f"  device   {dev}" + ("" if kind == "emulated" else "  [--h2d/--d2h apply to the emulated device only]"))
     verdict = (
         "the model does NOT fit; a window of stages does"
-        if budget < model_bytes
+        if budget < device_model_bytes
         else "note: this budget would hold the whole model (raise --layers, or lower --batch/--seq)"
     )
-    say(f"  budget   {_mib(budget)} = {100 * budget / model_bytes:.0f}% of the model's {_mib(model_bytes)}: {verdict}")
+    say(f"  budget   {_mib(budget)} = {100 * budget / device_model_bytes:.0f}% of the model's {_mib(device_model_bytes)}: {verdict}")
     say(
         f"           expected peak {_mib(est['peak'])}: {cfg.window} slots x {format_bytes(est['slot'])} (largest stage) "
         f"+ {cfg.layers + 2} x {format_bytes(est['activation'])} (boundary activations and a gradient) + inputs"
@@ -288,7 +304,7 @@ def run_demo(
     )
     say()
 
-    cm = shfx.compile(model, device=dev, window=cfg.window, optimizer=AdamW(lr=cfg.lr, betas=(0.9, 0.95)))
+    cm = shfx.compile(model, device=dev, window=cfg.window, optimizer=AdamW(lr=cfg.lr, betas=(0.9, 0.95)), **compile_kw)
     try:
         gen = torch.Generator().manual_seed(cfg.seed)
         vgen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -317,6 +333,7 @@ def run_demo(
             cm.zero_grad()
             lv = loss.detach().item()
             dt = time.perf_counter() - t0
+            result.skipped_steps += bool(getattr(cm, "last_step_skipped", False))
             result.losses.append(lv)
             result.step_s.append(dt)
             busy_log += dt
@@ -389,3 +406,5 @@ def _summary(r: DemoResult, say: Any) -> None:
         f"device peak {_mib(s['device_bytes_peak'])} of a {_mib(r.device_budget or 0)} budget, for a "
         f"{_mib(r.model_bytes)} model ({s['window']} of {s['stages']} stages resident)"
     )
+    if cfg.precision == "float16":
+        say(f"  fp16: the loss scaler skipped {r.skipped_steps} of {len(losses)} steps (an overflow)")

@@ -112,3 +112,59 @@ def test_hardware_path_predicts_without_building_weights(monkeypatch, capsys):
                  "--csv", "-"]) == 0  # fmt: skip
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("policy,") and len(lines) == 1 + len(policy_names())
+
+
+# ---- mixed precision -------------------------------------------------------------------------------
+
+
+REF = dict(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
+
+
+def test_hardware_path_in_16_bit():
+    """bf16 on an A100 profile: half the bytes on the link each way, faster matmuls; fp16 pays
+    for the step journal's rollback copies in host time and memory (on by default), bf16 not."""
+    res = {p: shfx.compare(shfx.GPTShape(**REF, precision=p), hardware="A100-80GB-PCIe4", policies=["stronghold"])
+           for p in ("fp32", "bf16", "fp16")}  # fmt: skip
+    sh = {p: r.row("stronghold").predicted for p, r in res.items()}
+    for p in ("bf16", "fp16"):
+        assert sh[p].h2d_bytes == pytest.approx(sh["fp32"].h2d_bytes / 2, rel=1e-3)
+        assert sh[p].d2h_bytes == pytest.approx(sh["fp32"].d2h_bytes / 2, rel=1e-3)
+        assert sh[p].step_s < sh["fp32"].step_s
+        assert res[p].precision == {"bf16": "bfloat16", "fp16": "float16"}[p] and p in res[p].model
+    assert sh["fp16"].step_s > sh["bf16"].step_s
+    assert sh["fp16"].memory["host"]["rollback copies"] > 0 == sh["bf16"].memory["host"]["rollback copies"]
+    assert "(rollback copies)" in res["fp16"].model and res["fp32"].model.endswith("vocab 50304")
+    assert res["fp32"].precision == "float32"
+
+
+def test_cli_precision_names(capsys):
+    """--precision takes the short and the long names, and the hardware path predicts 16-bit."""
+    args = ["compare", "--layers", "4", "--hidden", "256", "--heads", "4", "--hardware", "A100-80GB-PCIe4", "--csv", "-",
+            "--policies", "stronghold"]  # fmt: skip
+    outs = []
+    for name in ("bf16", "bfloat16"):
+        assert main([*args, "--precision", name]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    assert main([*args, "--precision", "fp32"]) == 0
+    fp32 = capsys.readouterr().out
+    h2d = lambda out: float(out.splitlines()[1].split(",")[9])  # noqa: E731 - pred_h2d_bytes
+    assert h2d(outs[0]) == pytest.approx(h2d(fp32) / 2, rel=0.01)
+    with pytest.raises(SystemExit):
+        main([*args, "--precision", "fp8"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_predicted_and_measured(precision):
+    """A 16-bit run copies what its program says, half the fp32 run's bytes."""
+    dev = shfx.EmulatedDevice(memory="16MiB", h2d="1GB/s", d2h="1GB/s")
+    shape = shfx.GPTShape(layers=2, hidden=32, heads=2, seq=16, batch=2, precision=precision)
+    res = shfx.compare(shape, steps=2, device=dev, policies=["stronghold", "zero-infinity"])
+    fp32 = shfx.compare(TINY, steps=1, device=dev, policies=["stronghold"], measure=False)
+    for r in res.rows:
+        p, m = r.predicted, r.measured
+        assert r.fits and m is not None, r.reason
+        assert (m.h2d_bytes, m.d2h_bytes) == (p.h2d_bytes, p.d2h_bytes), r.label
+    sh = res.row("stronghold").predicted
+    assert sh.h2d_bytes < 0.6 * fp32.row("stronghold").predicted.h2d_bytes
+    assert (sh.memory["host"]["rollback copies"] > 0) == (precision == "fp16")

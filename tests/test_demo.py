@@ -113,3 +113,32 @@ def test_no_source_files_is_a_clear_error(tmp_path):
         TextDataset.from_stdlib(root=tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         stdlib_source_files(tmp_path / "missing")
+
+
+# ---- mixed precision -------------------------------------------------------------------------------
+
+
+def test_demo_precision_flag_takes_either_name():
+    for name, want in (("bf16", "bfloat16"), ("float16", "float16"), ("fp32", "float32")):
+        assert build_parser().parse_args(["demo", "--precision", name]).precision == want
+    assert build_parser().parse_args(["demo"]).precision == "float32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--precision", "half"])
+
+
+def test_16_bit_budget_is_half_the_slot():
+    cfg = GPTShape(layers=12, heads=4, hidden=128, seq=128, batch=4)
+    e32 = estimate_device_bytes(cfg, window=2)
+    e16 = estimate_device_bytes(GPTShape(layers=12, heads=4, hidden=128, seq=128, batch=4, precision="bf16"), window=2)
+    assert 2 * e16["slot"] == e32["slot"] and 2 * e16["activation"] == e32["activation"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_demo_cli_trains_in_16_bit(capsys, precision):
+    rc = main(["demo", "--steps", "8", "--eval-interval", "0", "--eval-batches", "1", "--lr", "1e-2", "--seed", "0",
+               "--precision", precision, *TINY, "--layers", "6"])  # fmt: skip (6: the 16-bit model outgrows the budget)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"trained in {precision}" in out and "the model does NOT fit" in out
+    assert re.search(r"^summary: loss .* -- the loss went down$", out, re.M), out
+    assert ("the loss scaler skipped" in out) == (precision == "fp16")

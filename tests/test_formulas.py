@@ -406,3 +406,73 @@ def test_device_memory_formula_is_the_planner_closed_form():
         for W in range(1, l + 4):
             closed = memory_model("stronghold", shape, emu, window=W).device_total
             assert int(fm.device_memory(W, l, h, a, s, b, V, counted_by="emulated")) == closed, (l, W)
+
+
+# ---- mixed precision ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_mixed_precision_analytic_costs_are_the_formulas(precision):
+    """A 16-bit GPT (an fp32 capture rescaled by precision_specs): half the bytes in slots,
+    copies and activations, the 16-bit matmul rate, 40 B/param on the host, and a rollback copy
+    of 1.46 fp32 updates per group, in the analytic model and the formulas alike; with
+    rollback the formula's step time is the simulator's."""
+    from shfx.cost_model.analytic import plan_inputs
+    from shfx.models.gpt import GPT, GPTShape
+
+    h, a, s, b, V = (SMALL[k] for k in "hasbV")
+    hw = get_profile("V100-32GB-PCIe3")
+    cfg = lambda n: GPTShape(vocab=V, seq=s, layers=n, heads=a, hidden=h)  # noqa: E731
+    kw = dict(blocks="transformer.h", layers=5, hardware=hw)
+    build, inputs = (lambda n: GPT(cfg(n))), (lambda: (torch.zeros(b, s, dtype=torch.long),) * 2)
+    specs32, table32 = plan_inputs(build, inputs, **kw)
+    specs, table = plan_inputs(build, inputs, precision=precision, **kw)
+    assert precision in table.source
+    for x16, x32 in zip(specs, specs32):
+        assert 2 * x16.prefetch_bytes == x32.prefetch_bytes and 2 * x16.grad_bytes == x32.grad_bytes
+        assert 2 * x16.slot_bytes == x32.slot_bytes and 2 * x16.activation_bytes == x32.activation_bytes
+        assert (x16.update_bytes, x16.state_bytes) == (x32.update_bytes, x32.state_bytes)  # fp32 master, m, v
+    st = fm.gpt_stage_times(hw, h, s, b, V, dtype=precision)
+    st_rb = fm.gpt_stage_times(hw, h, s, b, V, dtype=precision, rollback=True)
+    for i, kind in ((0, "head"), (1, "block"), (6, "tail")):
+        c = table.costs[i]
+        assert float(st[kind].f) == pytest.approx(c.forward_s, rel=1e-12)
+        assert float(st[kind].u) == pytest.approx(c.update_s, rel=1e-12)
+        assert c.update_s == pytest.approx(40 / 28 * table32.costs[i].update_s, rel=1e-12)
+        assert float(st_rb[kind].u - st[kind].u) == pytest.approx(c.rollback_s, rel=1e-12)
+        assert c.rollback_s == pytest.approx(1.46 * table32.costs[i].update_s, rel=1e-12)
+        assert float(st[kind].pf) == pytest.approx(table.links.time_s("h2d", specs[i].prefetch_bytes), rel=1e-12)
+        assert float(st[kind].og) == pytest.approx(table.links.time_s("d2h", specs[i].grad_bytes), rel=1e-12)
+    assert table.costs[1].forward_s < table32.costs[1].forward_s
+    full = table.with_links(replace(table.links, duplex=1.0))
+    for W in (1, 2, 4):
+        tl = simulate(schedule_window(specs, W), full, rollback=True)
+        T = fm.step_time_gpt(5, W, st_rb["head"], st_rb["block"], st_rb["tail"])
+        assert float(T) == pytest.approx(tl.step_s, rel=1e-9), W
+        assert tl.step_s >= simulate(schedule_window(specs, W), full).step_s
+
+
+def test_fp32_stage_times_are_unchanged_by_the_precision_parameters():
+    """The fp32 formulas and costs are what they were (dtype defaults, no rollback)."""
+    hw = get_profile("V100-32GB-PCIe3")
+    a = fm.gpt_stage_times(hw, 2048, 1024, 4, 50304)
+    b = fm.gpt_stage_times(hw, 2048, 1024, 4, 50304, dtype="float32", rollback=False)
+    assert a == b
+    assert a["block"].pf == hw.link_latency_s + sp.Float(4) * fm.params_block(2048) / sp.Float(hw.h2d_bps)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fm.gpt_stage_times(hw, 2048, 1024, 4, 50304, dtype="int8")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision_specs_are_the_16_bit_capture(precision):
+    """What the analytic model assumes of a 16-bit GPT (an fp32 capture rescaled by
+    precision_specs) is what the compile pipeline lays out for precision= (the runtime's bytes)."""
+    from shfx.cost_model.analytic import precision_specs
+    from shfx.models.gpt import GPT, GPTShape
+    from shfx.passes.pipeline import PipelineOptions, compile_variant
+
+    h, a, s, b, V = (SMALL[k] for k in "hasbV")
+    with torch.device("meta"):
+        model = GPT(GPTShape(vocab=V, seq=s, layers=3, heads=a, hidden=h))
+        idx = torch.zeros(b, s, dtype=torch.long)
+    fp32 = compile_variant(model, (idx, idx), {}, PipelineOptions(verify=False)).graph.specs
+    real = compile_variant(model, (idx, idx), {}, PipelineOptions(verify=False, precision=precision)).graph.specs
+    assert precision_specs(fp32, precision) == list(real)

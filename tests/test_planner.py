@@ -381,3 +381,112 @@ def test_closed_form_is_the_ledger_at_many_sizes(template):
                 dev = {k: v for k, v in led.terms_at_peak("device").items() if v}
                 assert dev == {k: v for k, v in want.device.items() if v}, (fam.vocab, L, policy, kw)
                 assert led.static("host") == {k: v for k, v in want.host.items() if v}, (fam.vocab, L, policy, kw)
+
+
+# ---- mixed precision and the step journal's rollback copies -----------------------------------
+
+
+def test_rollback_copies_closed_form_is_the_ledger(template):
+    """With rollback on, the closed form's host terms (the journal's copies included) are the
+    ledger's replay with ``rollback=True`` (fp32: the precision both can see today)."""
+    from shfx.passes.ledger import replay
+    from shfx.passes.pipeline import build_programs
+
+    for fam, graph in template.items():
+        for L in (1, 3, 4):
+            specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
+            for policy, kw in [(p, {}) for p in ("resident", "l2l", "zero-offload", "zero-infinity")] + [
+                ("stronghold", {"window": 2, "resident_first": k}) for k in (0, 1)
+            ]:
+                want = memory_model(policy, fam.with_layers(L), EMU, rollback=True, **kw)
+                assert want.host["rollback copies"] > 0
+                progs = build_programs(specs, make_policy(policy, **kw), verify=False)
+                led = replay(progs[0], programs=progs, rollback=True)
+                assert led.static("host") == {k: v for k, v in want.host.items() if v}, (fam.vocab, L, policy, kw)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_mixed_precision_bytes_per_parameter(precision):
+    """The design of issue 10 (notes: 16-bit working copy and gradients on the device, fp32
+    master, gradients, m and v on the host plus the 16-bit image prefetches send; fp16 keeps the
+    step journal's rollback copies by default), at the reference shape, where every tensor is
+    64-byte aligned so the counts are exact."""
+    h, V, L = 2048, 50304, 48
+    fam = replace(REF, precision=precision, layers=L)
+    P = fam.num_params()
+    e = 4 if precision == "fp32" else 2
+    sh = memory_model("stronghold", fam, V100)
+    # device: W=2 slots of 16-bit parameters, the streamed stages' gradients written over them
+    assert sh.slot_sizes == (e * (V + 1024) * h, e * (V * h + 2 * h))  # head's slot; the tail's (with wte), not a block's
+    assert sh.device["gradients"] == 0 and sh.device["optimizer states"] == 0
+    host = sh.host
+    assert host["master parameters (fp32)"] == host["gradients (fp32)"] == 4 * P
+    assert host["optimizer states (m, v)"] == 8 * P
+    assert host["working copy (16-bit)"] == (0 if e == 4 else 2 * P)
+    assert host["pending tied gradient"] == e * V * h
+    groups = L + 2
+    assert host["rollback copies"] == (12 * P + 4 * groups if precision == "fp16" else 0)
+    assert sh.settings["rollback"] == (precision == "fp16")
+    # rollback can be asked for or turned off at any precision
+    assert memory_model("stronghold", fam, V100, rollback=False).host["rollback copies"] == 0
+    assert memory_model("stronghold", fam, V100, rollback=True).host["rollback copies"] == 12 * P + 4 * groups
+    # resident keeps everything on the device: 2 + 2 B/param and fp32 master + m + v (REFERENCE.md's 16)
+    res = memory_model("resident", fam, V100)
+    if e == 2:
+        assert res.device["parameters (slots)"] == res.device["gradients"] == 2 * (P + V * h)
+        assert res.device["optimizer states"] == 12 * P
+        assert res.host["working copy (16-bit)"] == 2 * P  # the image every group keeps beside its master
+
+
+def test_precision_names_are_normalised_one_way():
+    from shfx.cost_model.shapes import normalize_precision, short_precision
+
+    for short, long in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        assert normalize_precision(short) == normalize_precision(long) == long
+        assert short_precision(long) == short_precision(short) == short
+        assert GPTShape(precision=short) == GPTShape(precision=long)
+        assert GPTShape(precision=short).precision == long
+    with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+        GPTShape(precision="tf32")
+
+
+def test_fp16_trains_fewer_layers_than_bf16_on_a_host_bound_machine():
+    """fp16's rollback copies (12 B/param) bind the host where bf16 stops at 18 B/param."""
+    rows = {p: largest_trainable("stronghold", replace(REF, precision=p), V100) for p in ("bf16", "fp16")}
+    assert rows["bf16"].binding == "host: optimizer states (m, v)"
+    assert rows["fp16"].binding == "host: rollback copies"
+    assert rows["fp16"].layers < rows["bf16"].layers
+    assert largest_trainable("stronghold", replace(REF, precision="fp16"), V100, rollback=False).layers == rows["bf16"].layers
+
+
+def test_closed_form_is_the_ledger_in_16_bit():
+    """In bf16 and fp16 the GPT closed form is the ledger of the real 16-bit capture (the
+    compile pipeline's precision=), for the policies that update on the host (device updates
+    are not supported in 16-bit): the 16-bit image, two staging buffers for the casts, the
+    16-bit loss and pending gradient, and fp16's rollback copies."""
+    fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=3)
+    with torch.device("meta"):
+        model = GPT(fam)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    for precision in ("bf16", "fp16"):
+        for policy, kw in (("stronghold", {"window": 2}), ("stronghold", {"window": 3}), ("zero-offload", {}),
+                           ("zero-infinity", {})):  # fmt: skip
+            want = memory_model(policy, replace(fam, precision=precision), EMU, **kw)
+            got = memory_for_model(policy, model, (idx, idx), EMU, precision=precision, **kw)
+            assert got.device == want.device, (precision, policy, kw)
+            assert got.host == want.host, (precision, policy, kw)
+            assert (got.host["rollback copies"] > 0) == (precision == "fp16") == got.settings["rollback"]
+    assert memory_for_model("stronghold", model, (idx, idx), EMU, precision="fp16", rollback=False).host["rollback copies"] == 0
+
+
+def test_cli_plan_precision(capsys):
+    from shfx.cli import main
+
+    outs = []
+    for name in ("fp16", "float16"):
+        assert main(["plan", "--precision", name, "--policies", "stronghold"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and "float16" in outs[0] and "host: rollback copies" in outs[0]
+    assert main(["plan", "--precision", "bf16", "--policies", "stronghold", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["family"]["precision"] == "bfloat16" and data["rows"][0]["host"]["rollback copies"] == 0

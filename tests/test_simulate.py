@@ -509,3 +509,39 @@ def test_borrowed_gradient_of_a_device_group_waits_on_the_device():
     assert tl.memory[0] == (0.0, p.static_device_bytes())
     assert (b2.end, p.static_device_bytes() + 50) in tl.memory
     assert tl.memory[-1] == (b0.end, p.static_device_bytes())
+
+
+# ---- the step journal's rollback copies -----------------------------------------------------------
+
+
+def test_rollback_copies_lengthen_each_host_update():
+    """With rollback each CPU_STEP first copies its group (ROLLBACK_COPY_RATIO x update_s, or
+    the stage's own rollback_s, or the ratio given): hand-computed on one stage."""
+    from shfx.cost_model.costs import ROLLBACK_COPY_RATIO
+
+    p = lower_actions(["PF0", "F0", "B0", "OG0", "U0", "R0"], chain(1, prefetch_bytes=MB), 1)
+    costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)], LINK)
+    off = simulate(p, costs)
+    assert times(off, "U0") == [(5.0, 5.5)] and off.step_s == 5.5
+    on = simulate(p, costs, rollback=True)
+    assert times(on, "U0") == [(5.0, round(5.5 + ROLLBACK_COPY_RATIO * 0.5, 9))]
+    assert on.by_resource["host optimizer"] == pytest.approx(0.5 * (1 + ROLLBACK_COPY_RATIO))
+    assert simulate(p, costs, rollback=2.0).step_s == pytest.approx(6.5)
+    assert simulate(p, costs, rollback=0.0).step_s == off.step_s
+    own = CostTable([StageCost(1.0, 3.0, update_s=0.5, rollback_s=0.25)], LINK)
+    assert simulate(p, own, rollback=True).step_s == pytest.approx(5.75)
+    assert simulate(p, own).step_s == off.step_s  # rollback_s costs nothing unless rollback is on
+    with pytest.raises(SimulationError, match="rollback must be"):
+        simulate(p, costs, rollback=-1.0)
+    with pytest.raises(SimulationError, match="rollback_s"):
+        simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5, rollback_s=-1.0)], LINK), rollback=True)
+
+
+def test_rollback_copies_can_make_the_host_the_bottleneck():
+    """Updates that hide behind the backward without copies may not with them."""
+    specs = chain(6, prefetch_bytes=MB // 10)
+    costs = table(6, fwd=1.0, bwd=2.0, upd=1.5)
+    off = simulate(schedule_window(specs, 3), costs)
+    on = simulate(schedule_window(specs, 3), costs, rollback=True)
+    assert off.bottleneck == "compute" and on.bottleneck == "host optimizer"
+    assert on.step_s > off.step_s

@@ -280,3 +280,31 @@ def test_drift_settings_are_the_reports():
     assert rep.drift is None
     rep.drift_threshold = 0.1
     assert rep.drift is not None and rep.drift.threshold == 0.1
+
+
+def test_shfx_tune_cli_analytic_16_bit(capsys):
+    """The analytic report in bf16 and fp16 (the latter with the step journal's rollback copies:
+    host updates take longer, never shorter, at every window)."""
+    from shfx.cli import main
+    from shfx.commands import tune_gpt
+
+    shape = dict(layers=16, hidden=1024, heads=16, seq=512, batch=2, vocab=8192)
+    code = main(["tune", "--hardware", "A100-80GB-PCIe4", *[f"--{k}={v}" for k, v in shape.items()], "--precision", "fp16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "fp16 on the device, rollback copies on" in out and "float16" in out
+    import io
+
+    reps = {p: tune_gpt(shfx.GPTShape(**shape, precision=p), hardware="A100-80GB-PCIe4", file=io.StringIO())
+            for p in ("bf16", "fp16")}  # fmt: skip
+    for rb, r in zip(reps["fp16"].tune.rows, reps["bf16"].tune.rows):
+        assert rb.window == r.window and rb.step_s >= r.step_s
+        assert rb.by_resource["host optimizer"] >= r.by_resource["host optimizer"]
+
+
+def test_shfx_tune_cli_emulated_16_bit(capsys):
+    from shfx.cli import main
+
+    code = main(["tune", "--device", "emulated", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+                 "--batch", "2", "--steps", "2", "--h2d", "200MB/s", "--d2h", "200MB/s", "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "window=auto" in out and "measured:" in out and ", bf16:" in out
