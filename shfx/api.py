@@ -481,7 +481,7 @@ class CompiledModel:
         try:
             tune = tune_window(
                 graph.specs, costs, capacity_bytes=self._capacity(),
-                tolerance=self.tune_tolerance, policy=policy,
+                tolerance=self.tune_tolerance, policy=policy, rollback=self._engine_kwargs["rollback"],
             )  # fmt: skip
         except NoWindowFits as e:
             raise OutOfDeviceMemory(
