@@ -43,6 +43,17 @@ bandwidth, so this measures
    ``HostAdamW(merge_views=False)``'s, and within rtol 1e-5 of the for-loop AdamW's; a group
    with odd-sized parameters (scalar tails, padding) is added to the check model.
 
+5. AdamW with a bf16 working copy of the weights (mixed precision: the device's 16-bit copy is
+   refreshed from the fp32 master after every update) at ``--copy-sizes``, same model layout,
+   one bf16 buffer per group: ``AdamW`` alone (28 B/param), ``AdamW + cast pass`` (then
+   ``copy.copy_(master)`` per group: the master is read from DRAM a second time), the fused
+   update ``HostAdamW.update`` does with a working copy
+   (:func:`shfx.runtime.host_optim.fused_adamw_with_copy`: the kernel over batches of
+   ``CHUNK`` elements, each batch cast into the copy while it is in the cache; 30 B/param:
+   the 28 of AdamW and the 2 B copy) and the same at the other ``--copy-chunks`` sizes, the cast
+   pass alone, and the stream probe as the bound (30/32 of its time); ``--only-copy`` runs the
+   bandwidth test and this section only and adds them to the existing JSON as ``working_copy``.
+
 Every round also records the share of the CPUs used by *other* processes (``/proc/stat`` minus
 this process); medians are taken over the quiet rounds (others < 10%) when there are at least
 3, and a section without them is marked NOISY. Each section first waits (``--wait-quiet``, up to
@@ -56,6 +67,7 @@ Run from the repository root (about 1-2 minutes on 2 cores, peak memory about 6 
     python benchmarks/host_adam.py --sizes 10M,50M --reps 9
     python benchmarks/host_adam.py --configs 1x2,2x1,4x1 --config-sizes 50M
     python benchmarks/host_adam.py --skip-configs --check-size 0
+    python benchmarks/host_adam.py --only-copy --copy-sizes 10M,100M
 
 Results: ``benchmarks/results/host_adam.json`` (``--out``), with machine information.
 """
@@ -86,7 +98,7 @@ if str(ROOT) not in sys.path:
 import shfx  # noqa: E402
 from shfx.passes.layout import TensorInfo, plan_groups  # noqa: E402
 from shfx.runtime.emulated import EmulatedBackend  # noqa: E402
-from shfx.runtime.host_optim import HostAdamW  # noqa: E402
+from shfx.runtime.host_optim import CHUNK, HostAdamW, _Batch, _kernel, _plan, _run  # noqa: E402
 from shfx.runtime.host_store import GRAD_VALID, HostStore  # noqa: E402
 from shfx.runtime.streams import PoolStream  # noqa: E402
 
@@ -317,15 +329,17 @@ def probe(host: HostAdamW, m: Model) -> Callable[[], None]:
     return run
 
 
-def add_ratios(table: dict[str, dict[str, Any]], rounds: list[int], n: int, ref: str) -> dict[str, Any]:
+def add_ratios(table: dict[str, dict[str, Any]], rounds: list[int], n: int, ref: str,
+               nbytes: dict[str, int] | None = None) -> dict[str, Any]:
     """Per-round ratios, from the runs of one round (seconds apart): each row's fraction of the
-    probe bound (``28/32 * probe time / row time``) and its speed-up over ``ref``; medians over
-    ``rounds``. The machine's bandwidth can change between rounds; within a round these hold."""
+    probe bound (``28/32 * probe time / row time``; ``nbytes[row]`` instead of 28 where given)
+    and its speed-up over ``ref``; medians over ``rounds``. The machine's bandwidth can change
+    between rounds; within a round these hold."""
     pt = table[PROBE]["times_s"]
     rt = table[ref]["times_s"]
     for k, row in table.items():
         t = row["times_s"]
-        nb = PROBE_BYTES if k == PROBE else BYTES_PER_PARAM
+        nb = PROBE_BYTES if k == PROBE else (nbytes or {}).get(k, BYTES_PER_PARAM)
         row["fraction_of_probe_bound"] = med([nb / PROBE_BYTES * pt[i] / t[i] for i in rounds])
         row[f"speedup_vs_{ref}"] = med([rt[i] / t[i] for i in rounds])
     gbs = [PROBE_BYTES * n / pt[i] / 1e9 for i in rounds]
@@ -427,6 +441,13 @@ def parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1], 1)
     return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+
+
+def parse_elements(s: str) -> int:
+    """A chunk size in elements, binary multiples: ``64K`` = 65536, ``1M`` = 2**20."""
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KM" else s) * mult)
 
 
 def measure_variants(n: int, args, bound: float) -> dict[str, Any]:
@@ -556,6 +577,148 @@ def check(n: int, steps: int, groups: int, layers: int) -> dict[str, Any]:
     return out
 
 
+# ---- AdamW with the 16-bit working copy (mixed precision) ---------------------------------------------
+COPY_BYTES = 30  # AdamW's 28 B/param and the bf16 copy written (2 B); the master is not read again
+CAST_BYTES = 6  # a separate cast pass: read the fp32 master (4 B), write the bf16 copy (2 B)
+SEPARATE = "AdamW + cast pass"
+
+
+def fmt_chunk(c: int) -> str:
+    return f"{c >> 20}M" if c % (1 << 20) == 0 else f"{c >> 10}K" if c % (1 << 10) == 0 else str(c)
+
+
+def measure_copy(n: int, args, bound: float) -> dict[str, Any]:
+    """The bf16 working copy refreshed from the fp32 master after AdamW, over a model's groups
+    (flat buffers of the host store, one bf16 buffer per group for the copy), per step:
+
+    * ``AdamW``: the update alone (one kernel call per group, what HostAdamW does without a
+      working copy), 28 B/param;
+    * ``AdamW + cast pass``: the update, then ``copy.copy_(master)`` per group: the master is
+      read again from DRAM (34 B/param moved; counted as 30, the bytes the result needs);
+    * ``fused (update)``: ``HostAdamW.update`` with a working copy (``store.working_view``):
+      :func:`shfx.runtime.host_optim.fused_adamw_with_copy`'s batches of :data:`CHUNK`
+      elements, each batch cast while in the cache, 30 B/param;
+    * ``fused chunk=C``: the same batches cut at the other ``--copy-chunks`` sizes;
+    * ``AdamW cut at CHUNK, no copy``: the update's kernel calls without the casts (what cutting
+      the kernel into batches costs by itself);
+    * ``cast pass``: the cast alone (6 B/param);
+    * the stream probe over the same buffers (32 B/param, the bound, as in section 2).
+
+    Every variant works on the same buffers; interleaved rounds as in section 2."""
+    m = Model(n, args.groups, args.layers, seed=4)
+    groups = range(m.groups)
+    work = [m.store.master(g).to(torch.bfloat16) for g in groups]
+    m.store.working_view = lambda g, o, k: work[g][o : o + k]  # what the mixed-precision store provides
+    cfg = shfx.optim.AdamW(**HP)
+    hp = cfg.hyperparams()
+    host = HostAdamW(cfg, m.store)  # chunk=CHUNK
+    for g in groups:  # creates the states (and the batches of the working copy's update)
+        host.update(g, hp)
+    sts = [host.state[g] for g in groups]
+    assert all(st.batches is not None for st in sts)
+    chunks = [c for c in (parse_elements(x) for x in args.copy_chunks.split(",") if x.strip()) if c != CHUNK]
+    plans = {c: [_plan(st.views, [st.step] * len(st.views[0]), st.working, c) for st in sts] for c in chunks}
+
+    def adamw() -> None:
+        for st in sts:
+            st.step += 1
+            _kernel(*st.views[:4], [], [st.step] * len(st.views[0]), hp, None, None)
+
+    def cast() -> None:
+        for g in groups:
+            work[g].copy_(m.store.master(g))
+
+    def separate() -> None:
+        adamw()
+        cast()
+
+    def fused(c: int) -> Callable[[], None]:
+        def run() -> None:
+            for st, plan in zip(sts, plans[c]):
+                st.step += 1
+                _run(plan, hp)
+
+        return run
+
+    def update() -> None:
+        for g in groups:
+            host.update(g, hp)
+
+    nocopy = []  # the update's batches without their casts: what cutting the kernel call costs
+    for st in sts:
+        nocopy.append([])
+        for b in st.batches:
+            nb = _Batch(len(b.lists))
+            nb.lists = b.lists
+            nocopy[-1].append(nb)
+
+    def chunked_adamw() -> None:
+        for st, plan in zip(sts, nocopy):
+            st.step += 1
+            _run(plan, hp)
+
+    fused_name = f"fused (update) chunk={fmt_chunk(CHUNK)}"
+    variants: dict[str, Callable[[], None]] = {"AdamW": adamw, f"AdamW cut at {fmt_chunk(CHUNK)}, no copy": chunked_adamw,
+                                               SEPARATE: separate, fused_name: update}
+    for c in chunks:
+        variants[f"fused chunk={fmt_chunk(c)}"] = fused(c)
+    variants["cast pass"] = cast
+    variants[PROBE] = probe(host, m)
+    nbytes = {k: COPY_BYTES for k in variants}
+    nbytes.update({"AdamW": BYTES_PER_PARAM, f"AdamW cut at {fmt_chunk(CHUNK)}, no copy": BYTES_PER_PARAM,
+                   "cast pass": CAST_BYTES, PROBE: PROBE_BYTES})
+    wait_quiet(args.wait_quiet)
+    times, others = interleave(variants, args.reps, args.max_rounds)
+    rounds, quiet = pick(others)
+    update()  # the working copy is the master's cast after an update
+    ok = all(torch.equal(work[g], m.store.master(g).to(torch.bfloat16)) for g in groups)
+    res: dict[str, Any] = {
+        "requested": n,
+        "params": m.numel,
+        "hidden": m.h,
+        "groups": m.groups,
+        "layers_per_group": args.layers,
+        "working_dtype": "bfloat16",
+        "threads": torch.get_num_threads(),
+        "chunk_default": CHUNK,
+        "views_per_group": len(sts[0].views[0]),
+        "kernel_calls_per_group": {fused_name: len(sts[0].batches),
+                                   **{f"fused chunk={fmt_chunk(c)}": len(plans[c][0]) for c in chunks}},
+        "bytes_per_param": nbytes,
+        "rounds": len(others),
+        "quiet_rounds_used": quiet,
+        "others_cpu_share": {"median": med(others), "max": max(others), "per_round": others},
+        "variants": {k: summarize(v, rounds, m.numel, bound, nbytes[k]) for k, v in times.items()},
+        "bound_s": {"stream_30B": COPY_BYTES * m.numel / (bound * 1e9), "stream_28B": BYTES_PER_PARAM * m.numel / (bound * 1e9)},
+        "working_copy_equals_master_cast": ok,
+    }
+    res["probe_bound"] = add_ratios(res["variants"], rounds, m.numel, SEPARATE, nbytes)
+    for k, row in res["variants"].items():  # and against the update alone
+        row["time_vs_AdamW"] = med([times[k][i] / times["AdamW"][i] for i in rounds])
+    m.close()
+    return res
+
+
+def print_copy_table(r: dict[str, Any], bound: float) -> None:
+    table, pb = r["variants"], r["probe_bound"]
+    print(f"  {'variant':30s} {'B/par':>5s} {'median ms':>9s} {'best ms':>8s} {'GB/s':>6s} {'% probe':>8s} "
+          f"{'% STREAM':>8s} {'vs sep.':>8s} {'/AdamW':>7s}")
+    for k, s in table.items():
+        if k == PROBE:
+            continue
+        print(f"  {k:30s} {s['bytes_per_param']:5d} {s['median_s'] * 1e3:9.1f} {s['min_s'] * 1e3:8.1f} {s['gbs']:6.1f} "
+              f"{s['fraction_of_probe_bound'] * 100:7.0f}% {s['fraction_of_stream_bound'] * 100:7.0f}% "
+              f"{s[f'speedup_vs_{SEPARATE}']:7.2f}x {s['time_vs_AdamW']:7.2f}")
+    n = r["params"]
+    t = table[PROBE]["median_s"] * COPY_BYTES / PROBE_BYTES
+    print(f"  {'bound: probe, 30 B/param':30s} {COPY_BYTES:5d} {t * 1e3:9.1f} {'':8s} {pb['gbs_median']:6.1f} {100:7.0f}%"
+          f"            streaming {PROBE_BYTES} B/param over these buffers; {pb['gbs_min']:.0f}-{pb['gbs_max']:.0f} GB/s")
+    print(f"  {'bound: STREAM, 30 B/param':30s} {COPY_BYTES:5d} {COPY_BYTES * n / bound / 1e6:9.1f} {'':8s} {bound:6.1f} "
+          f"{'':8s} {100:7.0f}%")
+    print(f"  (vs sep.: speed-up over '{SEPARATE}'; /AdamW: time over the update alone; both medians of per-round "
+          f"ratios; working copy == master cast after an update: {r['working_copy_equals_master_cast']})")
+
+
 # ---- machine info and reporting -----------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
@@ -632,6 +795,26 @@ def print_table(table: dict[str, dict[str, Any]], n: int, ref: str, bound: float
           f"{bound:7.1f} {'':7s} {'':8s} {100:7.0f}%            best STREAM-like kernel above (measured earlier)")
 
 
+def run_copy(sizes: list[int], args, bound: float, bw: dict[str, Any]) -> dict[str, Any]:
+    """Section 5 at every size; printed, and returned for the JSON."""
+    out: dict[str, Any] = {
+        "bytes_per_param": {"AdamW": BYTES_PER_PARAM, "AdamW + copy": COPY_BYTES, "cast pass": CAST_BYTES},
+        "bound_gbs": bound,
+        "chunk_default": CHUNK,
+        "sizes": [],
+    }
+    if args.only_copy:
+        out["bandwidth"] = bw
+    for n in sizes:
+        r = measure_copy(n, args, bound)
+        out["sizes"].append(r)
+        print(f"\nAdamW + bf16 working copy, {r['params'] / 1e6:.1f}M params ({r['groups']} groups, h={r['hidden']}, "
+              f"{r['views_per_group']} view(s)/group, {r['threads']} threads; kernel calls/group: "
+              + ", ".join(f"{k.split()[-1]} {v}" for k, v in r["kernel_calls_per_group"].items()) + f"); {quiet_note(r)}")
+        print_copy_table(r, bound)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10M,50M,100M,200M", help="parameter counts, comma separated (10M, 1.5G, ...)")
@@ -646,6 +829,13 @@ def main() -> None:
     ap.add_argument("--bw-elements", type=parse_size, default=1 << 26, help="elements per array for the bandwidth test (3 arrays)")
     ap.add_argument("--cache-params", type=parse_size, default=parse_size("1M"),
                     help="params for the in-cache AdamW run (16 B each; keep it inside the last-level cache)")
+    ap.add_argument("--copy-sizes", default="10M,100M", help="sizes for section 5, AdamW with the bf16 working copy ('' to skip)")
+    ap.add_argument("--copy-chunks", default="64K,128K,256K,1M,2M,4M",
+                    help="other chunk sizes (elements per batch of kernel calls, K = 1024) timed in section 5 "
+                         "besides the default")
+    ap.add_argument("--only-copy", action="store_true",
+                    help="run the bandwidth test and section 5 only, and add their results to the existing --out "
+                         "file as 'working_copy' (other entries kept)")
     ap.add_argument("--check-size", type=parse_size, default=parse_size("10M"), help="0 to skip the numerical check")
     ap.add_argument("--check-steps", type=int, default=3)
     ap.add_argument("--wait-quiet", type=float, default=15.0,
@@ -671,6 +861,23 @@ def main() -> None:
           f"(STREAM triad alone: {bw['stream_triad_gbs'] / BYTES_PER_PARAM * 1e3:.0f} Mparam/s)")
     print(f"  AdamW in cache ({args.cache_params / 1e6:g}M params, {16 * args.cache_params / 2**20:.0f} MiB; compute ceiling; "
           f"{quiet_note(cache)}): " + ", ".join(f"{t} thr {cache[f'threads={t}'] / 1e6:.0f} Mparam/s" for t in threads))
+
+    copy_res = None
+    copy_sizes = [parse_size(x) for x in args.copy_sizes.split(",") if x.strip()]
+    if args.only_copy:
+        copy_res = run_copy(copy_sizes, args, bound, bw)
+        info["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+        info["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        info["wall_s"] = time.perf_counter() - t_start
+        path = Path(args.out)
+        out = json.loads(path.read_text()) if path.exists() else {}
+        out["working_copy"] = {"machine": info, "args": vars(args), **copy_res}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        print(f"\n{info['wall_s']:.0f} s, peak RSS {info['peak_rss_bytes'] / 2**30:.1f} GiB; added 'working_copy' to {args.out}")
+        if not all(r["working_copy_equals_master_cast"] for r in copy_res["sizes"]):
+            sys.exit(1)
+        return
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     results = []
@@ -699,6 +906,9 @@ def main() -> None:
         for p in pools.values():
             p.close()
 
+    if copy_sizes:
+        copy_res = run_copy(copy_sizes, args, bound, bw)
+
     chk = None
     if args.check_size:
         chk = check(args.check_size, args.check_steps, args.groups, args.layers)
@@ -724,11 +934,14 @@ def main() -> None:
         "sizes": results,
         "configs": configs_res,
         "check": chk,
+        "working_copy": copy_res,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\n{info['wall_s']:.0f} s, peak RSS {info['peak_rss_bytes'] / 2**30:.1f} GiB; wrote {args.out}")
     if chk is not None and not chk["ok"]:
+        sys.exit(1)
+    if copy_res is not None and not all(r["working_copy_equals_master_cast"] for r in copy_res["sizes"]):
         sys.exit(1)
 
 

@@ -24,71 +24,270 @@ and far fewer fork/join barriers, which is what hurts when the cores are shared 
 stream, other optimizer workers, other processes). ``tests/test_host_optim.py`` checks merged
 against per-parameter views and against ``torch.optim.AdamW(fused=True)`` bitwise, so a torch
 that chunks differently fails there.
+
+Mixed precision: with a 16-bit working copy of the weights (bf16/fp16 image of the group, fp32
+master), the copy is written in the same pass as the update (:func:`fused_adamw_with_copy`):
+the views are cut into pieces of whole :data:`_UNIT` runs (a view's last piece keeps its tail),
+so every element keeps its position modulo 16 inside its view and takes the same vector or
+scalar path as in one call per view, and the kernel runs over about :data:`CHUNK` elements at a
+time, each batch's fresh master cast into its working view while it is still in the cache:
+no second pass over the master from DRAM. Results are bitwise those of
+``torch.optim.AdamW(fused=True).step()`` followed by ``p16.copy_(p32)``.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection, Sequence
 
 import torch
 
 from ..optim import AdamW
 from .host_store import HostStore
 
-__all__ = ["HostAdamW"]
+__all__ = ["HostAdamW", "fused_adamw_with_copy", "CHUNK"]
 
 # fp32 elements per cache line: the kernel's parallel chunks are whole multiples of it, and
 # every vector width it uses (8 or 16 fp32 lanes) divides it
 _UNIT = 16
 
 
-def _spans(offsets_numels: list[tuple[int, int]], merge: bool = True) -> list[tuple[int, int]]:
+# elements the update with a working copy runs the kernel over at a time (a batch of pieces of
+# views), before casting them into the working copy: master, gradient, m and v of a batch (16 B
+# per element, 8 MiB) stay in the last-level cache between the two. Measured with
+# ``benchmarks/host_adam.py --copy-chunks`` on the 2-core VM: 64K-128K elements (one batch per
+# L2) lose to a separate cast pass (two fork/joins per batch cost ~10-20 us each there),
+# 256K-1M are best and alike, 4M (64 MiB) falls out of the L3.
+CHUNK = 1 << 19
+
+
+def _spans(
+    offsets_numels: list[tuple[int, int]], merge: bool = True, boundaries: Collection[int] = ()
+) -> list[tuple[int, int]]:
     """``(offset, numel)`` (in elements) of the views one update covers, in buffer order.
 
     With ``merge``, a parameter is appended to the previous view when that view ends exactly
     where the parameter starts and its length is a multiple of :data:`_UNIT`; results are then
-    bitwise those of one view per parameter (see the module docstring)."""
+    bitwise those of one view per parameter (see the module docstring). A parameter that
+    starts at one of ``boundaries`` (element offsets where a new part of the trainable region
+    begins, ``Group.part_starts``: the working dtype may change there) always starts a view."""
     out: list[tuple[int, int]] = []
     for off, n in sorted(offsets_numels):
         if n == 0:
             continue
-        if merge and out and out[-1][1] % _UNIT == 0 and out[-1][0] + out[-1][1] == off:
+        if (
+            merge
+            and out
+            and off not in boundaries
+            and out[-1][1] % _UNIT == 0
+            and out[-1][0] + out[-1][1] == off
+        ):
             out[-1] = (out[-1][0], out[-1][1] + n)
         else:
             out.append((off, n))
     return out
 
 
+def _kernel(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hp: dict,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """One ``torch._fused_adamw_`` call (reads ``steps``, never increments them)."""
+    torch._fused_adamw_(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
+        amsgrad=hp["amsgrad"], maximize=hp["maximize"], grad_scale=grad_scale, found_inf=found_inf,
+    )  # fmt: skip
+
+
+class _Batch:
+    """One kernel call over pieces of views, then the cast of their masters into the working
+    pieces (``dst``/``src``: the pieces that have a working copy)."""
+
+    __slots__ = ("lists", "dst", "src")
+
+    def __init__(self, n_lists: int):
+        self.lists: list[list[torch.Tensor]] = [[] for _ in range(n_lists)]
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+
+
+def _plan(
+    bufs: list[list[torch.Tensor]],
+    steps: list[torch.Tensor],
+    working: Sequence[torch.Tensor | None],
+    chunk: int,
+) -> list[_Batch]:
+    """Batches of pieces for :func:`_run`. ``bufs``: the per-view lists the kernel takes
+    (params, grads, exp_avgs, exp_avg_sqs[, max_exp_avg_sqs]), ``steps`` one per view.
+
+    Views with a working copy are cut into pieces of a multiple of :data:`_UNIT` elements (a
+    view's last piece takes the rest: its tail stays its tail), gathered into batches of at
+    most ``chunk`` elements. Views without one (None) go whole into one batch of their own."""
+    if chunk < _UNIT:
+        raise ValueError(f"chunk must be at least {_UNIT} elements, got {chunk}")
+    k = len(bufs)
+    batches: list[_Batch] = []
+    plain = _Batch(k + 1)
+    cur, fill = _Batch(k + 1), 0
+
+    def flush() -> None:
+        nonlocal cur, fill
+        if cur.lists[0]:
+            batches.append(cur)
+        cur, fill = _Batch(k + 1), 0
+
+    for i, w in enumerate(working):
+        n = bufs[0][i].numel()
+        if n == 0:
+            continue
+        if w is None:
+            for j in range(k):
+                plain.lists[j].append(bufs[j][i])
+            plain.lists[k].append(steps[i])
+            continue
+        o = 0
+        while o < n:
+            take = n - o
+            room = chunk - fill
+            if take > room:
+                take = room // _UNIT * _UNIT
+                if take == 0:
+                    flush()
+                    continue
+            for j in range(k):
+                cur.lists[j].append(bufs[j][i][o : o + take])
+            cur.lists[k].append(steps[i])
+            cur.src.append(cur.lists[0][-1])
+            cur.dst.append(w[o : o + take])
+            o += take
+            fill += take
+            if chunk - fill < _UNIT:
+                flush()
+    flush()
+    if plain.lists[0]:
+        batches.insert(0, plain)
+    return batches
+
+
+def _run(
+    batches: list[_Batch], hp: dict, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+) -> None:
+    amsgrad = hp["amsgrad"]
+    for b in batches:
+        ls = b.lists
+        _kernel(ls[0], ls[1], ls[2], ls[3], ls[4] if amsgrad else [], ls[-1], hp, grad_scale, found_inf)
+        if len(b.dst) == 1:
+            b.dst[0].copy_(b.src[0])
+        elif b.dst:
+            torch._foreach_copy_(b.dst, b.src)
+
+
+def fused_adamw_with_copy(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hp: dict,
+    working: Sequence[torch.Tensor | None] | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+    *,
+    max_exp_avg_sqs: list[torch.Tensor] | None = None,
+) -> None:
+    """AdamW (``torch._fused_adamw_``, as ``torch.optim.AdamW(fused=True)``) over 1-D fp32
+    views, and with ``working`` the refresh of a working copy of the weights in the same pass.
+
+    ``steps``: each view's 0-dim fp32 step tensor (one tensor repeated is fine), which the
+    caller increments once per update before this call; it is only read here, however many
+    kernel calls the update takes. ``hp``: :meth:`shfx.optim.AdamW.hyperparams`;
+    ``max_exp_avg_sqs`` is needed with ``hp["amsgrad"]``. ``grad_scale`` / ``found_inf``:
+    0-dim fp32 tensors passed to the kernel as ``torch.amp.GradScaler`` does for fused
+    optimizers (it divides the gradients by ``grad_scale`` in place and changes nothing when
+    ``found_inf`` is 1; undoing the step increment then is the caller's job).
+
+    ``working``: per view, a 1-D view of the same length (bf16, fp16, or fp32: a plain copy),
+    or None for a view without one. Each ends up equal to ``params[i].to(working[i].dtype)``
+    after the update (bitwise what ``p16.copy_(p32)`` after ``torch.optim.AdamW(fused=True)
+    .step()`` gives; also when ``found_inf`` skips the update). The kernel runs over batches
+    of about ``chunk`` elements and each batch's master is cast while it is in the cache
+    (see the module docstring). Without ``working`` (or all None): one kernel call."""
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n):
+        raise ValueError("params, grads, exp_avgs, exp_avg_sqs and steps must have the same length")
+    bufs = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)]
+    if hp["amsgrad"]:
+        if max_exp_avg_sqs is None or len(max_exp_avg_sqs) != n:
+            raise ValueError("amsgrad needs max_exp_avg_sqs, one per param")
+        bufs.append(list(max_exp_avg_sqs))
+    if working is None or all(w is None for w in working):
+        _kernel(*bufs[:4], bufs[4] if hp["amsgrad"] else [], list(steps), hp, grad_scale, found_inf)
+        return
+    if len(working) != n:
+        raise ValueError(f"working has {len(working)} views for {n} params")
+    for p, w in zip(params, working):
+        if w is not None and (w.dim() != 1 or p.dim() != 1 or w.numel() != p.numel()):
+            raise ValueError(f"working view of shape {tuple(w.shape)} for a param view of shape {tuple(p.shape)}")
+    _run(_plan(bufs, list(steps), working, chunk), hp, grad_scale, found_inf)
+
+
+def _boundaries(grp) -> frozenset[int]:
+    """Element offsets where a new part of the group's trainable region begins (the working
+    dtype may change there): never merged across."""
+    return frozenset(getattr(grp, "part_starts", ()))
+
+
 class _State:
     """Flat fp32 states of one group, and the views (per parameter, or merged runs of
-    parameters, see :func:`_spans`) of every flat buffer an update covers."""
+    parameters, see :func:`_spans`) of every flat buffer an update covers; with a working copy
+    (``store.working_view``), its views and the update's batches (:func:`_plan`)."""
 
-    __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "views")
+    __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "views", "working", "batches")
 
-    def __init__(self, store: HostStore, g: int, amsgrad: bool, merge: bool = True):
+    def __init__(self, store: HostStore, g: int, amsgrad: bool, merge: bool = True, chunk: int = CHUNK):
         grp = store.groups[g]
         n, dt = grp.trainable_numel, grp.dtypes.state
         self.step = torch.zeros((), dtype=torch.float32)
         self.exp_avg = torch.zeros(n, dtype=dt)
         self.exp_avg_sq = torch.zeros(n, dtype=dt)
         self.max_exp_avg_sq = torch.zeros(n, dtype=dt) if amsgrad else None
-        spans = _spans(grp.trainable_spans(), merge)
+        spans = _spans(grp.trainable_spans(), merge, _boundaries(grp))
         bufs = [store.master(g), store.grad(g), self.exp_avg, self.exp_avg_sq]
         if amsgrad:
             bufs.append(self.max_exp_avg_sq)
         self.views = [[b[o : o + k] for o, k in spans] for b in bufs]
+        # the group's working image over each view, None per view without one (fp32 training:
+        # a store without working_view, or one returning None)
+        working_view = getattr(store, "working_view", None)
+        work = [working_view(g, o, k) for o, k in spans] if working_view is not None else []
+        self.working = work if any(w is not None for w in work) else None
+        self.batches = None if self.working is None else _plan(self.views, [self.step] * len(spans), self.working, chunk)
 
 
 class HostAdamW:
-    """AdamW states for every group of a host store; ``update(g, hp)`` steps group ``g``.
+    """AdamW states for every group of a host store; ``update(g, hp)`` steps group ``g``, and
+    refreshes the group's working copy where the store keeps one (``store.working_view``).
 
     ``merge_views=False`` keeps one view per parameter (no merging of adjacent ones; same
-    results, more kernel calls: for tests and benchmarks)."""
+    results, more kernel calls: for tests and benchmarks). ``chunk``: elements per kernel call
+    of an update with a working copy (:data:`CHUNK`; see :func:`fused_adamw_with_copy`)."""
 
-    def __init__(self, config: AdamW, store: HostStore, merge_views: bool = True):
+    def __init__(self, config: AdamW, store: HostStore, merge_views: bool = True, chunk: int = CHUNK):
+        if chunk < _UNIT:
+            raise ValueError(f"chunk must be at least {_UNIT} elements, got {chunk}")
         self.config = config
         self.store = store
         self.merge_views = merge_views
+        self.chunk = chunk
         self.state: dict[int, _State] = {}
         self._lock = threading.Lock()
 
@@ -96,7 +295,7 @@ class HostAdamW:
         with self._lock:
             st = self.state.get(g)
             if st is None:
-                st = _State(self.store, g, amsgrad, self.merge_views)
+                st = _State(self.store, g, amsgrad, self.merge_views, self.chunk)
                 self.state[g] = st
             elif amsgrad and st.max_exp_avg_sq is None:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
@@ -121,7 +320,15 @@ class HostAdamW:
         st.exp_avg.copy_(exp_avg)
         st.exp_avg_sq.copy_(exp_avg_sq)
 
-    def update(self, g: int, hp: dict) -> None:
+    def update(
+        self, g: int, hp: dict, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+    ) -> None:
+        """One AdamW step of group ``g`` (and the refresh of its working copy, if any).
+
+        ``grad_scale`` / ``found_inf`` (0-dim fp32): as ``torch.amp.GradScaler`` passes them to
+        ``torch.optim.AdamW(fused=True)``: the gradients are divided by ``grad_scale`` in place;
+        with ``found_inf`` 1 nothing changes (the step count included; the working copy is
+        still rewritten from the unchanged master)."""
         if self.store.master(g).numel() == 0:
             return
         st = self._state(g, hp["amsgrad"])
@@ -129,21 +336,13 @@ class HostAdamW:
         params, grads, avgs, sqs = st.views[:4]
         if not params:
             return
-        torch._fused_adamw_(
-            params,
-            grads,
-            avgs,
-            sqs,
-            st.views[4] if hp["amsgrad"] else [],
-            [st.step] * len(params),
-            lr=hp["lr"],
-            beta1=hp["beta1"],
-            beta2=hp["beta2"],
-            weight_decay=hp["weight_decay"],
-            eps=hp["eps"],
-            amsgrad=hp["amsgrad"],
-            maximize=hp["maximize"],
-        )
+        if st.batches is None:  # no working copy: one kernel call over the views
+            _kernel(params, grads, avgs, sqs, st.views[4] if hp["amsgrad"] else [], [st.step] * len(params), hp,
+                    grad_scale, found_inf)  # fmt: skip
+        else:
+            _run(st.batches, hp, grad_scale, found_inf)
+        if found_inf is not None:
+            st.step -= found_inf  # as torch.optim.AdamW(fused=True) does: a skipped step is not counted
 
     def time_update(self, g: int, hp: dict, repeats: int = 3) -> float:
         """Median seconds of one update of group ``g``, run on scratch buffers laid out like the
@@ -156,31 +355,41 @@ class HostAdamW:
 
     def scratch(self, g: int) -> list[torch.Tensor]:
         """Scratch master, gradient and two state buffers for timing group ``g``'s update (any
-        group of the same dtypes and at most its size can be timed on them)."""
+        group of the same dtypes and at most its size can be timed on them), and a working
+        copy buffer when the group's working dtype is not the master's."""
         grp = self.store.groups[g]
         n, dt = grp.trainable_numel, grp.dtypes
-        return [
+        out = [
             (torch.randn(n) * 1e-3).to(dt.master), (torch.randn(n) * 1e-3).to(dt.grad),
             torch.zeros(n, dtype=dt.state), torch.zeros(n, dtype=dt.state),
         ]  # fmt: skip
+        if dt.working != dt.master:
+            out.append(torch.zeros(n, dtype=dt.working))
+        return out
 
     def time_update_on(self, g: int, hp: dict, scratch: list[torch.Tensor]) -> float:
-        """Seconds of one update of group ``g`` (its views and kernel call, as in :meth:`update`)
-        on ``scratch`` (from :meth:`scratch` of a group at least as large, same dtypes)."""
+        """Seconds of one update of group ``g`` (its views and kernel calls, as in :meth:`update`,
+        with the working copy's refresh when the group's working dtype is not the master's and
+        ``scratch`` has a working buffer) on ``scratch`` (from :meth:`scratch` of a group at
+        least as large, same dtypes)."""
         import time
 
         grp = self.store.groups[g]
-        spans = _spans(grp.trainable_spans(), self.merge_views)
+        spans = _spans(grp.trainable_spans(), self.merge_views, _boundaries(grp))
         if not spans:
             return 0.0
-        views = [[b[o : o + k] for o, k in spans] for b in scratch]
+        views = [[b[o : o + k] for o, k in spans] for b in scratch[:4]]
         step = torch.zeros(())
+        steps = [step] * len(spans)
+        hp = {**hp, "amsgrad": False}
+        with_copy = grp.dtypes.working != grp.dtypes.master and len(scratch) > 4
+        batches = _plan(views, steps, [scratch[4][o : o + k] for o, k in spans], self.chunk) if with_copy else None
         t0 = time.perf_counter()
         step += 1
-        torch._fused_adamw_(
-            *views, [], [step] * len(spans), lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"],
-            weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False, maximize=hp["maximize"],
-        )  # fmt: skip
+        if batches is None:
+            _kernel(*views, [], steps, hp, None, None)
+        else:
+            _run(batches, hp)
         return time.perf_counter() - t0
 
     def steps(self, g: int) -> int:
