@@ -77,3 +77,35 @@ def test_sizes_come_from_the_copies_dtypes():
         plan_groups([infos])  # fp32 masters, fp64 parameters
     with pytest.raises(NotImplementedError, match="working copy"):
         CopyDtypes(working=torch.bfloat16)
+
+
+def test_mixed_precision_group():
+    """bf16 parameters and an fp32 one (a BatchNorm weight) in one group: two parts, element
+    offsets shared by the image, the fp32 master and the gradient; a frozen parameter cast for
+    the device keeps an fp32 master too; buffers stay in the image only."""
+    import torch
+
+    from shfx.passes.layout import Part, TensorInfo, copy_dtypes, plan_groups
+
+    bf, f32 = torch.bfloat16, torch.float32
+    infos = [
+        TensorInfo("w", "param", (40,), bf, trainable=True, host_dtype=f32),
+        TensorInfo("bn", "param", (8,), f32, trainable=True),
+        TensorInfo("b", "param", (32,), bf, trainable=True, host_dtype=f32),
+        TensorInfo("frozen", "param", (10,), bf, host_dtype=f32),
+        TensorInfo("stat", "buffer", (8,), f32, mutable=True),
+    ]
+    (g,) = plan_groups([infos], copy_dtypes("bf16"))
+    # bf16 part: w at element 0 (40 -> 64, 32-element units = 64 bytes of bf16), b at 64; fp32 part from 96
+    assert g.parts == (Part(0, 96, 0, bf), Part(96, 32, 192, f32))
+    assert g.offsets["w"] == 0 and g.offsets["b"] == 128 and g.offsets["bn"] == 192
+    assert g.trainable_bytes == 192 + 128 and g.trainable_numel == 128 and g.master_bytes == 512
+    assert g.trainable_spans() == [(0, 40), (64, 32), (96, 8)]
+    assert g.master_offsets == {"w": 0, "b": 256, "bn": 384, "frozen": 512}
+    assert g.separate_master and g.master_nbytes == 576
+    assert g.param_end == g.offsets["stat"] and g.working_bytes == g.param_end
+    assert g.host_master_bytes == g.master_nbytes + g.nbytes - g.param_end
+    # a copy of the whole trainable region, part by part: (part, first element, numel, byte offset)
+    assert [(p.dtype, e, n, o) for p, e, n, o in g.elements(0, g.trainable_bytes)] == [(bf, 0, 96, 0), (f32, 96, 32, 192)]
+    assert [(e, n) for _, e, n, _ in g.elements(g.offsets["b"], 64)] == [(64, 32)]
+    assert g.part_starts == (96,)

@@ -651,7 +651,6 @@ class Engine:
         hp = self.optimizer.config.hyperparams()
         opt, store, journal = self.optimizer, self.store, self.journal
         finite = self.check_finite if finite is None else finite
-        refresh = store.groups[group].separate_master
         scaler, unscaled, whose = self.scaler, self.unscaled, self._whose(group, "host")
 
         def run() -> None:
@@ -664,9 +663,7 @@ class Engine:
                     # the exposed .grad views' version counters see no user edit
                     store.grad(group).data.div_(scaler.scale_tensor())
                     unscaled.add(group)
-                opt.update(group, hp)
-                if refresh:  # TODO(fused): the host optimizer writes the working copy itself
-                    store.refresh_working(group)
+                opt.update(group, hp)  # (mixed precision: also writes the 16-bit working copy, same pass)
                 journal.done("host", group)
 
         return run
