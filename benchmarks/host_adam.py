@@ -805,13 +805,21 @@ def run_copy(sizes: list[int], args, bound: float, bw: dict[str, Any]) -> dict[s
     }
     if args.only_copy:
         out["bandwidth"] = bw
-    for n in sizes:
-        r = measure_copy(n, args, bound)
-        out["sizes"].append(r)
-        print(f"\nAdamW + bf16 working copy, {r['params'] / 1e6:.1f}M params ({r['groups']} groups, h={r['hidden']}, "
-              f"{r['views_per_group']} view(s)/group, {r['threads']} threads; kernel calls/group: "
-              + ", ".join(f"{k.split()[-1]} {v}" for k, v in r["kernel_calls_per_group"].items()) + f"); {quiet_note(r)}")
-        print_copy_table(r, bound)
+    prev = torch.get_num_threads()
+    threads = [int(t) for t in args.copy_threads.split(",") if t.strip()] or [prev]
+    try:
+        for t in threads:
+            torch.set_num_threads(t)  # this thread's OpenMP team, as in an optimizer worker of t threads
+            for n in sizes:
+                r = measure_copy(n, args, bound)
+                out["sizes"].append(r)
+                print(f"\nAdamW + bf16 working copy, {r['params'] / 1e6:.1f}M params ({r['groups']} groups, h={r['hidden']}, "
+                      f"{r['views_per_group']} view(s)/group, {r['threads']} threads; kernel calls/group: "
+                      + ", ".join(f"{k.split()[-1]} {v}" for k, v in r["kernel_calls_per_group"].items())
+                      + f"); {quiet_note(r)}")
+                print_copy_table(r, bound)
+    finally:
+        torch.set_num_threads(prev)
     return out
 
 
@@ -830,9 +838,10 @@ def main() -> None:
     ap.add_argument("--cache-params", type=parse_size, default=parse_size("1M"),
                     help="params for the in-cache AdamW run (16 B each; keep it inside the last-level cache)")
     ap.add_argument("--copy-sizes", default="10M,100M", help="sizes for section 5, AdamW with the bf16 working copy ('' to skip)")
-    ap.add_argument("--copy-chunks", default="64K,128K,256K,1M,2M,4M",
+    ap.add_argument("--copy-chunks", default="128K,256K,512K,2M,4M",
                     help="other chunk sizes (elements per batch of kernel calls, K = 1024) timed in section 5 "
                          "besides the default")
+    ap.add_argument("--copy-threads", default="2,1", help="intra-op threads for section 5, comma separated (each a separate run of every size)")
     ap.add_argument("--only-copy", action="store_true",
                     help="run the bandwidth test and section 5 only, and add their results to the existing --out "
                          "file as 'working_copy' (other entries kept)")

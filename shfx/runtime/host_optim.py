@@ -53,12 +53,13 @@ _UNIT = 16
 
 
 # elements the update with a working copy runs the kernel over at a time (a batch of pieces of
-# views), before casting them into the working copy: master, gradient, m and v of a batch (16 B
-# per element, 8 MiB) stay in the last-level cache between the two. Measured with
-# ``benchmarks/host_adam.py --copy-chunks`` on the 2-core VM: 64K-128K elements (one batch per
-# L2) lose to a separate cast pass (two fork/joins per batch cost ~10-20 us each there),
-# 256K-1M are best and alike, 4M (64 MiB) falls out of the L3.
-CHUNK = 1 << 19
+# views) before casting them into the working copy: master, gradient, m and v of a batch (16 B
+# per element, 16 MiB) stay in the last-level cache (32 MiB here) between the two. Measured
+# with ``benchmarks/host_adam.py --only-copy`` on the 2-core VM (benchmarks/README.md): 128K
+# loses to a separate cast pass at 2 threads (two OpenMP fork/joins per batch), 256K-4M are
+# within the run-to-run noise of each other; 1M halves the fork/joins of 512K, which counts
+# when other work shares the cores (each fork/join can then wait for a time slice).
+CHUNK = 1 << 20
 
 
 def _spans(
