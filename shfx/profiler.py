@@ -313,7 +313,7 @@ class _HostProbe:
 
     def _key(self, g: int) -> tuple:
         dt = self.engine.store.groups[g].dtypes
-        return (dt.master, dt.grad, dt.state, dt.device_grad)
+        return (dt.master, dt.grad, dt.state, dt.device_grad, dt.working)
 
     def sample(self) -> dict[str, float]:
         out: dict[str, float] = {}
