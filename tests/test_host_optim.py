@@ -16,6 +16,15 @@ from shfx.runtime.host_optim import CHUNK, HostAdamW, _spans, fused_adamw_with_c
 from shfx.runtime.host_store import GRAD_VALID, HostStore
 
 
+
+def _reference_step(ref: list, topt: torch.optim.Optimizer, shapes: list) -> list[torch.Tensor]:
+    """One step of the torch reference on fresh random gradients; returns them (to give shfx)."""
+    grads = [torch.randn(s) for s in shapes]
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    topt.step()
+    return grads
+
 def make(shapes, merge_views=True, **opt):
     params = [torch.randn(*s) for s in shapes]
     infos = [TensorInfo.of(f"p{i}", "param", p, trainable=True) for i, p in enumerate(params)]
@@ -249,10 +258,7 @@ def test_fused_adamw_with_copy_large_tensors():
             ref = [p.requires_grad_() for p in flat.params()]
             topt = torch.optim.AdamW(ref, fused=True, lr=1e-2)
             for _ in range(3):
-                grads = [torch.randn(s) for s in shapes]
-                for r, g in zip(ref, grads):
-                    r.grad = g.clone()
-                topt.step()
+                grads = _reference_step(ref, topt, shapes)
                 flat.set_grads(grads)
                 flat.update(hp, chunk)
             assert_matches(flat, ref, topt, torch.bfloat16)
@@ -294,10 +300,7 @@ def test_fused_adamw_with_copy_mixed_working_views(one_thread):
     w32 = torch.zeros(100)
     untouched = torch.zeros(32, dtype=torch.bfloat16)
     for _ in range(3):
-        grads = [torch.randn(s) for s in shapes]
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
-        topt.step()
+        grads = _reference_step(ref, topt, shapes)
         flat.set_grads(grads)
         flat.step += 1
         views = [flat.views(b) for b in (flat.master, flat.grad, flat.m, flat.v)]

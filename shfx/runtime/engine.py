@@ -175,7 +175,6 @@ class Engine:
         # every update checks its gradient first (a sum over it): inf or NaN skips the step
         # (skip_nonfinite, fp16) or fails it with an error naming the stage
         self.check_finite = True
-        self._nonfinite: NonFiniteGradient | None = None
         self.unscaled: set[int] = set()  # fp16: groups whose host gradient is unscaled this step
         # fp16: the loss scaler (shfx.amp.LossScaler); backward seeds the loss gradient with its
         # scale, the host update unscales, an overflow skips the step and backs the scale off
@@ -997,10 +996,11 @@ class Engine:
                         "its gradient is gone with the slot. Run the step again from the forward."
                     )
                 dev_groups.append((gi, v.train.persistent.index(owner)))
-            if self.check_finite and not self._all_finite(v, groups, dev_groups):
+            bad = self._first_nonfinite(v, groups, dev_groups) if self.check_finite else None
+            if bad is not None:
                 if self.skip_nonfinite:
                     return self._skip_step()  # every gradient is known: nothing has run
-                raise self._nonfinite_error(self._nonfinite, [], [])
+                raise self._nonfinite_error(bad, [], [])
             for gi in groups:
                 tok = self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi, finite=False)), [], f"U{gi}")
                 self.pending_updates.append((f"U{gi}", tok))
@@ -1066,8 +1066,11 @@ class Engine:
             self.scaler.update(False)
         return True
 
-    def _all_finite(self, v: Variant | None, groups: list[int], dev_groups: list[tuple[int, int]]) -> bool:
-        """Whether every gradient a step() would apply is finite (checked before any update)."""
+    def _first_nonfinite(
+        self, v: Variant | None, groups: list[int], dev_groups: list[tuple[int, int]]
+    ) -> NonFiniteGradient | None:
+        """The error of the first gradient a step() would apply that holds inf or NaN, or None
+        (checked before any update)."""
         try:
             for gi in groups:
                 _check_finite(self.store.grad(gi), gi, self._whose(gi, "host"))
@@ -1077,9 +1080,8 @@ class Engine:
                 dgrad = self.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
                 _check_finite(dgrad, gi, self._whose(gi, "device"))
         except NonFiniteGradient as e:
-            self._nonfinite = e
-            return False
-        return True
+            return e
+        return None
 
     def _whose(self, group: int, where: str) -> str:
         """``group``'s gradient, in words: the stage owning it (``"stage 'blocks.2' (parameter
@@ -1090,7 +1092,7 @@ class Engine:
             name = f"stage {v.graph.stages[v.owner_of[group]].name!r} "
         return f"{name}(parameter group {group}, on the {where})"
 
-    def _nonfinite_error(self, err: NonFiniteGradient | None, restored: list[int], applied: list[int]) -> NonFiniteGradient:
+    def _nonfinite_error(self, err: NonFiniteGradient, restored: list[int], applied: list[int]) -> NonFiniteGradient:
         """The error of a step whose gradient holds inf or NaN (``skip_nonfinite`` off): the step
         is dropped, the gradients stay for inspection."""
         self.journal.commit()
@@ -1111,7 +1113,7 @@ class Engine:
             "and go on with the next batch, or lower the learning rate. To skip such steps instead of raising, "
             "compile with skip_nonfinite=True (or precision='fp16', which skips overflowing steps)."
         )
-        return NonFiniteGradient(msg, err.group if err is not None else -1)
+        return NonFiniteGradient(msg, err.group)
 
     def _skip_step(self) -> bool:
         """The step is not applied (a non-finite gradient); the gradients stay for the user."""
