@@ -202,7 +202,8 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
     NOTE: a model with large floating-point buffers inside a group's image, or boundary values
     that are not floating point, is approximated (every byte of a prefetch and a boundary value
     produced by a stage is taken as floating point); the GPT has neither (the model's token ids
-    are its only integer tensors and are not rescaled).
+    are its only integer tensors and are not rescaled). A scalar output of the model (a loss)
+    keeps its fp32: models compute the loss in fp32 (``logits.float()``), as the GPT does.
 
     >>> from shfx.passes.stages import chain
     >>> s = precision_specs(chain(2, prefetch_bytes=1024, activation_bytes=64), "bf16")
@@ -216,8 +217,15 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
     def sc(n: int) -> int:
         return n * e // captured_bytes
 
+    def is_loss(v: Value) -> bool:
+        return v.output and v.producer >= 0 and v.nbytes == captured_bytes
+
     def value(v: Value) -> Value:
-        return v if v.producer < 0 else replace(v, nbytes=sc(v.nbytes))
+        return v if v.producer < 0 or is_loss(v) else replace(v, nbytes=sc(v.nbytes))
+
+    def activations(st: StageSpec) -> int:
+        loss = sum(v.nbytes for v in st.outputs if is_loss(v))
+        return sc(st.activation_bytes - loss) + loss
 
     return [
         replace(
@@ -225,7 +233,7 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
             prefetch_bytes=sc(st.prefetch_bytes),
             grad_bytes=sc(st.grad_bytes),
             slot_bytes=sc(st.slot_bytes),
-            activation_bytes=sc(st.activation_bytes),
+            activation_bytes=activations(st),
             grad_group_bytes=tuple((g, sc(n)) for g, n in st.grad_group_bytes),
             borrowed_grads=tuple((k, g, sc(n)) for k, g, n in st.borrowed_grads),
             inputs=tuple(value(v) for v in st.inputs),

@@ -464,7 +464,7 @@ def memory_model(
     states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
     A = b * s * h * elt  # one boundary activation [b, s, h]
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
-    out = elt if fam.loss_in_model else b * s * V * elt  # the loss (a scalar in the model's dtype) or the logits
+    out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (a scalar, in fp32 as the GPT computes it) or the logits
     korthikanti = s * b * h * (34 + (5 * a * s / h if attention_scores else 0)) * elt / 2  # bytes per layer
     if fam.checkpointing:
         acts = inputs + (L + 1) * A + out  # the head's and every block's output, kept for the backward
@@ -473,7 +473,8 @@ def memory_model(
     act_grads = out + A  # the output's gradient and one boundary gradient (the peak is the tail's backward)
     ws = 0
     if working_set:
-        tail_ws = (3 if fam.loss_in_model else 1) * b * s * V * elt  # logits, log-softmax, their gradient
+        # logits, then (loss in the model) their fp32 copy and its log-softmax (fp32)
+        tail_ws = (elt + 8 if fam.loss_in_model else elt) * b * s * V
         ws = max(int(korthikanti), tail_ws) if fam.checkpointing else tail_ws
     # the tail's gradient of the tied embedding waits on the device for the head's backward when
     # the head is updated there (resident, l2l, stronghold's first k): allocated at the end of the

@@ -508,6 +508,7 @@ def capture_model(
         )
 
     gm = ep.graph_module
+    _drop_metadata_asserts(gm)
     canon_param = {id(p): n for n, p in model.named_parameters()}
     canon_buffer = {id(b): n for n, b in model.named_buffers()}
     persistent = {}
@@ -573,6 +574,18 @@ def capture_model(
         device_dtypes={canon_param.get(id(p), n): working_dtype for n, p in cast.items()},
         working_dtype=working_dtype,
     )
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Remove torch.export's ``_assert_tensor_metadata`` checks (emitted for ``x.float()``,
+    ``x.to(dtype)``): they pin the device and dtype of the capture's example tensors, which shfx
+    changes on purpose (captured on meta or the CPU, run on the device; retargeted dtypes). The
+    graph's own dtypes and devices are what the stages compute with, so the check adds nothing."""
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]:
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def check_real_inputs(tensors: Sequence[torch.Tensor], model_name: str) -> None:

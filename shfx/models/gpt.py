@@ -121,4 +121,6 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        # The loss in fp32 whatever the model's dtype (as Hugging Face's causal LMs do): a no-op in
+        # fp32; in 16 bits, log-softmax over the vocabulary in bf16 loses ~7% of the final loss.
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
