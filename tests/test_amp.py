@@ -10,7 +10,7 @@ import torch
 
 from mixed_reference import bits_of, make_working_copy, train_mixed_eager
 from shfx import LossScaler
-from zoo import ZOO, BNNet, gpt_tied, token_batch, vector_batch
+from zoo import LOSS_IN_FP32, ZOO, BNNet, HFStyleLM, gpt_tied, hf_batch, token_batch, vector_batch
 
 # -- LossScaler == GradScaler ------------------------------------------------------------------
 
@@ -222,7 +222,7 @@ def _assert_near(master: dict, fp32_master: dict, *, mean: float, steps: int = 3
 def test_bf16_recipe_runs_in_bf16():
     fp32 = _fp32_gpt_tied()
     r = train_mixed_eager(gpt_tied, token_batch, "bf16", 3)
-    assert r["loss_dtype"] == torch.bfloat16 and r["skipped"] == [False] * 3
+    assert r["loss_dtype"] == torch.float32 and r["skipped"] == [False] * 3  # the GPT's loss: on logits.float()
     _assert_working_is_cast_master(r, torch.bfloat16)
     assert all(v.dtype == torch.float32 for v in r["master"].values())
     assert any(not torch.equal(r["master"][k], fp32["master"][k]) for k in r["master"])
@@ -231,17 +231,18 @@ def test_bf16_recipe_runs_in_bf16():
 
 
 def test_fp16_default_scale_overflows_the_first_step():
-    """With init_scale 2**16 the loss gradient itself is inf in fp16 (65536 > 65504): step 0
-    is skipped, the scale backs off to 2**15, and the next steps train."""
-    init = train_mixed_eager(gpt_tied, token_batch, "fp16", 0)
-    r = train_mixed_eager(gpt_tied, token_batch, "fp16", 3)
+    """With init_scale 2**16 the gradient of a 16-bit loss is itself inf in fp16 (65536 > 65504):
+    step 0 is skipped, the scale backs off to 2**15, and the next steps train (the Hugging
+    Face-style model computes its loss on 16-bit logits; the GPT's fp32 loss would not overflow)."""
+    init = train_mixed_eager(HFStyleLM, hf_batch, "fp16", 0)
+    r = train_mixed_eager(HFStyleLM, hf_batch, "fp16", 3)
     assert r["skipped"] == [True, False, False]
     assert r["scales"] == [2.0**15] * 3 and r["growth_trackers"] == [0, 1, 2]
     s = LossScaler()
     for overflow, scale, tracker in zip(r["skipped"], r["scales"], r["growth_trackers"]):
         s.update(overflow)
         assert (s.scale, s.growth_tracker) == (scale, tracker)
-    one = train_mixed_eager(gpt_tied, token_batch, "fp16", 1)
+    one = train_mixed_eager(HFStyleLM, hf_batch, "fp16", 1)
     _assert_equal(one["master"], init["master"])  # the skipped step changed nothing
     assert all(v == 0.0 for v in one["step"].values())
     assert all(not v.any() for v in [*one["exp_avg"].values(), *one["exp_avg_sq"].values()])
@@ -252,7 +253,7 @@ def test_fp16_default_scale_overflows_the_first_step():
 def test_fp16_with_a_safe_scale_trains_like_fp32():
     fp32 = _fp32_gpt_tied()
     r = train_mixed_eager(gpt_tied, token_batch, "fp16", 3, scaler_kwargs=dict(init_scale=1024.0))
-    assert r["loss_dtype"] == torch.float16 and r["skipped"] == [False] * 3
+    assert r["loss_dtype"] == torch.float32 and r["skipped"] == [False] * 3
     assert r["scales"] == [1024.0] * 3 and r["growth_trackers"] == [1, 2, 3]
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(fp32["losses"]), rtol=5e-3, atol=0)
     _assert_near(r["master"], fp32["master"], mean=5e-4)
@@ -285,8 +286,10 @@ def test_every_zoo_model_trains_in_16_bit(name, precision):
     make_model, make_batch = ZOO[name]
     r = train_mixed_eager(make_model, make_batch, precision, 3)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    assert r["loss_dtype"] == dtype and all(torch.isfinite(torch.tensor(r["losses"])))
-    assert r["skipped"] == ([True, False, False] if precision == "fp16" else [False] * 3)
+    loss16 = name not in LOSS_IN_FP32
+    assert r["loss_dtype"] == (dtype if loss16 else torch.float32) and all(torch.isfinite(torch.tensor(r["losses"])))
+    # a 16-bit loss's gradient at the default scale (2**16) is inf in fp16: the first step skips
+    assert r["skipped"] == ([True, False, False] if precision == "fp16" and loss16 else [False] * 3)
     assert all(torch.isfinite(v).all() for v in r["master"].values())
     _assert_working_is_cast_master(r, dtype)
 

@@ -150,6 +150,10 @@ def loss_of(out, aux: dict) -> torch.Tensor:
     return F.cross_entropy(out, aux["target"])
 
 
+# the models that compute their loss in fp32 whatever their dtype (the GPT: on logits.float());
+# the others compute it in their parameters' dtype
+LOSS_IN_FP32 = {"gpt_mask", "gpt_tied", "gpt_dropout"}
+
 ZOO = {
     "gpt_mask": (gpt_mask, token_batch),
     "gpt_tied": (gpt_tied, token_batch),
