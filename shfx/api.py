@@ -284,6 +284,8 @@ class CompiledModel:
         self._last: Variant | None = None
         self._last_tensors: list[torch.Tensor] | None = None
         self._dummy = torch.empty(0, requires_grad=True)
+        self._pending_checkpoint: dict[str, Any] | None = None  # loaded before the first call (shfx.checkpoint)
+        self._checkpoint_save: Any = None  # the asynchronous save in flight (shfx.checkpoint.AsyncSave)
         _COMPILED[model] = weakref.ref(self)
 
     @property
@@ -568,6 +570,10 @@ class CompiledModel:
             self._check_model()
         variant, tensors = self._variant(args, kwargs)
         assert self._engine is not None
+        if self._pending_checkpoint is not None:  # a checkpoint loaded before the host store existed
+            from .checkpoint import apply_pending
+
+            apply_pending(self, variant)
         tensors = cast_inputs(tensors, variant.captured.working_dtype)  # mixed precision: as the 16-bit copy takes them
         if torch.is_grad_enabled():
             outs = _OffloadFunction.apply(self, variant, self._dummy, *tensors)
@@ -661,6 +667,63 @@ class CompiledModel:
         if self._engine is not None:
             self._engine.invalidate_device_weights()
         return result
+
+    def save_checkpoint(self, path: str, extra: Any = None, async_save: bool = False, *, scheduler: Any = None) -> None:
+        """Save the whole training state to the directory ``path``, atomically (a save that fails
+        or is killed half way leaves the previous checkpoint at ``path`` as it was).
+
+        Saved: the weights (fp32 masters, under the model's ``state_dict`` names), the AdamW
+        state per parameter name (step, exp_avg, exp_avg_sq) and hyperparameters, the step
+        count, ``scheduler``'s state (anything with ``state_dict``/``load_state_dict``), the fp16
+        loss scaler, the RNG states (torch CPU, CUDA, Python ``random``) and ``extra`` (plain
+        data: the data position, ...), as a ``torch.distributed.checkpoint`` directory that
+        :meth:`load_checkpoint`, ``shfx.checkpoint.load_into`` (eager PyTorch) and
+        ``torch.distributed.checkpoint.load`` read. Call it between steps (after ``cm.step()``).
+
+        ``async_save=True`` copies the state into host staging buffers (kept for the next
+        asynchronous save: 16 bytes per fp32 parameter with AdamW) and writes it in a
+        background thread while training goes on; :meth:`wait_checkpoint`, the next save or
+        load and :meth:`close` wait for it (and raise its error, if it failed).
+
+        >>> import tempfile, torch, shfx
+        >>> cm = shfx.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), blocks=False,
+        ...                   num_stages=2, device=shfx.EmulatedDevice(memory="1MiB"), optimizer=shfx.optim.AdamW())
+        >>> cm(torch.randn(2, 4)).sum().backward(); cm.step(); cm.zero_grad()
+        >>> d = tempfile.mkdtemp() + "/ckpt"
+        >>> cm.save_checkpoint(d, extra={"batch": 1})
+        >>> cm.load_checkpoint(d)
+        {'batch': 1}
+        """
+        from . import checkpoint
+
+        self.wait_checkpoint()
+        self._checkpoint_save = checkpoint.save(self, path, extra=extra, scheduler=scheduler, async_save=async_save)
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (if any); raise its error if it failed."""
+        pending, self._checkpoint_save = self._checkpoint_save, None
+        if pending is not None:
+            pending.wait()
+
+    def load_checkpoint(
+        self, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True
+    ) -> Any:
+        """Load a checkpoint written by :meth:`save_checkpoint` (or ``shfx.checkpoint.save_from``)
+        and return its ``extra``: training then goes on exactly as the run that saved it.
+
+        Works before the first call too (in a fresh process: compile, load, train): the weights
+        load into the model at once, the optimizer state when the first call has laid out the
+        host store. ``scheduler``: loads its saved state. ``strict``: the checkpoint's weights
+        must have exactly the model's names. ``restore_rng``: set the RNG states saved (so
+        dropout draws the masks the saving run would have drawn next).
+
+        Raises:
+            UsageError: a checkpoint of another model, or between a backward and its ``cm.step()``.
+        """
+        from . import checkpoint
+
+        self.wait_checkpoint()
+        return checkpoint.load(self, path, scheduler=scheduler, strict=strict, restore_rng=restore_rng)
 
     def sync(self) -> None:
         """Make the model's own tensors current: copy weights a policy updates on the device (the
@@ -816,8 +879,10 @@ class CompiledModel:
         }
 
     def close(self) -> None:
-        """Stop the worker threads and free device memory; the model keeps its (host) weights."""
+        """Stop the worker threads and free device memory; the model keeps its (host) weights.
+        Waits for an asynchronous checkpoint save first."""
         try:
+            self.wait_checkpoint()
             if self._engine is not None:
                 self._engine.close()
             else:

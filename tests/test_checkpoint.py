@@ -1,0 +1,388 @@
+"""Checkpoint and resume (shfx.checkpoint, cm.save_checkpoint / cm.load_checkpoint).
+
+The resume tests train 10 steps in this process, saving a checkpoint after step 5 on the way,
+and a NEW process (this file run as a script) loads it and trains steps 5-9: its losses, final
+weights and optimizer state must equal this run's bitwise. Saving does not change the state or
+draw random numbers, so the run that saves is the uninterrupted 10-step reference. One child
+process resumes every scenario (each subprocess pays ~3 s to import torch).
+
+No step reseeds the RNG: dropout masks after the resume come from the generator state the
+checkpoint restored (and the same resume with ``restore_rng=False`` is checked to differ).
+"""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import shfx
+import shfx.checkpoint as ckpt
+from shfx.errors import UsageError
+
+from zoo import HFStyleLM, gpt_dropout, gpt_tied, hf_batch, loss_of, token_batch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS, SAVE_AT = 10, 5
+
+# name -> (model, compile options, grad_accum_steps, with an LR scheduler)
+SCENARIOS = {
+    "dropout": (gpt_dropout, {"window": 2}, 1, False),
+    # NOTE: cm.optimizer is shfx.optim.AdamW (a configuration, not a torch Optimizer), so
+    # torch's LambdaLR cannot take it: it runs on a stand-in optimizer and its lr is copied to
+    # cm.optimizer.lr each step; its state is saved and loaded through scheduler=.
+    "accum_scheduler": (gpt_dropout, {"window": 1}, 2, True),
+    # the first stage and its optimizer stay on the device: its AdamW states are the device optimizer's
+    "device_optimizer": (gpt_tied, {"policy": shfx.Stronghold(window=1, resident_first=1)}, 1, False),
+}
+
+
+def _compile(model, opts: dict, accum: int, **kw) -> shfx.CompiledModel:
+    return shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None),
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), grad_accum_steps=accum, **opts, **kw,
+    )  # fmt: skip
+
+
+def _scheduler() -> torch.optim.lr_scheduler.LambdaLR:
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    return torch.optim.lr_scheduler.LambdaLR(stand_in, lambda s: 1.0 / (1 + s))
+
+
+def _train(cm, steps: range, accum: int, sched=None, make_batch=token_batch) -> list[float]:
+    losses = []
+    for step in steps:
+        for micro in range(accum):
+            args, kwargs, aux = make_batch(step, micro)
+            loss = loss_of(cm(*args, **kwargs), aux) / accum
+            loss.backward()
+            losses.append(loss.item())
+        cm.step()
+        cm.zero_grad()
+        if sched is not None:
+            sched.optimizer.step()  # the stand-in (no gradients: a no-op), so torch sees step() before sched.step()
+            sched.step()
+            cm.optimizer.lr = sched.get_last_lr()[0]
+    return losses
+
+
+def _snapshot(cm) -> dict:
+    """Weights and optimizer state (by parameter name), copied."""
+    state, groups = ckpt._optimizer_state(cm)
+    return {
+        "weights": {k: v.detach().clone() for k, v in cm.state_dict().items()},
+        "optim": {n: {k: v.clone() for k, v in e.items()} for n, e in state.items()},
+        "hyper": groups[0],
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    for k in a["weights"]:
+        assert torch.equal(a["weights"][k], b["weights"][k]), f"weight {k} differs"
+    assert a["optim"].keys() == b["optim"].keys() and a["optim"]
+    for n in a["optim"]:
+        assert a["optim"][n].keys() == b["optim"][n].keys()
+        for f in a["optim"][n]:
+            assert torch.equal(a["optim"][n][f], b["optim"][n][f]), f"optimizer state {f} of {n} differs"
+    assert a["hyper"] == b["hyper"]
+
+
+# ---- the child process ----------------------------------------------------------------------------
+def _resume(name: str, path: str) -> dict:
+    make, opts, accum, with_sched = SCENARIOS[name]
+    torch.manual_seed(123)  # other initial weights and RNG than the saving run: the checkpoint must set both
+    cm = _compile(make(), opts, accum)
+    sched = _scheduler() if with_sched else None
+    extra = cm.load_checkpoint(path, scheduler=sched)  # before the first call: a fresh process
+    losses = _train(cm, range(extra["next_step"], STEPS), accum, sched)
+    out = {"losses": losses, "extra": extra, **_snapshot(cm)}
+    if name == "dropout":  # again into the running model: with the RNG restored, then without
+        cm.load_checkpoint(path)
+        out["again"] = _train(cm, range(SAVE_AT, STEPS), accum)
+        cm.load_checkpoint(path, restore_rng=False)
+        out["no_rng"] = _train(cm, range(SAVE_AT, STEPS), accum)
+    cm.close()
+    return out
+
+
+def _kill_mid_save(path: str, expected: str) -> None:
+    """Save a good checkpoint, record what it holds, train on, then save again with
+    SHFX_CHECKPOINT_TEST_KILL_AT=data set: the process is SIGKILLed with the new shards written
+    and DCP's metadata not."""
+    torch.manual_seed(0)
+    cm = _compile(gpt_tied(), {"window": 2}, 1)
+    _train(cm, range(2), 1)
+    cm.save_checkpoint(path, extra={"next_step": 2})
+    torch.save(_snapshot(cm), expected)
+    _train(cm, range(2, 3), 1)
+    os.environ[ckpt._KILL_ENV] = "data"
+    cm.save_checkpoint(path, extra={"next_step": 3})
+    raise AssertionError("the save was not killed")
+
+
+def _main(argv: list[str]) -> None:
+    sys.path.insert(0, HERE)
+    if argv[0] == "resume":
+        out, paths = argv[1], dict(a.split("=", 1) for a in argv[2:])
+        torch.save({name: _resume(name, p) for name, p in paths.items()}, out)
+    elif argv[0] == "kill":
+        _kill_mid_save(argv[1], argv[2])
+
+
+def _run_child(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+# ---- resume in a new process ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Per scenario: (this process's 10-step run, the child's resumed run)."""
+    root = tmp_path_factory.mktemp("resume")
+    full, paths = {}, {}
+    for name, (make, opts, accum, with_sched) in SCENARIOS.items():
+        torch.manual_seed(0)
+        model = make()
+        cm = _compile(model, opts, accum)
+        sched = _scheduler() if with_sched else None
+        if sched is not None:
+            cm.optimizer.lr = sched.get_last_lr()[0]
+        torch.manual_seed(1)
+        losses = _train(cm, range(SAVE_AT), accum, sched)
+        paths[name] = str(root / name)
+        cm.save_checkpoint(paths[name], extra={"next_step": SAVE_AT}, scheduler=sched)
+        losses += _train(cm, range(SAVE_AT, STEPS), accum, sched)
+        full[name] = {"losses": losses, **_snapshot(cm)}
+        cm.close()
+    out = str(root / "resumed.pt")
+    r = _run_child("resume", out, *(f"{n}={p}" for n, p in paths.items()))
+    assert r.returncode == 0, r.stderr[-4000:]
+    child = torch.load(out, weights_only=False)
+    return {name: (full[name], child[name]) for name in SCENARIOS}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_resume_in_a_new_process_is_bitwise(resumed, name):
+    full, res = resumed[name]
+    accum = SCENARIOS[name][2]
+    assert res["extra"] == {"next_step": SAVE_AT}
+    assert res["losses"] == full["losses"][SAVE_AT * accum :]
+    _assert_same(res, full)
+
+
+def test_resume_restores_the_rng(resumed):
+    full, res = resumed["dropout"]
+    assert res["again"] == full["losses"][SAVE_AT:]  # loaded into a running model: the same again
+    assert res["no_rng"] != full["losses"][SAVE_AT:]  # other dropout masks: the RNG state matters
+
+
+def test_scheduler_state_and_lr_are_resumed(resumed):
+    full, res = resumed["accum_scheduler"]
+    assert res["hyper"]["lr"] == full["hyper"]["lr"] == pytest.approx(1e-2 / (1 + STEPS))
+
+
+# ---- atomicity ---------------------------------------------------------------------------------------
+def test_killed_save_leaves_the_last_checkpoint(tmp_path):
+    path, expected = str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")
+    r = _run_child("kill", path, expected)
+    assert r.returncode == -9, f"expected SIGKILL, got {r.returncode}: {r.stderr[-3000:]}"
+    leftovers = [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.shfx-") and e != os.readlink(path)]
+    assert leftovers, "the killed save left nothing behind: it was not killed in the middle"
+    want = torch.load(expected, weights_only=False)
+    # into a compiled model (before its first call) ...
+    torch.manual_seed(5)
+    cm = _compile(gpt_tied(), {"window": 2}, 1)
+    assert cm.load_checkpoint(path) == {"next_step": 2}
+    args, _, _ = token_batch(0)
+    with torch.no_grad():
+        cm(*args)  # the first call lays out the host store and takes the optimizer state
+    _assert_same(_snapshot(cm), want)
+    # ... and the next save to the path removes the killed one's leftovers
+    cm.save_checkpoint(path)
+    assert [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.shfx-")] == [os.readlink(path)]
+    cm.close()
+
+
+def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    """A save that fails after writing its data (disk full, say) leaves the last checkpoint and
+    nothing else."""
+    path = str(tmp_path / "ckpt")
+    cm = _compile(gpt_tied(), {"window": 2}, 1)
+    _train(cm, range(2), 1)
+    cm.save_checkpoint(path, extra={"n": 1})
+    want = _snapshot(cm)
+    _train(cm, range(2, 3), 1)
+
+    def fail(where: str) -> None:
+        if where == "switch":
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_test_kill_point", fail)
+    with pytest.raises(OSError, match="No space"):
+        cm.save_checkpoint(path, extra={"n": 2})
+    assert [e for e in os.listdir(tmp_path) if e.startswith(".ckpt.shfx-")] == [os.readlink(path)]
+    assert cm.load_checkpoint(path) == {"n": 1}
+    _assert_same(_snapshot(cm), want)
+    cm.close()
+
+
+# ---- asynchronous save ------------------------------------------------------------------------------
+def _read_all(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    md, meta = ckpt._read_meta(path)
+    flat = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()}
+    nested: dict = {"model": {}, "optimizer": {"state": {}}}
+    for k, t in flat.items():
+        if k.startswith("model."):
+            nested["model"][k[6:]] = t
+        else:
+            name, _, f = k[len("optimizer.state.") :].rpartition(".")
+            nested["optimizer"]["state"].setdefault(name, {})[f] = t
+    dcp.load(nested, storage_reader=ckpt._reader(path), no_dist=True)
+    return {"tensors": flat, "meta": meta}
+
+
+def test_async_save_equals_a_synchronous_save(tmp_path, monkeypatch):
+    cm = _compile(gpt_dropout(), {"window": 2}, 1)
+    _train(cm, range(3), 1)
+    cm.save_checkpoint(str(tmp_path / "sync"), extra={"n": 3})
+    # hold the writer until the next step has changed the weights and optimizer states, so the
+    # async save can only be right if it wrote the snapshot taken when it was called
+    go = threading.Event()
+    write = ckpt._write_checkpoint
+
+    def held(*a, **kw):
+        assert go.wait(120)
+        write(*a, **kw)
+
+    monkeypatch.setattr(ckpt, "_write_checkpoint", held)
+    cm.save_checkpoint(str(tmp_path / "async"), extra={"n": 3}, async_save=True)
+    _train(cm, range(3, 4), 1)
+    go.set()
+    cm.wait_checkpoint()
+    a, s = _read_all(str(tmp_path / "async")), _read_all(str(tmp_path / "sync"))
+    assert a["tensors"].keys() == s["tensors"].keys()
+    for k in a["tensors"]:
+        assert torch.equal(a["tensors"][k], s["tensors"][k]), k
+    assert torch.equal(a["meta"]["rng"]["torch"], s["meta"]["rng"]["torch"])
+    assert {k: v for k, v in a["meta"].items() if k != "rng"} == {k: v for k, v in s["meta"].items() if k != "rng"}
+    cm.close()
+
+
+# ---- eager interop ----------------------------------------------------------------------------------
+def _eager_train(model, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        args, kwargs, aux = token_batch(step)
+        loss = loss_of(model(*args, **kwargs), aux)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _eager_snapshot(model, opt) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optim": {names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()},
+        "hyper": {**{k: opt.param_groups[0][k] for k in ckpt._HYPER}, "params": [n for n, p in model.named_parameters()]},
+    }
+
+
+def test_eager_round_trip(tmp_path):
+    """eager -> shfx -> eager: each side resumes the other's training exactly."""
+    torch.manual_seed(0)
+    model = gpt_dropout()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    torch.manual_seed(1)
+    _eager_train(model, opt, range(3))
+    ckpt.save_from(model, opt, str(tmp_path / "eager"), extra={"next_step": 3})
+    ref_losses = _eager_train(model, opt, range(3, 6))
+
+    torch.manual_seed(9)
+    cm = _compile(gpt_dropout(), {"window": 2}, 1)
+    _train(cm, range(1), 1)  # a model that already trained: the load replaces its state
+    assert cm.load_checkpoint(str(tmp_path / "eager")) == {"next_step": 3}
+    assert _train(cm, range(3, 6), 1) == ref_losses
+    ours = _snapshot(cm)
+    _assert_same(ours, _eager_snapshot(model, opt))
+
+    cm.save_checkpoint(str(tmp_path / "shfx"), extra={"next_step": 6})
+    ref_losses = _train(cm, range(6, 8), 1)
+    torch.manual_seed(3)
+    model2 = gpt_dropout()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, fused=True)  # hyperparameters come from the checkpoint
+    assert ckpt.load_into(model2, opt2, str(tmp_path / "shfx")) == {"next_step": 6}
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    assert _eager_train(model2, opt2, range(6, 8)) == ref_losses
+    _assert_same(_snapshot(cm), _eager_snapshot(model2, opt2))
+    cm.close()
+
+
+# ---- fp16: the loss scaler ----------------------------------------------------------------------------
+def test_fp16_scaler_state_round_trip(tmp_path):
+    """HFStyleLM's first fp16 step overflows at the default scale (skipped, the scale backs
+    off), later steps grow it: the scaler's state, the skip count, the fp32 masters and the
+    16-bit working copy made from them all come back."""
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return _compile(HFStyleLM(), {"window": 2}, 1, precision="fp16", scaler=shfx.LossScaler(growth_interval=2))
+
+    cm = make(0)
+    torch.manual_seed(1)
+    _train(cm, range(4), 1, make_batch=hf_batch)
+    assert cm.skipped_steps >= 1
+    cm.save_checkpoint(str(tmp_path / "c"))
+    saved_scaler, saved_skips = cm.scaler.state_dict(), cm.skipped_steps
+    ref = _train(cm, range(4, 7), 1, make_batch=hf_batch)
+
+    other = make(7)
+    _train(other, range(1), 1, make_batch=hf_batch)  # loads into a running model: its 16-bit copy is refreshed
+    other.load_checkpoint(str(tmp_path / "c"))
+    assert other.scaler.state_dict() == saved_scaler and other.skipped_steps == saved_skips
+    assert _train(other, range(4, 7), 1, make_batch=hf_batch) == ref
+    assert other.scaler.state_dict() == cm.scaler.state_dict()
+    _assert_same(_snapshot(other), _snapshot(cm))
+    cm.close()
+    other.close()
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+def test_errors_say_what_to_do(tmp_path):
+    cm = _compile(gpt_tied(), {"window": 2}, 1)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        cm.load_checkpoint(str(tmp_path / "missing"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    with pytest.raises(UsageError, match="not empty and was not written by shfx"):
+        cm.save_checkpoint(str(tmp_path / "full"))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    ckpt.save_from(other, None, str(tmp_path / "other"))
+    with pytest.raises(UsageError, match="does not match the model: missing"):
+        cm.load_checkpoint(str(tmp_path / "other"))
+    args, _, _ = token_batch(0)
+    cm(*args).backward()
+    with pytest.raises(UsageError, match="call cm.step"):
+        cm.save_checkpoint(str(tmp_path / "mid"))
+    cm.step()
+    cm.close()
+
+
+def test_module_docstring_example():
+    result = doctest.testmod(ckpt, optionflags=doctest.NORMALIZE_WHITESPACE, report=False)
+    assert result.attempted and result.failed == 0
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
