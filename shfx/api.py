@@ -286,6 +286,7 @@ class CompiledModel:
         self._dummy = torch.empty(0, requires_grad=True)
         self._pending_checkpoint: dict[str, Any] | None = None  # loaded before the first call (shfx.checkpoint)
         self._checkpoint_save: Any = None  # the asynchronous save in flight (shfx.checkpoint.AsyncSave)
+        self._checkpoint_staging: dict[str, torch.Tensor] = {}  # its host copy, reused by the next one
         _COMPILED[model] = weakref.ref(self)
 
     @property

@@ -446,8 +446,7 @@ def save(
     if not async_save:
         _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))
         return None
-    staging = cm.__dict__.setdefault("_checkpoint_staging", {})
-    return AsyncSave(os.path.abspath(path), _stage(tensors, staging), meta)
+    return AsyncSave(os.path.abspath(path), _stage(tensors, cm._checkpoint_staging), meta)
 
 
 # ---- reading ---------------------------------------------------------------------------------------
