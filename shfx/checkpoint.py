@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from .errors import UsageError
 
-__all__ = ["save", "load", "save_from", "load_into", "AsyncSave", "STATE_FILE", "FORMAT"]
+__all__ = ["save", "load", "save_from", "load_into", "read_info", "AsyncSave", "STATE_FILE", "FORMAT"]
 
 FORMAT = 1
 STATE_FILE = "shfx_state.pt"
@@ -478,6 +478,17 @@ def _read_meta(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return md, meta
 
 
+def read_info(path: str) -> dict[str, Any]:
+    """What a checkpoint holds besides its tensors: ``steps`` (optimizer steps taken),
+    ``skipped_steps`` (fp16), ``param_groups`` (hyperparameters and parameter names),
+    ``source`` (``"shfx"`` or ``"eager"``), ``extra``, and ``tensors`` (each tensor's flattened
+    DCP key with its shape and dtype)."""
+    md, meta = _read_meta(os.path.abspath(path))
+    keys = ("steps", "skipped_steps", "param_groups", "source", "extra")
+    tensors = {k: (tuple(m.size), m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
+    return {**{k: meta[k] for k in keys}, "tensors": tensors}
+
+
 def _load_model(path: str, md: dict[str, Any], model_sd: dict[str, torch.Tensor], strict: bool) -> None:
     """Load ``model.*`` into the tensors of ``model_sd`` in place."""
     import torch.distributed.checkpoint as dcp
@@ -536,8 +547,8 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     if cm._engine is not None:
         cm._store.refresh_working()  # mixed precision: the 16-bit image from the loaded masters
         cm._engine.invalidate_device_weights()
-    state = _load_optim_tensors(path, md)
     if cm.optimizer is not None:
+        state = _load_optim_tensors(path, md)
         if cm._engine is None:  # the host store does not exist yet: applied at the first call
             _set_hyperparams(cm.optimizer, meta["param_groups"])
             cm._pending_checkpoint = {"path": path, "state": state, "param_groups": meta["param_groups"],

@@ -103,9 +103,11 @@ def _resume(name: str, path: str) -> dict:
     extra = cm.load_checkpoint(path, scheduler=sched)  # before the first call: a fresh process
     losses = _train(cm, range(extra["next_step"], STEPS), accum, sched)
     out = {"losses": losses, "extra": extra, **_snapshot(cm)}
-    if name == "dropout":  # again into the running model: with the RNG restored, then without
-        cm.load_checkpoint(path)
-        out["again"] = _train(cm, range(SAVE_AT, STEPS), accum)
+    # again, into the model that has run since (its host store and states exist): the same run
+    sched = _scheduler() if with_sched else None
+    cm.load_checkpoint(path, scheduler=sched)
+    out["again"] = _train(cm, range(SAVE_AT, STEPS), accum, sched)
+    if name == "dropout":  # and without restoring the RNG: other dropout masks, other losses
         cm.load_checkpoint(path, restore_rng=False)
         out["no_rng"] = _train(cm, range(SAVE_AT, STEPS), accum)
     cm.close()
@@ -174,12 +176,12 @@ def test_resume_in_a_new_process_is_bitwise(resumed, name):
     accum = SCENARIOS[name][2]
     assert res["extra"] == {"next_step": SAVE_AT}
     assert res["losses"] == full["losses"][SAVE_AT * accum :]
+    assert res["again"] == full["losses"][SAVE_AT * accum :]  # loaded again into the running model
     _assert_same(res, full)
 
 
 def test_resume_restores_the_rng(resumed):
     full, res = resumed["dropout"]
-    assert res["again"] == full["losses"][SAVE_AT:]  # loaded into a running model: the same again
     assert res["no_rng"] != full["losses"][SAVE_AT:]  # other dropout masks: the RNG state matters
 
 
@@ -307,6 +309,9 @@ def test_eager_round_trip(tmp_path):
     torch.manual_seed(1)
     _eager_train(model, opt, range(3))
     ckpt.save_from(model, opt, str(tmp_path / "eager"), extra={"next_step": 3})
+    info = ckpt.read_info(str(tmp_path / "eager"))
+    assert (info["steps"], info["source"], info["extra"]) == (3, "eager", {"next_step": 3})
+    assert info["tensors"]["optimizer.state.transformer.wte.weight.exp_avg"] == ((64, 32), torch.float32)
     ref_losses = _eager_train(model, opt, range(3, 6))
 
     torch.manual_seed(9)
