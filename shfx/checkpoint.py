@@ -142,92 +142,121 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _load_optimizer_state(
     cm, state: dict[str, dict[str, torch.Tensor]], param_groups: list[dict[str, Any]], device_groups=None
 ) -> None:
-    """Put ``state`` (as :func:`_optimizer_state` returns it) into the compiled model's optimizer:
-    each group's states are replaced (a group none of whose parameters has state starts fresh).
-    Needs the host store (after the first call); ``param_groups`` sets the hyperparameters.
-    ``device_groups``: the groups updated on the device (default: those of the last forward's
-    variant)."""
-    _set_hyperparams(cm.optimizer, param_groups)
+    """Put ``state`` (as :func:`_optimizer_state` returns it) into the compiled model's optimizer
+    (:func:`_prepare_optimizer_state`, then apply)."""
+    _prepare_optimizer_state(cm, state, param_groups, device_groups)()
+
+
+def _prepare_optimizer_state(
+    cm, state: dict[str, dict[str, torch.Tensor]], param_groups: list[dict[str, Any]], device_groups=None
+) -> Callable[[], None]:
+    """Check ``state`` (as :func:`_optimizer_state` returns it) and ``param_groups`` against the
+    compiled model and return the function that puts them into its optimizer: each group's
+    states are replaced (a group none of whose parameters has state starts fresh) and the
+    hyperparameters set. Changes nothing itself (a load that is refused leaves the model as it
+    was). Needs the host store (after the first call). ``device_groups``: the groups updated on
+    the device (default: those of the last forward's variant)."""
     eng, store = cm._engine, cm._store
-    states = _group_states(cm)
     if device_groups is None:
         device_groups = eng.current.device_groups if eng.current is not None else frozenset()
-    seen: set[str] = set()
-    for grp in store.groups:
-        spans = _param_spans(grp)
-        if not spans:
-            continue
-        have = [n for n, _, _ in spans if n in state]
-        seen.update(have)
-        on_device = grp.index in device_groups or states.get(grp.index, ("host",))[0] == "device"
-        if not have:  # no state saved for this group: it starts fresh, as it would in torch
-            if grp.index in states:
-                (eng.device_optimizer if on_device else eng.optimizer).take(grp.index)
-            continue
-        if len(have) != len(spans):
-            missing = [n for n, _, _ in spans if n not in state]
-            raise UsageError(
-                f"the checkpoint has optimizer state for {have[0]!r} but not for {missing[0]!r}, which shfx updates "
-                f"together (host group {grp.index}: {', '.join(n for n, _, _ in spans)}); a checkpoint from shfx or "
-                "from an eager optimizer that stepped every parameter has both. Save it again after a step that "
-                "reached every parameter, or load the weights alone (cm.load_state_dict)."
-            )
-        steps = {float(state[n]["step"]) for n in have}
-        if len(steps) != 1:
-            raise UsageError(
-                f"the checkpoint's parameters {', '.join(have)} have different AdamW step counts ({sorted(steps)}), "
-                f"but shfx keeps one per group (host group {grp.index}); a checkpoint from an optimizer that stepped "
-                "them all alike loads"
-            )
-        n_el = grp.trainable_numel
-        fields = [f for f in _ADAM_FIELDS[1:] if f in state[have[0]]]
-        if on_device and "max_exp_avg_sq" in fields:
-            raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
-        flat = {f: torch.zeros(n_el, dtype=grp.dtypes.state) for f in fields}
-        for name, off, shape in spans:
-            for f in fields:
-                src = state[name].get(f)
-                if src is None or tuple(src.shape) != tuple(shape):
-                    got = "nothing" if src is None else f"shape {tuple(src.shape)}"
-                    raise UsageError(
-                        f"optimizer state {f!r} of {name!r} in the checkpoint is {got}; the model's parameter has shape "
-                        f"{tuple(shape)}. Load a checkpoint of this model."
-                    )
-                flat[f][off : off + _numel(shape)].copy_(src.reshape(-1))
-        step = torch.tensor(steps.pop(), dtype=torch.float32)
-        if on_device:
-            if grp.index in states and states[grp.index][0] == "host":
-                eng.optimizer.take(grp.index)
-            eng.device_optimizer.put(grp, step, flat["exp_avg"], flat["exp_avg_sq"])
-        else:
-            if grp.index in states and states[grp.index][0] == "device":
-                eng.device_optimizer.take(grp.index)
-            eng.optimizer.put(grp.index, step, flat["exp_avg"], flat["exp_avg_sq"])
-            if "max_exp_avg_sq" in flat:
-                st = eng.optimizer.state[grp.index]
-                if st.max_exp_avg_sq is None:
-                    raise UsageError("the checkpoint has amsgrad state (max_exp_avg_sq); compile with AdamW(amsgrad=True)")
-                st.max_exp_avg_sq.copy_(flat["max_exp_avg_sq"])
-    unknown = sorted(set(state) - seen)
+    trainable = {n for grp in store.groups for n, _, _ in _param_spans(grp)}
+    unknown = sorted(set(state) - trainable)
     if unknown:
         raise UsageError(
             f"the checkpoint has optimizer state for {unknown[0]!r} ({len(unknown)} such), which is not a trainable "
             "parameter of this compiled model; load a checkpoint of this model (same parameter names and requires_grad)"
         )
+    plan = [(grp, _group_flat(grp, state)) for grp in store.groups if _param_spans(grp)]
+    hps = _checked_hyperparams(param_groups)
+    amsgrad = any(flat is not None and "max_exp_avg_sq" in flat[1] for _, flat in plan)
+    if any(flat is not None for _, flat in plan) and bool(hps.get("amsgrad", cm.optimizer.amsgrad)) != amsgrad:
+        raise UsageError(
+            f"the checkpoint's hyperparameters say amsgrad={hps.get('amsgrad')}, but its states "
+            f"{'have' if amsgrad else 'have no'} max_exp_avg_sq; save it again from an optimizer whose states match"
+        )
+    if amsgrad and any(grp.index in device_groups for grp, flat in plan if flat is not None):
+        raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
+
+    def apply() -> None:
+        for k, v in hps.items():
+            setattr(cm.optimizer, k, v)
+        states = _group_states(cm)
+        for grp, flat in plan:
+            g = grp.index
+            if g in states:  # the group's current states go, wherever they are
+                (eng.device_optimizer if states[g][0] == "device" else eng.optimizer).take(g)
+            if flat is None:  # no state saved for this group: it starts fresh, as it would in torch
+                continue
+            step, f = flat
+            if g in device_groups:
+                eng.device_optimizer.put(grp, step, f["exp_avg"], f["exp_avg_sq"])
+                continue
+            if amsgrad:  # NOTE: HostAdamW.put makes states without amsgrad's buffer; this makes them with it
+                eng.optimizer._state(g, amsgrad=True)
+            eng.optimizer.put(g, step, f["exp_avg"], f["exp_avg_sq"])
+            if amsgrad:
+                eng.optimizer.state[g].max_exp_avg_sq.copy_(f["max_exp_avg_sq"])
+
+    return apply
 
 
-def _set_hyperparams(opt, param_groups: list[dict[str, Any]]) -> None:
+def _group_flat(grp, state: dict[str, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """Host group ``grp``'s ``(step, {field: flat buffer})`` from per-parameter ``state``, laid
+    out like its trainable region; None when none of its parameters has state."""
+    spans = _param_spans(grp)
+    have = [n for n, _, _ in spans if n in state]
+    if not have:
+        return None
+    if len(have) != len(spans):
+        missing = [n for n, _, _ in spans if n not in state]
+        raise UsageError(
+            f"the checkpoint has optimizer state for {have[0]!r} but not for {missing[0]!r}, which shfx updates "
+            f"together (host group {grp.index}: {', '.join(n for n, _, _ in spans)}); a checkpoint from shfx or "
+            "from an eager optimizer that stepped every parameter has both. Save it again after a step that "
+            "reached every parameter, or load the weights alone (cm.load_state_dict)."
+        )
+    steps = {float(state[n]["step"]) for n in have}
+    if len(steps) != 1:
+        raise UsageError(
+            f"the checkpoint's parameters {', '.join(have)} have different AdamW step counts ({sorted(steps)}), "
+            f"but shfx keeps one per group (host group {grp.index}); a checkpoint from an optimizer that stepped "
+            "them all alike loads"
+        )
+    fields = [f for f in _ADAM_FIELDS[1:] if f in state[have[0]]]
+    flat = {f: torch.zeros(grp.trainable_numel, dtype=grp.dtypes.state) for f in fields}
+    for name, off, shape in spans:
+        for f in dict.fromkeys(_ADAM_FIELDS[1:3] + tuple(fields)):
+            src = state[name].get(f)
+            if src is None or tuple(src.shape) != tuple(shape):
+                got = "nothing" if src is None else f"shape {tuple(src.shape)}"
+                raise UsageError(
+                    f"optimizer state {f!r} of {name!r} in the checkpoint is {got}; the model's parameter has shape "
+                    f"{tuple(shape)}. Load a checkpoint of this model."
+                )
+            flat[f][off : off + _numel(shape)].copy_(src.reshape(-1))
+    return torch.tensor(steps.pop(), dtype=torch.float32), flat
+
+
+def _checked_hyperparams(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one set of AdamW hyperparameters of ``param_groups`` (checked: shfx's AdamW has one)."""
     if not param_groups:
-        return
+        return {}
     hps = [{k: g[k] for k in _HYPER if k in g} for g in param_groups]
     if any(_norm(h) != _norm(hps[0]) for h in hps[1:]):
         raise UsageError(
             f"the checkpoint's optimizer has {len(hps)} parameter groups with different hyperparameters ({hps}); "
             "shfx.optim.AdamW has one set. Save from an optimizer with one set of hyperparameters."
         )
-    for k, v in hps[0].items():
-        setattr(opt, k, tuple(v) if k == "betas" else v)
-    opt.validate()
+    out = {k: tuple(v) if k == "betas" else v for k, v in hps[0].items()}
+    from .optim import AdamW
+
+    AdamW(**out)  # validates them
+    return out
+
+
+def _set_hyperparams(opt, param_groups: list[dict[str, Any]]) -> None:
+    for k, v in _checked_hyperparams(param_groups).items():
+        setattr(opt, k, v)
 
 
 def _norm(h: dict[str, Any]) -> dict[str, Any]:
@@ -543,19 +572,24 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     path = os.path.abspath(path)
     md, meta = _read_meta(path)
     cm._settle()
+    apply_optimizer = None
+    if cm.optimizer is not None:  # checked before anything loads: a refused load changes nothing
+        state = _load_optim_tensors(path, md)
+        if cm._engine is not None:
+            apply_optimizer = _prepare_optimizer_state(cm, state, meta["param_groups"])
+        else:
+            _checked_hyperparams(meta["param_groups"])
     _load_model(path, md, cm.module.state_dict(), strict)  # in place: the model's tensors are the host store
     if cm._engine is not None:
         cm._store.refresh_working()  # mixed precision: the 16-bit image from the loaded masters
         cm._engine.invalidate_device_weights()
-    if cm.optimizer is not None:
-        state = _load_optim_tensors(path, md)
-        if cm._engine is None:  # the host store does not exist yet: applied at the first call
-            _set_hyperparams(cm.optimizer, meta["param_groups"])
-            cm._pending_checkpoint = {"path": path, "state": state, "param_groups": meta["param_groups"],
-                                      "skipped_steps": meta["skipped_steps"]}  # fmt: skip
-        else:
-            _load_optimizer_state(cm, state, meta["param_groups"])
-            cm._engine.skipped_steps = meta["skipped_steps"]
+    if apply_optimizer is not None:
+        apply_optimizer()
+        cm._engine.skipped_steps = meta["skipped_steps"]
+    elif cm.optimizer is not None:  # the host store does not exist yet: the states go in at the first call
+        _set_hyperparams(cm.optimizer, meta["param_groups"])
+        cm._pending_checkpoint = {"path": path, "state": state, "param_groups": meta["param_groups"],
+                                  "skipped_steps": meta["skipped_steps"]}  # fmt: skip
     _load_common(meta, path, scheduler, cm.scaler, restore_rng)
     return meta["extra"]
 

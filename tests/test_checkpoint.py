@@ -12,7 +12,6 @@ checkpoint restored (and the same resume with ``restore_rng=False`` is checked t
 
 from __future__ import annotations
 
-import copy
 import doctest
 import os
 import subprocess
@@ -331,6 +330,46 @@ def test_eager_round_trip(tmp_path):
     assert opt2.param_groups[0]["lr"] == 1e-2
     assert _eager_train(model2, opt2, range(6, 8)) == ref_losses
     _assert_same(_snapshot(cm), _eager_snapshot(model2, opt2))
+    cm.close()
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def test_eager_amsgrad_and_partial_state(tmp_path):
+    """amsgrad's max_exp_avg_sq comes along; a checkpoint whose optimizer stepped only part of
+    a group shfx updates as one is refused, naming the parameters, and changes nothing."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True, fused=True)
+    batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(4)]
+
+    def step(m, o, x, y):
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.item()
+
+    for x, y in batches[:2]:
+        step(model, opt, x, y)
+    ckpt.save_from(model, opt, str(tmp_path / "ams"))
+    cm = shfx.compile(_mlp(), device=shfx.EmulatedDevice(memory="1MiB", h2d=None, d2h=None), blocks=False, num_stages=2,
+                      optimizer=shfx.optim.AdamW(amsgrad=True))  # fmt: skip
+    cm.load_checkpoint(str(tmp_path / "ams"))
+    assert [step(cm, cm, x, y) for x, y in batches[2:]] == [step(model, opt, x, y) for x, y in batches[2:]]
+    _assert_same(_snapshot(cm), _eager_snapshot(model, opt))
+
+    before = _snapshot(cm)
+    partial = _mlp()
+    popt = torch.optim.AdamW([partial[0].weight], lr=1e-2)  # not the bias shfx updates with it
+    partial(batches[0][0]).sum().backward()
+    popt.step()
+    ckpt.save_from(partial, popt, str(tmp_path / "partial"))
+    with pytest.raises(UsageError, match=r"optimizer state for '0.weight' but not for '0.bias'"):
+        cm.load_checkpoint(str(tmp_path / "partial"))
+    _assert_same(_snapshot(cm), before)  # the refused load changed nothing
     cm.close()
 
 
