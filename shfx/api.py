@@ -681,10 +681,10 @@ class CompiledModel:
         :meth:`load_checkpoint`, ``shfx.checkpoint.load_into`` (eager PyTorch) and
         ``torch.distributed.checkpoint.load`` read. Call it between steps (after ``cm.step()``).
 
-        ``async_save=True`` copies the state into host staging buffers (kept for the next
-        asynchronous save: 16 bytes per fp32 parameter with AdamW) and writes it in a
-        background thread while training goes on; :meth:`wait_checkpoint`, the next save or
-        load and :meth:`close` wait for it (and raise its error, if it failed).
+        ``async_save=True`` copies the state into host staging buffers (the weights and two
+        AdamW states: 12 bytes per fp32 parameter, kept for the next asynchronous save) and
+        writes it in a background thread while training goes on; :meth:`wait_checkpoint`, the
+        next save or load and :meth:`close` wait for it (and raise its error, if it failed).
 
         >>> import tempfile, torch, shfx
         >>> cm = shfx.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), blocks=False,
