@@ -572,6 +572,7 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     path = os.path.abspath(path)
     md, meta = _read_meta(path)
     cm._settle()
+    _check_common(meta, path, scheduler)
     apply_optimizer = None
     if cm.optimizer is not None:  # checked before anything loads: a refused load changes nothing
         state = _load_optim_tensors(path, md)
@@ -604,18 +605,20 @@ def apply_pending(cm, variant) -> None:
     cm._engine.skipped_steps = pending["skipped_steps"]
 
 
+def _check_common(meta: dict[str, Any], path: str, scheduler: Any) -> None:
+    """What :func:`_load_common` would refuse, checked before anything loads."""
+    if scheduler is not None and meta["scheduler"] is None:
+        raise UsageError(f"scheduler= was given, but the checkpoint at {path!r} was saved without one; load without it")
+
+
 def _load_common(meta: dict[str, Any], path: str, scheduler: Any, scaler: Any, restore_rng: bool) -> None:
+    """The scheduler, the loss scaler (when the checkpoint has one: a checkpoint saved in
+    another precision leaves the scaler as it is) and the RNG states."""
+    _check_common(meta, path, scheduler)
     if scheduler is not None:
-        if meta["scheduler"] is None:
-            raise UsageError(f"scheduler= was given, but the checkpoint at {path!r} was saved without one")
         scheduler.load_state_dict(meta["scheduler"])
-    if scaler is not None and meta["scaler"] is not None:
+    if scaler is not None and meta["scaler"]:
         scaler.load_state_dict(meta["scaler"])
-    elif scaler is not None and scaler.state_dict():
-        raise UsageError(
-            f"this model has a loss scaler (precision='fp16') but the checkpoint at {path!r} has none (saved in "
-            "another precision); its scale starts fresh if you load with a new shfx.LossScaler. Save and load in fp16."
-        )
     if restore_rng:
         set_rng_state(meta["rng"])
 
@@ -677,6 +680,7 @@ def load_into(
     ``scaler`` (``torch.amp.GradScaler``), the RNG states. Returns the ``extra`` saved."""
     path = os.path.abspath(path)
     md, meta = _read_meta(path)
+    _check_common(meta, path, scheduler)
     with torch.no_grad():
         _load_model(path, md, model.state_dict(), strict)
     if optimizer is not None:

@@ -415,6 +415,8 @@ def test_errors_say_what_to_do(tmp_path):
     ckpt.save_from(other, None, str(tmp_path / "other"))
     with pytest.raises(UsageError, match="does not match the model: missing"):
         cm.load_checkpoint(str(tmp_path / "other"))
+    with pytest.raises(UsageError, match="saved without one"):
+        cm.load_checkpoint(str(tmp_path / "other"), scheduler=_scheduler())
     args, _, _ = token_batch(0)
     cm(*args).backward()
     with pytest.raises(UsageError, match="call cm.step"):
