@@ -202,3 +202,17 @@ def test_capacity_check_counts_the_largest_declared_shape():
     cm = small_compile(small_model(), dynamic={"batch": (1, 64)}, device=emulated("200KiB"))
     cm(torch.randn(2, 8)).sum().backward()
     cm.close()
+
+
+def test_bf16_dynamic_capture_trains_like_the_eager_mixed_recipe_bitwise():
+    from mixed_reference import train_mixed_eager
+    from mixed_shfx import train_mixed_shfx
+
+    steps = len(SEQS)
+    got = train_mixed_shfx(gpt_tied, varlen_tokens, "bf16", steps, dynamic={"seq": (1, 16)})
+    ref = train_mixed_eager(gpt_tied, varlen_tokens, "bf16", steps)
+    assert got["loss_bits"] == ref["loss_bits"]
+    for k, v in ref["master"].items():
+        assert torch.equal(got["master"][k], v), k
+    assert got["cm"].stats()["captures"] == 1
+    got["cm"].close()
