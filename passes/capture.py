@@ -759,6 +759,18 @@ class DynamicShapes:
     ranges: dict[str, tuple[int, int]] = field(hash=False)
     shapes: tuple[tuple[int | None, ...], ...]
     sized_for: dict[str, int] = field(hash=False)
+    capped: frozenset[str] = frozenset()  # symbols whose upper end is the largest size seen, not a limit
+
+    def could_grow(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a capture with a larger range could cover ``tensors`` where this one does
+        not: every dynamic size outside its range is above an end that only the largest size
+        seen set (below the range, or above a limit torch.export derived, it could not)."""
+        for i, d, sym in self.dims:
+            n = int(tensors[i].shape[d])
+            lo, hi = self.ranges[sym]
+            if n < lo or (n > hi and sym not in self.capped):
+                return False
+        return True
 
     def mismatch(self, tensors: Sequence[torch.Tensor]) -> str | None:
         """None when ``tensors`` (the call's tensor leaves) are covered, else why not."""
@@ -829,6 +841,7 @@ def capture_model_dynamic(
     ranges: dict[str, tuple[int, int]] = {}
     symbol_of: dict[Any, str] = {}
     out_dims: list[tuple[int, int, str]] = []
+    capped: set[str] = set()
     for dd in dims:
         size = user_vals[dd.input].shape[dd.dim]
         if not isinstance(size, torch.SymInt) or not getattr(size.node.expr, "is_Symbol", False):
@@ -840,12 +853,12 @@ def capture_model_dynamic(
         sym = symbol_of.setdefault(expr, dd.name if dd.name not in ranges else f"{dd.name}@{dd.input}.{dd.dim}")
         vr = ep.range_constraints.get(expr)
         lo = max(dd.lo, int(vr.lower)) if vr is not None else dd.lo
-        upper = vr.upper if vr is not None else None
-        finite = upper is not None and getattr(upper, "is_finite", True) and upper.is_integer
-        hi_candidates = [int(upper)] if finite else []
+        hi_candidates = [] if vr is None else [h for h in [_finite_int(vr.upper)] if h is not None]
         if dd.hi is not None:
             hi_candidates.append(dd.hi)
         hi = min(hi_candidates) if hi_candidates else max(dd.seen_max, int(tensors[dd.input].shape[dd.dim]))
+        if not hi_candidates:
+            capped.add(sym)
         if sym in ranges:
             lo, hi = max(lo, ranges[sym][0]), min(hi, ranges[sym][1])
         ranges[sym] = (lo, hi)
@@ -858,8 +871,17 @@ def capture_model_dynamic(
     by_expr = {expr: sized_for[sym] for expr, sym in symbol_of.items()}
     _localize_symbolic(captured.gm)
     _size_values(captured.gm, by_expr)
-    captured.dynamic = DynamicShapes(tuple(out_dims), ranges, shapes, sized_for)
+    captured.dynamic = DynamicShapes(tuple(out_dims), ranges, shapes, sized_for, frozenset(capped))
     return captured
+
+
+def _finite_int(x: Any) -> int | None:
+    """A range end as an int, None when unbounded (sympy's oo, torch's int_oo, a sentinel)."""
+    try:
+        v = int(x)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return v if abs(v) < 1 << 62 else None
 
 
 def _export_reason(e: BaseException) -> str:

@@ -456,6 +456,10 @@ class CompiledModel:
         seen = self._seen_shapes.get(_structure(sig), set())
         if not seen:
             return None  # the first shape: captured as it is
+        for key, v in self._variants.items():  # a dynamic capture of this family that cannot stretch to it
+            dyn = v.captured.dynamic if v.captured is not None else None
+            if dyn is not None and key[1] == _masked(sig, dyn) and not dyn.could_grow(tensors):
+                return None  # below its range or above the model's limit: this shape on its own
         dims = []
         for i, t in enumerate(tensors):
             for d, n in enumerate(t.shape):

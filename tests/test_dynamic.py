@@ -216,3 +216,22 @@ def test_bf16_dynamic_capture_trains_like_the_eager_mixed_recipe_bitwise():
         assert torch.equal(got["master"][k], v), k
     assert got["cm"].stats()["captures"] == 1
     got["cm"].close()
+
+
+def test_automatic_mode_outside_the_range_captures_that_shape_or_a_wider_range():
+    """Automatic ranges: batch 4 then 6 capture [2, 6] (the Linear model sets no limit; the
+    largest size seen caps it). Batch 1 is below what torch.export keeps dynamic: captured on
+    its own, once. Batch 8 is above the cap: one wider dynamic capture, then batch 7 reuses it."""
+    torch.manual_seed(0)
+    model = small_model()
+    ref = copy.deepcopy(model)
+    cm = small_compile(model)
+    counts = []
+    with torch.no_grad():
+        for b in (4, 6, 5, 1, 1, 8, 7):
+            x = torch.randn(b, 8)
+            assert torch.equal(cm(x), ref(x))
+            counts.append((cm.stats()["captures"], cm.stats()["dynamic_captures"]))
+    assert counts == [(1, 0), (2, 1), (2, 1), (3, 1), (3, 1), (4, 2), (4, 2)]
+    assert sorted(cm.stats()["dynamic_ranges"]) == ["d0_0 in [2, 6]", "d0_0 in [2, 8]"]
+    cm.close()
