@@ -43,6 +43,9 @@ __all__ = [
     "InputSignature",
     "check_real_inputs",
     "CAPTURE_GATE",
+    "DynamicDim",
+    "DynamicShapes",
+    "capture_model_dynamic",
 ]
 
 _WRAPPED = "m"  # attribute name of the user's model inside the capture wrapper
@@ -387,6 +390,9 @@ class Captured:
     # holds), for parameters cast from the model's dtype
     device_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     working_dtype: torch.dtype | None = None
+    # a capture with dynamic dimensions (:func:`capture_model_dynamic`): which input sizes it
+    # covers; None for a capture specialised to the example's shapes
+    dynamic: DynamicShapes | None = None
 
     def placeholder_of(self, name: str) -> Placeholder:
         for p in self.placeholders:
@@ -438,7 +444,13 @@ def _params_cast(params: dict[str, nn.Parameter], working_dtype: torch.dtype | N
 
 
 def capture_model(
-    model: nn.Module, args: tuple, kwargs: dict | None = None, working_dtype: torch.dtype | None = None
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    working_dtype: torch.dtype | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    _exported: list | None = None,
 ) -> Captured:
     """Capture ``model(*args, **kwargs)`` with torch.export (training IR, non-strict).
 
@@ -450,6 +462,9 @@ def capture_model(
     ``to(dtype)`` copy of it (:func:`cast_for_device` says which parameters; floating-point
     inputs are cast too), so every dtype the model's code derives from its parameters is the
     16-bit one.
+
+    ``dynamic_shapes`` is passed to ``torch.export.export`` (one entry per tensor input); use
+    :func:`capture_model_dynamic`, which also sizes the graph's values and checks the ranges.
     """
     kwargs = dict(kwargs or {})
     tensors, signature, rebuild = flatten_inputs(args, kwargs, model.training)
@@ -472,7 +487,7 @@ def capture_model(
                 # torch.export's own pytree internals warn about a deprecated LeafSpec check
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
                 with _params_cast(cast, working_dtype):
-                    ep = torch.export.export(wrapper, example, strict=False)
+                    ep = torch.export.export(wrapper, example, strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             _refuse_assignments(model, wrapper.refused)
             if _raised_by_model(e):
@@ -509,6 +524,8 @@ def capture_model(
 
     gm = ep.graph_module
     _drop_metadata_asserts(gm)
+    if _exported is not None:
+        _exported.append(ep)
     canon_param = {id(p): n for n, p in model.named_parameters()}
     canon_buffer = {id(b): n for n, b in model.named_buffers()}
     persistent = {}
@@ -695,3 +712,267 @@ def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
         f"  what to change: {hint}.\n"
         "  (shfx needs the whole forward as one graph; see the torch.export error above for details)"
     )
+
+
+# ---- dynamic dimensions -----------------------------------------------------------------------
+
+
+class DynamicCaptureError(CaptureError):
+    """torch.export could not keep a dimension dynamic (the model specialises it, or guards on
+    it in a way the declared range does not satisfy); the message is torch.export's reason."""
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """One dimension of one tensor input to capture as dynamic.
+
+    ``input`` is the position among the call's tensor leaves (``flatten_inputs`` order), ``dim``
+    the dimension, ``name`` the range's name (dimensions with one name are one symbol when
+    ``hi`` is declared: torch.export then checks they are equal). ``lo``/``hi``: the declared
+    range (inclusive); ``hi=None``: as far as the model allows (``auto``: torch.export's
+    ``Dim.AUTO``), else up to ``seen_max``."""
+
+    input: int
+    dim: int
+    name: str
+    lo: int = 1
+    hi: int | None = None
+    auto: bool = False
+    seen_max: int = 1
+
+
+@dataclass(frozen=True)
+class DynamicShapes:
+    """What one dynamic capture covers.
+
+    Attributes:
+        dims: ``(input, dim, symbol)`` for each dynamic dimension.
+        ranges: symbol -> ``(lo, hi)``, inclusive: the sizes this capture runs (torch.export's
+            range intersected with the declared one; an unbounded end is the declared maximum
+            or, for an undeclared dimension, the largest size seen when it was captured).
+        shapes: per tensor input, its shape with None at the dynamic dimensions.
+        sized_for: symbol -> the size the graph's byte counts were computed at (``hi``): the
+            memory ledger, the capacity check and the simulator see the largest shape covered.
+    """
+
+    dims: tuple[tuple[int, int, str], ...]
+    ranges: dict[str, tuple[int, int]] = field(hash=False)
+    shapes: tuple[tuple[int | None, ...], ...]
+    sized_for: dict[str, int] = field(hash=False)
+    capped: frozenset[str] = frozenset()  # symbols whose upper end is the largest size seen, not a limit
+
+    def could_grow(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a capture with a larger range could cover ``tensors`` where this one does
+        not: every dynamic size outside its range is above an end that only the largest size
+        seen set (below the range, or above a limit torch.export derived, it could not)."""
+        for i, d, sym in self.dims:
+            n = int(tensors[i].shape[d])
+            lo, hi = self.ranges[sym]
+            if n < lo or (n > hi and sym not in self.capped):
+                return False
+        return True
+
+    def mismatch(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        """None when ``tensors`` (the call's tensor leaves) are covered, else why not."""
+        if len(tensors) != len(self.shapes):
+            return f"{len(tensors)} tensor inputs, captured with {len(self.shapes)}"
+        for i, (t, shape) in enumerate(zip(tensors, self.shapes)):
+            if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+                return f"tensor input {i} has shape {list(t.shape)}, captured for {[s if s is not None else '*' for s in shape]}"
+        seen: dict[str, int] = {}
+        for i, d, sym in self.dims:
+            n = int(tensors[i].shape[d])
+            lo, hi = self.ranges[sym]
+            if not lo <= n <= hi:
+                return f"dimension {d} of tensor input {i} is {n}, outside the captured range [{lo}, {hi}]"
+            if seen.setdefault(sym, n) != n:
+                return f"dimension {d} of tensor input {i} is {n}, but another dimension of the same symbol is {seen[sym]}"
+        return None
+
+    def describe(self) -> str:
+        names = dict.fromkeys(sym for _, _, sym in self.dims)
+        return ", ".join(f"{sym} in [{self.ranges[sym][0]}, {self.ranges[sym][1]}]" for sym in names)
+
+
+def capture_model_dynamic(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict | None,
+    dims: Sequence[DynamicDim],
+    working_dtype: torch.dtype | None = None,
+) -> Captured:
+    """Capture ``model(*args, **kwargs)`` with the dimensions ``dims`` dynamic: one graph that
+    runs every size in their ranges (torch.export ``dynamic_shapes``, non-strict).
+
+    The graph's symbolic sizes (``sym_size`` nodes and arithmetic on them) are recomputed next
+    to each operation that uses them, so no symbolic integer crosses a stage boundary; every
+    tensor's ``meta["val"]`` is replaced by a meta tensor of its size at the top of the ranges
+    (``DynamicShapes.sized_for``), so stage specs, the memory ledger and the capacity check count
+    the largest shape covered. Raises :class:`DynamicCaptureError` with torch.export's reason
+    when a dimension cannot stay dynamic (the model specialises it, a guard the declared range
+    does not satisfy); the caller then captures per shape.
+    """
+    from torch.export import Dim
+
+    kwargs = dict(kwargs or {})
+    tensors, _, _ = flatten_inputs(args, kwargs, model.training)
+    named: dict[str, Any] = {}
+    specs: list[dict[int, Any] | None] = [None] * len(tensors)
+    for dd in dims:
+        if not 0 <= dd.input < len(tensors) or not 0 <= dd.dim < tensors[dd.input].dim():
+            raise ValueError(f"dynamic dimension {dd.dim} of tensor input {dd.input}: the call has no such dimension")
+        if dd.auto:
+            spec = Dim.AUTO
+        else:
+            if dd.name not in named:
+                named[dd.name] = Dim(dd.name, min=dd.lo, max=dd.hi) if dd.hi is not None else Dim(dd.name, min=dd.lo)
+            spec = named[dd.name]
+        specs[dd.input] = {**(specs[dd.input] or {}), dd.dim: spec}
+    exported: list = []
+    try:
+        captured = capture_model(
+            model, args, kwargs, working_dtype, dynamic_shapes=(tuple(specs),), _exported=exported
+        )
+    except CaptureError as e:
+        cause = e.__cause__ or e
+        raise DynamicCaptureError(f"torch.export could not capture it with dynamic dimensions: {_export_reason(cause)}") from e
+    ep = exported[0]
+    user_vals = [n.meta["val"] for n in ep.graph_module.graph.nodes if n.op == "placeholder"][-len(tensors) :] if tensors else []
+    ranges: dict[str, tuple[int, int]] = {}
+    symbol_of: dict[Any, str] = {}
+    out_dims: list[tuple[int, int, str]] = []
+    capped: set[str] = set()
+    for dd in dims:
+        size = user_vals[dd.input].shape[dd.dim]
+        if not isinstance(size, torch.SymInt) or not getattr(size.node.expr, "is_Symbol", False):
+            raise DynamicCaptureError(
+                f"torch.export specialised dimension {dd.dim} of tensor input {dd.input} ({dd.name}) to {size}: "
+                "the model's code depends on its exact value"
+            )
+        expr = size.node.expr
+        sym = symbol_of.setdefault(expr, dd.name if dd.name not in ranges else f"{dd.name}@{dd.input}.{dd.dim}")
+        vr = ep.range_constraints.get(expr)
+        lo = max(dd.lo, int(vr.lower)) if vr is not None else dd.lo
+        hi_candidates = [] if vr is None else [h for h in [_finite_int(vr.upper)] if h is not None]
+        if dd.hi is not None:
+            hi_candidates.append(dd.hi)
+        hi = min(hi_candidates) if hi_candidates else max(dd.seen_max, int(tensors[dd.input].shape[dd.dim]))
+        if not hi_candidates:
+            capped.add(sym)
+        if sym in ranges:
+            lo, hi = max(lo, ranges[sym][0]), min(hi, ranges[sym][1])
+        ranges[sym] = (lo, hi)
+        out_dims.append((dd.input, dd.dim, sym))
+    dyn = {(i, d) for i, d, _ in out_dims}
+    shapes = tuple(
+        tuple(None if (i, d) in dyn else int(n) for d, n in enumerate(t.shape)) for i, t in enumerate(tensors)
+    )
+    sized_for = {sym: hi for sym, (_, hi) in ranges.items()}
+    by_expr = {expr: sized_for[sym] for expr, sym in symbol_of.items()}
+    _localize_symbolic(captured.gm)
+    _size_values(captured.gm, by_expr)
+    captured.dynamic = DynamicShapes(tuple(out_dims), ranges, shapes, sized_for, frozenset(capped))
+    return captured
+
+
+def _finite_int(x: Any) -> int | None:
+    """A range end as an int, None when unbounded (sympy's oo, torch's int_oo, a sentinel)."""
+    try:
+        v = int(x)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return v if abs(v) < 1 << 62 else None
+
+
+def _export_reason(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    keep = [ln for ln in lines if not ln.startswith("For more information") and "draft_export" not in ln][:4]
+    return f"{type(e).__name__}: " + " ".join(keep)
+
+
+def _is_symbolic(v: Any) -> bool:
+    return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _localize_symbolic(gm: fx.GraphModule) -> None:
+    """Recompute every symbolic integer next to each operation that reads it.
+
+    torch.export computes ``sym_size(x, 1)`` once, at the top of the graph, and every block's
+    ``view`` reads it; a stage must not receive a symbolic integer from another stage (only
+    tensors cross boundaries). So each operation gets its own copy of the symbolic expressions
+    it reads, inserted just before it with its module path (the copy joins its stage); a
+    ``sym_size`` leaf reads the size from one of the operation's own tensor arguments when one
+    has that size (else from the original tensor: a user input any stage may read)."""
+    g = gm.graph
+    sym_nodes = {n for n in g.nodes if n.op == "call_function" and _is_symbolic(n.meta.get("val"))}
+    if not sym_nodes:
+        return
+    sym_size = torch.ops.aten.sym_size.int
+    for n in list(g.nodes):
+        if n in sym_nodes or n.op in ("placeholder", "output", "get_attr"):
+            continue
+        reads = [a for a in n.all_input_nodes if a in sym_nodes]
+        if not reads:
+            continue
+        own_tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        copies: dict[fx.Node, fx.Node] = {}
+
+        def copy(s: fx.Node, n: fx.Node = n, own_tensors: list = own_tensors, copies: dict = copies) -> fx.Node:
+            if s in copies:
+                return copies[s]
+            if s.target is sym_size and isinstance(s.args[0], fx.Node):
+                src, d = s.args[0], s.args[1]
+                expr = s.meta["val"].node.expr
+                for a in own_tensors:
+                    hit = [j for j, sz in enumerate(a.meta["val"].shape) if isinstance(sz, torch.SymInt) and sz.node.expr == expr]
+                    if hit:
+                        src, d = a, hit[0]
+                        break
+                args, kwargs = (src, d), {}
+            else:
+                args = fx.map_arg(s.args, lambda a: copy(a) if a in sym_nodes else a)
+                kwargs = fx.map_arg(s.kwargs, lambda a: copy(a) if a in sym_nodes else a)
+            with g.inserting_before(n):
+                c = g.call_function(s.target, args, kwargs)
+            c.meta = dict(s.meta)
+            for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                if key in n.meta:
+                    c.meta[key] = n.meta[key]
+            copies[s] = c
+            return c
+
+        n.args = fx.map_arg(n.args, lambda a: copy(a) if a in sym_nodes else a)
+        n.kwargs = fx.map_arg(n.kwargs, lambda a: copy(a) if a in sym_nodes else a)
+    for s in reversed([m for m in g.nodes if m in sym_nodes]):
+        if not s.users:
+            g.erase_node(s)
+    g.lint()
+    gm.recompile()
+
+
+def _size_values(gm: fx.GraphModule, sizes: dict[Any, int]) -> None:
+    """Replace each tensor's symbolic ``meta["val"]`` by a meta tensor of its size with the
+    symbols at ``sizes`` (other symbols at their example value)."""
+    import sympy
+
+    def concrete(n: Any) -> int:
+        if not isinstance(n, torch.SymInt):
+            return int(n)
+        node = n.node
+        expr = node.expr
+        env = node.shape_env
+        sub = {s: sympy.Integer(sizes[s]) if s in sizes else sympy.Integer(int(env.var_to_val.get(s, 1))) for s in expr.free_symbols}
+        return int(expr.xreplace(sub))
+
+    def sized(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if not any(isinstance(s, torch.SymInt) for s in v.shape):
+                return v
+            return torch.empty([concrete(s) for s in v.shape], dtype=v.dtype, device="meta")
+        if isinstance(v, (tuple, list)):
+            return type(v)(sized(x) for x in v)
+        return v
+
+    for n in gm.graph.nodes:
+        if "val" in n.meta:
+            n.meta["val"] = sized(n.meta["val"])

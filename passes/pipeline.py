@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .capture import Captured, InputSignature, capture_model
+from .capture import Captured, DynamicDim, InputSignature, capture_model, capture_model_dynamic
 from .layout import Group, dtype_name, precision_dtype
 from .ledger import Ledger, pool_sizes, replay
 from .lowering import check_window, checked_stages
@@ -178,7 +178,7 @@ def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True) 
     policy for the planner): no new capture."""
     pol = resolve_policy(policy)
     train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify)
-    done = tuple(p for p in variant.passes if p in ("capture", "partition", "retarget"))
+    done = tuple(p for p in variant.passes if p in ("capture", "capture-dynamic", "partition", "retarget"))
     return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
 
 
@@ -190,17 +190,27 @@ def compile_variant(
     *,
     groups: Sequence[Group] | None = None,
     choose: Chooser | None = None,
+    dynamic: Sequence[DynamicDim] | None = None,
 ) -> Variant:
     """Run the pipeline (see the module docstring) on ``module(*args, **kwargs)``.
 
     ``groups``: the host layout of an earlier capture of the same model (its tensors keep their
     owners). ``choose(captured, graph, policy)`` returns the policy with its ``"auto"`` fields
     chosen (the tuner, which needs the model on a device); without it an ``"auto"`` policy is an
-    error."""
+    error.
+
+    ``dynamic``: capture these dimensions dynamic (:func:`~shfx.passes.capture.capture_model_dynamic`:
+    one graph for every size in their ranges, byte counts at the largest); it raises
+    :class:`~shfx.passes.capture.DynamicCaptureError` when torch.export cannot keep them dynamic."""
     passes: list[str] = []
     working = precision_dtype(options.precision)
-    captured = capture_model(module, args, kwargs or {}, working_dtype=None if working == torch.float32 else working)
-    passes.append("capture")
+    wd = None if working == torch.float32 else working
+    if dynamic:
+        captured = capture_model_dynamic(module, args, kwargs or {}, dynamic, working_dtype=wd)
+        passes.append("capture-dynamic")
+    else:
+        captured = capture_model(module, args, kwargs or {}, working_dtype=wd)
+        passes.append("capture")
     graph = partition_stages(captured, blocks=options.blocks, num_stages=options.num_stages, groups=groups, model=module)
     passes.append("partition")
     if options.verify_each_pass:

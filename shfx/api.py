@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,7 +13,15 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from shfx.passes.capture import Captured, cast_inputs, check_real_inputs, flatten_inputs
+from shfx.passes.capture import (
+    Captured,
+    DynamicDim,
+    DynamicShapes,
+    InputSignature,
+    cast_inputs,
+    check_real_inputs,
+    flatten_inputs,
+)
 from shfx.passes.layout import dtype_name, precision_dtype
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
@@ -110,6 +119,77 @@ def _clamped_window(variant: Variant) -> int | None:
     return asked if asked > variant.train.num_slots - len(variant.train.persistent) else None
 
 
+_DYNAMIC_NAMES = {"batch": 0, "seq": 1}  # dimension of every tensor input that a named range covers
+
+
+def _check_dynamic(dynamic: Any) -> str | bool | dict:
+    """Validate ``shfx.compile(dynamic=...)``: ``"auto"``/None, False, or a dict of ranges."""
+    if dynamic is None or dynamic is True:
+        return "auto"
+    if dynamic is False or dynamic == "auto":
+        return dynamic
+    if not isinstance(dynamic, dict) or not dynamic:
+        raise TypeError(
+            f"dynamic must be 'auto' (the default), False, or a dict of ranges such as "
+            f"{{'batch': (1, 64), 'seq': (1, 1024)}} or {{0: {{1: (1, 1024)}}}}; got {dynamic!r}"
+        )
+    for name, rng in dynamic.items():
+        ranges = rng.items() if isinstance(name, int) and isinstance(rng, dict) else [(None, rng)]
+        if isinstance(name, str) and name not in _DYNAMIC_NAMES or not isinstance(name, (str, int)) or isinstance(name, bool):
+            raise ValueError(
+                f"dynamic={{{name!r}: ...}}: a range is named 'batch' (dimension 0 of every tensor input) or 'seq' "
+                "(dimension 1 of every tensor input with two or more), or keyed by a tensor input's position with "
+                f"a dict {{dim: (lo, hi)}}, e.g. {{0: {{1: (1, 1024)}}}}"
+            )
+        for _, r in ranges:
+            ok = isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            if not ok or not 1 <= r[0] <= r[1]:
+                raise ValueError(f"dynamic={{{name!r}: {rng!r}}}: a range is a tuple (lo, hi) of ints with 1 <= lo <= hi")
+    return dict(dynamic)
+
+
+def _declared_dims(dynamic: dict, tensors: list[torch.Tensor]) -> list[DynamicDim] | None:
+    dims: dict[tuple[int, int], DynamicDim] = {}
+    for name, rng in dynamic.items():
+        if isinstance(name, str):
+            d = _DYNAMIC_NAMES[name]
+            for i, t in enumerate(tensors):
+                if t.dim() > d:
+                    dims[(i, d)] = DynamicDim(i, d, name, rng[0], rng[1])
+        else:
+            for d, (lo, hi) in rng.items():
+                if name < len(tensors) and 0 <= d < tensors[name].dim():
+                    dims[(name, d)] = DynamicDim(name, d, f"input{name}_dim{d}", lo, hi)
+    for dd in dims.values():
+        n = int(tensors[dd.input].shape[dd.dim])
+        if not dd.lo <= n <= dd.hi:
+            raise UsageError(
+                f"dimension {dd.dim} of tensor input {dd.input} is {n}, outside the dynamic range {dd.name}="
+                f"{(dd.lo, dd.hi)} declared with shfx.compile(dynamic=...); declare a range that holds it"
+            )
+    return list(dims.values()) or None
+
+
+def _structure(sig: InputSignature) -> InputSignature:
+    """The signature with every tensor's shape reduced to its number of dimensions."""
+    leaves = tuple(("T", len(x[1]), *x[2:]) if x[0] == "T" else x for x in sig.leaves)
+    return InputSignature(sig.training, sig.tree, leaves)
+
+
+def _masked(sig: InputSignature, dyn: DynamicShapes) -> InputSignature:
+    """The signature with the sizes of ``dyn``'s dynamic dimensions masked (None)."""
+    dynamic = {(i, d) for i, d, _ in dyn.dims}
+    leaves, i = [], 0
+    for x in sig.leaves:
+        if x[0] == "T":
+            shape = tuple(None if (i, d) in dynamic else n for d, n in enumerate(x[1]))
+            leaves.append(("T", shape, *x[2:]))
+            i += 1
+        else:
+            leaves.append(x)
+    return InputSignature(sig.training, sig.tree, tuple(leaves))
+
+
 class _OffloadFunction(torch.autograd.Function):
     """Runs the forward program in forward and the backward program in backward, so
     ``loss.backward()`` drives the offloaded backward, whatever the loss is computed from."""
@@ -199,6 +279,8 @@ class CompiledModel:
         skip_nonfinite: bool = False,
         precision: str = "fp32",
         scaler: LossScaler | None = None,
+        dynamic: str | bool | dict | None = "auto",
+        max_captures: int = 8,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -279,7 +361,16 @@ class CompiledModel:
         # per model tensor in the host store: (key, tensor, its data_ptr, owning module and name
         # and requires_grad for a parameter): what __call__ checks the model against
         self._bound: list[tuple[str, torch.Tensor, int, nn.Module | None, str, bool | None]] = []
-        self._variants: dict[Any, Variant] = {}
+        # captures, least recently used first: keyed by the input signature, or for a dynamic
+        # capture by ("dynamic", its signature with the dynamic sizes masked, its number)
+        self._variants: OrderedDict[Any, Variant] = OrderedDict()
+        self._dynamic = _check_dynamic(dynamic)
+        if isinstance(max_captures, bool) or not isinstance(max_captures, int) or max_captures < 1:
+            raise ValueError(f"max_captures must be an int >= 1 (how many captures shfx keeps), got {max_captures!r}")
+        self.max_captures = max_captures
+        self._cache_stats = {"captures": 0, "dynamic_captures": 0, "hits": 0, "evictions": 0}
+        self._seen_shapes: dict[Any, set[tuple[tuple[int, ...], ...]]] = {}  # automatic mode: shapes per structure
+        self._dynamic_off: str | None = None  # why dynamic capture failed (then per-shape captures)
         self._reports: dict[Any, WindowReport] = {}  # per input signature (the tuner's, or profiled for a fixed window)
         self._last: Variant | None = None
         self._last_tensors: list[torch.Tensor] | None = None
@@ -302,17 +393,103 @@ class CompiledModel:
 
     # ---- compilation -------------------------------------------------------------------------
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Variant, list[torch.Tensor]]:
+        """The variant for this call: the capture of its exact signature, or a dynamic capture
+        whose ranges cover it (a hit), else a new capture (LRU-bounded by ``max_captures``)."""
         tensors, sig, _ = flatten_inputs(args, kwargs, self.module.training)
         check_real_inputs(tensors, type(self.module).__name__)
-        v = self._variants.get(sig)
+        key, v = sig, self._variants.get(sig)
         if v is None:
-            v = self._build(args, kwargs, tensors)
-            self._variants[sig] = v
+            key, v = self._covering(sig, tensors)
+        if v is not None:
+            self._cache_stats["hits"] += 1
+            self._variants.move_to_end(key)
+        else:
+            dims = self._dynamic_dims(sig, tensors)
+            v = self._build(args, kwargs, tensors, dims)
+            dyn = v.captured.dynamic
+            if dyn is not None and dyn.mismatch(tensors) is not None:  # torch.export narrowed the range
+                self._cache_stats["captures"] += 1
+                self._cache_stats["dynamic_captures"] += 1
+                self._variants[("dynamic", _masked(sig, dyn), self._cache_stats["captures"])] = v
+                v = self._build(args, kwargs, tensors, None)
+                dyn = None
+            self._cache_stats["captures"] += 1
+            if dyn is not None:
+                self._cache_stats["dynamic_captures"] += 1
+                key = ("dynamic", _masked(sig, dyn), self._cache_stats["captures"])
+            else:
+                key = sig
+            self._variants[key] = v
+        seen = self._seen_shapes.setdefault(_structure(sig), set())
+        if len(seen) < 64:  # enough to tell which dimensions vary
+            seen.add(tuple(tuple(t.shape) for t in tensors))
         self._last = v
         self._last_tensors = tensors
+        self._evict()
         return v, tensors
 
-    def _build(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Variant:
+    def _covering(self, sig: InputSignature, tensors: list[torch.Tensor]) -> tuple[Any, Variant | None]:
+        """A dynamic capture for this call's structure whose ranges hold its sizes; a declared
+        range it falls outside of is an error (the device memory was sized for the range)."""
+        outside = None
+        for key, v in reversed(self._variants.items()):
+            dyn = v.captured.dynamic if v.captured is not None else None
+            if dyn is None or key[1] != _masked(sig, dyn):
+                continue
+            why = dyn.mismatch(tensors)
+            if why is None:
+                return key, v
+            outside = outside or why
+        if outside is not None and isinstance(self._dynamic, dict):
+            raise UsageError(
+                f"{outside}: that is beyond the dynamic range declared with shfx.compile(dynamic={self._dynamic!r}), "
+                "for which shfx captured the model once and sized the device memory (the largest shape in the "
+                "range). Declare a range that holds this size (dynamic={'seq': (1, n)}, ...), or pad or split the "
+                "input to fit the range."
+            )
+        return None, None
+
+    def _dynamic_dims(self, sig: InputSignature, tensors: list[torch.Tensor]) -> list[DynamicDim] | None:
+        """Which dimensions to capture dynamic for this call: the declared ones, or (automatic
+        mode) every dimension whose size differs from an earlier call of the same structure."""
+        if self._dynamic_off is not None or self._dynamic is False or not tensors:
+            return None
+        if isinstance(self._dynamic, dict):
+            return _declared_dims(self._dynamic, tensors)
+        seen = self._seen_shapes.get(_structure(sig), set())
+        if not seen:
+            return None  # the first shape: captured as it is
+        for key, v in self._variants.items():  # a dynamic capture of this family that cannot stretch to it
+            dyn = v.captured.dynamic if v.captured is not None else None
+            if dyn is not None and key[1] == _masked(sig, dyn) and not dyn.could_grow(tensors):
+                return None  # below its range or above the model's limit: this shape on its own
+        dims = []
+        for i, t in enumerate(tensors):
+            for d, n in enumerate(t.shape):
+                sizes = {shapes[i][d] for shapes in seen}
+                if sizes != {n}:
+                    dims.append(DynamicDim(i, d, f"d{i}_{d}", auto=True, seen_max=max(sizes | {n})))
+        return dims or None
+
+    def _evict(self) -> None:
+        """Drop the least recently used captures beyond ``max_captures`` (never one a step is
+        using); their graphs and programs are freed with them."""
+        eng = self._engine
+        busy = {id(self._last)}
+        if eng is not None:
+            busy |= {id(eng.loaded), id(eng.current)}
+        while len(self._variants) > self.max_captures:
+            key = next((k for k, v in self._variants.items() if id(v) not in busy), None)
+            if key is None:
+                return
+            v = self._variants.pop(key)
+            if v.signature is not None and not any(x.signature == v.signature for x in self._variants.values()):
+                self._reports.pop(v.signature, None)
+            self._cache_stats["evictions"] += 1
+
+    def _build(
+        self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], dims: list[DynamicDim] | None = None
+    ) -> Variant:
         groups = self._store.groups if self._store is not None else None
 
         def choose(captured: Captured, graph: StageGraph, policy: Policy) -> Policy:
@@ -324,7 +501,22 @@ class CompiledModel:
             self._reports[captured.signature] = report
             return report.tune.policy
 
-        variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose)
+        if dims:
+            try:
+                variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose, dynamic=dims)
+            except (KeyboardInterrupt, OutOfDeviceMemory):
+                raise
+            except Exception as e:  # noqa: BLE001 - per-shape captures from now on, said once
+                self._dynamic_off = f"{type(e).__name__}: {e}"
+                warnings.warn(
+                    f"shfx could not capture {type(self.module).__name__} with dynamic dimensions "
+                    f"({', '.join(sorted({d.name for d in dims}))}), so every new input shape is captured again "
+                    f"(compile with dynamic=False to silence this). Why: {e}",
+                    stacklevel=4,
+                )
+                dims = None
+        if not dims:
+            variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose)
         asked = _clamped_window(variant)
         if asked is not None:
             n, k = len(variant.graph.stages), len(variant.train.persistent)
@@ -527,8 +719,23 @@ class CompiledModel:
         cap = self._backend.capacity_bytes
         if cap is None:
             return
-        static = variant.ledger(self._engine_kwargs["grad_accum_steps"]).static("device")
+        ledger = variant.ledger(self._engine_kwargs["grad_accum_steps"])
+        static = ledger.static("device")
         need = sum(static.values())
+        dyn = variant.captured.dynamic if variant.captured is not None else None
+        if need <= cap and dyn is not None and ledger.peak("device") > cap:
+            # a dynamic capture: the ledger's activations are those of the largest shape covered
+            peak = ledger.peak("device")
+            raise OutOfDeviceMemory(
+                f"one training step at the largest shape of the dynamic range ({dyn.describe()}) needs "
+                f"{format_bytes(peak)} on the device ({format_bytes(need)} of slots, gradient buffers and optimizer "
+                f"states, the rest activations), but the device has {format_bytes(cap)} ({self._backend.describe()}). "
+                "Declare a smaller range (shfx.compile(dynamic={'seq': (1, n)}, ...)), a smaller window, or use a "
+                "device with more memory.",
+                needed_bytes=peak,
+                capacity_bytes=cap,
+                what=f"a step at {dyn.describe()}",
+            )
         if need <= cap:
             return
         policy, sizes = variant.policy, variant.slot_sizes
@@ -863,7 +1070,12 @@ class CompiledModel:
         return self._engine
 
     def stats(self) -> dict[str, Any]:
-        """Counters since compile: bytes moved each way, device memory peak, resident window."""
+        """Counters since compile: bytes moved each way, device memory peak, resident window, and
+        the capture cache: ``captures`` (how many times the model was captured, dynamic ones
+        counted in ``dynamic_captures``), ``cache_hits`` (calls that reused a capture),
+        ``evictions`` (captures dropped beyond ``max_captures``), ``cached_captures``,
+        ``dynamic_ranges`` (the ranges each dynamic capture covers) and ``dynamic_off`` (why
+        dynamic capture was given up, None while it works)."""
         b = self._backend
         return {
             "device": b.describe(),
@@ -877,6 +1089,16 @@ class CompiledModel:
             "window": self._last.train.num_slots if self._last else None,
             "stages": len(self._last.graph.stages) if self._last else None,
             "host_bytes": self._store.host_bytes if self._store else 0,
+            # the capture cache (docs/usage.md, "Variable shapes")
+            "captures": self._cache_stats["captures"],
+            "dynamic_captures": self._cache_stats["dynamic_captures"],
+            "cache_hits": self._cache_stats["hits"],
+            "evictions": self._cache_stats["evictions"],
+            "cached_captures": len(self._variants),
+            "dynamic_ranges": [
+                v.captured.dynamic.describe() for v in self._variants.values() if v.captured is not None and v.captured.dynamic
+            ],
+            "dynamic_off": self._dynamic_off,
         }
 
     def close(self) -> None:
@@ -947,6 +1169,19 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             records its graph and the backward recomputes only what it needs, like
             ``torch.utils.checkpoint``), ``"full"`` (recompute the whole stage), ``"auto"``
             (early stop on CUDA, and on the emulated device for stages whose forward takes > 2 ms).
+        dynamic: how input shapes map to captures (docs/usage.md, "Variable shapes").
+            ``"auto"`` (default): the first shape is captured as it is; when a later call of
+            the same structure differs in some dimensions, the model is captured once more with
+            those dimensions dynamic (torch.export ``Dim.AUTO``: the range the model allows, an
+            unbounded end capped at the largest size seen), as torch.compile's automatic dynamic
+            shapes. A dict declares ranges from the first call: ``{"batch": (1, 64), "seq":
+            (1, 1024)}`` (dimension 0 / 1 of every tensor input that has it) or ``{0: {1: (1,
+            1024)}}`` (by tensor input position); one capture serves the range, the memory
+            ledger and capacity check count its largest shape, and a call outside it raises
+            :class:`UsageError`. ``False``: one capture per input shape. A model torch.export
+            cannot capture dynamically is captured per shape, with one warning saying why.
+        max_captures: how many captures to keep (least recently used dropped first, with
+            their graphs and programs; ``cm.stats()`` counts captures, hits and evictions).
 
     Returns:
         a :class:`CompiledModel`.
