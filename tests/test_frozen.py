@@ -340,3 +340,27 @@ def test_lowering_gives_a_frozen_bottom_no_backward_golden():
     assert sum(1 for n in prog.nodes if get_meta(n).kind in (PF,)) == 3
     assert [get_meta(n).kind for n in prog.nodes].count(B) == 1
     assert [get_meta(n).kind for n in prog.nodes].count(U) == 1
+
+
+def test_analytic_backward_leaves_out_frozen_parameter_gradients():
+    """The analytic cost model: a fully frozen stage's backward is the recompute and the input
+    gradient (2 forwards, 1 when its graph is kept); a trainable one's stays 3 (2)."""
+    from shfx.cost_model.analytic import analytic_costs
+
+    x, y = token_batch(0)[0]
+    costs = {}
+    for which in (None, "top"):
+        cm = _compile(_gpt(which), window=2)
+        cm(x, y).backward()
+        costs[which] = (analytic_costs(cm.variant.graph, "A100-80GB-PCIe4"), _frozen_stages(cm))
+        cm.close()
+    full, _ = costs[None]
+    top, frozen_stages = costs["top"]
+    assert frozen_stages == [3, 4]
+    for s, (a, b) in enumerate(zip(full.costs, top.costs)):
+        assert a.forward_s == b.forward_s
+        if s in frozen_stages:
+            assert b.backward_s < a.backward_s and b.backward_kept_s < a.backward_kept_s
+            assert b.backward_s >= 2 * b.forward_s - 1e-15
+        else:
+            assert (a.backward_s, a.backward_kept_s) == (b.backward_s, b.backward_kept_s) == (3 * a.forward_s, 2 * a.forward_s)
