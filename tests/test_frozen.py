@@ -364,3 +364,29 @@ def test_analytic_backward_leaves_out_frozen_parameter_gradients():
             assert b.backward_s >= 2 * b.forward_s - 1e-15
         else:
             assert (a.backward_s, a.backward_kept_s) == (b.backward_s, b.backward_kept_s) == (3 * a.forward_s, 2 * a.forward_s)
+
+
+@pytest.mark.parametrize("window", [1, 2, ALL])
+def test_cold_backward_with_a_frozen_bottom(window):
+    """Two forwards, then one backward through both losses (the second forward evicted what the
+    first kept): the cold backward of a frozen bottom trains like eager, bitwise."""
+    make = frozen(ZOO["gpt_mask"][0], FREEZE["bottom"])
+    torch.manual_seed(0)
+    model = make()
+    import copy
+
+    ref = copy.deepcopy(model)
+    cm = _compile(model, window=window, grad_accum_steps=2)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    (x1, y1), _, _ = token_batch(0)
+    (x2, y2), _, _ = token_batch(1)
+    for _ in range(2):
+        (cm(x1, y1) + cm(x2, y2)).backward()
+        cm.step()
+        cm.zero_grad()
+        (ref(x1, y1) + ref(x2, y2)).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    cm.close()
