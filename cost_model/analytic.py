@@ -6,6 +6,8 @@ Per stage, one run of its graph on fake tensors counts matmul-class FLOPs
 
 - FORWARD = matmul FLOPs / achieved FLOP/s + 2 x other bytes / device memory bandwidth,
 - BACKWARD = 3 x FORWARD with recompute (forward again, then about twice its work), 2 x without,
+  less the parameter-gradient matmuls of its frozen parameters (their share of the forward's
+  FLOPs); a stage that runs no backward at all (a frozen bottom) has no BACKWARD in the program,
 - CPU_STEP = 28 bytes per trainable parameter / host memory bandwidth (AdamW reads p, g, m, v and
   writes p, m, v), the gradient add 12 bytes per parameter,
 - copies over the profile's links.
@@ -170,11 +172,18 @@ def analytic_costs(
         other = w.other_bytes if scale == 1 else w.other_bytes + (scale - 1) * w.float_bytes
         fwd = w.flops / rate + 2.0 * other / hw.device_mem_bps
         n_train = sum(graph.tensors[k].numel for k in graph.tensors if graph.owner[k] == st.index and graph.tensors[k].trainable)
+        # NOTE: a backward is the recompute, the input gradients and the parameter gradients
+        # (each about a forward); frozen parameters get no gradient (autograd skips those
+        # matmuls), so the frozen share of the stage's parameters takes its share of the
+        # forward's FLOPs off (attention's FLOPs counted in, a slight overestimate of the saving)
+        used = sum(graph.tensors[k].numel for k in st.params)
+        frozen = used - sum(graph.tensors[k].numel for k in st.params if k in st.trainable)
+        no_param_grads = (frozen / used if used else 0.0) * w.flops / rate
         costs.append(
             StageCost(
                 forward_s=fwd,
-                backward_s=3.0 * fwd,
-                backward_kept_s=2.0 * fwd,
+                backward_s=3.0 * fwd - no_param_grads,
+                backward_kept_s=2.0 * fwd - no_param_grads,
                 update_s=upd * n_train / hw.host_mem_bps,
                 device_update_s=28.0 * n_train / hw.device_mem_bps,
                 accumulate_s=acc * n_train / hw.host_mem_bps,

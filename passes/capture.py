@@ -499,7 +499,12 @@ def capture_model(
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-                analysis = ep.run_decompositions({}).graph_signature
+                # NOTE: the functional retrace reads the parameters again: in mixed precision it
+                # must see the 16-bit copy the export traced (without the cast, a frozen
+                # parameter is retraced from its fp32 data: a frozen embedding fed fp32 into the
+                # 16-bit graph and failed its dtype checks; trainable ones did not show this)
+                with _params_cast(cast, working_dtype):
+                    analysis = ep.run_decompositions({}).graph_signature
             mutated_targets = set(analysis.buffers_to_mutate.values())
             mutated_inputs = dict(getattr(analysis, "user_inputs_to_mutate", {}) or {})
             mutated_params = dict(getattr(analysis, "parameters_to_mutate", {}) or {})

@@ -18,7 +18,8 @@ What it replays, as the runtime (``shfx.runtime.engine``) does it:
 - **forward start**: the model's tensor inputs, put on the device.
 - **F s**: a copy of the buffers its forward mutates (when the stage will be recomputed, so the
   recompute sees what the forward saw), then its outputs. In an inference program a value is
-  freed as soon as every stage reading it has run.
+  freed as soon as every stage reading it has run; in a train program too when none of its
+  readers runs a backward (the activations of a frozen bottom are not kept).
 - **backward start**: the gradient of every differentiable model output.
 - **B s** (only if a gradient reaches one of its outputs): the gradients of its differentiable
   inputs (the first contribution to each); a gradient it computes for a tensor borrowed from a
@@ -284,18 +285,21 @@ class _Replay:
         self.dev_groups = program.device_groups()
         owners = {s.update_group: s.index for s in program.stages if s.update_group is not None}
         self.owner_of = owners
-        # a value is freed after the backward of its earliest reader (model outputs: at the end)
+        # the stages this program runs a backward of (a frozen bottom has none)
+        self.backward_stages = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == B}
+        # a value is freed after the backward of its earliest reader that runs one; a value no
+        # backward reads, once every reader's forward ran (model outputs: at the end)
         self.free_after: dict[int, list[Value]] = {}
         self.fwd_left: dict[str, int] = {}
-        for outs in self.outs:
-            for v in outs:
-                self.fwd_left[v.name] = len(v.consumers)
-                if v.consumers and not v.output:
-                    self.free_after.setdefault(min(v.consumers), []).append(v)
-        for v in self.model_inputs():
+        self.forward_only: set[str] = set()
+        for v in [v for outs in self.outs for v in outs] + self.model_inputs():
             self.fwd_left[v.name] = len(v.consumers)
             if v.consumers and not v.output:
-                self.free_after.setdefault(min(v.consumers), []).append(v)
+                readers = [c for c in v.consumers if c in self.backward_stages]
+                if readers:
+                    self.free_after.setdefault(min(readers), []).append(v)
+                else:
+                    self.forward_only.add(v.name)
 
     def model_inputs(self) -> list[Value]:
         first = self.program.stages[0] if self.program.stages else None
@@ -344,12 +348,12 @@ class _Replay:
     def forward(self, s: int, keep_graph: bool, train: bool) -> list[Change]:
         out: list[Change] = []
         spec = self.stages[s]
-        if train and spec.recompute_buffer_bytes and not keep_graph:
+        if train and spec.recompute_buffer_bytes and not keep_graph and s in self.backward_stages:
             self.alloc(out, "activations (checkpoints)", f"pre-forward buffers of stage {s}", spec.recompute_buffer_bytes)
         for v in self.outs[s]:
             self.put(out, v)
-        if not train:
-            for v in self.ins[s]:
+        for v in self.ins[s]:
+            if not train or v.name in self.forward_only:
                 self.fwd_left[v.name] -= 1
                 if self.fwd_left[v.name] == 0 and not v.output:
                     self.free(out, "activations (checkpoints)", f"activation {v.name!r}")

@@ -3,7 +3,8 @@ action order, one kind of action each (in the style of ``torch.distributed.pipel
 
 A policy (:mod:`shfx.passes.policies`) is lowered by running, in this order:
 
-1. :func:`compute_order` - ``F0 .. F(n-1)``, then ``B(n-1) .. B0``;
+1. :func:`compute_order` - ``F0 .. F(n-1)``, then ``B(n-1) .. B0`` (only the stages whose
+   backward has work: :func:`shfx.passes.stages.backward_stages`; a frozen bottom gets none);
 2. :func:`add_buffer_offloads` - ``OB s`` after the forward of a stage that mutates buffers;
 3. :func:`add_grad_offloads` - ``OG s`` after the backward of a stage sending gradients to a
    group updated on the host;
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 
 from .actions import B, DU, F, OB, OG, OP, PF, R, U, Action, ActionKind
 from .program import ScheduleError
-from .stages import StageSpec
+from .stages import StageSpec, backward_stages
 
 __all__ = [
     "check_window",
@@ -114,9 +115,19 @@ def _insert_after(acts: Sequence[Action], kind: ActionKind, extra: dict[int, lis
 
 def compute_order(stages: Sequence[StageSpec]) -> list[Action]:
     """Given the stages, the compute order of one training step: every forward in stage order,
-    then every backward in reverse."""
-    n = len(checked_stages(stages))
-    return [Action(F, i) for i in range(n)] + [Action(B, i) for i in range(n - 1, -1, -1)]
+    then, in reverse, the backward of every stage that has one to run
+    (:func:`~shfx.passes.stages.backward_stages`: a stage without trainable parameters below
+    which nothing needs a gradient gets no ``B``, hence no prefetch and no slot for one).
+
+    >>> from shfx.passes.stages import StageSpec, chain
+    >>> frozen_bottom = [StageSpec(0), StageSpec(1, producers=frozenset({0}))] + chain(3)[2:]
+    >>> " ".join(map(str, compute_order(frozen_bottom)))
+    'F0 F1 F2 B2'
+    """
+    stages = checked_stages(stages)
+    back = backward_stages(stages)
+    n = len(stages)
+    return [Action(F, i) for i in range(n)] + [Action(B, i) for i in range(n - 1, -1, -1) if i in back]
 
 
 def add_buffer_offloads(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:

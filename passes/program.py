@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .actions import B, DU, F, KINDS, OB, OG, OP, PF, R, STREAMS, U, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
-from .stages import StageSpec, consumers_of
+from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
 
 __all__ = [
@@ -305,6 +305,7 @@ def lower_actions(
         raise ScheduleError(f"num_slots must be an int >= 1, got {num_slots!r}")
     by_index = {s.index: s for s in stages}
     consumers = consumers_of(list(stages))
+    backward = backward_stages(list(stages))  # a consumer outside it sends no gradient back
     persistent = tuple(persistent)
     if len(set(persistent)) != len(persistent) or any(p not in by_index for p in persistent):
         raise ScheduleError(f"persistent stages {persistent} must be distinct stages of the program")
@@ -430,7 +431,10 @@ def lower_actions(
                 if f is not None:
                     deps.append(f)
                 for c in sorted(consumers[s]):
-                    deps.append(need(pos, act, Action(ActionKind.BACKWARD, c), f"the gradient of stage {s}'s output flows back from stage {c}"))
+                    if c in backward:
+                        deps.append(need(pos, act, Action(ActionKind.BACKWARD, c), f"the gradient of stage {s}'s output flows back from stage {c}"))
+                    elif Action(ActionKind.BACKWARD, c) in last:  # a B the stage does not need (no gradient flows)
+                        deps.append(last[Action(ActionKind.BACKWARD, c)])
                 grads_to = "buffer" if (s in persistent or spec.update_group in device_groups) else "slot"
                 reader_of = s
             elif k == ActionKind.OFFLOAD_GRAD:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StageSpec", "Value", "chain", "consumers_of"]
+__all__ = ["StageSpec", "Value", "backward_stages", "chain", "consumers_of"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,32 @@ def consumers_of(stages: list[StageSpec]) -> dict[int, frozenset[int]]:
         for p in s.producers:
             out[p].add(s.index)
     return {k: frozenset(v) for k, v in out.items()}
+
+
+def backward_stages(stages: list[StageSpec]) -> frozenset[int]:
+    """The stages whose BACKWARD has work to do: those with trainable parameters (their own or
+    borrowed, ``has_grads``) and those a gradient flows through to an earlier stage (a
+    differentiable input; on a synthetic spec without values, a producer in the set).
+
+    A stage outside the set (frozen parameters, and nothing below it needs a gradient: the
+    frozen bottom of a fine-tuned model) runs no backward at all, so the lowering gives it no
+    ``B`` and no prefetch for one. When no stage needs a backward (every parameter frozen and
+    no input requiring a gradient) every stage keeps its ``B``, as before: eager PyTorch
+    refuses such a backward anyway.
+
+    >>> sorted(backward_stages(chain(3)))
+    [0, 1, 2]
+    >>> frozen = [StageSpec(0), StageSpec(1, producers=frozenset({0}))] + chain(3)[2:]
+    >>> sorted(backward_stages(frozen))
+    [2]
+    """
+    need: set[int] = set()
+    for s in sorted(stages, key=lambda s: s.index):
+        if s.has_grads:
+            need.add(s.index)
+        elif s.inputs or s.outputs:
+            if any(v.differentiable for v in s.inputs):
+                need.add(s.index)
+        elif any(p in need for p in s.producers):
+            need.add(s.index)
+    return frozenset(need) if need else frozenset(s.index for s in stages)

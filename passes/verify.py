@@ -12,10 +12,12 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
 3. **slot reuse**: a slot holds one stage at a time, so at most ``num_slots`` stages are
    resident at any point; a RELEASE waits for every reader of its slot, and a PREFETCH into a
    slot waits for the RELEASE that freed it.
-4. **data flow**: F waits for its producers' F; B waits for its consumers' B.
+4. **data flow**: F waits for its producers' F; B waits for the B of its consumers that run
+   one (:func:`~shfx.passes.stages.backward_stages`).
 5. **grads before update**: a CPU_STEP waits for the OFFLOAD_GRAD of every stage that sends
    gradients to its group.
-6. **completeness**: train programs run F and B of every stage once, OG once per stage sending
+6. **completeness**: train programs run F of every stage once and B once of every stage whose
+   backward has work (a frozen bottom may run none), OG once per stage sending
    gradients to a host-updated group, exactly one update (U on the host or DU on the device) per
    trainable group, and end with every slot released except the persistent stages'.
 
@@ -43,7 +45,7 @@ import torch.fx as fx
 from .meta import get_meta
 from .actions import KINDS
 from .program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
-from .stages import consumers_of
+from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
 
@@ -287,6 +289,7 @@ def data_flow(v: ProgramView) -> Iterator[Violation]:
     """4. F waits for its producers' F and B for its consumers' B; an OFFLOAD_GRAD waits for its
     stage's B, an OFFLOAD_BUFFERS for its F, an OFFLOAD_PARAMS for the DEVICE_STEP of its group."""
     consumers = consumers_of(list(v.program.stages))
+    backward = backward_stages(list(v.program.stages))
 
     def waits_for(n: fx.Node, kind: ActionKind, stage: int | None) -> bool:
         d = v.last(kind, stage, n)
@@ -303,7 +306,7 @@ def data_flow(v: ProgramView) -> Iterator[Violation]:
                     yield n, f"{v.act(n)} reads stage {p}'s output but does not wait for F{p}"
         elif k == B:
             for c in consumers[s]:
-                if not waits_for(n, B, c):
+                if c in backward and not waits_for(n, B, c):
                     yield n, f"{v.act(n)} needs the output gradient from stage {c} but does not wait for B{c}"
         elif k == OG and not waits_for(n, B, s):
             yield n, f"{v.act(n)} copies stage {s}'s gradients but does not wait for B{s}"
@@ -359,7 +362,8 @@ def completeness(v: ProgramView) -> Iterator[Violation]:
     if expect in ("train", "eval"):
         need += [(F, s) for s in stages]
     if expect in ("train", "backward"):
-        need += [(B, s) for s in stages]
+        back = backward_stages(list(stages.values()))
+        need += [(B, s) for s in stages if s in back]
         # a stage's gradients go to the host when any group it sends them to is updated there
         need += [(OG, s) for s, st in stages.items() if st.has_grads and (st.grad_groups - dev_groups)]
         need += [
@@ -371,6 +375,10 @@ def completeness(v: ProgramView) -> Iterator[Violation]:
         c = counts.get(key, 0)
         if c != 1:
             yield None, f"{key[0].value}{key[1]} appears {c} times; a {expect} program needs it exactly once"
+    if expect in ("train", "backward"):
+        for s in stages:  # a stage with no backward work may still run one (a hand-written order)
+            if s not in back and counts.get((B, s), 0) > 1:
+                yield None, f"B{s} appears {counts[(B, s)]} times; a {expect} program runs it at most once"
     left = {s: slot for s, slot in v.resident_at_end.items() if s not in v.program.persistent}
     if expect in ("train", "eval", "backward") and left:
         held = ", ".join(f"stage {s} (slot {slot})" for s, slot in sorted(left.items()))

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from shfx.passes.actions import B
+from shfx.passes.meta import get_meta
 from shfx.passes.pipeline import Variant
 
 from .backend import Backend
@@ -64,13 +66,21 @@ class StepContext:
         g = variant.graph
         # forward refcounts (eval: free a value once every consumer's forward ran)
         self.fwd_left = {v: len(info.consumers) for v, info in g.values.items()}
-        # backward: a value is last needed by the backward of its earliest consumer (freed in the
-        # ledger's order: the stages' outputs, stage by stage, then the model's inputs)
+        # the stages the train program runs a backward of (a frozen bottom runs none)
+        self.backward_stages = frozenset(get_meta(n).stage for n in variant.train.nodes if get_meta(n).kind == B)
+        # backward: a value is last needed by the backward of its earliest consumer that runs one
+        # (freed in the ledger's order: the stages' outputs, stage by stage, then the model's
+        # inputs); a value no backward reads is freed once its last consumer's forward ran
         self.free_after_b: dict[int, list[str]] = {}
+        self.forward_only: set[str] = set()
         for v in [v for st in g.stages for v in st.outputs] + list(g.inputs):
             info = g.values[v]
             if info.consumers and v not in g.outputs:
-                self.free_after_b.setdefault(min(info.consumers), []).append(v)
+                readers = [c for c in info.consumers if c in self.backward_stages]
+                if readers:
+                    self.free_after_b.setdefault(min(readers), []).append(v)
+                else:
+                    self.forward_only.add(v)
 
     # ---- device memory, under the ledger's terms and names ------------------------------------
     def _hold(self, name: str, term: str, nbytes: int, detail: str = "") -> None:

@@ -413,8 +413,11 @@ class Engine:
         params = [views[k] for k in stage.params]
         bufs = [views[k] for k in stage.buffers]
         ins = [ctx.values[v] for v in stage.inputs]
-        keep = ctx.grad and keep_graph
-        if ctx.grad:
+        # NOTE: a stage the program runs no backward of (frozen, and no gradient flows through
+        # it: the bottom of a fine-tuned model) runs as in inference, keeping nothing for one
+        grad = ctx.grad and stage.index in ctx.backward_stages
+        keep = grad and keep_graph
+        if grad:
             ctx.rng[stage.index] = self.backend.get_rng_state()
             if stage.mutated_buffers and not keep:
                 ctx.keep_pre_buffers(stage.index, [views[k].clone() for k in stage.mutated_buffers])
@@ -427,7 +430,7 @@ class Engine:
                 ]
                 outs = stage.gm(*pleaves, *[_own_version(b) for b in bufs], *ileaves)
             ctx.saved[stage.index] = (outs, pleaves, ileaves)
-        elif ctx.grad and self._early_stop(stage):
+        elif grad and self._early_stop(stage):
             # NOTE: the forward records its autograd graph without keeping activations
             # (non-reentrant torch.utils.checkpoint); the backward recomputes only until every
             # tensor it needs exists (a block's last matmul is not redone). Parameters and
@@ -460,8 +463,8 @@ class Engine:
             self._forward_s[id(stage)] = time.perf_counter() - t0
         for v, o in zip(stage.outputs, outs):
             ctx.put(v, o.detach())
-        if not ctx.grad:
-            for v in stage.inputs:
+        for v in stage.inputs:
+            if not ctx.grad or v in ctx.forward_only:
                 ctx.fwd_left[v] -= 1
                 if ctx.fwd_left[v] == 0 and v not in g.outputs:
                     ctx.drop(v)
