@@ -5,10 +5,14 @@ GraphModule per stage, a pure function ``f(*params, *buffers, *inputs) -> (*outp
 (buffers the forward mutates are updated in place; the runtime hands a stage copies of them
 when it recomputes). Stages are:
 
-- **blocks** (default): the repeated blocks, auto-detected as the ModuleList/Sequential of
-  same-type modules holding the most parameters (at least half of the model's), or named with
-  ``blocks="transformer.h"``; everything before the first block is the *head* stage,
-  everything after the last the *tail*; code between blocks joins the block before it.
+- **blocks** (default): the repeated blocks of one or several lists, auto-detected
+  (:func:`find_block_lists`: the ModuleList/Sequential of same-type modules holding the most
+  parameters, and every other one not nested in it with at least a quarter of its parameters,
+  together at least half of the model's: T5's ``encoder.block`` and ``decoder.block``), or named
+  with ``blocks="transformer.h"`` or ``blocks=["encoder.block", "decoder.block"]``. Everything
+  before the first block is the *head* stage, everything after the last the *tail*, the code
+  between two lists a *between* stage; code between blocks of one list joins the block before
+  it. The lists must run one after the other.
 - **by bytes** (fallback, or ``blocks=False``): ``num_stages`` stages (default up to 8) of about
   equal parameter bytes - for models without repeated blocks, e.g. a CNN with skip
   connections. Cuts go between modules: the top-level ones, and inside a module that holds more
@@ -732,8 +736,9 @@ def label_stages(
 ) -> StageLabels:
     """Given a capture, return the stage of each operation node, by blocks or by bytes.
 
-    With blocks (``blocks`` a path or the container module, or None to detect them in
-    ``model``), the stages are the head, one per block and the tail; otherwise cuts between
+    With blocks (``blocks`` a path or the container module, a list of those, or None to detect
+    every list in ``model``), the stages are the head, one per block of each list (a between
+    stage before each list after the first) and the tail; otherwise cuts between
     modules balance parameter bytes over ``num_stages`` stages (see the module docstring and
     :func:`_label_bytes`). Then each ``getitem`` joins the stage of the tuple it reads and each
     ``get_attr`` (a higher-order op's body) the first stage that uses it. Stages may be empty
