@@ -5,10 +5,14 @@ GraphModule per stage, a pure function ``f(*params, *buffers, *inputs) -> (*outp
 (buffers the forward mutates are updated in place; the runtime hands a stage copies of them
 when it recomputes). Stages are:
 
-- **blocks** (default): the repeated blocks, auto-detected as the ModuleList/Sequential of
-  same-type modules holding the most parameters (at least half of the model's), or named with
-  ``blocks="transformer.h"``; everything before the first block is the *head* stage,
-  everything after the last the *tail*; code between blocks joins the block before it.
+- **blocks** (default): the repeated blocks of one or several lists, auto-detected
+  (:func:`find_block_lists`: the ModuleList/Sequential of same-type modules holding the most
+  parameters, and every other one not nested in it with at least a quarter of its parameters,
+  together at least half of the model's: T5's ``encoder.block`` and ``decoder.block``), or named
+  with ``blocks="transformer.h"`` or ``blocks=["encoder.block", "decoder.block"]``. Everything
+  before the first block is the *head* stage, everything after the last the *tail*, the code
+  between two lists a *between* stage; code between blocks of one list joins the block before
+  it. The lists must run one after the other.
 - **by bytes** (fallback, or ``blocks=False``): ``num_stages`` stages (default up to 8) of about
   equal parameter bytes - for models without repeated blocks, e.g. a CNN with skip
   connections. Cuts go between modules: the top-level ones, and inside a module that holds more
@@ -28,6 +32,7 @@ the earlier ones returned: :func:`label_stages`, :func:`merge_tensorless_stages`
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,7 +46,10 @@ from .layout import FP32, Group, SlotPlan, TensorInfo, copy_dtypes, plan_groups,
 from .stages import StageSpec, Value
 from .units import format_bytes
 
-__all__ = ["Stage", "StageGraph", "ValueInfo", "PartitionError", "partition_stages", "find_blocks"]
+__all__ = [
+    "Stage", "StageGraph", "ValueInfo", "PartitionError", "partition_stages", "find_blocks", "find_block_lists",
+    "block_lists", "BlockList",
+]
 
 
 class PartitionError(ValueError):
@@ -91,7 +99,8 @@ class StageGraph:
     groups: list[Group]
     tensors: dict[str, TensorInfo]
     owner: dict[str, int]
-    method: str  # "blocks:<path>" or "bytes"
+    method: str  # "blocks:<path>[,<path>...]" or "bytes"
+    notes: tuple[str, ...] = ()  # why the stages differ from what was asked (also warned at partition)
 
     @property
     def specs(self) -> list[StageSpec]:
@@ -112,6 +121,7 @@ class StageGraph:
                 f"  {s.index:>3}  {s.name[:24]:<24} {s.num_ops:>5} {len(s.params):>7} {format_bytes(s.spec.prefetch_bytes):>11} "
                 f"{format_bytes(s.spec.grad_bytes):>11} {format_bytes(out_bytes):>11}"
             )
+        rows += [f"  note: {n}" for n in self.notes]
         return "\n".join(rows)
 
 
@@ -128,49 +138,138 @@ def _numel(m: nn.Module) -> int:
     return n
 
 
-def find_blocks(model: nn.Module, min_fraction: float = 0.5) -> str | None:
-    """The path of the ModuleList/Sequential of same-type modules with the most parameters,
-    if it holds at least ``min_fraction`` of the model's; else None."""
-    total = _numel(model)
-    best: tuple[int, int, str] | None = None
+@dataclass(frozen=True)
+class BlockList:
+    """A candidate list of repeated blocks: a ModuleList/Sequential of at least two modules of
+    one type (``path`` "" is the model itself)."""
+
+    path: str
+    numel: int  # parameters it holds
+    length: int
+    block_type: str
+
+    def describe(self, total: int) -> str:
+        share = f", {100 * self.numel / total:.0f}% of the parameters" if total else ""
+        return f"{self.path or '<the model>'} ({self.length} x {self.block_type}{share})"
+
+
+def block_lists(model: nn.Module) -> list[BlockList]:
+    """Every ModuleList/Sequential of at least two same-type modules in ``model``, largest
+    (parameters, then length) first."""
+    out = []
     for name, mod in model.named_modules():
         if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
             continue
         types = {type(c) for c in mod.children()}
         if len(types) != 1:
             continue
-        n = _numel(mod)
-        cand = (n, len(mod), name)
-        if best is None or cand[:2] > best[:2]:
-            best = cand
-    if best is None or total == 0 or best[0] < min_fraction * total:
-        return None
-    return best[2]
+        out.append(BlockList(name, _numel(mod), len(mod), next(iter(types)).__name__))
+    return sorted(out, key=lambda c: (-c.numel, -c.length, c.path))
 
 
-def _resolve_blocks(model: nn.Module, blocks: Any) -> str | None:
-    if blocks is None:
-        return find_blocks(model)
-    if blocks is False:
+def _nested(a: str, b: str) -> bool:
+    """True when one of the module paths ``a``, ``b`` is inside (or is) the other."""
+    return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+# NOTE: a second list counts as repeated blocks only when it is of the same order of size as the
+# largest (an encoder and a decoder); a ModuleList of norms or adapters next to the blocks does not.
+_MIN_SECONDARY_FRACTION = 0.25
+
+
+def find_block_lists(model: nn.Module, min_fraction: float = 0.5) -> list[str]:
+    """The paths of the lists of repeated blocks to stage, in no particular order (the
+    partition orders them as they run): the largest ModuleList/Sequential of same-type modules,
+    and every other one not nested in a chosen list (or holding one) with at least a quarter of
+    its parameters (T5's ``encoder.block`` and ``decoder.block``). Empty when the lists chosen
+    hold less than ``min_fraction`` of the model's parameters.
+
+    >>> import torch.nn as nn
+    >>> class EncDec(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.enc = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+    ...         self.dec = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+    >>> sorted(find_block_lists(EncDec()))
+    ['dec', 'enc']
+    """
+    total = _numel(model)
+    cands = block_lists(model)
+    if not cands or total == 0:
+        return []
+    chosen = [cands[0]]
+    for c in cands[1:]:
+        if c.numel >= _MIN_SECONDARY_FRACTION * chosen[0].numel and not any(_nested(c.path, d.path) for d in chosen):
+            chosen.append(c)
+    if sum(c.numel for c in chosen) < min_fraction * total:
+        return []
+    return [c.path for c in chosen]
+
+
+def find_blocks(model: nn.Module, min_fraction: float = 0.5) -> str | None:
+    """The path of the ModuleList/Sequential of same-type modules with the most parameters,
+    if it holds at least ``min_fraction`` of the model's; else None (one list; see
+    :func:`find_block_lists` for all of them)."""
+    total = _numel(model)
+    cands = block_lists(model)
+    if not cands or total == 0 or cands[0].numel < min_fraction * total:
         return None
-    if isinstance(blocks, nn.Module):
+    return cands[0].path
+
+
+def _wrong_blocks(model: nn.Module, what: str, why: str) -> PartitionError:
+    total = _numel(model)
+    cands = block_lists(model)
+    found = "; ".join(c.describe(total) for c in cands[:12]) or "none"
+    example = f" (blocks={[c.path for c in cands[:2]]!r})" if len(cands) > 1 else ""
+    return PartitionError(
+        f"blocks={what}: {why}. Lists of repeated blocks (ModuleList/Sequential of same-type modules) "
+        f"in {type(model).__name__}: {found}. Name one or several of them{example}, pass blocks=None to "
+        "detect them, or blocks=False to split by parameter bytes."
+    )
+
+
+def _resolve_one(model: nn.Module, b: Any, what: str) -> str:
+    if isinstance(b, nn.Module):
         for name, mod in model.named_modules():
-            if mod is blocks:
+            if mod is b:
                 return name
-        raise PartitionError("blocks= names a module that is not part of the model")
-    if isinstance(blocks, str):
+        raise _wrong_blocks(model, what, f"the module {type(b).__name__} is not part of the model")
+    if isinstance(b, str):
         try:
-            mod = model.get_submodule(blocks)
+            mod = model.get_submodule(b)
         except AttributeError:
-            lists = [n for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
-            raise PartitionError(
-                f"blocks={blocks!r}: the model has no submodule of that name. Containers it has: "
-                f"{', '.join(lists[:12]) or 'none'}"
-            ) from None
+            raise _wrong_blocks(model, what, f"the model has no submodule {b!r}") from None
         if len(list(mod.children())) < 1:
-            raise PartitionError(f"blocks={blocks!r} names a module with no children")
-        return blocks
-    raise PartitionError(f"blocks= must be a module path (str), the container module, None (auto) or False, got {blocks!r}")
+            raise _wrong_blocks(model, what, f"{b!r} is a {type(mod).__name__} with no child modules to make stages of")
+        return b
+    raise PartitionError(
+        f"blocks= must be a module path (str), the container module, a list of those, None (auto) or False, "
+        f"got {what}"
+    )
+
+
+def _resolve_blocks(model: nn.Module, blocks: Any) -> list[str]:
+    """The container paths ``blocks=`` names (or detects, for None); empty for False."""
+    if blocks is None:
+        return find_block_lists(model)
+    if blocks is False:
+        return []
+    if isinstance(blocks, (list, tuple)):
+        if not blocks:
+            raise PartitionError(
+                "blocks=[] names no module: pass the paths of the repeated blocks, None to detect them, "
+                "or False to split by parameter bytes"
+            )
+        paths = [_resolve_one(model, b, repr(blocks)) for b in blocks]
+        for i, a in enumerate(paths):
+            for b in paths[i + 1 :]:
+                if _nested(a, b):
+                    raise _wrong_blocks(
+                        model, repr(blocks), f"{a!r} and {b!r} " + ("are the same module" if a == b else "are nested")
+                    )
+        return paths
+    return [_resolve_one(model, blocks, repr(blocks))]
 
 
 # ---- node labelling ------------------------------------------------------------------------
@@ -188,11 +287,13 @@ def _module_paths(node: fx.Node, prefix: str) -> list[str]:
     return out
 
 
-def _block_of(node: fx.Node, prefix: str, container: str) -> str | None:
-    head = container + "." if container else ""  # "": the model itself is the container (a Sequential)
+def _block_of(node: fx.Node, prefix: str, containers: Sequence[str]) -> tuple[int, str] | None:
+    """(which container, which block of it) ``node`` runs in, or None outside every block."""
     for p in _module_paths(node, prefix):
-        if p and p.startswith(head):
-            return p[len(head) :].split(".")[0]
+        for ci, container in enumerate(containers):
+            head = container + "." if container else ""  # "": the model itself is the container (a Sequential)
+            if p and p.startswith(head):
+                return ci, p[len(head) :].split(".")[0]
     return None
 
 
@@ -201,46 +302,96 @@ def _is_root_level(node: fx.Node, prefix: str) -> bool:
     return all(p == "" for p in _module_paths(node, prefix))
 
 
-def _label_blocks(nodes: list[fx.Node], prefix: str, container: str) -> tuple[dict[fx.Node, int], list[str]]:
-    blocks = [_block_of(n, prefix, container) for n in nodes]
-    positions = [i for i, b in enumerate(blocks) if b is not None]
+def _label_blocks(
+    nodes: list[fx.Node], prefix: str, containers: Sequence[str]
+) -> tuple[dict[fx.Node, int], list[str]]:
+    """Stages by repeated blocks of one or several lists (see :func:`label_stages`): the head,
+    each list's blocks, a *between* stage before each list after the first, and the tail."""
+    where = [_block_of(n, prefix, containers) for n in nodes]
+    positions = [i for i, b in enumerate(where) if b is not None]
     if not positions:
+        names = ", ".join(repr(c) for c in containers)
         raise PartitionError(
-            f"no operation of the graph runs inside {container!r}; pass blocks= with the path of the "
+            f"no operation of the graph runs inside {names}; pass blocks= with the path of the "
             "repeated blocks (e.g. blocks='transformer.h'), or blocks=False to split by parameter bytes"
         )
-    order: list[str] = []
-    for b in blocks:
-        if b is not None and b not in order:
-            order.append(b)
-    stage_of_block = {b: i + 1 for i, b in enumerate(order)}
-    first, last = positions[0], positions[-1]
+    missing = [c for ci, c in enumerate(containers) if not any(b is not None and b[0] == ci for b in where)]
+    if missing:
+        raise PartitionError(
+            f"no operation of the graph runs inside {', '.join(repr(c) for c in missing)} (named in blocks=); "
+            "name only lists of blocks the forward runs, or blocks=False to split by parameter bytes"
+        )
+    # stages in the order the blocks first run; a between stage where the list changes
+    names = ["head"]
+    stage_of_block: dict[tuple[int, str], int] = {}
+    between_before: dict[int, int] = {}  # container -> its between stage (lists after the first)
+    lists_seen: list[int] = []
+    for b in where:
+        if b is None or b in stage_of_block:
+            continue
+        if lists_seen and b[0] != lists_seen[-1]:
+            if b[0] in lists_seen:
+                raise PartitionError(
+                    f"the blocks of {_list_name(containers, b[0])!r} do not run one after another: block "
+                    f"{_block_name(containers, b)} first runs after blocks of another list. shfx needs each list's "
+                    "blocks to run in order, one list after the other; name one list in blocks=, or blocks=False."
+                )
+            between_before[b[0]] = len(names)
+            names.append("between")
+        if not lists_seen or lists_seen[-1] != b[0]:
+            lists_seen.append(b[0])
+        stage_of_block[b] = len(names)
+        names.append(_block_name(containers, b))
+    tail = len(names)
+    names.append("tail")
+    if len(between_before) > 1:
+        for k, s in enumerate(sorted(between_before.values())):
+            names[s] = f"between{k + 1}"
+    # for each non-block position: the block before it and the block after it
+    prev_block: list[tuple[int, str] | None] = []
+    last = None
+    for b in where:
+        last = b if b is not None else last
+        prev_block.append(last)
+    next_block: list[tuple[int, str] | None] = [None] * len(where)
+    nxt = None
+    for i in range(len(where) - 1, -1, -1):
+        nxt = where[i] if where[i] is not None else nxt
+        next_block[i] = nxt
     labels: dict[fx.Node, int] = {}
     cur = 0
-    tail = len(order) + 1
-    for i, (n, b) in enumerate(zip(nodes, blocks)):
+    for n, b, before, after in zip(nodes, where, prev_block, next_block):
         if b is not None:
             s = stage_of_block[b]
             if s < cur:
                 raise PartitionError(
-                    f"operation {n.name!r} of block {container}.{b} runs after block {order[cur - 1]}: "
+                    f"operation {n.name!r} of block {_block_name(containers, b)} runs after block {names[cur]}: "
                     f"shfx needs each block to run once, in order. Pass blocks= naming other modules, "
                     "or blocks=False to split by parameter bytes."
                 )
             cur = s
-        elif i < first:
+        elif before is None:
             s = 0
-        elif i > last:
-            # NOTE: after the last block, code of the model's own forward (not inside a
-            # module) continues whatever it reads, e.g. the residual add of a loop
-            # ``h = block(x); h += x``; modules (final norm, head) and what follows form the tail.
+        elif after is None or after[0] != before[0]:
+            # NOTE: after the last block of a list, code of the model's own forward (not inside
+            # a module) continues whatever it reads, e.g. the residual add of a loop
+            # ``h = block(x); h += x``; modules (a final norm, the next list's embedding, the head)
+            # and what follows form the between stage before the next list, or the tail.
+            end = tail if after is None else between_before[after[0]]
             read = [labels[a] for a in n.all_input_nodes if a in labels]
-            s = max(read) if _is_root_level(n, prefix) and read and max(read) < tail else tail
+            s = max(read) if _is_root_level(n, prefix) and read and max(read) < end else end
         else:
             s = cur
         labels[n] = s
-    names = ["head"] + [f"{container}.{b}" if container else b for b in order] + ["tail"]
     return labels, names
+
+
+def _list_name(containers: Sequence[str], ci: int) -> str:
+    return containers[ci] or "<the model>"
+
+
+def _block_name(containers: Sequence[str], b: tuple[int, str]) -> str:
+    return f"{containers[b[0]]}.{b[1]}" if containers[b[0]] else b[1]
 
 
 def _unit_of(paths: Sequence[str], expanded: set[str]) -> str | None:
@@ -537,7 +688,8 @@ class StageLabels:
     nodes: tuple[fx.Node, ...]
     stage_of: dict[fx.Node, int] = field(hash=False)
     names: tuple[str, ...]
-    method: str  # "blocks:<path>" or "bytes"
+    method: str  # "blocks:<path>[,<path>...]" or "bytes"
+    notes: tuple[str, ...] = ()  # why the stages are not what was asked (see StageGraph.notes)
 
     def members(self) -> list[list[fx.Node]]:
         """The operation nodes of each stage, in graph order (empty for an empty stage)."""
@@ -584,8 +736,9 @@ def label_stages(
 ) -> StageLabels:
     """Given a capture, return the stage of each operation node, by blocks or by bytes.
 
-    With blocks (``blocks`` a path or the container module, or None to detect them in
-    ``model``), the stages are the head, one per block and the tail; otherwise cuts between
+    With blocks (``blocks`` a path or the container module, a list of those, or None to detect
+    every list in ``model``), the stages are the head, one per block of each list (a between
+    stage before each list after the first) and the tail; otherwise cuts between
     modules balance parameter bytes over ``num_stages`` stages (see the module docstring and
     :func:`_label_bytes`). Then each ``getitem`` joins the stage of the tuple it reads and each
     ``get_attr`` (a higher-order op's body) the first stage that uses it. Stages may be empty
@@ -602,10 +755,38 @@ def label_stages(
             )
     nodes = [n for n in captured.gm.graph.nodes if n.op in _OPERATIONS]
     prefix = captured.module_prefix
-    container = _resolve_blocks(model, blocks) if model is not None else (blocks if isinstance(blocks, str) else None)
-    if container is not None:
-        labels, names = _label_blocks(nodes, prefix, container)
-        method = f"blocks:{container}"
+    if model is not None:
+        containers = _resolve_blocks(model, blocks)
+    elif isinstance(blocks, str):
+        containers = [blocks]
+    elif isinstance(blocks, (list, tuple)) and all(isinstance(b, str) for b in blocks):
+        containers = list(blocks)
+    else:
+        containers = []
+    notes: list[str] = []
+    if containers:
+        try:
+            labels, names = _label_blocks(nodes, prefix, containers)
+        except PartitionError as e:
+            if blocks is not None or len(containers) == 1:
+                raise
+            # NOTE: detected lists that do not run one after the other (a list of per-layer
+            # adapters interleaved with the blocks): the largest list alone, as before.
+            notes.append(
+                f"blocks: the lists {', '.join(repr(c) for c in containers)} were detected, but {e} "
+                f"Staged by {containers[0]!r} alone."
+            )
+            containers = containers[:1]
+            labels, names = _label_blocks(nodes, prefix, containers)
+        first_run = {c: names.index(next(n for n in names if _in_list(n, c))) for c in containers}
+        containers = sorted(containers, key=first_run.__getitem__)
+        method = "blocks:" + ",".join(containers)
+        if num_stages is not None:
+            notes.append(
+                f"num_stages={num_stages} is not used when staging by repeated blocks ({', '.join(repr(c) for c in containers)}): "
+                f"a stage per block, plus the code before, between and after them. Pass blocks=False to split "
+                f"into num_stages stages by parameter bytes"
+            )
     else:
         if blocks is None and num_stages is None and model is not None and len(list(model.children())) == 0:
             num_stages = 1
@@ -619,7 +800,13 @@ def label_stages(
     for n in nodes:
         if n.op == "get_attr" and n.users:
             labels[n] = min(labels[u] for u in n.users if u in labels)
-    return StageLabels(tuple(nodes), labels, tuple(names), method)
+    return StageLabels(tuple(nodes), labels, tuple(names), method, tuple(notes))
+
+
+def _in_list(stage_name: str, container: str) -> bool:
+    return stage_name not in ("head", "tail") and not stage_name.startswith("between") and (
+        container == "" or stage_name.startswith(container + ".")
+    )
 
 
 def merge_tensorless_stages(captured: Captured, labels: StageLabels) -> StageLabels:
@@ -648,7 +835,7 @@ def merge_tensorless_stages(captured: Captured, labels: StageLabels) -> StageLab
         merged_names.setdefault(new_index[remap[i]], []).append(labels.names[i])
     stage_of = {n: new_index[remap[labels.stage_of[n]]] for n in labels.nodes}
     names = tuple("+".join(merged_names[i]) for i in range(len(final)))
-    return StageLabels(labels.nodes, stage_of, names, labels.method)
+    return StageLabels(labels.nodes, stage_of, names, labels.method, labels.notes)
 
 
 @dataclass(frozen=True)
@@ -1008,7 +1195,20 @@ def partition_stages(
     stage at fault.
     """
     labels = label_stages(captured, blocks=blocks, num_stages=num_stages, model=model)
+    asked = labels.names
     labels = merge_tensorless_stages(captured, labels)
+    notes = list(labels.notes)
+    if labels.method == "bytes" and num_stages is not None and len(labels.names) < num_stages:
+        gone = [n for n in asked if n not in labels.names and not any(n in m.split("+") for m in labels.names)]
+        merged = [m for m in labels.names if "+" in m]
+        notes.append(
+            f"num_stages={num_stages}: {captured.model_name} gives {len(labels.names)} stages, not {num_stages}: "
+            f"a stage that reads no parameter, buffer or constant joins a neighbour "
+            f"({', '.join(merged) or ', '.join(gone) or 'empty stages'}). Pass num_stages<={len(labels.names)} to "
+            "say so, or blocks= naming the repeated blocks"
+        )
+    for note in notes:
+        warnings.warn(note + ".", stacklevel=2)
     ownership = assign_owners(captured, labels, groups)
     check_mutated_buffers(captured, labels)
     needs_grad = mark_differentiable(captured)
@@ -1027,6 +1227,7 @@ def partition_stages(
         tensors=ownership.tensors,
         owner=ownership.owner,
         method=labels.method,
+        notes=tuple(notes),
     )
 
 

@@ -1145,8 +1145,11 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             ``"auto"``), for a policy given by name or as a function; default the policy's own
             (2). A policy without a window (``"resident"``, ...) refuses one.
         optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
-        blocks: module path of the repeated blocks (default: auto-detected), or False to split
-            by parameter bytes into ``num_stages`` stages.
+        blocks: module path of the repeated blocks, or several (``["encoder.block",
+            "decoder.block"]``; paths or the container modules), default: every list of repeated
+            blocks, auto-detected; or False to split by parameter bytes into ``num_stages``
+            stages. A wrong path lists the model's lists of repeated blocks (docs/usage.md,
+            "Encoder-decoder models and several block lists").
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.
         overlap_update: start host updates during backward (default) or only in step().
         pin_memory: pin the host store (CUDA only).

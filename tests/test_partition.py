@@ -79,7 +79,7 @@ def test_blocks_override_and_bad_path():
     model = BNNet()
     g = stages_of(model, vector_batch(0)[0], blocks="blocks")
     assert [s.name for s in g.stages] == ["head", "blocks.0", "blocks.1", "blocks.2", "tail"]
-    with pytest.raises(PartitionError, match="no submodule of that name. Containers it has: blocks"):
+    with pytest.raises(PartitionError, match=r"blocks='layers': the model has no submodule 'layers'. Lists of repeated blocks .* in BNNet: blocks \(3 x BNBlock, 77% of the parameters\)\. Name one"):
         stages_of(model, vector_batch(0)[0], blocks="layers")
 
 

@@ -113,6 +113,13 @@ class StepContext:
         else:
             self.grads[name] = cur + g
 
+    def replace_grad(self, name: str, g: torch.Tensor) -> None:
+        """Replace the gradient held for ``name`` by ``g``, a sum that already includes it
+        (same shape and dtype: the reservation stands)."""
+        if name not in self.grads:
+            raise KeyError(f"replace_grad: no gradient of {name!r} is held; add it with add_grad")
+        self.grads[name] = g
+
     def drop_grad(self, name: str) -> None:
         self.grads.pop(name, None)
         self._let_go(f"gradient of {name!r}")

@@ -511,13 +511,27 @@ class Engine:
             in_idx = [i for i, x in enumerate(ileaves) if isinstance(x, torch.Tensor) and x.requires_grad]
             p_idx = [i for i, p in enumerate(pleaves) if p.requires_grad]
             wrt = [ileaves[i] for i in in_idx] + [pleaves[i] for i in p_idx]
+            # NOTE: an input that later stages also read (the encoder output every decoder block
+            # cross-attends to) already has their gradient. Eager autograd adds each use's
+            # contribution to one running sum, later uses first: ((g_late + g_a) + g_b). Adding
+            # this stage's own sum afterwards, g_late + (g_a + g_b), rounds differently; so the
+            # running sum enters this stage's autograd as the gradient of an alias of the input
+            # made last (the highest sequence number runs first) and arrives before the stage's
+            # own contributions.
+            seeded = [i for i in in_idx if stage.inputs[i] in ctx.grads] if pairs else []
+            if seeded:
+                with torch.enable_grad():
+                    pairs += [(ileaves[i].view_as(ileaves[i]), ctx.grads[stage.inputs[i]]) for i in seeded]
             if pairs and wrt:
                 grads = torch.autograd.grad([o for o, _ in pairs], wrt, [x for _, x in pairs], allow_unused=True)
             else:
                 grads = (None,) * len(wrt)
             for i, gr in zip(in_idx, grads[: len(in_idx)]):
                 if gr is not None:
-                    ctx.add_grad(stage.inputs[i], gr)
+                    if i in seeded:
+                        ctx.replace_grad(stage.inputs[i], gr)
+                    else:
+                        ctx.add_grad(stage.inputs[i], gr)
             self.gradients.write(ctx, stage, slot, views, [stage.params[i] for i in p_idx], grads[len(in_idx) :], grads_to)
         finally:
             ctx.saved.pop(s, None)
