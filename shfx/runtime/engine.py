@@ -242,6 +242,7 @@ class Engine:
                 t.numel() * t.element_size()
                 for st in self.optimizer.state.values()
                 for t in st.tensors()
+                if t.dim()  # not the 0-dim step counters (the memory ledger does not count them)
             )
         return (
             self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
