@@ -1,4 +1,10 @@
-"""The host optimizer: AdamW over a group's flat fp32 buffers.
+"""The host optimizers: AdamW (:class:`HostAdamW`), SGD (:class:`HostSGD`) and Adafactor
+(:class:`HostAdafactor`) over a group's flat fp32 buffers, one fused call per (group, parameter
+group of the bound :class:`shfx.optim.HostOptimizer`: :func:`_layout`), each parameter group
+with its own hyperparameters from the snapshot the engine takes when it issues the update.
+:func:`runner_for` picks the runner; each exposes per-group ``state`` objects whose
+``tensors()`` the step journal saves, and the per-parameter state ``cm.optimizer.state`` shows.
+The rest of this docstring is about AdamW.
 
 One call updates a whole group with ``torch._fused_adamw_``, the kernel
 ``torch.optim.AdamW(fused=True)`` uses, over views of the group's flat master, gradient and
