@@ -36,10 +36,9 @@ from shfx.cost_model.tune import NoWindowFits, tune_window
 from .amp import LossScaler
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
-from .optim import AdamW
+from .optim import HostOptimizer
 from .runtime.backend import Backend
 from .runtime.engine import Engine, StepContext
-from .runtime.host_optim import HostAdamW
 from .runtime.host_store import HostStore
 
 __all__ = ["compile", "CompiledModel"]
@@ -254,7 +253,8 @@ class CompiledModel:
     Attributes:
         module: the original model; its parameters and buffers now live in shfx's host store
             (``module.state_dict()`` reads the current weights).
-        optimizer: the optimizer configuration (change ``cm.optimizer.lr`` between steps).
+        optimizer: the optimizer, a ``torch.optim.Optimizer`` bound to the model (``param_groups``,
+            ``state``, ``state_dict()``; schedulers work on it; ``cm.optimizer.lr = x`` sets every group).
     """
 
     def __init__(
@@ -263,7 +263,7 @@ class CompiledModel:
         *,
         device: Any = None,
         window: int | str | None = None,
-        optimizer: AdamW | None = None,
+        optimizer: HostOptimizer | None = None,
         policy: str | Policy | Callable[..., Program] = "stronghold",
         blocks: Any = None,
         num_stages: int | None = None,
@@ -302,10 +302,10 @@ class CompiledModel:
             raise ValueError(f"tune_tolerance must be in [0, 1), got {tune_tolerance}")
         if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
-        if optimizer is not None and not isinstance(optimizer, AdamW):
+        if optimizer is not None and not isinstance(optimizer, HostOptimizer):
             raise TypeError(
-                f"optimizer must be shfx.optim.AdamW(...) (it runs on the host next to the master weights), "
-                f"got {type(optimizer).__name__}"
+                f"optimizer must be shfx.optim.AdamW(...), SGD(...) or Adafactor(...) (it runs on the host next to the "
+                f"master weights), got {type(optimizer).__name__}"
             )
         working = precision_dtype(precision)
         if working == torch.float16:
@@ -335,6 +335,8 @@ class CompiledModel:
         )  # fmt: skip
         self.module = model
         self.optimizer = optimizer
+        if optimizer is not None:
+            optimizer.attach(self, model)  # its param_groups now hold the model's parameters
         self.tune_tolerance = tune_tolerance
         self.pin_memory = pin_memory
         pol = self._options.policy
@@ -548,7 +550,7 @@ class CompiledModel:
             self._store = HostStore(
                 self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda"
             )
-            opt = HostAdamW(self.optimizer, self._store) if self.optimizer is not None else None
+            opt = self.optimizer.bind(self._store, captured.params) if self.optimizer is not None else None
             self._engine = Engine(self._backend, self._store, opt, **self._engine_kwargs)
             self._engine.recompute = self.recompute
             by_group: dict[int, list] = {}
@@ -804,7 +806,17 @@ class CompiledModel:
         again applies the step exactly once (with ``rollback=True`` the step is undone first).
         With ``skip_nonfinite=True`` a step whose gradients hold inf or NaN is skipped
         (``cm.last_step_skipped``, ``cm.skipped_steps``); see "When something fails" in
-        docs/usage.md."""
+        docs/usage.md.
+
+        ``cm.optimizer.step()`` is the same call (this calls it, so a learning-rate scheduler's
+        and the optimizer's step hooks see it)."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        else:
+            self._apply_step()
+
+    def _apply_step(self) -> None:
+        """:meth:`step`'s work (``HostOptimizer.step`` calls it)."""
         self._require_engine("step")
         eng = self._engine
         grads = eng.gradients
@@ -1144,7 +1156,8 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             means all, with a warning at the first call and a line in ``cm.report()``; or
             ``"auto"``), for a policy given by name or as a function; default the policy's own
             (2). A policy without a window (``"resident"``, ...) refuses one.
-        optimizer: ``shfx.optim.AdamW(...)``, run on the host; None for no optimizer.
+        optimizer: ``shfx.optim.AdamW(...)``, ``SGD(...)`` or ``Adafactor(...)`` (torch-style parameter groups
+            allowed), run on the host; None for no optimizer. ``cm.optimizer`` is it, bound to the model.
         blocks: module path of the repeated blocks, or several (``["encoder.block",
             "decoder.block"]``; paths or the container modules), default: every list of repeated
             blocks, auto-detected; or False to split by parameter bytes into ``num_stages``

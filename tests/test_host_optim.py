@@ -93,8 +93,11 @@ def test_hyperparameter_validation():
     opt = shfx.optim.AdamW()
     opt.param_groups[0]["lr"] = 0.5
     assert opt.lr == 0.5
-    with pytest.raises(KeyError):
-        opt.param_groups[0]["momentum"] = 0.9
+    opt.lr = 0.25  # sets every group
+    assert opt.param_groups[0]["lr"] == 0.25
+    opt.param_groups[0]["lr"] = -1.0  # torch lets a group take any value: checked when a step reads it
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        opt.hyperparams()
 
 
 def test_spans_merge_only_where_bitwise_safe():

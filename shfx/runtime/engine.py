@@ -168,7 +168,7 @@ class Engine:
         self.recompute = "auto"
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list[str]] = {}
-        self.device_optimizer = DeviceAdamW(backend) if optimizer is not None else None
+        self.device_optimizer = DeviceAdamW(backend, optimizer.config) if optimizer is not None else None
         # what the updates of the current step changed, to undo a step that fails or is skipped
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
         self.skip_nonfinite = skip_nonfinite
@@ -241,8 +241,8 @@ class Engine:
             states = sum(
                 t.numel() * t.element_size()
                 for st in self.optimizer.state.values()
-                for t in (st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq)
-                if t is not None
+                for t in st.tensors()
+                if t.dim()  # not the 0-dim step counters (the memory ledger does not count them)
             )
         return (
             self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
@@ -851,7 +851,7 @@ class Engine:
         with self.backend.during("setup"):
             self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
             if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
-                self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)])
+                self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)], self.optimizer)
             self._ensure_persistent(variant)
         if not serial:
             self.current = variant

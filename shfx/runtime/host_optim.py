@@ -1,4 +1,10 @@
-"""The host optimizer: AdamW over a group's flat fp32 buffers.
+"""The host optimizers: AdamW (:class:`HostAdamW`), SGD (:class:`HostSGD`) and Adafactor
+(:class:`HostAdafactor`) over a group's flat fp32 buffers, one fused call per (group, parameter
+group of the bound :class:`shfx.optim.HostOptimizer`: :func:`_layout`), each parameter group
+with its own hyperparameters from the snapshot the engine takes when it issues the update.
+:func:`runner_for` picks the runner; each exposes per-group ``state`` objects whose
+``tensors()`` the step journal saves, and the per-parameter state ``cm.optimizer.state`` shows.
+The rest of this docstring is about AdamW.
 
 One call updates a whole group with ``torch._fused_adamw_``, the kernel
 ``torch.optim.AdamW(fused=True)`` uses, over views of the group's flat master, gradient and
@@ -39,13 +45,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 
-from ..optim import AdamW
 from .host_store import HostStore
 
-__all__ = ["HostAdamW", "fused_adamw_with_copy", "CHUNK"]
+__all__ = ["HostAdamW", "HostSGD", "HostAdafactor", "runner_for", "fused_adamw_with_copy", "CHUNK"]
 
 # fp32 elements per cache line: the kernel's parallel chunks are whole multiples of it, and
 # every vector width it uses (8 or 16 fp32 lanes) divides it
@@ -247,31 +253,60 @@ def _boundaries(grp) -> frozenset[int]:
     return frozenset(getattr(grp, "part_starts", ()))
 
 
+def _layout(config, grp) -> list[tuple[int, list[tuple[int, int]]]]:
+    """``[(param group index, [(element offset, numel)])]`` of group ``grp``'s trainable
+    parameters: the bound optimizer's parameter groups, or one group over all of them."""
+    lay = config.layout(grp.index) if hasattr(config, "layout") else None
+    return [(0, grp.trainable_spans())] if lay is None else lay
+
+
+def _hp_of(hp: dict | Sequence[dict], k: int) -> dict:
+    """Parameter group ``k``'s hyperparameters from a snapshot (one dict: every group)."""
+    return hp if isinstance(hp, dict) else hp[k]
+
+
 class _State:
     """Flat fp32 states of one group, and the views (per parameter, or merged runs of
-    parameters, see :func:`_spans`) of every flat buffer an update covers; with a working copy
-    (``store.working_view``), its views and the update's batches (:func:`_plan`)."""
+    parameters of one parameter group, see :func:`_spans`) of every flat buffer an update
+    covers, per parameter group (``pgs``: ``(index, views, batches)``); with a working copy
+    (``store.working_view``), its views and each parameter group's batches (:func:`_plan`)."""
 
-    __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "views", "working", "batches")
+    __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "views", "working", "pgs")
 
-    def __init__(self, store: HostStore, g: int, amsgrad: bool, merge: bool = True, chunk: int = CHUNK):
+    def __init__(self, store: HostStore, g: int, amsgrad: bool, merge: bool = True, chunk: int = CHUNK, layout=None):
         grp = store.groups[g]
         n, dt = grp.trainable_numel, grp.dtypes.state
         self.step = torch.zeros((), dtype=torch.float32)
         self.exp_avg = torch.zeros(n, dtype=dt)
         self.exp_avg_sq = torch.zeros(n, dtype=dt)
         self.max_exp_avg_sq = torch.zeros(n, dtype=dt) if amsgrad else None
-        spans = _spans(grp.trainable_spans(), merge, _boundaries(grp))
         bufs = [store.master(g), store.grad(g), self.exp_avg, self.exp_avg_sq]
         if amsgrad:
             bufs.append(self.max_exp_avg_sq)
-        self.views = [[b[o : o + k] for o, k in spans] for b in bufs]
-        # the group's working image over each view, None per view without one (fp32 training:
-        # a store without working_view, or one returning None)
         working_view = getattr(store, "working_view", None)
-        work = [working_view(g, o, k) for o, k in spans] if working_view is not None else []
-        self.working = work if any(w is not None for w in work) else None
-        self.batches = None if self.working is None else _plan(self.views, [self.step] * len(spans), self.working, chunk)
+        self.views: list[list[torch.Tensor]] = [[] for _ in bufs]
+        self.working = None
+        self.pgs: list[tuple[int, list[list[torch.Tensor]], list | None]] = []
+        for k, pspans in layout if layout is not None else [(0, grp.trainable_spans())]:
+            spans = _spans(pspans, merge, _boundaries(grp))
+            if not spans:
+                continue
+            views = [[b[o : o + m] for o, m in spans] for b in bufs]
+            for all_v, v in zip(self.views, views):
+                all_v.extend(v)
+            # the group's working image over each view, None per view without one (fp32
+            # training: a store without working_view, or one returning None)
+            work = [working_view(g, o, m) for o, m in spans] if working_view is not None else []
+            batches = None
+            if any(w is not None for w in work):
+                self.working = (self.working or []) + work
+                batches = _plan(views, [self.step] * len(spans), work, chunk)
+            self.pgs.append((k, views, batches))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What an update overwrites (the step first): what the step journal saves."""
+        out = [self.step, self.exp_avg, self.exp_avg_sq]
+        return out + ([self.max_exp_avg_sq] if self.max_exp_avg_sq is not None else [])
 
 
 class HostAdamW:
@@ -282,7 +317,7 @@ class HostAdamW:
     results, more kernel calls: for tests and benchmarks). ``chunk``: elements per kernel call
     of an update with a working copy (:data:`CHUNK`; see :func:`fused_adamw_with_copy`)."""
 
-    def __init__(self, config: AdamW, store: HostStore, merge_views: bool = True, chunk: int = CHUNK):
+    def __init__(self, config: Any, store: HostStore, merge_views: bool = True, chunk: int = CHUNK):
         if chunk < _UNIT:
             raise ValueError(f"chunk must be at least {_UNIT} elements, got {chunk}")
         self.config = config
@@ -296,7 +331,7 @@ class HostAdamW:
         with self._lock:
             st = self.state.get(g)
             if st is None:
-                st = _State(self.store, g, amsgrad, self.merge_views, self.chunk)
+                st = _State(self.store, g, amsgrad, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]))
                 self.state[g] = st
             elif amsgrad and st.max_exp_avg_sq is None:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
@@ -332,18 +367,78 @@ class HostAdamW:
         still rewritten from the unchanged master)."""
         if self.store.master(g).numel() == 0:
             return
-        st = self._state(g, hp["amsgrad"])
+        first = _hp_of(hp, 0)
+        st = self._state(g, first["amsgrad"])
         st.step += 1
-        params, grads, avgs, sqs = st.views[:4]
-        if not params:
-            return
-        if st.batches is None:  # no working copy: one kernel call over the views
-            _kernel(params, grads, avgs, sqs, st.views[4] if hp["amsgrad"] else [], [st.step] * len(params), hp,
-                    grad_scale, found_inf)  # fmt: skip
-        else:
-            _run(st.batches, hp, grad_scale, found_inf)
+        for k, views, batches in st.pgs:
+            h = _hp_of(hp, k)
+            if h["amsgrad"] != first["amsgrad"]:
+                raise ValueError("amsgrad must be the same in every parameter group")
+            if batches is None:  # no working copy: one kernel call over the group's views
+                _kernel(*views[:4], views[4] if h["amsgrad"] else [], [st.step] * len(views[0]), h, grad_scale, found_inf)
+            else:
+                _run(batches, h, grad_scale, found_inf)
         if found_inf is not None:
             st.step -= found_inf  # as torch.optim.AdamW(fused=True) does: a skipped step is not counted
+
+    # ---- per-parameter state (shfx.optim.HostOptimizer.state / state_dict / load_state_dict) ----
+    def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
+        """The torch-named state of the parameter at elements ``[off, off + n)`` of group ``g``,
+        as views (of the device state ``dev`` for a group updated on the device); {} before its
+        first update."""
+        st = self.state.get(g)
+        if dev is not None:
+            if int(dev.step.item()) == 0:
+                return {}
+            return {"step": dev.step, "exp_avg": dev.m[off : off + n].view(shape), "exp_avg_sq": dev.v[off : off + n].view(shape)}
+        if st is None:
+            return {}
+        out = {
+            "step": st.step,
+            "exp_avg": st.exp_avg[off : off + n].view(shape),
+            "exp_avg_sq": st.exp_avg_sq[off : off + n].view(shape),
+        }
+        if st.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = st.max_exp_avg_sq[off : off + n].view(shape)
+        return out
+
+    def load_group(self, g: int, entries: list[tuple[tuple, dict]], dev: Any = None) -> None:
+        """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
+        covering all its trainable parameters, or drop it (``entries`` empty: fresh state)."""
+        if not entries:
+            with self._lock:
+                self.state.pop(g, None)
+            if dev is not None:
+                for t in (dev.step, dev.m, dev.v):
+                    t.zero_()
+            return
+        steps = {float(e["step"]) for _, e in entries}
+        if len(steps) != 1:
+            raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
+        amsgrad = any("max_exp_avg_sq" in e for _, e in entries)
+        if dev is None:
+            with self._lock:
+                self.state.pop(g, None)
+            st = self._state(g, amsgrad)
+            dst = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, "max_exp_avg_sq": st.max_exp_avg_sq}
+            step = st.step
+        else:
+            if amsgrad:
+                raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
+            dst = {"exp_avg": dev.m, "exp_avg_sq": dev.v}
+            step = dev.step
+        step.fill_(steps.pop())
+        for (_, off, n, shape), e in entries:
+            for name, buf in dst.items():
+                if buf is None:
+                    continue
+                src = e.get(name)
+                if src is None or tuple(src.shape) != tuple(shape):
+                    raise ValueError(
+                        f"state {name!r} of a parameter of shape {tuple(shape)} is "
+                        f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                    )
+                buf[off : off + n].view(shape).copy_(src)
 
     def time_update(self, g: int, hp: dict, repeats: int = 3) -> float:
         """Median seconds of one update of group ``g``, run on scratch buffers laid out like the
@@ -382,7 +477,7 @@ class HostAdamW:
         views = [[b[o : o + k] for o, k in spans] for b in scratch[:4]]
         step = torch.zeros(())
         steps = [step] * len(spans)
-        hp = {**hp, "amsgrad": False}
+        hp = {**_hp_of(hp, 0), "amsgrad": False}
         with_copy = grp.dtypes.working != grp.dtypes.master and len(scratch) > 4
         batches = _plan(views, steps, [scratch[4][o : o + k] for o, k in spans], self.chunk) if with_copy else None
         t0 = time.perf_counter()
@@ -396,3 +491,312 @@ class HostAdamW:
     def steps(self, g: int) -> int:
         st = self.state.get(g)
         return 0 if st is None else int(st.step.item())
+
+
+# ---- the other optimizers ------------------------------------------------------------------------
+# NOTE: one view per parameter (no merging): the merging argument above is about
+# torch._fused_adamw_'s chunking; SGD's kernel and Adafactor's foreach ops were not checked for
+# it, and per-parameter views are bitwise what torch runs by construction.
+
+
+def _param_views(store: HostStore, g: int, layout, bufs: list[torch.Tensor], shaped: bool = False):
+    """Per parameter group ``(index, [views of each of bufs], shapes, spans)``."""
+    grp = store.groups[g]
+    shapes = {}
+    keys = [i for i in grp.infos if i.kind == "param" and i.trainable]
+    for info, (o, n) in zip(keys, grp.trainable_spans()):
+        shapes[o] = info.shape
+    out = []
+    for k, spans in layout:
+        spans = [(o, n) for o, n in spans if n]
+        if not spans:
+            continue
+        views = [[b[o : o + n].view(shapes[o]) if shaped else b[o : o + n] for o, n in spans] for b in bufs]
+        out.append((k, views, [shapes[o] for o, _ in spans], spans))
+    return out
+
+
+class _HostRunner:
+    """What the engine, the journal and :class:`shfx.optim.HostOptimizer` need of a host
+    optimizer other than AdamW: per-group ``state`` (objects with ``tensors()``), ``update``,
+    per-parameter state, and timing for the profiler. Host only: ``take`` refuses."""
+
+    def __init__(self, config: Any, store: HostStore):
+        self.config = config
+        self.store = store
+        self.state: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _working(self, g: int, spans: list[tuple[int, int]]) -> list[torch.Tensor] | None:
+        wv = getattr(self.store, "working_view", None)
+        work = [wv(g, o, n) for o, n in spans] if wv is not None else []
+        return work if work and all(w is not None for w in work) else None
+
+    def take(self, g: int):
+        raise NotImplementedError(f"{type(self.config).__name__} runs on the host only")
+
+    def put(self, g: int, *states: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self.config).__name__} runs on the host only")
+
+    def steps(self, g: int) -> int:
+        st = self.state.get(g)
+        return 0 if st is None else int(st.step.item())
+
+    def scratch(self, g: int) -> list[torch.Tensor]:
+        grp = self.store.groups[g]
+        n, dt = grp.trainable_numel, grp.dtypes
+        return [(torch.randn(n) * 1e-3).to(dt.master), (torch.randn(n) * 1e-3).to(dt.grad), torch.zeros(n), torch.zeros(n)]
+
+    def time_update(self, g: int, hp: Any, repeats: int = 3) -> float:
+        import statistics
+
+        scratch = self.scratch(g)
+        self.time_update_on(g, hp, scratch)
+        return statistics.median(self.time_update_on(g, hp, scratch) for _ in range(repeats))
+
+    def time_update_on(self, g: int, hp: Any, scratch: list[torch.Tensor]) -> float:
+        """Seconds of one update of group ``g``'s layout on ``scratch`` (state untouched)."""
+        import time
+
+        grp = self.store.groups[g]
+        spans = [s for s in grp.trainable_spans() if s[1]]
+        if not spans:
+            return 0.0
+        t0 = time.perf_counter()
+        self._time_kernel(g, _hp_of(hp, 0), scratch, spans)
+        return time.perf_counter() - t0
+
+
+class _SGDState:
+    __slots__ = ("step", "momentum_buffer", "pgs")
+
+    def __init__(self, store: HostStore, g: int, layout) -> None:
+        grp = store.groups[g]
+        self.step = torch.zeros((), dtype=torch.float32)  # updates so far (torch's first-step test)
+        self.momentum_buffer = torch.zeros(grp.trainable_numel, dtype=grp.dtypes.state)
+        self.pgs = _param_views(store, g, layout, [store.master(g), store.grad(g), self.momentum_buffer])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.step, self.momentum_buffer]
+
+
+class HostSGD(_HostRunner):
+    """``torch._fused_sgd_`` (``torch.optim.SGD(fused=True)``) per (group, parameter group)
+    over per-parameter views of the flat master, gradient and momentum buffers; with a 16-bit
+    working copy, a cast of the group's views after the update."""
+
+    def _state(self, g: int) -> _SGDState:
+        with self._lock:
+            st = self.state.get(g)
+            if st is None:
+                st = self.state[g] = _SGDState(self.store, g, _layout(self.config, self.store.groups[g]))
+            return st
+
+    def update(self, g: int, hp: Any, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        if self.store.master(g).numel() == 0:
+            return
+        st = self._state(g)
+        st.step += 1
+        first = int(st.step.item()) == 1
+        for k, (params, grads, bufs), _, spans in st.pgs:
+            h = _hp_of(hp, k)
+            torch._fused_sgd_(
+                params, grads, bufs if h["momentum"] != 0 else [],
+                weight_decay=h["weight_decay"], momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"],
+                nesterov=h["nesterov"], maximize=h["maximize"], is_first_step=first,
+                grad_scale=grad_scale, found_inf=found_inf,
+            )  # fmt: skip
+            work = self._working(g, spans)
+            if work is not None:
+                torch._foreach_copy_(work, params)
+        if found_inf is not None:
+            st.step -= found_inf
+
+    def _time_kernel(self, g: int, h: dict, scratch: list[torch.Tensor], spans) -> None:
+        views = [[b[o : o + n] for o, n in spans] for b in scratch[:3]]
+        torch._fused_sgd_(
+            *views[:2], views[2] if h["momentum"] != 0 else [], weight_decay=h["weight_decay"], momentum=h["momentum"],
+            lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=h["maximize"], is_first_step=False,
+        )  # fmt: skip
+
+    def _momentum(self, g: int, off: int) -> bool:
+        lay = _layout(self.config, self.store.groups[g])
+        for k, spans in lay:
+            if any(o == off for o, _ in spans):
+                return _hp_of(self.config.hyperparams(), k)["momentum"] != 0
+        return False
+
+    def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
+        st = self.state.get(g)
+        if st is None or int(st.step.item()) == 0 or not self._momentum(g, off):
+            return {}  # torch.optim.SGD keeps no state without momentum
+        return {"momentum_buffer": st.momentum_buffer[off : off + n].view(shape)}
+
+    def load_group(self, g: int, entries: list, dev: Any = None) -> None:
+        with self._lock:
+            self.state.pop(g, None)
+        entries = [(w, e) for w, e in entries if e.get("momentum_buffer") is not None]
+        if not entries:
+            return
+        st = self._state(g)
+        st.step.fill_(1.0)  # past the first step: the momentum buffers exist
+        for (_, off, n, shape), e in entries:
+            st.momentum_buffer[off : off + n].view(shape).copy_(e["momentum_buffer"])
+
+
+class _AdafactorState:
+    __slots__ = ("steps", "factors", "pgs", "index")
+
+    def __init__(self, store: HostStore, g: int, layout) -> None:
+        grp = store.groups[g]
+        pgs = _param_views(store, g, layout, [store.master(g), store.grad(g)], shaped=True)
+        size = 0
+        for _, _, shapes, _ in pgs:
+            for sh in shapes:
+                size += _factored_numel(sh)
+        self.factors = torch.zeros(size, dtype=grp.dtypes.state)
+        self.steps: list[torch.Tensor] = []
+        self.index: dict[int, int] = {}  # element offset of a parameter -> its position in steps
+        self.pgs = []
+        pos = 0
+        for k, (params, grads), shapes, spans in pgs:
+            rows, cols, variances, steps = [], [], [], []
+            for sh, (o, _) in zip(shapes, spans):
+                r, c, v, pos = _factor_views(self.factors, pos, sh)
+                rows.append(r)
+                cols.append(c)
+                variances.append(v)
+                self.index[o] = len(self.steps)
+                self.steps.append(torch.zeros((), dtype=torch.float32))
+                steps.append(self.steps[-1])
+            self.pgs.append((k, params, grads, rows, cols, variances, steps, spans))
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.steps[0] if self.steps else torch.zeros(())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.steps, self.factors]
+
+
+def _factored_numel(shape: tuple[int, ...]) -> int:
+    """Elements of Adafactor's second-moment state of a parameter of ``shape``."""
+    if len(shape) < 2:
+        return max(1, int(torch.Size(shape).numel()))
+    lead = int(torch.Size(shape[:-2]).numel())
+    return lead * shape[-2] + lead * shape[-1]
+
+
+def _factor_views(buf: torch.Tensor, pos: int, shape: tuple[int, ...]):
+    """``(row_var, col_var, variance, next position)`` views of ``buf`` for one parameter, in
+    torch.optim.Adafactor's shapes (None where it keeps none)."""
+    if len(shape) < 2:
+        n = int(torch.Size(shape).numel())
+        return None, None, buf[pos : pos + n].view(shape), pos + max(1, n)
+    lead = int(torch.Size(shape[:-2]).numel())
+    r_shape = (*shape[:-1], 1)
+    c_shape = (*shape[:-2], 1, shape[-1])
+    nr, nc = lead * shape[-2], lead * shape[-1]
+    r = buf[pos : pos + nr].view(r_shape)
+    c = buf[pos + nr : pos + nr + nc].view(c_shape)
+    return r, c, None, pos + nr + nc
+
+
+class HostAdafactor(_HostRunner):
+    """``torch.optim.Adafactor(foreach=True)``'s update function per (group, parameter group)
+    over views (in each parameter's shape) of the flat master and gradient, and of one flat
+    buffer of the factored second moments; per-parameter steps, as torch keeps them.
+
+    NOTE: torch's foreach Adafactor itself loops over parameters in Python (a norm and an
+    ``.item()`` each); shfx calls it once per parameter group and adds no loop of its own."""
+
+    def _state(self, g: int) -> _AdafactorState:
+        with self._lock:
+            st = self.state.get(g)
+            if st is None:
+                st = self.state[g] = _AdafactorState(self.store, g, _layout(self.config, self.store.groups[g]))
+            return st
+
+    def update(self, g: int, hp: Any, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        from torch.optim._adafactor import adafactor
+
+        if grad_scale is not None or found_inf is not None:
+            raise NotImplementedError("Adafactor takes unscaled gradients (the engine unscales them first)")
+        if self.store.master(g).numel() == 0:
+            return
+        st = self._state(g)
+        for k, params, grads, rows, cols, variances, steps, spans in st.pgs:
+            h = _hp_of(hp, k)
+            adafactor(
+                params, grads, rows, cols, variances, steps, foreach=True, d=h["d"], lr=h["lr"],
+                beta2_decay=h["beta2_decay"], weight_decay=h["weight_decay"], eps1=h["eps1"], eps2=h["eps2"],
+                maximize=h["maximize"],
+            )  # fmt: skip
+            work = self._working(g, spans)
+            if work is not None:
+                torch._foreach_copy_(work, [p.view(-1) for p in params])
+
+    def _time_kernel(self, g: int, h: dict, scratch: list[torch.Tensor], spans) -> None:
+        from torch.optim._adafactor import adafactor
+
+        p = [scratch[0][o : o + n] for o, n in spans]
+        gr = [scratch[1][o : o + n] for o, n in spans]
+        v = [scratch[2][o : o + n] for o, n in spans]
+        steps = [torch.ones(()) for _ in spans]
+        adafactor(p, gr, [None] * len(p), [None] * len(p), v, steps, foreach=True, d=h["d"], lr=h["lr"],
+                  beta2_decay=h["beta2_decay"], weight_decay=h["weight_decay"], eps1=h["eps1"], eps2=h["eps2"],
+                  maximize=h["maximize"])  # fmt: skip
+
+    def steps(self, g: int) -> int:
+        st = self.state.get(g)
+        return 0 if st is None or not st.steps else int(st.steps[0].item())
+
+    def _views_at(self, st: _AdafactorState, off: int):
+        i = st.index[off]
+        for _, params, _, rows, cols, variances, steps, spans in st.pgs:
+            for j, (o, _) in enumerate(spans):
+                if o == off:
+                    return steps[j], rows[j], cols[j], variances[j]
+        raise KeyError(off)
+
+    def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
+        st = self.state.get(g)
+        if st is None or off not in st.index:
+            return {}
+        step, r, c, v = self._views_at(st, off)
+        if int(step.item()) == 0:
+            return {}
+        return {"step": step, "row_var": r, "col_var": c} if v is None else {"step": step, "variance": v}
+
+    def load_group(self, g: int, entries: list, dev: Any = None) -> None:
+        with self._lock:
+            self.state.pop(g, None)
+        if not entries:
+            return
+        st = self._state(g)
+        for (_, off, n, shape), e in entries:
+            step, r, c, v = self._views_at(st, off)
+            step.copy_(e["step"])
+            for name, dst in (("row_var", r), ("col_var", c), ("variance", v)):
+                if dst is None:
+                    continue
+                src = e.get(name)
+                if src is None or tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"Adafactor state {name!r} of a parameter of shape {tuple(shape)} is "
+                        f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                    )
+                dst.copy_(src)
+
+
+def runner_for(config: Any, store: HostStore) -> Any:
+    """The host runner of optimizer ``config`` (a :class:`shfx.optim.HostOptimizer`) over ``store``."""
+    from ..optim import SGD, Adafactor, AdamW
+
+    if isinstance(config, AdamW):
+        return HostAdamW(config, store)
+    if isinstance(config, SGD):
+        return HostSGD(config, store)
+    if isinstance(config, Adafactor):
+        return HostAdafactor(config, store)
+    raise TypeError(f"no host runner for {type(config).__name__}")

@@ -5,7 +5,7 @@ as its gradient is complete, while the backward of the stages before it still ru
 can then fail, be interrupted, or be skipped (a non-finite gradient with
 ``skip_nonfinite=True``; later fp16 overflow) after some groups were updated. The journal
 makes such a step all-or-nothing: before a group's first update of a step it copies what the
-update overwrites (the host master weights and AdamW states, or the device copies of a group
+update overwrites (the host master weights and the optimizer's states, each runner's ``tensors()``, or the device copies of a group
 updated on the device), and :meth:`StepJournal.rollback` puts them back, bitwise.
 
 The copies cost memory traffic on the thread that runs the update (about 12 bytes read and
@@ -26,7 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from .device_optim import DeviceAdamW
-    from .host_optim import HostAdamW
+    from .host_optim import HostAdamW, HostSGD, HostAdafactor
     from .host_store import HostStore
 
 __all__ = ["StepJournal"]
@@ -72,7 +72,7 @@ class StepJournal:
     groups were updated this step (``applied``), so an error can say so and a retried step does
     not update a group twice."""
 
-    def __init__(self, store: HostStore, optimizer: HostAdamW | None, device_optimizer: DeviceAdamW | None, enabled: bool):
+    def __init__(self, store: HostStore, optimizer: HostAdamW | HostSGD | HostAdafactor | None, device_optimizer: DeviceAdamW | None, enabled: bool):
         self.store = store
         self.optimizer = optimizer
         self.device_optimizer = device_optimizer
@@ -103,9 +103,7 @@ class StepJournal:
         rec.had_state = st is not None
         srcs = [self.store.master(g)]
         if st is not None:
-            srcs += [st.step, st.exp_avg, st.exp_avg_sq]
-            if st.max_exp_avg_sq is not None:
-                srcs.append(st.max_exp_avg_sq)
+            srcs += st.tensors()  # the optimizer's states of the group (its step first)
         for i, t in enumerate(srcs):
             _save(rec.tensors, i, t)
         with self._lock:
@@ -173,8 +171,7 @@ class StepJournal:
             self.optimizer.state.pop(g, None)  # the group had never been updated
             return
         st = self.optimizer.state[g]
-        dsts = [st.step, st.exp_avg, st.exp_avg_sq] + ([st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else [])
-        for dst, src in zip(dsts, rec.tensors[1:]):
+        for dst, src in zip(st.tensors(), rec.tensors[1:]):
             dst.copy_(src)
 
     def _restore_device(self, g: int, region: Any) -> None:
