@@ -422,6 +422,8 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
     prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev")}
     sv = ProgramView(steady, "auto")
     fetched: set[int] = set()
+    # (a backward-only program, the cold backward, follows this step's forward: that refreshed)
+    with_forward = any(get_meta(n).kind == F for n in v.nodes)
     for n in steady.nodes:
         m = get_meta(n)
         if n.name.endswith("_prev") or m.kind not in _SLOTTED | {PF}:
@@ -435,7 +437,7 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
                         "(it would read weights whose update has not finished)"
                     )
             fetched.add(m.stage)
-        elif reads and m.kind != R and m.stage not in fetched:
+        elif reads and m.kind != R and m.stage not in fetched and with_forward:
             yield None, (
                 f"{m.action} uses stage {m.stage}'s weights before any PREFETCH of it in this step: they predate the "
                 f"previous step's update of group(s) {sorted(reads)} (refresh the slot first)"
