@@ -906,7 +906,8 @@ def simulate(
      ('R0', 4.5, 4.5)]
     """
     ratio = _rollback_ratio(rollback)
-    program = steady_state_program(program)  # updates deferred to the next forward: the steady state
+    if isinstance(program, Program):  # (anything else: _Sim says what it needs)
+        program = steady_state_program(program)  # updates deferred to the next forward: the steady state
     sim = _Sim(program, costs, accumulate, phase_barrier, rollback=ratio)
     sim.run()
     events = sim.events()
