@@ -25,7 +25,7 @@ with the passes of :mod:`shfx.passes.lowering`. A new policy is a subclass with 
 >>> " ".join(Stronghold(window=2).program(chain(3)).actions())
 'PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0'
 >>> make_policy("zero-offload", delayed_update=True)
-ZeroOffload(delayed_update=True)
+ZeroOffload(delayed_update=True, deferred_update=False)
 """
 
 from __future__ import annotations
