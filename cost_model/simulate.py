@@ -16,6 +16,14 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   OFFLOAD_GRAD has two parts, as in the runtime: the d2h copy (its end is the "reads done" a
   RELEASE waits for) and then the accumulation on one host FIFO (``accumulate_s`` of the stage
   when ``accumulate=True``, else 0); the OFFLOAD_GRAD is done, for a CPU_STEP, when that ends.
+- **Updates in the next forward** (exact gradient clipping, ``Stronghold(deferred_update=True)``
+  and the like: updates in phase ``"next-forward"``). The simulated step is the steady state
+  (:func:`shfx.passes.schedule.steady_state_program`): the previous step's updates start at
+  time 0 on the ``cpu`` pool (``step()`` started them as it returned), each PREFETCH waits for
+  the updates of the groups it reads, and this step's own updates are left out (they overlap
+  the next step). ``step_s`` is then the period of a training loop. A GRAD_NORM ``GN g`` takes
+  :data:`GRAD_NORM_RATIO` x the group's ``update_s`` (it reads the fp32 gradient once; the
+  update moves ~10x the bytes).
 - **Phases.** The runtime issues the backward phase only after every forward-phase action has
   finished (``Engine.forward`` waits for them before returning), so backward-phase actions start
   no earlier than the end of the forward phase (``phase_barrier=True``, the default).
@@ -101,14 +109,19 @@ from typing import Any
 from shfx.passes.meta import get_meta
 from shfx.passes.actions import KINDS, RESOURCES, STREAMS
 from shfx.passes.ledger import Ledger, replay
-from shfx.passes.program import B, F, PF, R, ActionKind, ActionMeta, Program
+from shfx.passes.program import B, F, GN, PF, R, ActionKind, ActionMeta, Program
+from shfx.passes.schedule import steady_state_program
 from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
 
 from .costs import ROLLBACK_COPY_RATIO, CostModel, Links, StageCost
 from .trace import Event
 
-__all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER"]
+__all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER", "GRAD_NORM_RATIO"]
+
+GRAD_NORM_RATIO = 0.1
+"""A GRAD_NORM's duration as a fraction of its group's ``update_s``: it reads 4 bytes a parameter
+(the fp32 host gradient), the update moves 40 (:func:`shfx.cost_model.costs.host_update_bytes`)."""
 
 
 STREAM_ORDER = STREAMS
@@ -418,6 +431,9 @@ class _Sim:
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )
                 info = KINDS[k]
+                if k == GN:
+                    nd.dur = GRAD_NORM_RATIO * owner[s].update_s + self.dispatch_s
+                    continue
                 add = self.extra.get(nd.i, 0.0) if info.stream == "compute" else 0.0
                 if self.rollback is not None and info.stream == "cpu":  # the journal's copy, then the update
                     add += owner[s].rollback_copy_s(self.rollback)
@@ -890,6 +906,8 @@ def simulate(
      ('R0', 4.5, 4.5)]
     """
     ratio = _rollback_ratio(rollback)
+    if isinstance(program, Program):  # (anything else: _Sim says what it needs)
+        program = steady_state_program(program)  # updates deferred to the next forward: the steady state
     sim = _Sim(program, costs, accumulate, phase_barrier, rollback=ratio)
     sim.run()
     events = sim.events()

@@ -36,6 +36,7 @@ __all__ = [
     "U",
     "DU",
     "OP",
+    "GN",
 ]
 
 
@@ -51,6 +52,7 @@ class ActionKind(str, enum.Enum):
     CPU_STEP = "U"  # host optimizer update of one parameter group
     DEVICE_STEP = "DU"  # optimizer update of one parameter group on the device
     OFFLOAD_PARAMS = "OP"  # copy a stage's updated params device -> host
+    GRAD_NORM = "GN"  # norms of one group's host gradients (exact global-norm clipping)
 
     @property
     def info(self) -> KindInfo:
@@ -71,6 +73,7 @@ OG = ActionKind.OFFLOAD_GRAD
 U = ActionKind.CPU_STEP
 DU = ActionKind.DEVICE_STEP
 OP = ActionKind.OFFLOAD_PARAMS
+GN = ActionKind.GRAD_NORM
 
 STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
@@ -96,9 +99,9 @@ class KindInfo:
             slot of the stage owning its group.
         reads_slot: it reads the slot it names: a RELEASE of the slot, and a PREFETCH that
             refreshes it, wait for it.
-        update: an optimizer update; its index is a parameter group (the update group of the stage
-            owning it), not a stage, and the runtime issues it only in the backward that
-            completes a step (``grad_accum_steps``).
+        update: an optimizer update (or, GRAD_NORM, the gradient norm one needs); its index is a
+            parameter group (the update group of the stage owning it), not a stage, and the
+            runtime issues it only in the backward that completes a step (``grad_accum_steps``).
         moves: the link direction ``ActionMeta.bytes`` cross (``"h2d"``, ``"d2h"``), or None.
         cost: the :class:`~shfx.cost_model.costs.StageCost` field that gives its duration
             (of the stage, or of the stage owning the group), or None for copies (bytes over
@@ -150,6 +153,10 @@ KINDS: dict[ActionKind, KindInfo] = {
         _info(DU, "device_step", "compute", "compute", update=True, cost="device_update_s",
               doc="optimizer update of one parameter group on the device"),
         _info(OP, "offload_params", "d2h", "link", moves="d2h", doc="copy a stage's updated params device -> host"),
+        # NOTE: its duration is a fraction of the group's update_s (GRAD_NORM_RATIO in the
+        # simulator): it reads the fp32 gradient once, the update reads and writes 40 B/param
+        _info(GN, "grad_norm", "cpu", "host optimizer", slotted=False, reads=False, update=True,
+              doc="per-parameter norms of one group's host gradients, as soon as they are complete"),
     )
 }  # fmt: skip
 

@@ -17,6 +17,15 @@ A policy (:mod:`shfx.passes.policies`) is lowered by running, in this order:
 8. :func:`add_refresh` - ``PF`` of every persistent stage after the host updates (their slots
    are refreshed with the new weights).
 
+With exact gradient clipping (``updates="next-forward"``) steps 4, 7 and 8 are replaced by:
+
+4'. :func:`add_grad_norms` - ``GN g`` where ``U g`` would go: the norms of group ``g``'s
+    gradients, as soon as they are on the host;
+7'. :func:`add_deferred_updates` - every ``U g`` at the end, in forward order (phase
+    ``"next-forward"``: they run during the next step's forward);
+8'. :func:`add_leading_refresh` - ``PF`` of every persistent stage reading a host-updated
+    group before the first action (the next forward refreshes it after its update).
+
 Each pass inserts its actions at the end of the *trailer* of the compute action they belong
 to: the actions between that ``F``/``B`` and the next compute action. Then
 :func:`shfx.passes.program.lower_actions` adds the dependency edges and slots.
@@ -32,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .actions import B, DU, F, OB, OG, OP, PF, R, U, Action, ActionKind
+from .actions import B, DU, F, GN, OB, OG, OP, PF, R, U, Action, ActionKind
 from .program import ScheduleError
 from .stages import StageSpec, backward_stages
 
@@ -47,6 +56,9 @@ __all__ = [
     "add_prefetch_release",
     "add_updates_after_backward",
     "add_refresh",
+    "add_grad_norms",
+    "add_deferred_updates",
+    "add_leading_refresh",
     "last_contributors",
 ]
 
@@ -253,3 +265,38 @@ def add_refresh(acts: Sequence[Action], persistent: Sequence[int]) -> list[Actio
     """Given an action order ending with host updates, append ``PF s`` for every persistent
     stage: its slot is refreshed with the weights the host optimizer wrote."""
     return list(acts) + [Action(PF, s) for s in persistent]
+
+
+def add_grad_norms(acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int]) -> list[Action]:
+    """Given an action order, add ``GN g`` for each host-updated group where its gradients are
+    complete: after the trailer of its last contributor's ``B`` (its ``OG`` included), where
+    :func:`add_updates_in_backward` would put ``U g``. Device-updated groups are refused: their
+    gradients never reach the host, and exact clipping needs every gradient's norm."""
+    order = [a.stage for a in acts if a.kind == B]
+    dev = sorted({g for s in stages for g in ([s.update_group] if s.update_group is not None else []) if g in device_groups})
+    if dev:
+        raise ScheduleError(
+            f"exact gradient clipping needs every group updated on the host, but groups {dev} are updated on the device; "
+            "use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity"
+        )
+    return _insert_after(acts, B, {s: [Action(GN, g) for g in gs] for s, gs in last_contributors(stages, order).items()})
+
+
+def add_deferred_updates(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:
+    """Given an action order with ``GN`` actions, append ``U g`` for every host group in forward
+    order (the order of the stages owning them): ``step()`` starts them once the norms give the
+    clip coefficient and returns; the next forward prefetches stage ``s`` after the updates of
+    the groups it reads (:func:`shfx.passes.schedule.steady_state_program`)."""
+    owners = sorted((s.index, s.update_group) for s in stages if s.update_group is not None)
+    return list(acts) + [Action(U, g) for _, g in owners]
+
+
+def add_leading_refresh(acts: Sequence[Action], stages: Sequence[StageSpec], persistent: Sequence[int], device_groups: frozenset[int]) -> list[Action]:
+    """Given an action order whose host updates run in the next forward, prepend ``PF s`` for
+    every persistent stage that reads a host-updated group: its slot is refreshed with the
+    weights of the previous step's update before its first use in this step."""
+    reads = [
+        s for s in persistent
+        if (set(stages[s].grad_groups) | ({stages[s].update_group} - {None})) - set(device_groups)
+    ]  # fmt: skip
+    return [Action(PF, s) for s in reads] + list(acts)

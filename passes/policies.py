@@ -25,7 +25,7 @@ with the passes of :mod:`shfx.passes.lowering`. A new policy is a subclass with 
 >>> " ".join(Stronghold(window=2).program(chain(3)).actions())
 'PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0'
 >>> make_policy("zero-offload", delayed_update=True)
-ZeroOffload(delayed_update=True)
+ZeroOffload(delayed_update=True, deferred_update=False)
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from typing import Any, ClassVar, Literal
 
 from .lowering import (
     add_buffer_offloads,
+    add_deferred_updates,
+    add_grad_norms,
+    add_leading_refresh,
     add_grad_offloads,
     add_param_copyback,
     add_prefetch_release,
@@ -77,7 +80,7 @@ __all__ = [
     "schedule_zero_infinity",
 ]
 
-Updates = Literal["backward", "after-backward", "next-step"]
+Updates = Literal["backward", "after-backward", "next-step", "next-forward"]
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,12 @@ class Placement:
             states stay there); the others are updated on the host.
         updates: when the host updates run: ``"backward"`` (each as soon as its gradients are
             on the host), ``"after-backward"`` (all after the backward), ``"next-step"`` (the
-            runtime runs them between steps: ZeRO-Offload's delayed update).
+            runtime runs them between steps: ZeRO-Offload's delayed update), ``"next-forward"``
+            (exact gradient clipping: a ``GN`` per group where its gradients land, then every
+            ``U`` in forward order at the end; ``step()`` starts them and the next forward's
+            prefetch of a stage waits for the updates of the groups it reads).
         refresh: after the host updates, refresh the persistent stages' slots with the new
-            weights (a PREFETCH of each).
+            weights (a PREFETCH of each; with ``"next-forward"``, at the start of the program).
     """
 
     persistent: tuple[int, ...]
@@ -150,6 +156,11 @@ def _positive_or_auto(cls: str, field: str, v: object, minimum: int) -> None:
         raise ValueError(f"{field} must be an int >= {minimum} or 'auto' (in {cls}(...)), got {v!r}")
 
 
+def _check_flag(cls: str, field: str, v: object) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{cls}({field}=...) must be True or False, got {v!r}")
+
+
 def _update_groups(stages: Sequence[StageSpec], which: Sequence[int] | None = None) -> frozenset[int]:
     idx = range(len(stages)) if which is None else which
     return frozenset(stages[i].update_group for i in idx if stages[i].update_group is not None)
@@ -179,10 +190,12 @@ class Stronghold(Policy):
     windowed: ClassVar[bool] = True
     window: int | Literal["auto"] = 2
     resident_first: int | Literal["auto"] = 0
+    deferred_update: bool = False
 
     def __post_init__(self) -> None:
         _positive_or_auto("Stronghold", "window", self.window, 1)
         _positive_or_auto("Stronghold", "resident_first", self.resident_first, 0)
+        _check_flag("Stronghold", "deferred_update", self.deferred_update)
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
         _concrete(self)
@@ -190,11 +203,13 @@ class Stronghold(Policy):
         k = min(int(self.resident_first), n)
         rest = n - k
         w = check_window(self.window, rest) if rest else 0
-        return Placement(tuple(range(k)), tuple(range(k, n)), w, w, _update_groups(stages, range(k)), "backward")
+        when: Updates = "next-forward" if self.deferred_update else "backward"
+        return Placement(tuple(range(k)), tuple(range(k, n)), w, w, _update_groups(stages, range(k)), when)
 
     def program_name(self, placement: Placement) -> str:
         k = len(placement.persistent)
-        return f"stronghold(W={placement.slots})" if k == 0 else f"stronghold(W={placement.slots}, k={k})"
+        name = f"stronghold(W={placement.slots})" if k == 0 else f"stronghold(W={placement.slots}, k={k})"
+        return name[:-1] + ", deferred update)" if self.deferred_update else name
 
 
 @dataclass(frozen=True)
@@ -252,17 +267,27 @@ class ZeroOffload(Policy):
 
     name: ClassVar[str] = "zero-offload"
     delayed_update: bool = False
+    deferred_update: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.delayed_update, bool):
             raise TypeError(f"ZeroOffload(delayed_update=...) must be True or False, got {self.delayed_update!r}")
+        _check_flag("ZeroOffload", "deferred_update", self.deferred_update)
+        if self.delayed_update and self.deferred_update:
+            raise ValueError(
+                "ZeroOffload(delayed_update=True, deferred_update=True): the delayed update trains on one-step-stale "
+                "weights, the deferred one (exact clipping) finishes each update before the next forward reads the "
+                "weights; choose one"
+            )
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
         n = len(stages)
-        when: Updates = "next-step" if self.delayed_update else "after-backward"
+        when: Updates = "next-step" if self.delayed_update else "next-forward" if self.deferred_update else "after-backward"
         return Placement(tuple(range(n)), (), 0, 0, frozenset(), when, refresh=not self.delayed_update)
 
     def program_name(self, placement: Placement) -> str:
+        if self.deferred_update:
+            return "zero-offload(deferred update)"
         return "zero-offload(delayed update)" if self.delayed_update else "zero-offload"
 
 
@@ -279,17 +304,21 @@ class ZeroInfinity(Policy):
 
     name: ClassVar[str] = "zero-infinity"
     lookahead: int = 1
+    deferred_update: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 1:
             raise ValueError(f"ZeroInfinity(lookahead=...) must be an int >= 1, got {self.lookahead!r}")
+        _check_flag("ZeroInfinity", "deferred_update", self.deferred_update)
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
         n = len(stages)
-        return Placement((), tuple(range(n)), min(self.lookahead + 1, n), 0, frozenset(), "after-backward")
+        when: Updates = "next-forward" if self.deferred_update else "after-backward"
+        return Placement((), tuple(range(n)), min(self.lookahead + 1, n), 0, frozenset(), when)
 
     def program_name(self, placement: Placement) -> str:
-        return "zero-infinity" if self.lookahead == 1 else f"zero-infinity(lookahead={self.lookahead})"
+        name = "zero-infinity" if self.lookahead == 1 else f"zero-infinity(lookahead={self.lookahead})"
+        return name + "(deferred update)" if self.deferred_update else name
 
 
 @dataclass(frozen=True)
@@ -409,9 +438,14 @@ def policy_actions(policy: Policy, stages: Sequence[StageSpec]) -> list[Action]:
     if pl.updates == "backward":
         acts = add_updates_in_backward(acts, stages, pl.device_groups)
         acts = add_param_copyback(acts, stages, pl.device_groups, pl.persistent, policy.name)
+    elif pl.updates == "next-forward":
+        acts = add_grad_norms(acts, stages, pl.device_groups)
     acts = add_prefetch_release(acts, stages, streamed=pl.streamed, slots=pl.slots, keep=pl.keep)
     if pl.updates == "after-backward":
         acts = add_updates_after_backward(acts, stages, pl.device_groups)
+    if pl.updates == "next-forward":
+        acts = add_deferred_updates(acts, stages)
+        return add_leading_refresh(acts, stages, pl.persistent, pl.device_groups) if pl.refresh else acts
     if pl.refresh:
         acts = add_refresh(acts, pl.persistent)
     return acts

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import B, DU, F, KINDS, OB, OG, OP, PF, R, STREAMS, U, Action, ActionKind
+from .actions import B, DU, F, GN, KINDS, OB, OG, OP, PF, R, STREAMS, U, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -45,6 +45,7 @@ __all__ = [
     "U",
     "DU",
     "OP",
+    "GN",
 ]
 
 
@@ -58,8 +59,10 @@ class ActionMeta:
 
     Attributes:
         action: the action.
-        phase: ``"forward"`` (runs inside the model call) or ``"backward"`` (inside
-            ``loss.backward()``; ``U`` nodes may be deferred to ``step()``).
+        phase: ``"forward"`` (runs inside the model call), ``"backward"`` (inside
+            ``loss.backward()``; ``U`` nodes may be deferred to ``step()``) or ``"next-forward"``
+            (updates after the ``GN`` norms: ``step()`` starts them, the next forward waits for
+            each where it prefetches the stage reading its group).
         slot: the device slot the action uses (PF/F/OB/R/B/OG), None for ``U``.
         bytes: bytes the action moves over the link (PF: h2d, OG/OB: d2h), else 0.
         keep_graph: FORWARD only: keep the stage's autograd graph so its BACKWARD does not
@@ -287,13 +290,18 @@ def lower_actions(
       - ``B s`` waits for its ``PF``, for ``F s`` (when in this program) and for ``B c`` of every
         consumer ``c`` (its output gradients).
       - ``R s`` waits for every action that read the slot since its ``PF``; it frees the slot.
-      - ``U g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``.
+      - ``U g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``; when
+        the program has ``GN`` actions before it (exact gradient clipping), it waits for every
+        one of them instead (the clip coefficient needs the norm of every gradient).
+      - ``GN g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``.
       - ``DU g`` (on the device, in the slot of the stage that owns ``g``) waits for ``B j`` of
         every stage ``j`` that sends gradients to ``g``; ``OP s`` waits for ``DU`` of the group
         stage ``s`` owns.
     ``persistent`` stages are resident before the first action, in slots ``0..k-1``, and stay
     resident (they may not be released). The phase is ``"forward"`` up to the first ``B`` and
-    ``"backward"`` after it. A ``B`` writes gradients into a device buffer (``grads_to``) when
+    ``"backward"`` after it; updates after the ``GN`` actions end the program and are in phase
+    ``"next-forward"``: ``step()`` starts them and the next forward's prefetches wait for them
+    (exact gradient clipping, ``shfx.compile(max_grad_norm=...)``). A ``B`` writes gradients into a device buffer (``grads_to``) when
     its stage is persistent or its group is updated on the device, else over its parameters in
     the slot. With ``keep_graph``, a FORWARD whose stage's BACKWARD is the next compute action
     keeps its autograd graph instead of being recomputed.
@@ -321,6 +329,8 @@ def lower_actions(
     seq = [_parse(a) for a in actions]
     owner_of = {st.update_group: st.index for st in stages if st.update_group is not None}
     device_groups = {a.stage for a in seq if a.kind == ActionKind.DEVICE_STEP}
+    norms: list[fx.Node] = []  # the GRAD_NORMs so far: an update after them waits for all
+    deferred = False  # an update after the GRAD_NORMs was seen: it runs in the next forward
 
     def fail(pos: int, act: Action, msg: str) -> ScheduleError:
         around = " ".join(str(a) for a in seq[max(0, pos - 4) : pos]) + f" [{act}] " + " ".join(
@@ -360,7 +370,14 @@ def lower_actions(
         elif k == ActionKind.FORWARD and phase == "backward":
             raise fail(pos, act, "a FORWARD cannot come after the first BACKWARD of a step")
 
-        if k == ActionKind.CPU_STEP:
+        if deferred and not (k == ActionKind.CPU_STEP and norms):
+            raise fail(pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they must end the program")
+        if k == ActionKind.CPU_STEP and norms:
+            if s not in owner_of:
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            deps.extend(norms)
+            deferred = True
+        elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM):
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             if s in device_groups:
@@ -463,8 +480,13 @@ def lower_actions(
                 raise fail(pos, act, f"unknown action kind {k}")
 
         node = graph.create_node("call_function", KINDS[k].op, (s, *_dedupe(deps)), {}, name=str(act).lower())
-        set_meta(node, ActionMeta(action=act, phase=phase, slot=slot, bytes=nbytes, grads_to=grads_to, refresh=refresh))
+        set_meta(node, ActionMeta(
+            action=act, phase="next-forward" if deferred else phase, slot=slot, bytes=nbytes, grads_to=grads_to,
+            refresh=refresh,
+        ))  # fmt: skip
         last[act] = node
+        if k == ActionKind.GRAD_NORM:
+            norms.append(node)
         if k == ActionKind.PREFETCH:
             resident[s] = (slot, node, [])
         elif reader_of is not None:

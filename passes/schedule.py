@@ -1,5 +1,5 @@
-"""Derived programs: the inference forward and the "cold" backward of a train program, as
-pure passes over it. (The policies that build train programs are :mod:`shfx.passes.policies`;
+"""Derived programs: the inference forward, the "cold" backward and the steady state (updates
+deferred to the next forward) of a train program, as pure passes over it. (The policies that build train programs are :mod:`shfx.passes.policies`;
 ``schedule_window``, ``window_actions`` and ``check_window`` are re-exported here.)
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .lowering import check_window
+import torch.fx as fx
+
 from .meta import get_meta, set_meta
 from .policies import schedule_window, window_actions
 from .program import PF, R, Action, Program, lower_actions
@@ -16,6 +18,9 @@ __all__ = [
     "eval_program",
     "cold_backward_program",
     "resident_after_forward",
+    "deferred_updates",
+    "groups_read",
+    "steady_state_program",
     "schedule_window",
     "window_actions",
     "check_window",
@@ -55,9 +60,9 @@ def cold_backward_program(program: Program) -> Program:
 
     Given a train program, prepend PF for each stage the forward leaves resident, in the order
     of the slots they held, so each lands in the same slot (slot sizes stay those of the train
-    program).
+    program); updates deferred to the next forward stay at the end.
     """
-    back = [get_meta(n).action for n in program.phase_nodes("backward")]
+    back = [get_meta(n).action for n in program.phase_nodes("backward") + deferred_updates(program)]
     acts = [Action(PF, s) for s in resident_after_forward(program) if s not in program.persistent] + back
     # The leading PFs belong to the backward phase: lowering starts in "forward" until the
     # first B, so mark them by lowering and then fixing the phase.
@@ -67,7 +72,63 @@ def cold_backward_program(program: Program) -> Program:
     )  # fmt: skip
     for n in prog.nodes:
         m = get_meta(n)
-        if m.phase != "backward":
+        if m.phase == "forward":
             set_meta(n, replace(m, phase="backward"))
     prog.updates_outside = program.updates_outside
     return prog
+
+
+def deferred_updates(program: Program) -> list[fx.Node]:
+    """The updates that run in the next step's forward (phase ``"next-forward"``: exact gradient
+    clipping), in issue order; empty for other programs."""
+    return [n for n in program.nodes if get_meta(n).phase == "next-forward"]
+
+
+def groups_read(program: Program, stage: int) -> set[int]:
+    """The trainable groups whose weights a PREFETCH of ``stage`` copies (owned and borrowed)."""
+    st = program.stages[stage]
+    return set(st.grad_groups) | ({st.update_group} if st.update_group is not None else set())
+
+
+def steady_state_program(program: Program) -> Program:
+    """One step of a program whose updates run in the next forward, as it runs between two
+    others: the previous step's updates first (``step()`` started them as it returned; they
+    wait for nothing of this step), every PREFETCH of a stage waiting for the previous updates
+    of the groups it reads, and this step's own updates left out (they belong to the next
+    step). The previous updates are in phase ``"forward"`` (the runtime's backward starts after
+    them). A program without deferred updates is returned as it is.
+
+    The simulator times this program (:func:`shfx.cost_model.simulate.simulate`) and the
+    verifier checks the step boundary on it (:func:`shfx.passes.verify.verify_program`).
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import Stronghold
+    >>> p = steady_state_program(Stronghold(window=2, deferred_update=True).program(chain(3)))
+    >>> " ".join(p.actions())
+    'U0 U1 U2 PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0'
+    >>> [d.name for d in p.deps(p.find("PF2"))]
+    ['r0', 'u2_prev']
+    """
+    tail = deferred_updates(program)
+    if not tail:
+        return program
+    graph = fx.Graph()
+    prev: dict[int, fx.Node] = {}
+    for n in tail:
+        m = get_meta(n)
+        node = graph.create_node("call_function", n.target, (m.stage,), {}, name=f"{n.name}_prev")
+        set_meta(node, replace(m, phase="forward"))
+        prev[m.stage] = node
+    env: dict[fx.Node, fx.Node] = {}
+    for n in program.nodes:
+        m = get_meta(n)
+        if m.phase == "next-forward":
+            continue
+        deps = [env[d] for d in program.deps(n)]
+        if m.kind == PF:
+            deps += [prev[g] for g in sorted(groups_read(program, m.stage)) if g in prev]
+        node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=n.name)
+        set_meta(node, m)
+        env[n] = node
+    graph.output(None)
+    return Program(graph, program.stages, program.num_slots, f"{program.name}/steady", program.persistent)

@@ -20,6 +20,13 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
    backward has work (a frozen bottom may run none), OG once per stage sending
    gradients to a host-updated group, exactly one update (U on the host or DU on the device) per
    trainable group, and end with every slot released except the persistent stages'.
+7. **step boundary** (programs whose updates run in the next forward, exact gradient
+   clipping): the updates in phase ``"next-forward"`` end the program, are CPU_STEPs, and each
+   waits for every GRAD_NORM; every host group has one GRAD_NORM, no update runs in the
+   backward; and in the steady state (:func:`shfx.passes.schedule.steady_state_program`) every
+   PREFETCH of a stage waits for the previous step's update of each group it reads, and every
+   action on a stage reading a host group runs on weights prefetched in this step (a persistent
+   stage is refreshed first), so no prefetch reads weights whose update has not finished.
 
 Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a PREFETCH of
 one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
@@ -30,7 +37,7 @@ A rule is a function of a :class:`ProgramView` (the program's issue order, reach
 residency, computed once) yielding ``(action or None, message)``:
 
 >>> [rule.__name__ for rule in RULES]
-['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness']
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary']
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import torch.fx as fx
 
 from .meta import get_meta
 from .actions import KINDS
-from .program import B, DU, F, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
+from .program import B, DU, F, GN, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -325,12 +332,12 @@ def grads_before_update(v: ProgramView) -> Iterator[Violation]:
     for n in v.nodes:
         m = get_meta(n)
         k, g = m.kind, m.stage
-        if k not in (DU, U):
+        if k not in (DU, U, GN):
             continue
         if g not in v.owner_of:
             yield n, f"{v.act(n)} updates group {g}, which no stage owns"
-        if k == U and g in v.device_groups:
-            yield n, f"{v.act(n)} updates group {g} on the host, but DU{g} updates it on the device"
+        if k in (U, GN) and g in v.device_groups:
+            yield n, f"{v.act(n)} reads group {g}'s gradients on the host, but DU{g} updates it on the device"
         for st in v.program.stages:
             if g not in st.grad_groups:
                 continue
@@ -385,7 +392,68 @@ def completeness(v: ProgramView) -> Iterator[Violation]:
         yield None, f"the program ends with {held} still resident; release every slot but the persistent stages'"
 
 
-RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before_update, completeness)
+def step_boundary(v: ProgramView) -> Iterator[Violation]:
+    """7. Updates deferred to the next forward (exact gradient clipping): they end the program,
+    are CPU_STEPs waiting for every GRAD_NORM (the clip coefficient needs every norm); each host
+    group has one GRAD_NORM and no update runs before the step ends; across the step boundary
+    (the steady state), a PREFETCH of a stage waits for the previous update of every group it
+    reads, and each action on a stage that reads a host group uses weights prefetched in this
+    step (a persistent stage is refreshed first)."""
+    from .schedule import groups_read, steady_state_program  # (schedule imports this module's siblings)
+
+    tail = [n for n in v.nodes if get_meta(n).phase == "next-forward"]
+    norms = [n for n in v.nodes if get_meta(n).kind == GN]
+    if not tail:
+        for n in norms:
+            yield n, f"{v.act(n)} computes a gradient norm, but no update after it runs in the next forward"
+        return
+    first = v.index[tail[0]]
+    for n in v.nodes[first:]:
+        m = get_meta(n)
+        if m.phase != "next-forward":
+            yield n, f"{v.act(n)} comes after the deferred updates, which must end the program"
+        elif m.kind != U:
+            yield n, f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs may be"
+        else:
+            for d in norms:
+                if not v.waits_done(n, d):
+                    yield n, f"{v.act(n)} does not wait for {v.act(d)}: the clip coefficient needs every gradient's norm"
+    for n in v.nodes[:first]:
+        if get_meta(n).kind in (U, DU):
+            yield n, f"{v.act(n)} updates during the step, before the norm of every gradient is known"
+    host = sorted({st.update_group for st in v.stages.values() if st.update_group is not None} - v.device_groups)
+    counts = {g: sum(1 for n in norms if get_meta(n).stage == g) for g in host}
+    for g, c in counts.items():
+        if c != 1:
+            yield None, f"GN{g} appears {c} times; a program deferring its updates needs it exactly once per host group"
+    steady = steady_state_program(v.program)
+    prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev")}
+    sv = ProgramView(steady, "auto")
+    fetched: set[int] = set()
+    # (a backward-only program, the cold backward, follows this step's forward: that refreshed)
+    with_forward = any(get_meta(n).kind == F for n in v.nodes)
+    for n in steady.nodes:
+        m = get_meta(n)
+        if n.name.endswith("_prev") or m.kind not in _SLOTTED | {PF}:
+            continue
+        reads = groups_read(steady, m.stage) - v.device_groups if m.stage in v.stages else set()
+        if m.kind == PF:
+            for g in sorted(reads):
+                if g in prev and not sv.waits_done(n, prev[g]):
+                    yield v.program.find(str(m.action)), (
+                        f"{m.action} copies group {g}'s weights but does not wait for the previous step's U{g} "
+                        "(it would read weights whose update has not finished)"
+                    )
+            fetched.add(m.stage)
+        elif reads and m.kind != R and m.stage not in fetched and with_forward:
+            yield None, (
+                f"{m.action} uses stage {m.stage}'s weights before any PREFETCH of it in this step: they predate the "
+                f"previous step's update of group(s) {sorted(reads)} (refresh the slot first)"
+            )
+            fetched.add(m.stage)  # reported once per stage
+
+
+RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary)
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 
 

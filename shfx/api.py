@@ -23,6 +23,7 @@ from shfx.passes.capture import (
     flatten_inputs,
 )
 from shfx.passes.layout import dtype_name, precision_dtype
+from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
@@ -225,6 +226,7 @@ class _OffloadFunction(torch.autograd.Function):
             )
         ctx.sctx = None
         eng: Engine = ctx.engine
+        eng.await_deferred()  # the clipped updates of the last step() read the gradients (done by now)
         if not eng.pending_updates:  # (else the backward is refused: the update reads the gradients)
             eng.gradients.take_user_grads(eng.param_keys_by_group)  # model.zero_grad(), p.grad = ...
         in_grads = eng.backward(sctx, list(grads))
@@ -281,6 +283,8 @@ class CompiledModel:
         scaler: LossScaler | None = None,
         dynamic: str | bool | dict | None = "auto",
         max_captures: int = 8,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -339,6 +343,8 @@ class CompiledModel:
             optimizer.attach(self, model)  # its param_groups now hold the model's parameters
         self.tune_tolerance = tune_tolerance
         self.pin_memory = pin_memory
+        if max_grad_norm is not None:
+            self._options = _clipping_options(self._options, max_grad_norm, norm_type, overlap_update, optimizer)
         pol = self._options.policy
         delayed = getattr(pol, "delayed_update", False)
         if skip_nonfinite and delayed:
@@ -355,7 +361,7 @@ class CompiledModel:
         self._engine_kwargs = dict(
             grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed,
             rollback=bool(skip_nonfinite and overlap_update) if rollback is None else bool(rollback),
-            skip_nonfinite=bool(skip_nonfinite), scaler=scaler,
+            skip_nonfinite=bool(skip_nonfinite), scaler=scaler, max_grad_norm=max_grad_norm, norm_type=norm_type,
         )  # fmt: skip
         self.recompute = recompute
         self._engine: Engine | None = None
@@ -558,6 +564,9 @@ class CompiledModel:
                 if key in captured.trainable:
                     by_group.setdefault(graph.owner[key], []).append((key, captured.params[key]))
             self._engine.param_keys_by_group = by_group
+            # gradient clipping reads the norms in the order of model.parameters(), as torch does
+            where = {id(t): (g, key) for g, keys in by_group.items() for key, t in keys}
+            self._engine.clip_order = [where[id(p)] for p in self.module.parameters() if id(p) in where]
             self._bound = self._bind_record(captured)
         elif captured.constants:
             for k, t in captured.constants.items():  # constants of this capture (values may differ)
@@ -632,6 +641,7 @@ class CompiledModel:
                     "cm = shfx.compile(model, ...)."
                 )
         eng = self._engine
+        eng.await_deferred()  # a running clipped update writes the store
         eng.wait_delayed()  # a running delayed update writes the store
         eng.sync_to_host()  # weights updated on the device: the host copy first, then the new values
         with torch.no_grad():
@@ -833,9 +843,52 @@ class CompiledModel:
                 "(overlap_update=True, the default) and read the gradients as backward computed them: this step "
                 "was applied without your edit (an edit racing with a running update may have been seen in part). "
                 "To edit gradients before the update (gradient clipping, scaling), compile with "
-                "overlap_update=False; exact clipping with the overlapped update comes with shfx's trainer. "
+                "overlap_update=False; for gradient clipping, compile with max_grad_norm=... (exact, and the update stays "
+                "overlapped) and/or call cm.clip_grad_norm_(). "
                 "Reload the last checkpoint if this step must not count."
             )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of this step by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` called
+        between ``backward()`` and ``step()``: returns the total norm (a 0-dim fp32 tensor, of the
+        unscaled gradients in fp16), and ``step()`` scales every gradient by
+        ``min(max_norm / (total + 1e-6), 1)`` before its update (bitwise like eager clip then
+        ``torch.optim.AdamW(fused=True)`` on the CPU). ``p.grad`` keeps the unclipped values
+        until ``step()``.
+
+        With ``overlap_update=True`` (the default) the updates start during ``backward()``, before
+        every gradient is known, so this needs ``shfx.compile(max_grad_norm=...)`` (the schedule
+        that computes the norms during backward and runs the updates in the next forward; this
+        call then overrides ``max_norm`` for the step) or ``overlap_update=False``.
+
+        >>> import torch, shfx
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1MiB"), optimizer=shfx.optim.AdamW(lr=1e-3),
+        ...                   blocks=False, num_stages=4, max_grad_norm=1.0)
+        >>> cm(torch.randn(2, 8)).sum().backward()
+        >>> total = cm.clip_grad_norm_(0.5); cm.step(); cm.zero_grad()
+        >>> total.dtype, total.dim()
+        (torch.float32, 0)
+        """
+        self._require_engine("clip_grad_norm_")
+        eng = self._engine
+        v = self._last
+        if v is not None and eng.overlap_update and eng.pending_updates and any(
+            get_meta(n).kind != ActionKind.GRAD_NORM and KINDS[get_meta(n).kind].update and get_meta(n).phase == "backward"
+            for n in v.train.nodes
+        ):
+            raise UsageError(
+                f"clip_grad_norm_() after backward(), but {v.train.name!r} started the optimizer updates during "
+                "backward(), before every gradient was known. Compile with max_grad_norm=... (exact clipping that keeps "
+                "the update overlapped: norms during backward, updates in the next forward), or overlap_update=False."
+            )
+        return eng.clip_grad_norm(max_norm, norm_type)
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm the last clipped ``step()`` used (None before one)."""
+        return None if self._engine is None else self._engine.last_grad_norm
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16; other precisions: ``loss`` itself), for a loss
@@ -956,6 +1009,7 @@ class CompiledModel:
         if self._engine is not None and self._engine.pending_updates:
             raise UsageError("the host update started by backward() is pending; call cm.step() first")
         if self._engine is not None:
+            self._engine.await_deferred()  # max_grad_norm: the clipped updates step() started
             self._engine.wait_delayed()  # delayed_update: the host weights include every step()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -1132,6 +1186,38 @@ class CompiledModel:
         return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
 
 
+def _clipping_options(options: PipelineOptions, max_grad_norm: Any, norm_type: Any, overlap_update: bool, optimizer: Any) -> PipelineOptions:
+    """The pipeline options for ``shfx.compile(max_grad_norm=...)``: the policy's deferred-update
+    mode (norms during the backward, updates in the next forward), or an error saying why not."""
+    for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
+            raise ValueError(f"{name} must be a number > 0 (norm_type may be float('inf')), got {v!r}")
+    if max_grad_norm == float("inf"):
+        raise ValueError("max_grad_norm must be finite (float('inf') never clips: leave max_grad_norm=None)")
+    if optimizer is None:
+        raise ValueError("max_grad_norm clips the gradients the optimizer applies: pass optimizer=shfx.optim.AdamW(...)")
+    pol = options.policy
+    if not overlap_update:
+        return options  # step() computes the norm and runs the updates
+    if "deferred_update" not in pol.options():
+        raise ValueError(
+            f"max_grad_norm with policy {pol.name!r}: its updates run during the backward, before every gradient's norm "
+            "is known. Use policy='stronghold', 'zero-offload' or 'zero-infinity' (their deferred-update schedule keeps "
+            "the update overlapped), or overlap_update=False (updates in step())."
+        )
+    if getattr(pol, "resident_first", 0) != 0:
+        raise ValueError(
+            f"max_grad_norm needs every gradient on the host, but {pol!r} keeps its first stages' gradients and updates on "
+            "the device (resident_first); use resident_first=0, or overlap_update=False"
+        )
+    if getattr(pol, "delayed_update", False):
+        raise ValueError(
+            "max_grad_norm cannot be combined with ZeroOffload(delayed_update=True) (one-step-stale updates); "
+            "use ZeroOffload() (max_grad_norm turns on its exact deferred update)"
+        )
+    return dataclasses.replace(options, policy=pol.replace(deferred_update=True))
+
+
 def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - mirrors torch.compile
     """Compile ``model`` for training with only a window of stages on the device.
 
@@ -1165,6 +1251,13 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             "Encoder-decoder models and several block lists").
         grad_accum_steps: backward() calls per step(); the host update starts during the last one.
         overlap_update: start host updates during backward (default) or only in step().
+        max_grad_norm: clip the gradients by their global norm before every update, exactly as
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm, norm_type)``
+            (None: no clipping). With ``overlap_update`` it turns on the policy's
+            ``deferred_update`` schedule: each group's gradient norm is computed as it lands on
+            the host, and the updates run in forward order during the next forward (docs/usage.md,
+            "Gradient clipping"). ``cm.clip_grad_norm_`` is the torch-style call.
+        norm_type: the p of the p-norm (2.0; ``float("inf")`` for the max norm).
         pin_memory: pin the host store (CUDA only).
         optimizer_workers: host threads running updates of different stages in parallel.
         verify: check every step program's invariants before running it; ``verify_each_pass``:

@@ -76,7 +76,7 @@ def test_clipping_after_an_overlapped_backward_is_refused_at_step():
     cm, model, _, _ = pair()
     cm(batch(0)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(shfx.UsageError, match=r"changed in place.*overlap_update=False.*trainer"):
+    with pytest.raises(shfx.UsageError, match=r"changed in place.*overlap_update=False.*max_grad_norm=.*clip_grad_norm_"):
         cm.step()
     # the step finished (nothing left running); training goes on
     cm.zero_grad()

@@ -90,7 +90,7 @@ def test_add_updates_after_backward_and_refresh():
 def test_registry_and_options():
     assert list(POLICIES) == ["resident", "l2l", "zero-offload", "zero-infinity", "stronghold"]
     assert make_policy("stronghold", window=3) == shfx.Stronghold(window=3)
-    with pytest.raises(ValueError, match="has no option lookahead .its options: delayed_update"):
+    with pytest.raises(ValueError, match="has no option lookahead .its options: deferred_update, delayed_update"):
         make_policy("zero-offload", lookahead=2)
     with pytest.raises(ValueError, match="unknown policy 'fast'"):
         make_policy("fast")

@@ -34,6 +34,7 @@ def test_streams_of_kinds():
         ActionKind.CPU_STEP: "cpu",
         ActionKind.DEVICE_STEP: "compute",
         ActionKind.OFFLOAD_PARAMS: "d2h",
+        ActionKind.GRAD_NORM: "cpu",
     }
 
 

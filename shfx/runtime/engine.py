@@ -147,6 +147,8 @@ class Engine:
         rollback: bool = True,
         skip_nonfinite: bool = False,
         scaler: Any = None,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
     ):
         self.backend = backend
         self.store = store
@@ -186,6 +188,16 @@ class Engine:
         self.cancel = threading.Event()
         self.interrupted = False  # Ctrl-C came while a phase ran (see _deferred_interrupt)
         self.gradients = GradientRouter(self)
+        # exact global-norm gradient clipping (docs/usage.md, "Gradient clipping"): (max_norm,
+        # norm_type) from shfx.compile(max_grad_norm=...), or None
+        self.clip: tuple[float, float] | None = None if max_grad_norm is None else (float(max_grad_norm), float(norm_type))
+        self.clip_order: list[tuple[int, str]] = []  # (group, key) of each trainable parameter, in model order
+        self.grad_norms: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}  # group -> (norm_type, key -> norm)
+        self.clipped: tuple[float, torch.Tensor] | None = None  # clip_grad_norm_()'s (max_norm, total) this step
+        self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clipped step() used
+        # the clipped updates step() started: they run during the next forward, whose prefetch
+        # of a stage waits for the updates of the groups it reads
+        self.deferred = DelayedUpdates()
         self.dirty: set[int] = set()  # groups whose device weights are newer than the host's
         self.loaded: Variant | None = None  # the variant whose persistent stages are on the device
         self.current: Variant | None = None  # the variant of the last forward
@@ -333,6 +345,14 @@ class Engine:
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._update_task(m.stage), deps)
 
+    def _run_grad_norm(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        g = m.stage
+
+        def run() -> None:
+            self.grad_norms[g] = (self._norm_type, self._group_norms(g, self._norm_type))
+
+        return self._submit(m, run, deps)
+
     def _run_device_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._device_step_task(ctx.variant, m.stage, m.slot), deps)
 
@@ -342,6 +362,8 @@ class Engine:
 
     def _run_prefetch(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
+        if self.deferred:  # the clipped updates step() started: the weights this copies must be final
+            deps = deps + self.deferred.deps_for({c.group for c in stage.slot.prefetch})
         return self._submit(m, lambda: self._prefetch(stage, m.slot, ctx.variant), deps)
 
     def _run_forward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
@@ -612,6 +634,7 @@ class Engine:
         variant or new weights took them)."""
         if self.loaded is variant:
             return
+        self.await_deferred()
         self.finish_delayed(refresh=False)  # the host weights must be final before loading them
         self.sync_to_host()
         self.loaded = None
@@ -633,6 +656,7 @@ class Engine:
         them, and the slot pool takes ``new``'s sizes (another signature's grow it back)."""
         if self.pending_updates or self.holder is not None:
             raise UsageError("the programs can only change between steps; finish the step (backward, cm.step()) first")
+        self.await_deferred()
         self.finish_delayed(refresh=False)
         self.sync_to_host()
         self.loaded = None
@@ -654,6 +678,7 @@ class Engine:
 
     def invalidate_device_weights(self) -> None:
         """The host weights changed (load_state_dict): persistent stages reload before the next step."""
+        self.await_deferred()
         self.wait_delayed()
         self.delayed.clear()
         self.dirty.clear()
@@ -848,6 +873,8 @@ class Engine:
                 "update during backward). To defer updates to step() instead, compile with overlap_update=False."
             )
         self._evict()
+        if not grad:  # an inference forward reads every weight: the clipped updates first
+            self.await_deferred()
         with self.backend.during("setup"):
             self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
             if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
@@ -877,6 +904,8 @@ class Engine:
         if failure is not None:
             self._step_t0 = None if self.backward_calls == 0 else self._step_t0
             self._fail_cleanup(ctx)
+            if any(t.error is not None for t in self.deferred.running.values()):
+                self.await_deferred()  # a clipped update the prefetches waited for failed: say so, roll back
             raise _with_note(failure, "The forward was abandoned; no weight was changed (as in eager PyTorch, "
                              "buffers a forward updates, such as running statistics, keep the updates of the stages "
                              "that ran). Call the model again.")
@@ -913,6 +942,10 @@ class Engine:
                 "started. Call cm.step() after every grad_accum_steps backward() calls, or raise grad_accum_steps."
             )
         ctx.backward_done = True
+        if not profile:
+            # the clipped updates of the last step() read the host gradients this backward writes
+            # (its forward's prefetches waited for them already: nothing is left to wait for)
+            self.await_deferred()
         self.unscaled.clear()  # new (scaled) gradients arrive
         if not profile:
             self.backward_calls += 1
@@ -992,6 +1025,8 @@ class Engine:
         if self.delayed_update:
             self._delayed_step()
             return True
+        if self.clip is not None or self.clipped is not None:
+            return self._clipped_step()
         if not self.pending_updates:
             self.last_step_skipped = False
             done = self.journal.applied  # a retried step: the updates that ran before it failed
@@ -1082,6 +1117,156 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(False)
         return True
+
+    # ---- exact global-norm gradient clipping -------------------------------------------------
+    @property
+    def _norm_type(self) -> float:
+        return self.clip[1] if self.clip is not None else 2.0
+
+    def _group_norms(self, group: int, norm_type: float) -> dict[str, torch.Tensor]:
+        """The norm of each trainable parameter's host gradient in ``group`` (fp16: unscaled
+        first, as ``GradScaler.unscale_`` before clipping); empty when the group holds none.
+
+        NOTE: ``torch._foreach_norm`` over per-parameter views of the flat host gradient, as
+        ``torch.nn.utils.clip_grad_norm_`` computes each parameter's norm: the same bits."""
+        store = self.store
+        if store.grad_state[group] != GRAD_VALID:
+            return {}
+        if self.scaler is not None and group not in self.unscaled:
+            store.grad(group).data.div_(self.scaler.scale_tensor())
+            self.unscaled.add(group)
+        keys = [k for k, _ in self.param_keys_by_group.get(group, [])]
+        views = [store.param_grad_view(k, group) for k in keys]
+        return dict(zip(keys, torch._foreach_norm(views, norm_type))) if views else {}
+
+    def _clip_groups(self) -> list[int]:
+        """The host groups a clipped step reads and updates (their gradient is valid), in
+        forward order (the order of the stages owning them)."""
+        v = self.current
+        dev = v.device_groups if v is not None else frozenset()
+        if dev:
+            raise UsageError(
+                f"gradient clipping needs every gradient on the host, but {v.train.name!r} updates groups "
+                f"{sorted(dev)} on the device; use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity"
+            )
+        groups = [gi for gi, g in enumerate(self.store.groups) if g.trainable_bytes and self.store.grad_state[gi] == GRAD_VALID]
+        if v is not None:
+            groups.sort(key=lambda gi: v.owner_of.get(gi, gi))
+        return groups
+
+    def _wait_norms(self) -> None:
+        """Wait for the GRAD_NORMs the backward started; a failure drops the step's gradients."""
+        for _, tok in self.pending_updates:
+            tok.wait()
+        failed = [(label, tok) for label, tok in self.pending_updates if tok.error is not None]
+        if failed:
+            self.pending_updates.clear()
+            self.grad_norms.clear()
+            label, tok = failed[0]
+            err = root_cause(tok.error)
+            self._clear_grads()
+            self._step_t0 = None
+            e = ActionError(f"gradient norm {label} failed: {type(err).__name__}: {err}", label)
+            raise _with_note(e, _state_note("step", [], [], gradients="cleared")) from err
+
+    def total_grad_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm of every host gradient of the step, as ``torch.nn.utils.clip_grad_norm_``
+        computes it over the model's parameters (per-parameter norms in the model's parameter
+        order, then the norm of those): waits for the GRAD_NORMs the backward started and
+        computes the others now."""
+        self._wait_norms()
+        groups = self._clip_groups()
+        for gi in groups:
+            have = self.grad_norms.get(gi)
+            if have is None or have[0] != norm_type:
+                self.grad_norms[gi] = (norm_type, self._group_norms(gi, norm_type))
+        norms = [self.grad_norms[g][1][k] for g, k in self.clip_order if k in self.grad_norms.get(g, (0, {}))[1]]
+        if not norms:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``cm.clip_grad_norm_``: the total norm of the step's gradients; ``step()`` scales them by
+        ``min(max_norm / (total + 1e-6), 1)`` before its updates (as eager's clip, then step)."""
+        if self.optimizer is None:
+            raise UsageError("clip_grad_norm_() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
+        total = self.total_grad_norm(float(norm_type))
+        self.clipped = (float(max_norm), total)
+        return total
+
+    def _clipped_step(self) -> bool:
+        """step() with clipping: the total norm (from the GRAD_NORMs of the backward, or computed
+        now), then each group's update scales its gradient by the clip coefficient and applies
+        AdamW, in forward order. With a program deferring its updates (and ``overlap_update``)
+        they are started and step() returns: the next forward's prefetches wait for them;
+        otherwise step() waits for them."""
+        self.await_deferred()
+        if self.clipped is not None:
+            max_norm, total = self.clipped
+        else:
+            assert self.clip is not None
+            max_norm, total = self.clip[0], self.total_grad_norm(self.clip[1])
+        self.pending_updates.clear()
+        self.clipped = None
+        self.grad_norms.clear()
+        self.last_grad_norm = total
+        self.last_step_skipped = False
+        groups = self._clip_groups()
+        if not bool(torch.isfinite(total)):
+            if self.skip_nonfinite:
+                return self._skip_step()
+            if self.check_finite:
+                err = NonFiniteGradient(f"the total gradient norm is {float(total)}", groups[0] if groups else -1)
+                raise self._nonfinite_error(err, [], [])
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        store = self.store
+
+        def task(gi: int) -> Callable[[], None]:
+            update = self._update_task(gi, check=False, finite=False)
+
+            def run() -> None:
+                store.grad(gi).data.mul_(coef)  # as clip_grad_norm_'s _foreach_mul_ (through .data: no user edit)
+                update()
+
+            return self._task(f"U{gi}", run)
+
+        v = self.current
+        overlap = self.overlap_update and v is not None and any(get_meta(n).phase == "next-forward" for n in v.train.nodes)
+        submit = lambda gi: self.backend.cpu.submit(task(gi), [], f"U{gi}")  # noqa: E731
+        self.backward_calls = 0
+        if self.scaler is not None:
+            self.scaler.update(False)
+        if overlap:
+            self.deferred.start(groups, submit)
+            self._end_step_clock()
+            return True
+        self.deferred.start(groups, submit)
+        self.await_deferred()
+        self._end_step_clock()
+        return True
+
+    def await_deferred(self) -> None:
+        """Wait for the clipped updates the last ``step()`` started (anything reading the weights
+        between steps: ``state_dict``, ``sync``, an inference forward, ``close``, the next
+        backward). A failed one rolls the step back (``rollback=True``) and drops the gradients
+        (they were scaled), and raises saying so."""
+        if not self.deferred:
+            return
+        pending, self.deferred.running = dict(self.deferred.running), {}
+        for tok in pending.values():
+            tok.wait()
+        failed = [(g, tok) for g, tok in pending.items() if tok.error is not None]
+        if not failed:
+            self.journal.commit()
+            return
+        g, tok = failed[0]
+        err = root_cause(tok.error)
+        restored, applied = self._undo_step()
+        self._clear_grads()
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise err
+        e = ActionError(f"host optimizer update U{g} (clipped, started by step()) failed: {type(err).__name__}: {err}", f"U{g}")
+        raise _with_note(e, _state_note("step", restored, applied, gradients="cleared")) from err
 
     def _first_nonfinite(
         self, v: Variant | None, groups: list[int], dev_groups: list[tuple[int, int]]
@@ -1215,7 +1400,11 @@ class Engine:
                 "zero_grad() was called between backward() and step() while the update started by backward() is "
                 "pending; call cm.step() first (or compile with overlap_update=False)"
             )
-        if not self.delayed:
+        if not set_to_none:
+            self.await_deferred()  # zeroing the host gradients: the clipped updates read them
+        self.clipped = None
+        self.grad_norms.clear()
+        if not self.delayed and not self.deferred:
             self.journal.commit()  # a failed step's records: the user drops that step
         st = self.store
         if not set_to_none:
@@ -1238,6 +1427,7 @@ class Engine:
         """Copy device-updated weights back to the host, then free the device."""
         self._evict()
         try:
+            self.await_deferred()
             self.finish_delayed(refresh=False)
             self.sync_to_host()
         finally:
