@@ -33,9 +33,7 @@ STEPS, SAVE_AT = 10, 5
 # name -> (model, compile options, grad_accum_steps, with an LR scheduler)
 SCENARIOS = {
     "dropout": (gpt_dropout, {"window": 2}, 1, False),
-    # NOTE: cm.optimizer is shfx.optim.AdamW (a configuration, not a torch Optimizer), so
-    # torch's LambdaLR cannot take it: it runs on a stand-in optimizer and its lr is copied to
-    # cm.optimizer.lr each step; its state is saved and loaded through scheduler=.
+    # torch's LambdaLR on cm.optimizer itself; its state is saved and loaded through scheduler=
     "accum_scheduler": (gpt_dropout, {"window": 1}, 2, True),
     # the first stage and its optimizer stay on the device: its AdamW states are the device optimizer's
     "device_optimizer": (gpt_tied, {"policy": shfx.Stronghold(window=1, resident_first=1)}, 1, False),
@@ -49,9 +47,8 @@ def _compile(model, opts: dict, accum: int, **kw) -> shfx.CompiledModel:
     )  # fmt: skip
 
 
-def _scheduler() -> torch.optim.lr_scheduler.LambdaLR:
-    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
-    return torch.optim.lr_scheduler.LambdaLR(stand_in, lambda s: 1.0 / (1 + s))
+def _scheduler(opt) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
 
 def _train(cm, steps: range, accum: int, sched=None, make_batch=token_batch) -> list[float]:
@@ -62,22 +59,23 @@ def _train(cm, steps: range, accum: int, sched=None, make_batch=token_batch) -> 
             loss = loss_of(cm(*args, **kwargs), aux) / accum
             loss.backward()
             losses.append(loss.item())
-        cm.step()
-        cm.zero_grad()
+        cm.optimizer.step()
+        cm.optimizer.zero_grad()
         if sched is not None:
-            sched.optimizer.step()  # the stand-in (no gradients: a no-op), so torch sees step() before sched.step()
             sched.step()
-            cm.optimizer.lr = sched.get_last_lr()[0]
     return losses
 
 
-def _snapshot(cm) -> dict:
-    """Weights and optimizer state (by parameter name), copied."""
-    state, groups = ckpt._optimizer_state(cm)
+def _snapshot(cm, opt=None) -> dict:
+    """Weights, optimizer state (by parameter name, copied) and param_groups (with names, less
+    the options that pick an implementation) of a compiled model, or of an eager model ``cm``
+    and its optimizer ``opt``."""
+    opt = cm.optimizer if opt is None else opt
+    state, groups = ckpt._optimizer_state((cm.module if opt is getattr(cm, "optimizer", None) else cm).named_parameters(), opt)
     return {
         "weights": {k: v.detach().clone() for k, v in cm.state_dict().items()},
         "optim": {n: {k: v.clone() for k, v in e.items()} for n, e in state.items()},
-        "hyper": groups[0],
+        "hyper": [{k: v for k, v in g.items() if k not in ckpt._IMPL} for g in groups],
     }
 
 
@@ -98,12 +96,12 @@ def _resume(name: str, path: str) -> dict:
     make, opts, accum, with_sched = SCENARIOS[name]
     torch.manual_seed(123)  # other initial weights and RNG than the saving run: the checkpoint must set both
     cm = _compile(make(), opts, accum)
-    sched = _scheduler() if with_sched else None
+    sched = _scheduler(cm.optimizer) if with_sched else None
     extra = cm.load_checkpoint(path, scheduler=sched)  # before the first call: a fresh process
     losses = _train(cm, range(extra["next_step"], STEPS), accum, sched)
     out = {"losses": losses, "extra": extra, **_snapshot(cm)}
     # again, into the model that has run since (its host store and states exist): the same run
-    sched = _scheduler() if with_sched else None
+    sched = _scheduler(cm.optimizer) if with_sched else None
     cm.load_checkpoint(path, scheduler=sched)
     out["again"] = _train(cm, range(SAVE_AT, STEPS), accum, sched)
     if name == "dropout":  # and without restoring the RNG: other dropout masks, other losses
@@ -152,9 +150,7 @@ def resumed(tmp_path_factory):
         torch.manual_seed(0)
         model = make()
         cm = _compile(model, opts, accum)
-        sched = _scheduler() if with_sched else None
-        if sched is not None:
-            cm.optimizer.lr = sched.get_last_lr()[0]
+        sched = _scheduler(cm.optimizer) if with_sched else None
         torch.manual_seed(1)
         losses = _train(cm, range(SAVE_AT), accum, sched)
         paths[name] = str(root / name)
@@ -186,7 +182,7 @@ def test_resume_restores_the_rng(resumed):
 
 def test_scheduler_state_and_lr_are_resumed(resumed):
     full, res = resumed["accum_scheduler"]
-    assert res["hyper"]["lr"] == full["hyper"]["lr"] == pytest.approx(1e-2 / (1 + STEPS))
+    assert res["hyper"][0]["lr"] == full["hyper"][0]["lr"] == pytest.approx(1e-2 / (1 + STEPS))
 
 
 # ---- atomicity ---------------------------------------------------------------------------------------
@@ -292,12 +288,7 @@ def _eager_train(model, opt, steps: range) -> list[float]:
 
 
 def _eager_snapshot(model, opt) -> dict:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optim": {names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()},
-        "hyper": {**{k: opt.param_groups[0][k] for k in ckpt._HYPER}, "params": [n for n, p in model.named_parameters()]},
-    }
+    return _snapshot(model, opt)
 
 
 def test_eager_round_trip(tmp_path):
@@ -367,7 +358,7 @@ def test_eager_amsgrad_and_partial_state(tmp_path):
     partial(batches[0][0]).sum().backward()
     popt.step()
     ckpt.save_from(partial, popt, str(tmp_path / "partial"))
-    with pytest.raises(UsageError, match=r"optimizer state for '0.weight' but not for '0.bias'"):
+    with pytest.raises(UsageError, match=r"state for 1 of the 2 trainable parameters of stage 0"):
         cm.load_checkpoint(str(tmp_path / "partial"))
     _assert_same(_snapshot(cm), before)  # the refused load changed nothing
     cm.close()
@@ -416,7 +407,7 @@ def test_errors_say_what_to_do(tmp_path):
     with pytest.raises(UsageError, match="does not match the model: missing"):
         cm.load_checkpoint(str(tmp_path / "other"))
     with pytest.raises(UsageError, match="saved without one"):
-        cm.load_checkpoint(str(tmp_path / "other"), scheduler=_scheduler())
+        cm.load_checkpoint(str(tmp_path / "other"), scheduler=_scheduler(cm.optimizer))
     args, _, _ = token_batch(0)
     cm(*args).backward()
     with pytest.raises(UsageError, match="call cm.step"):
