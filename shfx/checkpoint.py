@@ -179,8 +179,8 @@ def _undo(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     if not isinstance(optimizer, HostOptimizer) or optimizer.runner is None:
         return lambda: None
     sd = optimizer.state_dict()
-    sd["state"] = {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()}
-    sd = copy.deepcopy(sd)
+    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+          "param_groups": copy.deepcopy(sd["param_groups"])}  # fmt: skip
     return lambda: optimizer.load_state_dict(sd)
 
 
