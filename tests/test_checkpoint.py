@@ -71,8 +71,8 @@ def _snapshot(cm, opt=None) -> dict:
     """Weights, optimizer state (by parameter name, copied) and param_groups (with names, less
     the options that pick an implementation) of a compiled model, or of an eager model ``cm``
     and its optimizer ``opt``."""
-    opt = cm.optimizer if opt is None else opt
-    state, groups = ckpt._optimizer_state((cm.module if opt is getattr(cm, "optimizer", None) else cm).named_parameters(), opt)
+    model, opt = (cm.module, cm.optimizer) if opt is None else (cm, opt)
+    state, groups = ckpt._optimizer_state(model.named_parameters(), opt)
     return {
         "weights": {k: v.detach().clone() for k, v in cm.state_dict().items()},
         "optim": {n: {k: v.clone() for k, v in e.items()} for n, e in state.items()},
@@ -290,10 +290,6 @@ def _eager_train(model, opt, steps: range, sched=None) -> list[float]:
     return losses
 
 
-def _eager_snapshot(model, opt) -> dict:
-    return _snapshot(model, opt)
-
-
 def test_eager_round_trip(tmp_path):
     """eager -> shfx -> eager: each side resumes the other's training exactly."""
     torch.manual_seed(0)
@@ -313,7 +309,7 @@ def test_eager_round_trip(tmp_path):
     assert cm.load_checkpoint(str(tmp_path / "eager")) == {"next_step": 3}
     assert _train(cm, range(3, 6), 1) == ref_losses
     ours = _snapshot(cm)
-    _assert_same(ours, _eager_snapshot(model, opt))
+    _assert_same(ours, _snapshot(model, opt))
 
     cm.save_checkpoint(str(tmp_path / "shfx"), extra={"next_step": 6})
     ref_losses = _train(cm, range(6, 8), 1)
@@ -323,7 +319,7 @@ def test_eager_round_trip(tmp_path):
     assert ckpt.load_into(model2, opt2, str(tmp_path / "shfx")) == {"next_step": 6}
     assert opt2.param_groups[0]["lr"] == 1e-2
     assert _eager_train(model2, opt2, range(6, 8)) == ref_losses
-    _assert_same(_snapshot(cm), _eager_snapshot(model2, opt2))
+    _assert_same(_snapshot(cm), _snapshot(model2, opt2))
     cm.close()
 
 
@@ -353,7 +349,7 @@ def test_eager_amsgrad_and_partial_state(tmp_path):
                       optimizer=shfx.optim.AdamW(amsgrad=True))  # fmt: skip
     cm.load_checkpoint(str(tmp_path / "ams"))
     assert [step(cm, cm, x, y) for x, y in batches[2:]] == [step(model, opt, x, y) for x, y in batches[2:]]
-    _assert_same(_snapshot(cm), _eager_snapshot(model, opt))
+    _assert_same(_snapshot(cm), _snapshot(model, opt))
 
     before = _snapshot(cm)
     partial = _mlp()
