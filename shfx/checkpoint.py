@@ -4,15 +4,18 @@ A checkpoint is a directory written by ``torch.distributed.checkpoint`` (DCP, th
 and torchtitan use) plus one small file beside its shards::
 
     model.<name>                              every tensor of model.state_dict() (fp32 masters)
-    optimizer.state.<param name>.<field>      AdamW's step, exp_avg, exp_avg_sq (max_exp_avg_sq)
-    shfx_state.pt                             optimizer hyperparameters (param_groups), the step
-                                              count, LR scheduler, loss scaler, RNG states, extra
+    optimizer.state.<param name>.<field>      optimizer.state[p] as torch names it (AdamW's step,
+                                              exp_avg, exp_avg_sq; SGD's momentum_buffer; ...)
+    shfx_state.pt                             every parameter group's hyperparameters with its
+                                              parameters' names, the step count, LR scheduler,
+                                              loss scaler, RNG states, extra
 
 The tensor part has the layout of ``torch.distributed.checkpoint.state_dict.get_state_dict``
 (``{"model": ..., "optimizer": {"state": {fqn: {...}}}}``), so ``dcp.load`` reads it into
-any model with the same names, on any number of ranks. Weights are written straight from the
-host store's tensors (views: DCP copies one tensor at a time while it writes), and read back
-into them in place.
+any model with the same names, on any number of ranks. Eager models and compiled ones take
+one path: ``model.state_dict()`` and a torch Optimizer's ``state`` / ``param_groups`` (for a
+compiled model ``cm.optimizer``, whose states are views of the host store: DCP copies one
+tensor at a time while it writes), read back through ``optimizer.load_state_dict``.
 
 Saving is atomic: the checkpoint is written into a new directory beside ``path`` (its files
 and the directory fsynced), then ``path`` - a symbolic link to that directory - is switched to
@@ -52,8 +55,6 @@ __all__ = ["save", "load", "save_from", "load_into", "read_info", "AsyncSave", "
 
 FORMAT = 1
 STATE_FILE = "shfx_state.pt"
-_ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 # tests only: kill this process (SIGKILL) at a named point of a save ("data": the shards are
 # written but not DCP's metadata; "switch": the new directory is complete, the link not switched)
 _KILL_ENV = "SHFX_CHECKPOINT_TEST_KILL_AT"
@@ -64,199 +65,123 @@ def _test_kill_point(where: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ---- the optimizer state of a compiled model, by parameter name -----------------------------------
-# NOTE: the only place that knows how shfx keeps AdamW states (flat per-group buffers on the
-# host, HostAdamW.state; on the device for groups a policy updates there, DeviceAdamW.state).
-# When cm.optimizer becomes a torch Optimizer these two functions become its state_dict() and
-# load_state_dict() with parameter names for keys.
+# ---- the optimizer state by parameter name (eager torch.optim and cm.optimizer alike) ---------------
+# torch.optim options that choose an implementation, not the update: a load leaves the target's own
+_IMPL = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"})
 
 
-def _param_spans(grp) -> list[tuple[str, int, tuple[int, ...]]]:
-    """``(name, element offset, shape)`` of each trainable parameter of host group ``grp``."""
-    out = []
-    for info in grp.infos:
-        if info.kind == "param" and info.trainable:
-            p = grp.part_at(grp.offsets[info.key])
-            out.append((info.key, p.elem + (grp.offsets[info.key] - p.offset) // p.dtype.itemsize, info.shape))
-    return out
+def _names(named_params: Any) -> dict[int, str]:
+    return {id(p): n for n, p in named_params}
 
 
-def _group_states(cm) -> dict[int, tuple[str, Any]]:
-    """Group index -> ("host" | "device", its state object) for every group that has one."""
-    eng = cm._engine
-    out: dict[int, tuple[str, Any]] = {}
-    if eng is None or eng.optimizer is None:
-        return out
-    for g, st in eng.optimizer.state.items():
-        out[g] = ("host", st)
-    if eng.device_optimizer is not None:
-        for g, st in eng.device_optimizer.state.items():
-            out[g] = ("device", st)
-    return out
-
-
-def _hyperparams(opt) -> dict[str, Any]:
-    return {k: getattr(opt, k) for k in _HYPER}
-
-
-def _optimizer_state(cm) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
-    """The compiled model's optimizer state as ``({param name: {"step", "exp_avg", "exp_avg_sq"
-    [, "max_exp_avg_sq"]}}, param_groups)``, torch's AdamW state keyed by the model's names.
-    Host states are views of the flat buffers (no copy); device states are copied to the host.
-    A parameter whose group never stepped has no entry (as in torch)."""
-    if cm.optimizer is None:
-        return {}, []
+def _optimizer_state(
+    named_params: Any, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    """``({param name: {field: tensor}}, param_groups with parameter names)`` of a torch
+    Optimizer over the parameters ``named_params`` (``model.named_parameters()``): its
+    ``state[p]`` as it names the fields (AdamW's step/exp_avg/exp_avg_sq, SGD's
+    momentum_buffer, Adafactor's step/row_var/col_var/variance, ...), and each group's
+    hyperparameters. No copy of CPU tensors: for ``cm.optimizer`` they are views of the host
+    store's flat buffers (device-updated stages' states are copied to the host)."""
     state: dict[str, dict[str, torch.Tensor]] = {}
-    store = cm._store
-    states = _group_states(cm)
-    for grp in store.groups if store is not None else []:
-        spans = _param_spans(grp)
-        if grp.index not in states:
-            continue
-        where, st = states[grp.index]
-        flat = {"step": st.step}
-        if where == "host":
-            flat.update(exp_avg=st.exp_avg, exp_avg_sq=st.exp_avg_sq)
-            if st.max_exp_avg_sq is not None:
-                flat["max_exp_avg_sq"] = st.max_exp_avg_sq
-        else:
-            flat.update(exp_avg=st.m, exp_avg_sq=st.v)
-        for name, off, shape in spans:
-            n = _numel(shape)
-            entry = {"step": flat["step"].detach().cpu().reshape(())}
-            for k, t in flat.items():
-                if k != "step":
-                    entry[k] = t[off : off + n].view(shape).cpu()
-            state[name] = entry
-    names = [n for n, p in cm.module.named_parameters() if p.requires_grad]  # the model's order, as torch's
-    return state, [{**_hyperparams(cm.optimizer), "params": names}]
+    groups: list[dict[str, Any]] = []
+    if optimizer is None:
+        return state, groups
+    names, live = _names(named_params), optimizer.state
+    for g in optimizer.param_groups:
+        params = []
+        for p in g["params"]:
+            if id(p) not in names:
+                raise UsageError(
+                    f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter of the model; pass "
+                    "the model it optimizes"
+                )
+            params.append(names[id(p)])
+            entry = {k: _as_tensor(k, v) for k, v in live.get(p, {}).items() if v is not None}
+            if entry:
+                state[names[id(p)]] = entry
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": params})
+    return state, groups
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _as_tensor(field: str, v: Any) -> torch.Tensor:
+    if not torch.is_tensor(v):
+        if not isinstance(v, (int, float)):
+            raise UsageError(f"optimizer state {field!r} is a {type(v).__name__}; a checkpoint holds tensors and numbers")
+        v = torch.tensor(float(v))
+    t = v.detach().cpu()  # no copy on the CPU
+    return t.reshape(()) if field == "step" and t.numel() == 1 else t
 
 
-def _load_optimizer_state(
-    cm, state: dict[str, dict[str, torch.Tensor]], param_groups: list[dict[str, Any]], device_groups=None
+def _load_optimizer(
+    path: str, md: dict[str, Any], meta: dict[str, Any], named_params: Any, optimizer: torch.optim.Optimizer
 ) -> None:
-    """Put ``state`` (as :func:`_optimizer_state` returns it) into the compiled model's optimizer
-    (:func:`_prepare_optimizer_state`, then apply)."""
-    _prepare_optimizer_state(cm, state, param_groups, device_groups)()
-
-
-def _prepare_optimizer_state(
-    cm, state: dict[str, dict[str, torch.Tensor]], param_groups: list[dict[str, Any]], device_groups=None
-) -> Callable[[], None]:
-    """Check ``state`` (as :func:`_optimizer_state` returns it) and ``param_groups`` against the
-    compiled model and return the function that puts them into its optimizer: each group's
-    states are replaced (a group none of whose parameters has state starts fresh) and the
-    hyperparameters set. Changes nothing itself (a load that is refused leaves the model as it
-    was). Needs the host store (after the first call). ``device_groups``: the groups updated on
-    the device (default: those of the last forward's variant)."""
-    eng, store = cm._engine, cm._store
-    if device_groups is None:
-        device_groups = eng.current.device_groups if eng.current is not None else frozenset()
-    trainable = {n for grp in store.groups for n, _, _ in _param_spans(grp)}
-    unknown = sorted(set(state) - trainable)
+    """Load a checkpoint's optimizer state and hyperparameters into ``optimizer`` (eager, or
+    ``cm.optimizer`` before or after its first call) through ``optimizer.load_state_dict``, the
+    checkpoint's names mapped onto the optimizer's parameters and groups. A load that is
+    refused changes nothing."""
+    saved = _load_optim_tensors(path, md)
+    names = _names(named_params)
+    group_of = {n: i for i, g in enumerate(meta["param_groups"]) for n in g["params"]}
+    sd = optimizer.state_dict()
+    held: set[str] = set()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for gi, (group, sdg) in enumerate(zip(optimizer.param_groups, sd["param_groups"])):
+        hps: dict[str, Any] = {}
+        src: dict[int, str] = {}
+        for p, index in zip(group["params"], sdg["params"]):
+            n = names.get(id(p))
+            held.add(n)
+            if n in saved:
+                state[index] = saved[n]
+            if n in group_of and group_of[n] not in src:
+                src[group_of[n]] = n
+                h = {k: v for k, v in meta["param_groups"][group_of[n]].items() if k not in _IMPL and k != "params"}
+                if hps and _norm(h) != _norm(hps):
+                    raise UsageError(
+                        f"param_groups[{gi}] of this optimizer holds {', '.join(repr(x) for x in src.values())}, which "
+                        f"are in different groups of the checkpoint with other hyperparameters ({hps} and {h}); build "
+                        "the optimizer with the checkpoint's groups (shfx.checkpoint.read_info(path)['param_groups'])"
+                    )
+                hps = h
+        lacking = sorted(set(sdg) - set(hps) - _IMPL - {"params", "param_names", "initial_lr"}) if hps else []
+        if lacking:
+            raise UsageError(
+                f"the checkpoint's optimizer has no {lacking} in its parameter groups ({sorted(hps)}), which "
+                f"{type(optimizer).__name__} needs; load it into the kind of optimizer that saved it"
+            )
+        sdg.update({k: tuple(v) if isinstance(v, list) else v for k, v in hps.items()})
+    unknown = sorted(set(saved) - held)
     if unknown:
         raise UsageError(
-            f"the checkpoint has optimizer state for {unknown[0]!r} ({len(unknown)} such), which is not a trainable "
-            "parameter of this compiled model; load a checkpoint of this model (same parameter names and requires_grad)"
+            f"the checkpoint has optimizer state for {unknown[0]!r} ({len(unknown)} such), which this optimizer does not "
+            "update; load a checkpoint of this model (same parameter names and requires_grad)"
         )
-    plan = [(grp, _group_flat(grp, state)) for grp in store.groups if _param_spans(grp)]
-    hps = _checked_hyperparams(param_groups)
-    amsgrad = any(flat is not None and "max_exp_avg_sq" in flat[1] for _, flat in plan)
-    if any(flat is not None for _, flat in plan) and bool(hps.get("amsgrad", cm.optimizer.amsgrad)) != amsgrad:
+    sd["state"] = state
+    undo = _undo(optimizer)
+    try:
+        optimizer.load_state_dict(sd)
+    except (ValueError, KeyError, RuntimeError) as e:
+        undo()
         raise UsageError(
-            f"the checkpoint's hyperparameters say amsgrad={hps.get('amsgrad')}, but its states "
-            f"{'have' if amsgrad else 'have no'} max_exp_avg_sq; save it again from an optimizer whose states match"
-        )
-    if amsgrad and any(grp.index in device_groups for grp, flat in plan if flat is not None):
-        raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
-
-    def apply() -> None:
-        for k, v in hps.items():
-            setattr(cm.optimizer, k, v)
-        states = _group_states(cm)
-        for grp, flat in plan:
-            g = grp.index
-            if g in states:  # the group's current states go, wherever they are
-                (eng.device_optimizer if states[g][0] == "device" else eng.optimizer).take(g)
-            if flat is None:  # no state saved for this group: it starts fresh, as it would in torch
-                continue
-            step, f = flat
-            if g in device_groups:
-                eng.device_optimizer.put(grp, step, f["exp_avg"], f["exp_avg_sq"])
-                continue
-            if amsgrad:  # NOTE: HostAdamW.put makes states without amsgrad's buffer; this makes them with it
-                eng.optimizer._state(g, amsgrad=True)
-            eng.optimizer.put(g, step, f["exp_avg"], f["exp_avg_sq"])
-            if amsgrad:
-                eng.optimizer.state[g].max_exp_avg_sq.copy_(f["max_exp_avg_sq"])
-
-    return apply
+            f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: {e}. Load a checkpoint "
+            "saved from this model with the same kind of optimizer"
+        ) from e
 
 
-def _group_flat(grp, state: dict[str, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """Host group ``grp``'s ``(step, {field: flat buffer})`` from per-parameter ``state``, laid
-    out like its trainable region; None when none of its parameters has state."""
-    spans = _param_spans(grp)
-    have = [n for n, _, _ in spans if n in state]
-    if not have:
-        return None
-    if len(have) != len(spans):
-        missing = [n for n, _, _ in spans if n not in state]
-        raise UsageError(
-            f"the checkpoint has optimizer state for {have[0]!r} but not for {missing[0]!r}, which shfx updates "
-            f"together (host group {grp.index}: {', '.join(n for n, _, _ in spans)}); a checkpoint from shfx or "
-            "from an eager optimizer that stepped every parameter has both. Save it again after a step that "
-            "reached every parameter, or load the weights alone (cm.load_state_dict)."
-        )
-    steps = {float(state[n]["step"]) for n in have}
-    if len(steps) != 1:
-        raise UsageError(
-            f"the checkpoint's parameters {', '.join(have)} have different AdamW step counts ({sorted(steps)}), "
-            f"but shfx keeps one per group (host group {grp.index}); a checkpoint from an optimizer that stepped "
-            "them all alike loads"
-        )
-    fields = [f for f in _ADAM_FIELDS[1:] if f in state[have[0]]]
-    flat = {f: torch.zeros(grp.trainable_numel, dtype=grp.dtypes.state) for f in fields}
-    for name, off, shape in spans:
-        for f in dict.fromkeys(_ADAM_FIELDS[1:3] + tuple(fields)):
-            src = state[name].get(f)
-            if src is None or tuple(src.shape) != tuple(shape):
-                got = "nothing" if src is None else f"shape {tuple(src.shape)}"
-                raise UsageError(
-                    f"optimizer state {f!r} of {name!r} in the checkpoint is {got}; the model's parameter has shape "
-                    f"{tuple(shape)}. Load a checkpoint of this model."
-                )
-            flat[f][off : off + _numel(shape)].copy_(src.reshape(-1))
-    return torch.tensor(steps.pop(), dtype=torch.float32), flat
+def _undo(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """What puts ``optimizer`` back as it is now, for a ``load_state_dict`` that raises half way.
+    torch's optimizers check everything before changing anything; shfx's, once they run on the
+    host store, copy stage by stage: their state is copied first (the cost of a refused load
+    changing nothing)."""
+    from .optim import HostOptimizer
 
-
-def _checked_hyperparams(param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """The one set of AdamW hyperparameters of ``param_groups`` (checked: shfx's AdamW has one)."""
-    if not param_groups:
-        return {}
-    hps = [{k: g[k] for k in _HYPER if k in g} for g in param_groups]
-    if any(_norm(h) != _norm(hps[0]) for h in hps[1:]):
-        raise UsageError(
-            f"the checkpoint's optimizer has {len(hps)} parameter groups with different hyperparameters ({hps}); "
-            "shfx.optim.AdamW has one set. Save from an optimizer with one set of hyperparameters."
-        )
-    out = {k: tuple(v) if k == "betas" else v for k, v in hps[0].items()}
-    from .optim import AdamW
-
-    AdamW(**out)  # validates them
-    return out
-
-
-def _set_hyperparams(opt, param_groups: list[dict[str, Any]]) -> None:
-    for k, v in _checked_hyperparams(param_groups).items():
-        setattr(opt, k, v)
+    if not isinstance(optimizer, HostOptimizer) or optimizer.runner is None:
+        return lambda: None
+    sd = optimizer.state_dict()
+    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+          "param_groups": copy.deepcopy(sd["param_groups"])}  # fmt: skip
+    return lambda: optimizer.load_state_dict(sd)
 
 
 def _norm(h: dict[str, Any]) -> dict[str, Any]:
@@ -412,12 +337,13 @@ def _meta(steps: int, param_groups, scheduler, scaler, extra, skipped_steps: int
     }
 
 
-def _cm_state(cm) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors for DCP, param_groups and steps)`` of a compiled model: views of the host store."""
-    model = cm.state_dict()  # settles the step, copies device-updated weights back to the host
-    state, groups = _optimizer_state(cm)
-    steps = max((int(e["step"]) for e in state.values()), default=0)
-    tensors: dict[str, Any] = {"model": model}
+def _state(model_sd: dict[str, torch.Tensor], named_params: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors for DCP, param_groups and steps)`` of a model's state dict and its torch
+    Optimizer over ``named_params``: the one save path of eager models and compiled ones (whose
+    tensors are views of the host store)."""
+    state, groups = _optimizer_state(named_params, optimizer)
+    steps = max((int(e["step"]) for e in state.values() if "step" in e), default=0)
+    tensors: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in model_sd.items()}}
     if state:
         tensors["optimizer"] = {"state": state}
     return tensors, {"param_groups": groups, "steps": steps}
@@ -470,7 +396,8 @@ def save(
             "a checkpoint was loaded before the first call and its optimizer state is applied at that call; call "
             f"the model once (a training step) before saving again ({pending['path']!r} is still the checkpoint)"
         )
-    tensors, info = _cm_state(cm)
+    model_sd = cm.state_dict()  # settles the step, copies device-updated weights back to the host
+    tensors, info = _state(model_sd, cm.module.named_parameters(), cm.optimizer)
     meta = _meta(info["steps"], info["param_groups"], scheduler, cm.scaler, extra, cm.skipped_steps)
     if not async_save:
         _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))
@@ -518,10 +445,8 @@ def read_info(path: str) -> dict[str, Any]:
     return {**{k: meta[k] for k in keys}, "tensors": tensors}
 
 
-def _load_model(path: str, md: dict[str, Any], model_sd: dict[str, torch.Tensor], strict: bool) -> None:
-    """Load ``model.*`` into the tensors of ``model_sd`` in place."""
-    import torch.distributed.checkpoint as dcp
-
+def _model_targets(path: str, md: dict[str, Any], model_sd: dict[str, torch.Tensor], strict: bool) -> dict[str, torch.Tensor]:
+    """The tensors of ``model_sd`` that ``model.*`` of the checkpoint loads into (checked)."""
     saved = {k[len("model.") :] for k in md if k.startswith("model.")}
     missing = sorted(set(model_sd) - saved)
     unexpected = sorted(saved - set(model_sd))
@@ -539,8 +464,16 @@ def _load_model(path: str, md: dict[str, Any], model_sd: dict[str, torch.Tensor]
         if tuple(m.size) != tuple(t.shape):
             raise UsageError(f"{k!r} has shape {tuple(m.size)} in the checkpoint and {tuple(t.shape)} in the model; load a checkpoint of this model")
         targets[k] = t
+    return targets
+
+
+def _load_model(path: str, targets: dict[str, torch.Tensor]) -> None:
+    """Load ``model.*`` into ``targets`` (from :func:`_model_targets`) in place."""
+    import torch.distributed.checkpoint as dcp
+
     if targets:
-        dcp.load({"model": targets}, storage_reader=_reader(path), no_dist=_no_dist())
+        with torch.no_grad():
+            dcp.load({"model": targets}, storage_reader=_reader(path), no_dist=_no_dist())
 
 
 def _reader(path: str):
@@ -559,8 +492,6 @@ def _load_optim_tensors(path: str, md: dict[str, Any]) -> dict[str, dict[str, to
         if not k.startswith(pre):
             continue
         name, _, field = k[len(pre) :].rpartition(".")
-        if field not in _ADAM_FIELDS:
-            raise UsageError(f"the checkpoint's optimizer state has a field {field!r} ({k}); shfx reads AdamW's {_ADAM_FIELDS}")
         state.setdefault(name, {})[field] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     if state:
         dcp.load({"optimizer": {"state": state}}, storage_reader=_reader(path), no_dist=_no_dist())
@@ -573,35 +504,24 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     md, meta = _read_meta(path)
     cm._settle()
     _check_common(meta, path, scheduler)
-    apply_optimizer = None
-    if cm.optimizer is not None:  # checked before anything loads: a refused load changes nothing
-        state = _load_optim_tensors(path, md)
-        if cm._engine is not None:
-            apply_optimizer = _prepare_optimizer_state(cm, state, meta["param_groups"])
-        else:
-            _checked_hyperparams(meta["param_groups"])
-    _load_model(path, md, cm.module.state_dict(), strict)  # in place: the model's tensors are the host store
+    targets = _model_targets(path, md, cm.module.state_dict(), strict)  # the model's tensors are the host store's
+    if cm.optimizer is not None:  # before the first call its load_state_dict keeps the state for it
+        _load_optimizer(path, md, meta, cm.module.named_parameters(), cm.optimizer)
+    _load_model(path, targets)
     if cm._engine is not None:
         cm._store.refresh_working()  # mixed precision: the 16-bit image from the loaded masters
         cm._engine.invalidate_device_weights()
-    if apply_optimizer is not None:
-        apply_optimizer()
         cm._engine.skipped_steps = meta["skipped_steps"]
-    elif cm.optimizer is not None:  # the host store does not exist yet: the states go in at the first call
-        _set_hyperparams(cm.optimizer, meta["param_groups"])
-        cm._pending_checkpoint = {"path": path, "state": state, "param_groups": meta["param_groups"],
-                                  "skipped_steps": meta["skipped_steps"]}  # fmt: skip
+    else:  # the engine exists at the first call
+        cm._pending_checkpoint = {"path": path, "skipped_steps": meta["skipped_steps"]}
     _load_common(meta, path, scheduler, cm.scaler, restore_rng)
     return meta["extra"]
 
 
 def apply_pending(cm, variant) -> None:
-    """At the first call after :func:`load` ran before it: the optimizer state, now that the
-    host store exists (``variant``: the one that call runs, whose groups updated on the device
-    get their states there)."""
-    pending = cm._pending_checkpoint
-    cm._pending_checkpoint = None
-    _load_optimizer_state(cm, pending["state"], pending["param_groups"], variant.device_groups)
+    """At the first call after :func:`load` ran before it: what the engine keeps (the optimizer
+    state is the optimizer's own, loaded at that call by ``cm.optimizer``)."""
+    pending, cm._pending_checkpoint = cm._pending_checkpoint, None
     cm._engine.skipped_steps = pending["skipped_steps"]
 
 
@@ -624,10 +544,6 @@ def _load_common(meta: dict[str, Any], path: str, scheduler: Any, scaler: Any, r
 
 
 # ---- eager PyTorch ----------------------------------------------------------------------------------
-def _names_by_param(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
 def save_from(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -637,31 +553,12 @@ def save_from(
     scheduler: Any = None,
     scaler: Any = None,
 ) -> None:
-    """Save an eager model and its ``torch.optim.AdamW`` in shfx's checkpoint format (atomically),
-    for :meth:`CompiledModel.load_checkpoint` or :func:`load_into`. ``scaler``: a
+    """Save an eager model and its torch Optimizer (any: AdamW, SGD, Adafactor, ..., with
+    parameter groups) in shfx's checkpoint format (atomically), for
+    :meth:`CompiledModel.load_checkpoint` or :func:`load_into`. ``scaler``: a
     ``torch.amp.GradScaler`` (its state dict is the loss scaler's)."""
-    names = _names_by_param(model)
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    groups: list[dict[str, Any]] = []
-    if optimizer is not None:
-        for g in optimizer.param_groups:
-            params = []
-            for p in g["params"]:
-                if id(p) not in names:
-                    raise UsageError("the optimizer holds a tensor that is not a parameter of the model; pass the model it optimizes")
-                params.append(names[id(p)])
-                st = optimizer.state.get(p)
-                if st:
-                    unknown = set(st) - set(_ADAM_FIELDS)
-                    if unknown:
-                        raise UsageError(f"optimizer state {sorted(unknown)} of {names[id(p)]!r}: shfx checkpoints hold AdamW's {_ADAM_FIELDS}")
-                    state[names[id(p)]] = {k: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach().cpu() for k, v in st.items()}
-            groups.append({**{k: g[k] for k in _HYPER if k in g}, "params": params})
-    tensors: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-    if state:
-        tensors["optimizer"] = {"state": state}
-    steps = max((int(e["step"]) for e in state.values()), default=0)
-    meta = _meta(steps, groups, scheduler, scaler, extra, source="eager")
+    tensors, info = _state(model.state_dict(), model.named_parameters(), optimizer)
+    meta = _meta(info["steps"], info["param_groups"], scheduler, scaler, extra, source="eager")
     _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))
 
 
@@ -675,31 +572,15 @@ def load_into(
     strict: bool = True,
     restore_rng: bool = True,
 ) -> Any:
-    """Load a checkpoint (from shfx or :func:`save_from`) into an eager model and its
-    ``torch.optim.AdamW``: weights, optimizer state and hyperparameters, ``scheduler``,
+    """Load a checkpoint (from shfx or :func:`save_from`) into an eager model and its torch
+    Optimizer: weights, optimizer state and each group's hyperparameters, ``scheduler``,
     ``scaler`` (``torch.amp.GradScaler``), the RNG states. Returns the ``extra`` saved."""
     path = os.path.abspath(path)
     md, meta = _read_meta(path)
     _check_common(meta, path, scheduler)
-    with torch.no_grad():
-        _load_model(path, md, model.state_dict(), strict)
+    targets = _model_targets(path, md, model.state_dict(), strict)
     if optimizer is not None:
-        state = _load_optim_tensors(path, md)
-        names = _names_by_param(model)
-        hps = {n: {k: g[k] for k in _HYPER if k in g} for g in meta["param_groups"] for n in g["params"]}
-        sd = optimizer.state_dict()
-        by_index: dict[int, dict[str, torch.Tensor]] = {}
-        for group, sd_group in zip(optimizer.param_groups, sd["param_groups"]):
-            for p, index in zip(group["params"], sd_group["params"]):
-                n = names.get(id(p))
-                if n in state:
-                    by_index[index] = state[n]
-                if n in hps:
-                    sd_group.update({k: tuple(v) if k == "betas" else v for k, v in hps[n].items()})
-        unknown = sorted(set(state) - {names.get(id(p)) for g in optimizer.param_groups for p in g["params"]})
-        if unknown:
-            raise UsageError(f"the checkpoint has optimizer state for {unknown[0]!r}, which this optimizer does not hold")
-        sd["state"] = by_index
-        optimizer.load_state_dict(sd)
+        _load_optimizer(path, md, meta, model.named_parameters(), optimizer)
+    _load_model(path, targets)
     _load_common(meta, path, scheduler, scaler, restore_rng)
     return meta["extra"]

@@ -12,6 +12,7 @@ checkpoint restored (and the same resume with ``restore_rng=False`` is checked t
 
 from __future__ import annotations
 
+import copy
 import doctest
 import os
 import subprocess
@@ -33,9 +34,7 @@ STEPS, SAVE_AT = 10, 5
 # name -> (model, compile options, grad_accum_steps, with an LR scheduler)
 SCENARIOS = {
     "dropout": (gpt_dropout, {"window": 2}, 1, False),
-    # NOTE: cm.optimizer is shfx.optim.AdamW (a configuration, not a torch Optimizer), so
-    # torch's LambdaLR cannot take it: it runs on a stand-in optimizer and its lr is copied to
-    # cm.optimizer.lr each step; its state is saved and loaded through scheduler=.
+    # torch's LambdaLR on cm.optimizer itself; its state is saved and loaded through scheduler=
     "accum_scheduler": (gpt_dropout, {"window": 1}, 2, True),
     # the first stage and its optimizer stay on the device: its AdamW states are the device optimizer's
     "device_optimizer": (gpt_tied, {"policy": shfx.Stronghold(window=1, resident_first=1)}, 1, False),
@@ -49,9 +48,8 @@ def _compile(model, opts: dict, accum: int, **kw) -> shfx.CompiledModel:
     )  # fmt: skip
 
 
-def _scheduler() -> torch.optim.lr_scheduler.LambdaLR:
-    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
-    return torch.optim.lr_scheduler.LambdaLR(stand_in, lambda s: 1.0 / (1 + s))
+def _scheduler(opt) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
 
 def _train(cm, steps: range, accum: int, sched=None, make_batch=token_batch) -> list[float]:
@@ -62,22 +60,23 @@ def _train(cm, steps: range, accum: int, sched=None, make_batch=token_batch) -> 
             loss = loss_of(cm(*args, **kwargs), aux) / accum
             loss.backward()
             losses.append(loss.item())
-        cm.step()
-        cm.zero_grad()
+        cm.optimizer.step()
+        cm.optimizer.zero_grad()
         if sched is not None:
-            sched.optimizer.step()  # the stand-in (no gradients: a no-op), so torch sees step() before sched.step()
             sched.step()
-            cm.optimizer.lr = sched.get_last_lr()[0]
     return losses
 
 
-def _snapshot(cm) -> dict:
-    """Weights and optimizer state (by parameter name), copied."""
-    state, groups = ckpt._optimizer_state(cm)
+def _snapshot(cm, opt=None) -> dict:
+    """Weights, optimizer state (by parameter name, copied) and param_groups (with names, less
+    the options that pick an implementation) of a compiled model, or of an eager model ``cm``
+    and its optimizer ``opt``."""
+    model, opt = (cm.module, cm.optimizer) if opt is None else (cm, opt)
+    state, groups = ckpt._optimizer_state(model.named_parameters(), opt)
     return {
         "weights": {k: v.detach().clone() for k, v in cm.state_dict().items()},
         "optim": {n: {k: v.clone() for k, v in e.items()} for n, e in state.items()},
-        "hyper": groups[0],
+        "hyper": [{k: v for k, v in g.items() if k not in ckpt._IMPL} for g in groups],
     }
 
 
@@ -98,12 +97,12 @@ def _resume(name: str, path: str) -> dict:
     make, opts, accum, with_sched = SCENARIOS[name]
     torch.manual_seed(123)  # other initial weights and RNG than the saving run: the checkpoint must set both
     cm = _compile(make(), opts, accum)
-    sched = _scheduler() if with_sched else None
+    sched = _scheduler(cm.optimizer) if with_sched else None
     extra = cm.load_checkpoint(path, scheduler=sched)  # before the first call: a fresh process
     losses = _train(cm, range(extra["next_step"], STEPS), accum, sched)
     out = {"losses": losses, "extra": extra, **_snapshot(cm)}
     # again, into the model that has run since (its host store and states exist): the same run
-    sched = _scheduler() if with_sched else None
+    sched = _scheduler(cm.optimizer) if with_sched else None
     cm.load_checkpoint(path, scheduler=sched)
     out["again"] = _train(cm, range(SAVE_AT, STEPS), accum, sched)
     if name == "dropout":  # and without restoring the RNG: other dropout masks, other losses
@@ -152,9 +151,7 @@ def resumed(tmp_path_factory):
         torch.manual_seed(0)
         model = make()
         cm = _compile(model, opts, accum)
-        sched = _scheduler() if with_sched else None
-        if sched is not None:
-            cm.optimizer.lr = sched.get_last_lr()[0]
+        sched = _scheduler(cm.optimizer) if with_sched else None
         torch.manual_seed(1)
         losses = _train(cm, range(SAVE_AT), accum, sched)
         paths[name] = str(root / name)
@@ -186,7 +183,7 @@ def test_resume_restores_the_rng(resumed):
 
 def test_scheduler_state_and_lr_are_resumed(resumed):
     full, res = resumed["accum_scheduler"]
-    assert res["hyper"]["lr"] == full["hyper"]["lr"] == pytest.approx(1e-2 / (1 + STEPS))
+    assert res["hyper"][0]["lr"] == full["hyper"][0]["lr"] == pytest.approx(1e-2 / (1 + STEPS))
 
 
 # ---- atomicity ---------------------------------------------------------------------------------------
@@ -279,7 +276,7 @@ def test_async_save_equals_a_synchronous_save(tmp_path, monkeypatch):
 
 
 # ---- eager interop ----------------------------------------------------------------------------------
-def _eager_train(model, opt, steps: range) -> list[float]:
+def _eager_train(model, opt, steps: range, sched=None) -> list[float]:
     losses = []
     for step in steps:
         args, kwargs, aux = token_batch(step)
@@ -288,16 +285,9 @@ def _eager_train(model, opt, steps: range) -> list[float]:
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
     return losses
-
-
-def _eager_snapshot(model, opt) -> dict:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optim": {names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()},
-        "hyper": {**{k: opt.param_groups[0][k] for k in ckpt._HYPER}, "params": [n for n, p in model.named_parameters()]},
-    }
 
 
 def test_eager_round_trip(tmp_path):
@@ -319,7 +309,7 @@ def test_eager_round_trip(tmp_path):
     assert cm.load_checkpoint(str(tmp_path / "eager")) == {"next_step": 3}
     assert _train(cm, range(3, 6), 1) == ref_losses
     ours = _snapshot(cm)
-    _assert_same(ours, _eager_snapshot(model, opt))
+    _assert_same(ours, _snapshot(model, opt))
 
     cm.save_checkpoint(str(tmp_path / "shfx"), extra={"next_step": 6})
     ref_losses = _train(cm, range(6, 8), 1)
@@ -329,7 +319,7 @@ def test_eager_round_trip(tmp_path):
     assert ckpt.load_into(model2, opt2, str(tmp_path / "shfx")) == {"next_step": 6}
     assert opt2.param_groups[0]["lr"] == 1e-2
     assert _eager_train(model2, opt2, range(6, 8)) == ref_losses
-    _assert_same(_snapshot(cm), _eager_snapshot(model2, opt2))
+    _assert_same(_snapshot(cm), _snapshot(model2, opt2))
     cm.close()
 
 
@@ -339,7 +329,7 @@ def _mlp() -> torch.nn.Module:
 
 def test_eager_amsgrad_and_partial_state(tmp_path):
     """amsgrad's max_exp_avg_sq comes along; a checkpoint whose optimizer stepped only part of
-    a group shfx updates as one is refused, naming the parameters, and changes nothing."""
+    a stage shfx updates as one is refused, and changes nothing."""
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True, fused=True)
@@ -359,17 +349,167 @@ def test_eager_amsgrad_and_partial_state(tmp_path):
                       optimizer=shfx.optim.AdamW(amsgrad=True))  # fmt: skip
     cm.load_checkpoint(str(tmp_path / "ams"))
     assert [step(cm, cm, x, y) for x, y in batches[2:]] == [step(model, opt, x, y) for x, y in batches[2:]]
-    _assert_same(_snapshot(cm), _eager_snapshot(model, opt))
+    _assert_same(_snapshot(cm), _snapshot(model, opt))
 
     before = _snapshot(cm)
     partial = _mlp()
-    popt = torch.optim.AdamW([partial[0].weight], lr=1e-2)  # not the bias shfx updates with it
+    # the first stage whole, the second's weight but not the bias shfx updates with it: the
+    # optimizer loads stage by stage, so stage 0 is loaded when stage 1 is refused
+    popt = torch.optim.AdamW([partial[0].weight, partial[0].bias, partial[2].weight], lr=1e-2, amsgrad=True)
     partial(batches[0][0]).sum().backward()
     popt.step()
     ckpt.save_from(partial, popt, str(tmp_path / "partial"))
-    with pytest.raises(UsageError, match=r"optimizer state for '0.weight' but not for '0.bias'"):
+    with pytest.raises(UsageError, match=r"state for 1 of the 2 trainable parameters of stage 1"):
         cm.load_checkpoint(str(tmp_path / "partial"))
     _assert_same(_snapshot(cm), before)  # the refused load changed nothing
+    cm.close()
+
+
+# ---- every optimizer, parameter groups, schedulers on cm.optimizer ----------------------------------
+def _groups(model: torch.nn.Module, names: bool = False) -> list[dict]:
+    """No weight decay on 1-d parameters, 3x the lr for the last two parameters (three groups)."""
+    named = list(model.named_parameters())
+    last = {n for n, _ in named[-2:]}
+    pick = (lambda n, p: n) if names else (lambda n, p: p)
+    return [
+        {"params": [pick(n, p) for n, p in named if p.ndim > 1 and n not in last]},
+        {"params": [pick(n, p) for n, p in named if p.ndim < 2 and n not in last], "weight_decay": 0.0},
+        {"params": [pick(n, p) for n, p in named if n in last], "lr": 3e-2, "weight_decay": 0.05},
+    ]
+
+
+# name -> (shfx optimizer over groups, torch's over groups: the kernel shfx runs)
+OPTIMIZERS = {
+    "adamw": (lambda g: shfx.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
+              lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01, fused=True)),
+    "sgd": (lambda g: shfx.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+            lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True)),
+    "adafactor": (lambda g: shfx.optim.Adafactor(g, lr=1e-2, weight_decay=0.01),
+                  lambda g: torch.optim.Adafactor(g, lr=1e-2, weight_decay=0.01, foreach=True)),
+}  # fmt: skip
+SCHEDULERS = {
+    None: lambda opt: None,
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    "warmup_cosine": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3),
+         torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS - 3)],
+        milestones=[3],
+    ),
+}  # fmt: skip
+
+
+def _compile_with(kind: str, seed: int) -> shfx.CompiledModel:
+    torch.manual_seed(seed)
+    model = gpt_tied()
+    return shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=2,
+                        optimizer=OPTIMIZERS[kind][0](_groups(model, names=True)))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,sched", [("adamw", "warmup_cosine"), ("sgd", "lambda"), ("adafactor", None)])
+def test_every_optimizer_with_groups_and_scheduler_resumes_bitwise(tmp_path, kind, sched):
+    """Three parameter groups (other lr and weight_decay each), the scheduler built on
+    cm.optimizer itself: 10 steps equal 5 + save + load + 5, in a new compiled model (loaded
+    before its first call) and again in the one that ran on, and both equal eager PyTorch."""
+    path = str(tmp_path / kind)
+    cm = _compile_with(kind, 0)
+    ref = copy.deepcopy(cm.module)  # the same initial weights
+    s = SCHEDULERS[sched](cm.optimizer)
+    losses = _train(cm, range(SAVE_AT), 1, s)
+    cm.save_checkpoint(path, extra={"next_step": SAVE_AT}, scheduler=s)
+    lrs = s.get_last_lr() if s is not None else [1e-2, 1e-2, 3e-2]
+    losses += _train(cm, range(SAVE_AT, STEPS), 1, s)
+    full = _snapshot(cm)
+    groups = ckpt.read_info(path)["param_groups"]
+    assert [g["params"] for g in groups] == [g["params"] for g in _groups(cm.module, names=True)]
+    assert [g["lr"] for g in groups] == lrs and [g["weight_decay"] for g in groups] == [0.01, 0.0, 0.05]
+    field = {"adamw": "exp_avg", "sgd": "momentum_buffer", "adafactor": "row_var"}[kind]
+    assert f"optimizer.state.transformer.wte.weight.{field}" in ckpt.read_info(path)["tensors"]
+
+    opt = OPTIMIZERS[kind][1](_groups(ref))
+    assert _eager_train(ref, opt, range(STEPS), SCHEDULERS[sched](opt)) == losses
+    _assert_same(full, _snapshot(ref, opt))
+
+    other = _compile_with(kind, 123)
+    s2 = SCHEDULERS[sched](other.optimizer)
+    assert other.load_checkpoint(path, scheduler=s2) == {"next_step": SAVE_AT}
+    assert _train(other, range(SAVE_AT, STEPS), 1, s2) == losses[SAVE_AT:]
+    _assert_same(_snapshot(other), full)
+    s2 = SCHEDULERS[sched](other.optimizer)
+    other.load_checkpoint(path, scheduler=s2)  # into the model that ran on: the same steps again
+    assert _train(other, range(SAVE_AT, STEPS), 1, s2) == losses[SAVE_AT:]
+    _assert_same(_snapshot(other), full)
+    cm.close()
+    other.close()
+
+
+def test_eager_param_groups_round_trip(tmp_path):
+    """eager torch.optim.AdamW(groups, fused=True) -> cm with the same groups -> eager: each side
+    resumes the other's training exactly, each group with its own hyperparameters."""
+    torch.manual_seed(0)
+    model = gpt_tied()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-2, weight_decay=0.01, fused=True)
+    _eager_train(model, opt, range(3))
+    ckpt.save_from(model, opt, str(tmp_path / "eager"))
+    ref_losses = _eager_train(model, opt, range(3, 6))
+
+    cm = _compile_with("adamw", 9)
+    cm.optimizer.lr = 0.5  # every group: the checkpoint's hyperparameters replace these
+    cm.load_checkpoint(str(tmp_path / "eager"))
+    assert [g["lr"] for g in cm.optimizer.param_groups] == [1e-2, 1e-2, 3e-2]
+    assert [g["weight_decay"] for g in cm.optimizer.param_groups] == [0.01, 0.0, 0.05]
+    assert _train(cm, range(3, 6), 1) == ref_losses
+    _assert_same(_snapshot(cm), _snapshot(model, opt))
+
+    cm.save_checkpoint(str(tmp_path / "shfx"))
+    ref_losses = _train(cm, range(6, 8), 1)
+    torch.manual_seed(3)
+    model2 = gpt_tied()
+    opt2 = torch.optim.AdamW(_groups(model2), lr=0.5, fused=True)
+    ckpt.load_into(model2, opt2, str(tmp_path / "shfx"))
+    assert [g["lr"] for g in opt2.param_groups] == [1e-2, 1e-2, 3e-2]
+    assert _eager_train(model2, opt2, range(6, 8)) == ref_losses
+    _assert_same(_snapshot(cm), _snapshot(model2, opt2))
+    cm.close()
+
+
+def test_mismatched_groups_or_optimizer_are_refused_and_change_nothing(tmp_path):
+    cm = _compile_with("adamw", 0)
+    _train(cm, range(2), 1)
+    cm.save_checkpoint(str(tmp_path / "groups"))
+    torch.manual_seed(0)
+    model = gpt_tied()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _eager_train(model, sgd, range(1))
+    ckpt.save_from(model, sgd, str(tmp_path / "sgd"))
+
+    one = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=2,
+                       optimizer=shfx.optim.AdamW(lr=1e-3))  # fmt: skip
+    _train(one, range(1), 1)
+    before = _snapshot(one)
+    with pytest.raises(UsageError, match="in different groups of the checkpoint"):
+        one.load_checkpoint(str(tmp_path / "groups"))
+    _assert_same(_snapshot(one), before)
+    with pytest.raises(UsageError, match=r"has no \['amsgrad', 'betas', 'eps'\].*kind of optimizer that saved it"):
+        one.load_checkpoint(str(tmp_path / "sgd"))
+    _assert_same(_snapshot(one), before)
+    cm.close()
+    one.close()
+
+
+def test_save_holds_views_of_the_host_store(tmp_path):
+    """The synchronous save writes cm.optimizer.state's own tensors (views of the flat
+    buffers) and the model's: no second copy of the training state."""
+    cm = _compile_with("adamw", 0)
+    _train(cm, range(1), 1)
+    tensors, _ = ckpt._state(cm.state_dict(), cm.module.named_parameters(), cm.optimizer)
+    live = cm.optimizer.state
+    for n, p in cm.module.named_parameters():
+        for f, t in tensors["optimizer"]["state"][n].items():
+            if f != "step":
+                assert t.data_ptr() == live[p][f].data_ptr(), (n, f)
+    for k, t in cm.state_dict().items():
+        assert tensors["model"][k].data_ptr() == t.data_ptr(), k
     cm.close()
 
 
@@ -416,7 +556,7 @@ def test_errors_say_what_to_do(tmp_path):
     with pytest.raises(UsageError, match="does not match the model: missing"):
         cm.load_checkpoint(str(tmp_path / "other"))
     with pytest.raises(UsageError, match="saved without one"):
-        cm.load_checkpoint(str(tmp_path / "other"), scheduler=_scheduler())
+        cm.load_checkpoint(str(tmp_path / "other"), scheduler=_scheduler(cm.optimizer))
     args, _, _ = token_batch(0)
     cm(*args).backward()
     with pytest.raises(UsageError, match="call cm.step"):
