@@ -945,8 +945,9 @@ class CompiledModel:
         """Save the whole training state to the directory ``path``, atomically (a save that fails
         or is killed half way leaves the previous checkpoint at ``path`` as it was).
 
-        Saved: the weights (fp32 masters, under the model's ``state_dict`` names), the AdamW
-        state per parameter name (step, exp_avg, exp_avg_sq) and hyperparameters, the step
+        Saved: the weights (fp32 masters, under the model's ``state_dict`` names), the
+        optimizer's state per parameter name (torch's fields: AdamW's step, exp_avg, exp_avg_sq;
+        SGD's momentum_buffer; Adafactor's) and each parameter group's hyperparameters, the step
         count, ``scheduler``'s state (anything with ``state_dict``/``load_state_dict``), the fp16
         loss scaler, the RNG states (torch CPU, CUDA, Python ``random``) and ``extra`` (plain
         data: the data position, ...), as a ``torch.distributed.checkpoint`` directory that
