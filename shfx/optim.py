@@ -390,13 +390,19 @@ class HostOptimizer(torch.optim.Optimizer):
             if w is not None:
                 per_group.setdefault(w[0], []).append((p, w))
         entries = {id(p): state_dict["state"].get(i) for i, p in by_index.items()}
-        for g, items in sorted(per_group.items()):
+        plan = []
+        for g, items in sorted(per_group.items()):  # every check before any stage changes
             have = [(w, entries[id(p)]) for p, w in items if entries[id(p)]]
             if have and len(have) != len(items):
                 raise ValueError(
                     f"the state dict has state for {len(have)} of the {len(items)} trainable parameters of stage {g}; "
                     "shfx keeps one step counter per stage, so load either all of them or none"
                 )
+            steps = {float(e["step"]) for _, e in have if "step" in e}
+            if len(steps) > 1:
+                raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
+            plan.append((g, have))
+        for g, have in plan:
             self.runner.load_group(g, have, self._device_state(g))
 
 
