@@ -114,7 +114,7 @@ def test_cpu_autocast_is_refused():
 _INTERRUPTED_IMPORT = """
 import sys, torch, torch.nn as nn
 
-class Interrupt:  # Ctrl-C while the first export imports torch._dynamo
+class Interrupt:  # Ctrl-C while torch._dynamo is first imported
     armed = True
 
     def find_spec(self, name, path, target=None):
@@ -126,22 +126,25 @@ class Interrupt:  # Ctrl-C while the first export imports torch._dynamo
 sys.meta_path.insert(0, Interrupt())
 import shfx
 
+# torch._dynamo is imported by the first torch.optim.Optimizer (shfx.optim.AdamW() builds one) or,
+# without an optimizer, by the first export: interrupted there, the half-imported modules break
+# every later export unless shfx repairs them before capturing
+try:
+    opt = shfx.optim.AdamW()
+except KeyboardInterrupt:
+    print("interrupted")
+assert not Interrupt.armed, "building the optimizer should import torch._dynamo"
 torch.manual_seed(0)
 cm = shfx.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), device=shfx.EmulatedDevice(memory="64MiB"),
                   optimizer=shfx.optim.AdamW())
 x = torch.randn(2, 4)
-try:
-    cm(x)
-except KeyboardInterrupt:
-    print("interrupted")
-assert not Interrupt.armed, "the first capture should import torch._dynamo"
 cm(x).sum().backward()
 cm.step()
 print("trained")
 """
 
 
-def test_interrupt_while_the_first_capture_imports_then_capture_works():
+def test_interrupt_while_torch_dynamo_first_imports_then_capture_works():
     """Run in a fresh interpreter: torch._dynamo must not be imported yet."""
     root = Path(__file__).resolve().parents[1]
     env = {**__import__("os").environ, "PYTHONPATH": str(root)}
