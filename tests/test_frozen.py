@@ -85,7 +85,13 @@ GPT_CASES = [(m, f, w) for m, f in [("gpt_mask", "bottom"), ("gpt_mask", "top"),
              ("gpt_tied", "bias"), ("gpt_dropout", "bottom"), ("gpt_tied", "middle")] for w in (1, 2, ALL)]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,which,window", GPT_CASES, ids=[f"{n}-{f}-W{w}" for n, f, w in GPT_CASES])
+def _fast_first(cases: list, fast) -> list:
+    """The cases, those ``fast`` does not pick marked slow (SHFX_SLOW=1 runs them)."""
+    return [pytest.param(*c, id="-".join(str(x) for x in c), marks=() if fast(c) else pytest.mark.slow) for c in cases]
+
+
+# fast: every freezing at window 2, and the frozen bottom at every window
+@pytest.mark.parametrize("name,which,window", _fast_first(GPT_CASES, lambda c: c[2] == 2 or c[:2] == ("gpt_mask", "bottom")))
 def test_gpt_fine_tuning_trains_like_eager_bitwise(name, which, window):
     make, batch = ZOO[name]
     cm, _ = assert_bitwise_like_eager(frozen(make, FREEZE[which]), batch, window)
@@ -95,7 +101,7 @@ def test_gpt_fine_tuning_trains_like_eager_bitwise(name, which, window):
 ZOO_CASES = [(n, w) for n in ("skip_cnn", "bn_net", "hf_style") for w in (1, 2, ALL)]
 
 
-@pytest.mark.parametrize("name,window", ZOO_CASES, ids=[f"{n}-W{w}" for n, w in ZOO_CASES])
+@pytest.mark.parametrize("name,window", _fast_first(ZOO_CASES, lambda c: c[1] == 2))
 def test_zoo_models_with_their_first_half_frozen_train_like_eager(name, window):
     make, batch = ZOO[name]
     cm, _ = assert_bitwise_like_eager(first_half_frozen(make), batch, window)

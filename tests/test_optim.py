@@ -327,7 +327,9 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("zoo", list(ZOO))
+@pytest.mark.parametrize(  # the GPT and the BatchNorm model by default, every zoo model with SHFX_SLOW=1
+    "zoo", [z if z in ("gpt_tied", "bn_net") else pytest.param(z, marks=pytest.mark.slow) for z in ZOO]
+)
 @pytest.mark.parametrize("kind", ["SGD", "Adafactor"])
 def test_optimizer_matches_torch_on_the_zoo(kind, zoo):
     make_shfx, make_eager = OPTIMIZERS[kind]
