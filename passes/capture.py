@@ -604,10 +604,11 @@ def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
     changes on purpose (captured on meta or the CPU, run on the device; retargeted dtypes). The
     graph's own dtypes and devices are what the stages compute with, so the check adds nothing."""
     target = torch.ops.aten._assert_tensor_metadata.default
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]:
-        if not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target and not n.users]
+    for node in asserts:
+        gm.graph.erase_node(node)
+    if asserts:
+        gm.recompile()
 
 
 def check_real_inputs(tensors: Sequence[torch.Tensor], model_name: str) -> None:

@@ -158,30 +158,13 @@ def _load_optimizer(
             "update; load a checkpoint of this model (same parameter names and requires_grad)"
         )
     sd["state"] = state
-    undo = _undo(optimizer)
     try:
-        optimizer.load_state_dict(sd)
+        optimizer.load_state_dict(sd)  # torch's and shfx's optimizers change nothing when they refuse
     except (ValueError, KeyError, RuntimeError) as e:
-        undo()
         raise UsageError(
             f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: {e}. Load a checkpoint "
             "saved from this model with the same kind of optimizer"
         ) from e
-
-
-def _undo(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-    """What puts ``optimizer`` back as it is now, for a ``load_state_dict`` that raises half way.
-    torch's optimizers check everything before changing anything; shfx's, once they run on the
-    host store, copy stage by stage: their state is copied first (the cost of a refused load
-    changing nothing)."""
-    from .optim import HostOptimizer
-
-    if not isinstance(optimizer, HostOptimizer) or optimizer.runner is None:
-        return lambda: None
-    sd = optimizer.state_dict()
-    sd = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
-          "param_groups": copy.deepcopy(sd["param_groups"])}  # fmt: skip
-    return lambda: optimizer.load_state_dict(sd)
 
 
 def _norm(h: dict[str, Any]) -> dict[str, Any]:

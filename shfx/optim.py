@@ -372,7 +372,16 @@ class HostOptimizer(torch.optim.Optimizer):
             state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()} for i, e in state_dict["state"].items()}
             self.__dict__["_pending"] = {"state": state, "param_groups": saved}
         else:
-            self._load_state(state_dict)
+            # the flat buffers are written stage by stage: a state dict refused half way (a shape
+            # that does not fit) puts back the state as it was, so a refused load changes nothing
+            sd = self.state_dict()
+            before = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+                      "param_groups": sd["param_groups"]}  # fmt: skip
+            try:
+                self._load_state(state_dict)
+            except BaseException:
+                self._load_state(before)
+                raise
         for g, s in zip(groups, saved):
             for k, v in s.items():
                 if k not in ("params", "param_names"):
