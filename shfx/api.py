@@ -1030,6 +1030,19 @@ class CompiledModel:
     def training(self) -> bool:
         return self.module.training
 
+    def to(self, *args: Any, **kwargs: Any) -> CompiledModel:
+        """Refused: shfx keeps the weights in its host store and streams them to its device.
+
+        Training loops that move the model themselves: Hugging Face's ``Trainer`` has
+        ``shfx.hf.Trainer``; ``accelerate`` passes the compiled model through ``prepare``
+        unchanged (docs/usage.md, "Hugging Face Trainer and accelerate")."""
+        raise UsageError(
+            f"{type(self).__name__}.to{args!r}: the compiled model cannot be moved; shfx keeps its weights in host memory "
+            f"and streams them to its device ({self._backend.device}); give inputs on the device the model was called "
+            "with. For Hugging Face's Trainer use shfx.hf.Trainer(model=..., args=...), which leaves placement to shfx "
+            "and clips without breaking the overlapped update; accelerate's prepare() passes the compiled model through."
+        )
+
     # ---- introspection ------------------------------------------------------------------------
     @property
     def program(self) -> Program:
