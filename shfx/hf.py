@@ -245,6 +245,11 @@ class Trainer(transformers.Trainer):
             raise UsageError("optimizer_cls_and_kwargs: compile the model with optimizer=shfx.optim.... instead")
         model = _Model(self.compiled)
         super().__init__(model=model, args=args, optimizers=(self.compiled.optimizer, scheduler), **kwargs)
+        # what transformers reads off the model's class (the view's forward is *args, **kwargs)
+        cls = self.compiled.module.__class__
+        if args.label_names is None:
+            self.label_names = transformers.utils.find_labels(cls)
+        self.can_return_loss = transformers.utils.can_return_loss(cls)
 
     # ---- the places transformers.Trainer assumes an eager model ------------------------------
     def _move_model_to_device(self, model: Any, device: torch.device) -> None:

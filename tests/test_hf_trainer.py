@@ -80,6 +80,9 @@ def test_trainer_matches_the_eager_trainer(tmp_path):
     assert norms == eager_norms
     assert min(norms) < 0.95 < max(norms), f"want the norm above and below max_grad_norm: {norms}"
     _assert_same_weights(t.compiled.state_dict(), eager_model.state_dict())
+    # evaluation: the loss under torch.no_grad() (shfx's inference program)
+    ev, eager_ev = t.evaluate(_Data()), e.evaluate(_Data())
+    assert ev["eval_loss"] == eager_ev["eval_loss"]
     # the optimizer state, torch's format on both sides (the Trainer's groups: decay, no decay)
     mine, theirs = t.optimizer.state_dict(), e.optimizer.state_dict()
     assert [g["weight_decay"] for g in mine["param_groups"]] == [0.1, 0.0]
