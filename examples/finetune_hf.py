@@ -123,6 +123,7 @@ def model_config(args: argparse.Namespace) -> Any:
     return transformers.GPT2Config(
         vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, n_positions=args.seq,
         resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+        bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1,
     )  # fmt: skip
 
 
@@ -203,7 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = p.add_argument_group("device")
     d.add_argument("--device", default="emulated", help="'emulated' (default) or 'cuda' / 'cuda:N'")
     d.add_argument("--device-memory", default=None,
-                   help="device budget ('8MiB', bytes); default: window + 1 blocks and the activations")  # fmt: skip
+                   help="device budget ('8MiB', bytes); default (emulated): window + 1 blocks and the activations; "
+                   "CUDA: the card's memory")  # fmt: skip
     d.add_argument("--window", type=int, default=2, help="stages resident on the device at once")
     d.add_argument("--h2d", default="8GB/s", help="emulated host-to-device bandwidth")
     d.add_argument("--d2h", default="8GB/s", help="emulated device-to-host bandwidth")
@@ -259,6 +261,23 @@ def _checkpoint_path(args: argparse.Namespace) -> str:
     return os.path.join(args.checkpoint_dir, "latest")
 
 
+def _check_resume(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Refuse ``--resume`` without a checkpoint, or from one made with other settings, before
+    anything is built."""
+    path = _checkpoint_path(args)
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume: no checkpoint at {path} (run with --save-every N --checkpoint-dir "
+                         f"{args.checkpoint_dir} first, or drop --resume to start fresh)")  # fmt: skip
+    saved = shfx.checkpoint.read_info(path)["extra"]
+    if not isinstance(saved, dict) or "config" not in saved:
+        raise SystemExit(f"--resume: {path} was not saved by this example (its extra has no 'config'); "
+                         "load it with cm.load_checkpoint in your own loop")  # fmt: skip
+    differ = {k: (saved["config"].get(k), v) for k, v in config.items() if saved["config"].get(k) != v}
+    if differ:
+        raise SystemExit("--resume: the checkpoint was made with other settings; pass the same flags: "
+                         + ", ".join(f"--{k.replace('_', '-')} {a} (now {b})" for k, (a, b) in differ.items()))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the example; returns ``{"steps", "losses", "lrs", "grad_norms"}`` (lists, one entry per
     step this run trained: step numbers from 1), ``"state_dict"`` (the final weights, copies),
@@ -268,6 +287,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import transformers
 
     args = parse_args(argv)
+    config = {k: getattr(args, k) for k in _RESUME_KEYS}
+    if args.resume:
+        _check_resume(args, config)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
@@ -295,33 +317,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     say(f"{type(model).__name__}: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}: "
         f"{n_params:,} params = {model_bytes / 2**20:.2f} MiB of fp32 weights")  # fmt: skip
-    say(f"device   {device}" + (f" ({100 * budget / model_bytes:.0f}% of the weights)" if args.device == "emulated" else ""))
+    fits = "the model does NOT fit, a window of its blocks does" if budget < model_bytes else (
+        "note: this budget holds the whole model (raise --layers or lower --device-memory)"
+    )  # fmt: skip
+    if isinstance(device, str):  # CUDA without --device-memory: the card's memory, no budget
+        budget = None
+        say(f"device   {device}")
+    else:
+        say(f"device   {device}: {100 * budget / model_bytes:.0f}% of the weights, {fits}")
     say(f"groups   weight decay {args.weight_decay:g}: {len(decay)} tensors; none: {len(no_decay)} (biases, norms)")
     say(f"recipe   AdamW lr {args.lr:g}, warmup {args.warmup} + cosine over {args.steps} steps, clip "
         f"{args.max_grad_norm or 'off'}, {args.grad_accum} x {args.batch} x {args.seq} tokens per step")  # fmt: skip
-
-    start_step, next_batch = 0, 0
-    config = {k: getattr(args, k) for k in _RESUME_KEYS}
-    if args.resume:
-        path = _checkpoint_path(args)
-        if not os.path.exists(path):
-            raise SystemExit(f"--resume: no checkpoint at {path} (run with --save-every N --checkpoint-dir "
-                             f"{args.checkpoint_dir} first, or drop --resume to start fresh)")  # fmt: skip
-        saved = shfx.checkpoint.read_info(path)["extra"]["config"]
-        differ = {k: (saved.get(k), v) for k, v in config.items() if saved.get(k) != v}
-        if differ:
-            raise SystemExit("--resume: the checkpoint was made with other settings; pass the same flags: "
-                             + ", ".join(f"--{k.replace('_', '-')} {a} (now {b})" for k, (a, b) in differ.items()))  # fmt: skip
-        extra = cm.load_checkpoint(path, scheduler=sched)
-        start_step, next_batch = extra["step"], extra["next_batch"]
-        say(f"resumed  from {path}: step {start_step}, next batch {next_batch}")
     say(f"data     Markov chain over {args.vocab} tokens, 4 successors each: loss floor ~{data.entropy():.3f} "
         f"(uniform: {math.log(args.vocab):.3f})")  # fmt: skip
     say()
 
     stop = args.stop_after if args.stop_after is not None else args.steps
     steps, losses, lrs, grad_norms = [], [], [], []
+    start_step, next_batch = 0, 0
     try:
+        if args.resume:
+            extra = cm.load_checkpoint(_checkpoint_path(args), scheduler=sched)  # before the first call is fine
+            start_step, next_batch = extra["step"], extra["next_batch"]
+            say(f"resumed  from {_checkpoint_path(args)}: step {start_step}, next batch {next_batch}")
+            if start_step >= stop:
+                say(f"nothing to train: the checkpoint is at step {start_step}, this run stops at {stop}")
         for step in range(start_step, stop):
             lr = cm.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
             step_loss = torch.zeros(())
@@ -356,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "stats": stats, "seconds": seconds,
     }  # fmt: skip
     if losses:
-        k = min(5, len(losses))
+        k = max(1, min(5, len(losses) // 2))
         say(f"\n{len(losses)} steps in {seconds:.1f} s: loss {sum(losses[:k]) / k:.3f} (first {k}) -> "
             f"{sum(losses[-k:]) / k:.3f} (last {k}), floor ~{result['loss_floor']:.3f}; "
             f"device peak {stats['device_bytes_peak'] / 2**20:.2f} MiB for {model_bytes / 2**20:.2f} MiB of weights, "

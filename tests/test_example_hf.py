@@ -100,7 +100,7 @@ def test_resume_in_a_new_process_is_exact(full, tmp_path):
     for k, v in full["state_dict"].items():
         assert torch.equal(resumed["state_dict"][k], v), k
 
-    # a resume with other settings is refused before training, naming the flag
+    # a resume with other settings is refused before anything is built, naming the flag
     with pytest.raises(SystemExit, match=r"--steps 12 \(now 14\)"):
         ex.main([*flags, "--steps", "14", "--resume"])
 
