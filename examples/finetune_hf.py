@@ -26,8 +26,8 @@ The recipe, as a Hugging Face user writes it:
   stopped (``tests/test_example_hf.py`` checks this across processes).
 
 By default the device is ``shfx.EmulatedDevice`` with a memory capacity below the model's
-weight bytes (``--device-memory``; by default :func:`default_device_memory`), so stages really stream through it;
-``--device cuda`` trains on a GPU. :func:`main` is importable: ``main(argv) -> dict`` returns
+weight bytes (``--device-memory``, default :func:`default_device_memory`), so the blocks really
+stream through it; ``--device cuda`` trains on a GPU. :func:`main` is importable: ``main(argv) -> dict`` returns
 the per-step losses, learning rates and gradient norms (and the final weights).
 """
 
@@ -235,9 +235,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def default_device_memory(model: nn.Module, args: argparse.Namespace) -> int:
     """The default device budget: ``window + 1`` slots of the largest block's weights, plus an
     allowance for activations (a boundary tensor per stage, a block's recomputed
-    intermediates, the logits and their gradient: fp32, the micro-batch's tokens), rounded up to 64 KiB. For the default sizes
-    this is about half the weight bytes: the model does not fit, a window of its blocks does.
-    (shfx raises ``OutOfDeviceMemory`` naming what to change if a step needs more.)"""
+    intermediates, the logits and their gradient; fp32, the micro-batch's tokens), rounded up
+    to 64 KiB. For the default sizes this is 75% of the weight bytes (a step's peak is 51%):
+    the model does not fit, a window of its blocks does. Small models, whose activations weigh
+    as much as their weights, get a budget above the weights (the log says so); pass
+    ``--device-memory``. (shfx raises ``OutOfDeviceMemory`` naming what to change if a step
+    needs more.)"""
     blocks = model.model.layers if args.arch == "llama" else model.transformer.h
     block_bytes = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
     tokens = args.batch * args.seq
