@@ -8,6 +8,7 @@ import errno
 import gc
 import mmap
 import os
+import threading
 import time
 
 import pytest
@@ -143,16 +144,36 @@ def test_reads_and_writes_of_different_keys_overlap(store_dir):
             assert torch.equal(outs[("v", g)], second[("v", g)])
 
 
-def test_requests_on_one_key_are_not_reordered(tmp_path):
-    with SSDStore(tmp_path, {"m": 4000}, direct=False, write_bps="10MB/s") as store:
-        w = store.write_from("m", torch.zeros(1000))  # takes >= 0.4 ms (throttled), so it is in flight
+def test_requests_on_one_key_are_not_reordered(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = os.pwritev
+
+    def held(fd, buffers, offset):  # the write stays in flight until the test lets it go
+        release.wait(30)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", held)
+    with SSDStore(tmp_path, {"m": 4000, "v": 4000}, direct=False) as store:
+        w = store.write_from("m", torch.zeros(1000))
         with pytest.raises(ValueError, match=r"read of 'm' issued while a write of it is in flight: wait\(\)"):
             store.read_into("m", torch.empty(1000))
+        with pytest.raises(ValueError, match=r"write of 'm' issued while a write of it is in flight"):
+            store.write_from("m", torch.zeros(1000))
+        r = store.read_into("v", torch.empty(1000))  # another key is free
+        r.wait()
+        assert not w.is_done
+        release.set()
         w.wait()
+        release_reads = threading.Event()
+        real_read = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: release_reads.wait(30) and real_read(fd, bufs, off))
         r1 = store.read_into("m", torch.empty(1000))
         r2 = store.read_into("m", torch.empty(1000))  # reads of one key may overlap
+        with pytest.raises(ValueError, match=r"write of 'm' issued while a read of it is in flight"):
+            store.write_from("m", torch.zeros(1000))
+        release_reads.set()
         r1.wait(), r2.wait()
-        assert store.reads == 2
+        assert store.reads == 3 and store.writes == 1
 
 
 # ------------------------------------------------------------------------- direct I/O
@@ -222,17 +243,32 @@ def test_bounce_memory_stays_within_the_pool(tmp_path, monkeypatch):
     monkeypatch.setattr(ssd._BouncePool, "_allocate", counting)
     # unaligned memory (a view at byte offset 1): every chunk of every request needs a bounce buffer
     n = 10 * CHUNK + 17
-    backing = torch.randint(0, 255, (len(range(8)), n + 1), dtype=torch.uint8)
+    backing = torch.randint(0, 255, (8, n + 1), dtype=torch.uint8)
     srcs = {g: backing[g, 1:] for g in range(8)}
+    release = threading.Event()
+    real = os.pwritev
+
+    def held(fd, buffers, offset):  # writes wait until the test saw the pool full
+        release.wait(30)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", held)
     with SSDStore(tmp_path, {g: n for g in srcs}, direct=True, workers=4, bounce_buffers=2, bounce_bytes=CHUNK) as store:
-        for r in [store.write_from(g, s) for g, s in srcs.items()]:
+        writes = [store.write_from(g, s) for g, s in srcs.items()]
+        deadline = time.monotonic() + 30
+        while store._bounce.in_use < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        # 4 writers want a buffer: 2 hold one (blocked in the write), the other 2 wait for the pool
+        assert store._bounce.in_use == 2 and sum(allocated) == 2 * CHUNK
+        release.set()
+        for r in writes:
             r.wait()
         outs = torch.zeros(8, n + 1, dtype=torch.uint8)
         for r in [store.read_into(g, outs[g, 1:]) for g in srcs]:
             r.wait()
         assert torch.equal(outs[:, 1:], backing[:, 1:])
-        assert sum(allocated) == store.bounce_allocated_bytes <= 2 * CHUNK
-        assert len(allocated) == 2 and store.bounce_peak_in_use == 2  # 4 workers, 2 buffers: the pool was the limit
+        assert sum(allocated) == store.bounce_allocated_bytes == 2 * CHUNK  # never more than the pool
+        assert len(allocated) == 2 and store.bounce_peak_in_use == 2
         assert store.bytes_read == store.bytes_written == 8 * n
 
 

@@ -568,6 +568,13 @@ class SSDStore:
                 f"({tuple(tensor.shape)} {tensor.dtype}); pass a tensor of exactly the extent's bytes"
             )
         req = SSDRequest(kind, key, nbytes)
+        u8 = tensor.detach().reshape(-1).view(torch.uint8)
+        mv = memoryview(u8.numpy())
+        chunks = [(start, min(self.chunk_bytes, nbytes - start)) for start in range(0, nbytes, self.chunk_bytes)]
+        req._remaining = len(chunks)
+        fn = state.read_chunk if kind == "read" else state.write_chunk
+        # NOTE: registered and queued under the lock, so close() (which sets `closed` under it and
+        # then drains the pools) either refuses the request or runs all of it.
         with state.lock:
             if state.closed:
                 raise ValueError(f"SSD {kind} of {key!r}: the store ({self.path}) is closed")
@@ -582,19 +589,11 @@ class SSDStore:
             throttle = state.throttlers.get(kind)
             if throttle is not None:
                 req._deadline = throttle.deadline(nbytes)
-        u8 = tensor.detach().reshape(-1).view(torch.uint8) if nbytes else None
-        chunks = [(start, min(self.chunk_bytes, nbytes - start)) for start in range(0, nbytes, self.chunk_bytes)]
-        req._remaining = len(chunks)
-        if throttle is not None:
-            throttle.put(req)
+                throttle.put(req)
+            for start, length in chunks:
+                state.pools[kind].submit(state.run_chunk, fn, req, extent, u8, mv, start, length, throttle)
         if not chunks:
             state.chunk_done(req, throttle)
-            return req
-        mv = memoryview(u8.numpy())
-        pool = state.pools[kind]
-        fn = state.read_chunk if kind == "read" else state.write_chunk
-        for start, length in chunks:
-            pool.submit(state.run_chunk, fn, req, extent, u8, mv, start, length, throttle)
         return req
 
     # -- state ---------------------------------------------------------------------------
