@@ -298,6 +298,24 @@ def test_emulated_ssd_takes_at_least_bytes_over_bandwidth():
     assert not os.path.exists(directory)  # the emulated SSD's temporary directory goes with it
 
 
+def test_group_extents_follow_the_layout(tmp_path):
+    from shfx.passes.layout import TensorInfo, copy_dtypes, plan_groups
+
+    infos = [[TensorInfo("w", "param", (10, 3), torch.float32, trainable=True)], [TensorInfo("b", "param", (7,), torch.float32, trainable=True)]]
+    fp32 = plan_groups(infos)
+    bf16 = plan_groups(infos, copy_dtypes("bf16"))
+    ext = ssd.group_extents(fp32, master=True)
+    assert list(ext) == [("m", 0), ("v", 0), ("master", 0), ("m", 1), ("v", 1), ("master", 1)]
+    assert ext[("m", 1)] == fp32[1].state_bytes and ext[("master", 0)] == fp32[0].master_bytes
+    assert ssd.group_extents(bf16, states=("m",)) == {("m", 0): bf16[0].state_bytes, ("m", 1): bf16[1].state_bytes}
+    with SSDStore(tmp_path, ext) as store:  # a group's fp32 state round-trips through its extent
+        m = torch.randn(fp32[0].trainable_numel)
+        store.write_from(("m", 0), m).wait()
+        back = torch.empty_like(m)
+        store.read_into(("m", 0), back).wait()
+        assert torch.equal(back, m)
+
+
 def test_store_from_offload_spec(tmp_path):
     spec = shfx.Offload(optimizer="nvme", path=str(tmp_path / "nvme"), nvme_read="3GB/s", nvme_write="2GB/s")
     with SSDStore.from_offload(spec, {("m", 0): 64}) as store:

@@ -60,7 +60,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -69,9 +69,10 @@ import torch
 
 from shfx.errors import SSDIOError, SSDSpaceError
 from shfx.offload import Offload
+from shfx.passes.layout import Group
 from shfx.passes.units import format_bytes, parse_bandwidth, parse_bytes
 
-__all__ = ["SSDStore", "SSDRequest", "Extent", "check_space", "MIN_ALIGNMENT"]
+__all__ = ["SSDStore", "SSDRequest", "Extent", "check_space", "group_extents", "MIN_ALIGNMENT"]
 
 MIN_ALIGNMENT = 4096
 """Extents start at multiples of max(this, the filesystem's block size); direct I/O needs it."""
@@ -107,6 +108,27 @@ def check_space(path: str | os.PathLike, nbytes: int) -> int:
     if nbytes > free:
         raise _space_error(os.fspath(path), nbytes, free)
     return free
+
+
+def group_extents(groups: Sequence[Group], *, states: Sequence[str] = ("m", "v"), master: bool = False) -> dict:
+    """The extents the NVMe tier needs for host-updated groups (:class:`shfx.passes.layout.Group`):
+    ``(name, group.index) -> group.state_bytes`` for each optimizer state in ``states`` (AdamW's
+    ``m`` and ``v``) and, with ``master`` (``Offload(params="nvme")``),
+    ``("master", group.index) -> group.master_bytes`` (the trainable region of the master weights
+    the host update reads and writes). In group order, states before the master.
+
+    >>> from shfx.passes.layout import TensorInfo, plan_groups
+    >>> groups = plan_groups([[TensorInfo("w", "param", (16, 4), torch.float32, trainable=True)]])
+    >>> group_extents(groups, master=True)
+    {('m', 0): 256, ('v', 0): 256, ('master', 0): 256}
+    """
+    out: dict = {}
+    for g in groups:
+        for name in states:
+            out[(name, g.index)] = g.state_bytes
+        if master:
+            out[("master", g.index)] = g.master_bytes
+    return out
 
 
 def _space_error(path: str, needed: int, available: int, why: str = "") -> SSDSpaceError:
@@ -488,8 +510,10 @@ class SSDStore:
             try:
                 state.fd = os.open(state.file_path, flags | _O_DIRECT, 0o600)
             except OSError as e:
-                if e.errno != errno.EINVAL or direct is True:
-                    raise self._direct_refused(e) if e.errno == errno.EINVAL else e
+                if e.errno != errno.EINVAL:
+                    raise
+                if direct is True:
+                    raise self._direct_refused(e) from e
             else:
                 return True
         elif direct is True:
