@@ -212,14 +212,15 @@ class _BouncePool:
 
     def _allocate(self) -> tuple[torch.Tensor, memoryview]:
         if self.pin:
-            # NOTE: the CUDA host allocator returns page-aligned blocks (cudaHostAlloc); check
-            # rather than assume, and refuse loudly instead of over-allocating silently.
+            # NOTE: the CUDA host allocator's blocks (cudaHostAlloc) are page-aligned; should one not
+            # be, the buffer is taken again with room to align a view in it (counted as allocated).
             t = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             if t.data_ptr() % self.align:
-                raise RuntimeError(
-                    f"a pinned bounce buffer of {self.nbytes} bytes is not {self.align}-byte aligned "
-                    f"(address {t.data_ptr():#x}); use pin_memory=False or direct=False"
-                )
+                del t
+                raw = torch.empty(self.nbytes + self.align, dtype=torch.uint8, pin_memory=True)
+                self.allocated_bytes += self.align
+                skip = -raw.data_ptr() % self.align
+                t = raw[skip : skip + self.nbytes]
         else:
             # anonymous mmap: page-aligned, exactly nbytes (a multiple of the alignment)
             t = torch.frombuffer(mmap.mmap(-1, self.nbytes), dtype=torch.uint8)
@@ -375,8 +376,7 @@ class _Throttle:
             if req is None:
                 return
             req._io_done.wait()
-            remaining = req._deadline - time.perf_counter()
-            if remaining > 0:
+            while (remaining := req._deadline - time.perf_counter()) > 0:  # a sleep may end a hair early
                 time.sleep(remaining)
             self._state.finished(req)
 
