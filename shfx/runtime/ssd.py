@@ -35,11 +35,18 @@ update and back after it. :class:`SSDStore` is the part that talks to the disk:
 
 Requests on one key are not reordered: a request on a key whose write is still in flight (or a
 write of a key being read) raises a :class:`ValueError` saying which request to wait for, so a
-host buffer can never be reused before its write completed. Reads of one key may overlap.
+key is never read back (or overwritten) before its write completed. Reads of one key may overlap.
+The tensor given to a request belongs to it until ``wait()`` returned: the caller keeps a host
+buffer alive and untouched until then (the engine's host window).
 
->>> import torch, tempfile
->>> d = tempfile.mkdtemp()
->>> store = SSDStore(d, {("m", 0): 40, ("v", 0): 40})
+Why a thread pool over ``os.preadv``/``os.pwritev`` and not Linux AIO or io_uring: measured on
+this project's machine (``benchmarks/nvme.py``), caio's bindings of both were 2-3x slower, because
+they read into buffers they allocate and write only from ``bytes`` (a copy each way) and those
+buffers are not aligned for O_DIRECT; the pool moves bytes straight between the tensor (or an
+aligned bounce buffer) and the file.
+
+>>> import torch
+>>> store = SSDStore.emulated({("m", 0): 40, ("v", 0): 40}, read_bps=None, write_bps=None)
 >>> store.write_from(("m", 0), torch.arange(10, dtype=torch.float32)).wait()
 >>> out = torch.empty(10)
 >>> store.read_into(("m", 0), out).wait()
