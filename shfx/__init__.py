@@ -14,6 +14,7 @@ from .amp import LossScaler
 from .api import CompiledModel, compile
 from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
+from .offload import Offload
 from shfx.cost_model.planner import GPTShape, plan
 from shfx.passes.policies import L2L, Policy, Resident, Stronghold, ZeroInfinity, ZeroOffload
 from .errors import (
@@ -23,6 +24,8 @@ from .errors import (
     PartitionError,
     ScheduleError,
     ShfxError,
+    SSDIOError,
+    SSDSpaceError,
     UsageError,
     VerificationError,
 )
@@ -44,6 +47,7 @@ __all__ = [
     "LossScaler",
     "EmulatedDevice",
     "CudaDevice",
+    "Offload",
     "plan",
     "GPTShape",
     "ShfxError",
@@ -54,4 +58,6 @@ __all__ = [
     "OutOfDeviceMemory",
     "ActionError",
     "UsageError",
+    "SSDSpaceError",
+    "SSDIOError",
 ]

@@ -18,6 +18,8 @@ __all__ = [
     "ActionError",
     "UsageError",
     "NonFiniteGradient",
+    "SSDSpaceError",
+    "SSDIOError",
 ]
 
 
@@ -62,3 +64,30 @@ class NonFiniteGradient(ShfxError):
     def __init__(self, message: str, group: int = -1):
         super().__init__(message)
         self.group = group
+
+
+class SSDSpaceError(ShfxError, OSError):
+    """The SSD store's disk has too little free space (checked before anything is allocated,
+    and again when the preallocation itself fails). ``path``, ``needed_bytes`` and
+    ``available_bytes`` say where and how much."""
+
+    def __init__(self, message: str, *, path: str = "", needed_bytes: int = 0, available_bytes: int = 0):
+        super().__init__(message)
+        self.path = path
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
+class SSDIOError(ShfxError):
+    """A read or write of the SSD store failed; raised by the request's ``wait()``. ``key`` is
+    the extent's key, ``offset`` the file offset of the failed chunk, ``path`` the file; the
+    operating system's error is ``__cause__``."""
+
+    def __init__(self, message: str, *, key: object = None, offset: int = -1, path: str = ""):
+        super().__init__(message)
+        self.key = key
+        self.offset = offset
+        self.path = path

@@ -1,0 +1,109 @@
+"""Where the host-updated copies of a model live: host RAM, or an NVMe SSD behind it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from shfx.passes.units import format_bandwidth, parse_bandwidth
+
+__all__ = ["Offload"]
+
+_TIERS = ("host", "nvme")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Which tier holds the optimizer states and the fp32 master weights of the groups the host
+    updates.
+
+    .. note:: The runtime's NVMe tier is being built: this spec and the SSD store
+       (:class:`shfx.runtime.ssd.SSDStore`) exist, but ``shfx.compile(offload=...)`` is not
+       accepted yet.
+
+    Args:
+        optimizer: ``"host"`` (AdamW ``m`` and ``v`` in host RAM, as today) or ``"nvme"`` (on the
+            SSD store under ``path``; a window of groups' states is read into host RAM ahead of
+            their update and written back after it).
+        params: ``"host"`` or ``"nvme"``: where the fp32 *master* weights of host-updated groups
+            live. ``"nvme"`` moves only the master copy the update reads and writes, with the
+            states; the copy the device prefetches every step (the working copy in the compute
+            dtype, e.g. bf16 under mixed precision) stays in host RAM, so the prefetches never
+            wait for the SSD. In fp32 training the master is itself the prefetched copy, so
+            ``"nvme"`` there saves nothing until a separate working copy exists.
+        path: the directory on the SSD for the store's scratch file (needed with ``"nvme"``).
+        nvme_read, nvme_write: bandwidth of an *emulated* SSD (``"3GB/s"``, ``"500MB/s"`` or a
+            number of bytes/s): requests are throttled to it so schedules and budgets can be
+            tested on any disk. ``None``: the real disk's speed.
+        host_window: how many groups' SSD-held copies are in host RAM at a time (an int >= 1), or
+            ``"auto"`` (the tuner's choice).
+
+    >>> Offload(optimizer="nvme", path="/mnt/nvme/shfx", nvme_read="3GB/s").read_bps
+    3000000000.0
+    >>> Offload(optimizer="nvme")
+    Traceback (most recent call last):
+    ValueError: Offload(optimizer='nvme') needs a path: the directory on the SSD for the store's scratch file, e.g. Offload(optimizer='nvme', path='/mnt/nvme/shfx')
+    """
+
+    optimizer: Literal["host", "nvme"] = "host"
+    params: Literal["host", "nvme"] = "host"
+    path: str | os.PathLike | None = None
+    nvme_read: float | str | None = None
+    nvme_write: float | str | None = None
+    host_window: int | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer", "params"):
+            value = getattr(self, name)
+            if value not in _TIERS:
+                raise ValueError(f"Offload {name} must be 'host' or 'nvme', got {value!r}")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise TypeError(f"Offload path must be a directory path (str or os.PathLike), got {self.path!r}")
+        if self.path is not None and not os.fspath(self.path):
+            raise ValueError("Offload path is empty: give the directory on the SSD for the store's scratch file")
+        rates = {"nvme_read": self.nvme_read, "nvme_write": self.nvme_write}
+        for name, value in rates.items():
+            parse_bandwidth(value, what=f"Offload {name}")
+        hw = self.host_window
+        if hw != "auto" and (isinstance(hw, bool) or not isinstance(hw, int) or hw < 1):
+            raise ValueError(f"Offload host_window must be an int >= 1 (groups in host RAM at a time) or 'auto', got {hw!r}")
+        if not self.uses_nvme:
+            given = [f"{k}={v!r}" for k, v in {**rates, "path": self.path}.items() if v is not None]
+            if hw != "auto":
+                given.append(f"host_window={hw!r}")
+            if given:
+                raise ValueError(
+                    f"Offload({', '.join(given)}) sets the NVMe tier but nothing is on it (optimizer='host', "
+                    f"params='host'): add optimizer='nvme' (and/or params='nvme'), or drop {', '.join(g.split('=')[0] for g in given)}"
+                )
+        elif self.path is None:
+            on = "optimizer" if self.optimizer == "nvme" else "params"
+            raise ValueError(
+                f"Offload({on}='nvme') needs a path: the directory on the SSD for the store's scratch file, "
+                f"e.g. Offload({on}='nvme', path='/mnt/nvme/shfx')"
+            )
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether any copy lives on the SSD."""
+        return self.optimizer == "nvme" or self.params == "nvme"
+
+    @property
+    def read_bps(self) -> float | None:
+        """The emulated SSD's read bandwidth in bytes/s (None: unthrottled)."""
+        return parse_bandwidth(self.nvme_read)
+
+    @property
+    def write_bps(self) -> float | None:
+        """The emulated SSD's write bandwidth in bytes/s (None: unthrottled)."""
+        return parse_bandwidth(self.nvme_write)
+
+    def __str__(self) -> str:
+        if not self.uses_nvme:
+            return "Offload(host)"
+        on = [n for n, t in (("optimizer states", self.optimizer), ("master weights", self.params)) if t == "nvme"]
+        rates = ""
+        if self.nvme_read is not None or self.nvme_write is not None:
+            rates = f", emulated read {format_bandwidth(self.read_bps)} write {format_bandwidth(self.write_bps)}"
+        return f"Offload({' and '.join(on)} on NVMe at {os.fspath(self.path)}, host window {self.host_window}{rates})"
