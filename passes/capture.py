@@ -406,14 +406,22 @@ def _strip(name: str) -> str:
     return name[len(pre) :] if name.startswith(pre) else name
 
 
-def cast_for_device(model: nn.Module, working_dtype: torch.dtype) -> dict[str, nn.Parameter]:
+FP32_NORMS = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
+"""The layers whose parameters ``fp32_norms=True`` keeps in fp32: torch's own, whose kernels take a
+16-bit input with fp32 weights and return the input's dtype (a model's own norm class, which
+multiplies by its weight in Python, would change the dtype downstream, so it is left 16-bit)."""
+
+
+def cast_for_device(model: nn.Module, working_dtype: torch.dtype, fp32_norms: bool = False) -> dict[str, nn.Parameter]:
     """The parameters a mixed-precision device holds in ``working_dtype``: every floating-point
     parameter of another dtype, except the affine parameters of BatchNorm layers, which stay in
     full precision beside their full-precision running statistics (as apex's
-    ``keep_batchnorm_fp32``; the CPU's batch norm refuses a 16-bit weight with fp32 statistics)."""
+    ``keep_batchnorm_fp32``; the CPU's batch norm refuses a 16-bit weight with fp32 statistics),
+    and with ``fp32_norms`` those of :data:`FP32_NORMS` (LayerNorm, RMSNorm): a gain near 1 in
+    bf16 moves in steps of 2**-7, coarser than the updates it receives."""
     keep: set[int] = set()
     for mod in model.modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) or (fp32_norms and isinstance(mod, FP32_NORMS)):
             keep.update(id(p) for p in mod.parameters(recurse=False))
     return {
         n: p
@@ -449,6 +457,7 @@ def capture_model(
     kwargs: dict | None = None,
     working_dtype: torch.dtype | None = None,
     *,
+    fp32_norms: bool = False,
     dynamic_shapes: Any = None,
     _exported: list | None = None,
 ) -> Captured:
@@ -461,14 +470,14 @@ def capture_model(
     ``working_dtype`` (mixed precision): trace the model's 16-bit copy, as eager PyTorch runs a
     ``to(dtype)`` copy of it (:func:`cast_for_device` says which parameters; floating-point
     inputs are cast too), so every dtype the model's code derives from its parameters is the
-    16-bit one.
+    16-bit one. ``fp32_norms``: keep LayerNorm/RMSNorm parameters in fp32 (:func:`cast_for_device`).
 
     ``dynamic_shapes`` is passed to ``torch.export.export`` (one entry per tensor input); use
     :func:`capture_model_dynamic`, which also sizes the graph's values and checks the ranges.
     """
     kwargs = dict(kwargs or {})
     tensors, signature, rebuild = flatten_inputs(args, kwargs, model.training)
-    cast = cast_for_device(model, working_dtype) if working_dtype is not None else {}
+    cast = cast_for_device(model, working_dtype, fp32_norms) if working_dtype is not None else {}
     # the parameters live on the host (CPU); a model built on the meta device (for planning
     # models too large to allocate) is traced on meta inputs
     on_meta = any(p.is_meta for p in model.parameters())
@@ -806,6 +815,7 @@ def capture_model_dynamic(
     kwargs: dict | None,
     dims: Sequence[DynamicDim],
     working_dtype: torch.dtype | None = None,
+    fp32_norms: bool = False,
 ) -> Captured:
     """Capture ``model(*args, **kwargs)`` with the dimensions ``dims`` dynamic: one graph that
     runs every size in their ranges (torch.export ``dynamic_shapes``, non-strict).
@@ -837,7 +847,7 @@ def capture_model_dynamic(
     exported: list = []
     try:
         captured = capture_model(
-            model, args, kwargs, working_dtype, dynamic_shapes=(tuple(specs),), _exported=exported
+            model, args, kwargs, working_dtype, fp32_norms=fp32_norms, dynamic_shapes=(tuple(specs),), _exported=exported
         )
     except CaptureError as e:
         cause = e.__cause__ or e

@@ -63,6 +63,8 @@ class PipelineOptions:
         precision: ``"fp32"``, or ``"bf16"``/``"fp16"`` (mixed precision: the model is captured
             as its 16-bit copy, the device holds 16-bit parameters and gradients, the host the
             fp32 master weights; :func:`shfx.passes.layout.precision_dtype`).
+        fp32_norms: in mixed precision, keep LayerNorm/RMSNorm parameters in fp32 on the device
+            (:func:`shfx.passes.capture.cast_for_device`).
     """
 
     policy: Any = "stronghold"
@@ -73,6 +75,7 @@ class PipelineOptions:
     verify_each_pass: bool = False
     device: str | None = None
     precision: str = "fp32"
+    fp32_norms: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
@@ -83,7 +86,7 @@ class PipelineOptions:
         object.__setattr__(self, "policy", resolve_policy(self.policy, self.window))
         if self.num_stages is not None and (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1):
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
-        for name in ("verify", "verify_each_pass"):
+        for name in ("verify", "verify_each_pass", "fp32_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -206,10 +209,10 @@ def compile_variant(
     working = precision_dtype(options.precision)
     wd = None if working == torch.float32 else working
     if dynamic:
-        captured = capture_model_dynamic(module, args, kwargs or {}, dynamic, working_dtype=wd)
+        captured = capture_model_dynamic(module, args, kwargs or {}, dynamic, working_dtype=wd, fp32_norms=options.fp32_norms)
         passes.append("capture-dynamic")
     else:
-        captured = capture_model(module, args, kwargs or {}, working_dtype=wd)
+        captured = capture_model(module, args, kwargs or {}, working_dtype=wd, fp32_norms=options.fp32_norms)
         passes.append("capture")
     graph = partition_stages(captured, blocks=options.blocks, num_stages=options.num_stages, groups=groups, model=module)
     passes.append("partition")

@@ -280,6 +280,7 @@ class CompiledModel:
         rollback: bool | None = None,
         skip_nonfinite: bool = False,
         precision: str = "fp32",
+        fp32_norms: bool = False,
         scaler: LossScaler | None = None,
         dynamic: str | bool | dict | None = "auto",
         max_captures: int = 8,
@@ -326,6 +327,11 @@ class CompiledModel:
             skip_nonfinite = True
         elif scaler is not None:
             raise ValueError(f"a loss scaler is for precision='fp16'; precision={precision!r} needs none")
+        if fp32_norms and working == torch.float32:
+            raise ValueError(
+                "fp32_norms=True keeps LayerNorm/RMSNorm parameters in fp32 in a 16-bit working copy; with "
+                f"precision={precision!r} every parameter is fp32 already: pass precision='bf16' or 'fp16', or drop it"
+            )
         self.scaler = scaler
         self.precision = dtype_name(working)
         self._backend = _make_backend(device, optimizer_workers)
@@ -335,7 +341,7 @@ class CompiledModel:
         dev = str(self._backend.device) if self._backend.name == "cuda" else None
         self._options = PipelineOptions(
             policy=policy, window=window, blocks=blocks, num_stages=num_stages, verify=verify,
-            verify_each_pass=verify_each_pass, device=dev, precision=self.precision,
+            verify_each_pass=verify_each_pass, device=dev, precision=self.precision, fp32_norms=fp32_norms,
         )  # fmt: skip
         self.module = model
         self.optimizer = optimizer
@@ -1288,6 +1294,13 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
         skip_nonfinite: check each group's gradient before its update; if any holds inf or NaN
             the step is skipped everywhere (``cm.last_step_skipped``), as a loss-scaling
             optimizer skips an overflowing step.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: mixed precision, fp32 master
+            weights and optimizer states on the host, a 16-bit working copy of the parameters and
+            16-bit gradients on the device (docs/usage.md, "Mixed precision").
+        fp32_norms: in mixed precision, keep the parameters of LayerNorm/RMSNorm layers in fp32 in
+            the working copy (as BatchNorm's always are): a norm's gain near 1 moves in bf16 steps
+            of 2**-7, coarser than its updates, which slows early training (docs/usage.md).
+        scaler: fp16's loss scaler (``shfx.LossScaler(...)``; default GradScaler's settings).
         recompute: how a stage's backward recomputes its forward: ``"early-stop"`` (the forward
             records its graph and the backward recomputes only what it needs, like
             ``torch.utils.checkpoint``), ``"full"`` (recompute the whole stage), ``"auto"``

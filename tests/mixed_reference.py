@@ -54,16 +54,13 @@ def working_dtype(precision: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"precision must be one of {sorted(WORKING_DTYPES)}, got {precision!r}") from None
 
 
-def make_working_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def make_working_copy(model: torch.nn.Module, dtype: torch.dtype, fp32_norms: bool = False) -> torch.nn.Module:
     """A deep copy of ``model`` with its floating-point parameters in ``dtype``, except
-    BatchNorm affine parameters (fp32); buffers as they are. Tied parameters stay tied."""
+    BatchNorm affine parameters (fp32) and, with ``fp32_norms``, torch's LayerNorm and RMSNorm
+    parameters; buffers as they are. Tied parameters stay tied."""
     work = copy.deepcopy(model)
-    keep_fp32 = {
-        id(p)
-        for mod in work.modules()
-        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)
-        for p in mod.parameters(recurse=False)
-    }
+    kept = (torch.nn.modules.batchnorm._BatchNorm,) + ((torch.nn.LayerNorm, torch.nn.RMSNorm) if fp32_norms else ())
+    keep_fp32 = {id(p) for mod in work.modules() if isinstance(mod, kept) for p in mod.parameters(recurse=False)}
     for p in work.parameters():  # unique parameters: a tied one is cast once
         if p.is_floating_point() and id(p) not in keep_fp32:
             p.data = p.data.to(dtype)
@@ -98,8 +95,12 @@ def train_mixed_eager(
     scaler_kwargs: dict | None = None,
     inject_inf: dict[int, str] | None = None,
     loss_fn: Callable | None = None,
+    fp32_norms: bool = False,
 ) -> dict:
     """Train ``steps`` optimizer steps with the recipe of the module docstring.
+
+    ``fp32_norms``: the working copy keeps LayerNorm/RMSNorm parameters in fp32
+    (:func:`make_working_copy`), as ``shfx.compile(fp32_norms=True)``.
 
     ``make_batch(step, micro) -> (args, kwargs, aux)`` as in ``tests/zoo.py``; ``loss_fn(out,
     aux)`` defaults to ``zoo.loss_of``. ``scaler_kwargs`` go to ``torch.amp.GradScaler("cpu",
@@ -133,7 +134,7 @@ def train_mixed_eager(
 
     torch.manual_seed(seed)
     model = make_model()
-    work = make_working_copy(model, dtype)
+    work = make_working_copy(model, dtype, fp32_norms)
     master = dict(model.named_parameters())
     working = dict(work.named_parameters())
     assert master.keys() == working.keys()

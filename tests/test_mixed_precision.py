@@ -30,11 +30,11 @@ def _reference(name: str, precision: str, steps: int = STEPS, **kw):
     return train_mixed_eager(make, batch, precision, steps, **dict(kw))
 
 
-def _assert_equal_to_reference(name: str, precision: str, window: int) -> None:
+def _assert_equal_to_reference(name: str, precision: str, window: int, **kw) -> dict:
     make, batch = ZOO[name]
-    ref = _reference(name, precision)
+    ref = _reference(name, precision, **kw)
     # a loss computed outside the model is scaled there, as GradScaler.scale(loss) is
-    got = train_mixed_shfx(make, batch, precision, STEPS, window=window, scale_outside=name == "skip_cnn")
+    got = train_mixed_shfx(make, batch, precision, STEPS, window=window, scale_outside=name == "skip_cnn", **kw)
     try:
         assert got["loss_bits"] == ref["loss_bits"], (got["losses"], ref["losses"])
         assert got["skipped"] == ref["skipped"]
@@ -46,6 +46,7 @@ def _assert_equal_to_reference(name: str, precision: str, window: int) -> None:
         # the working copy the device trains on is the master's cast
         opt = got["cm"].engine.optimizer
         assert opt is not None
+        return {"device_dtypes": dict(got["cm"].variant.captured.device_dtypes), "losses": got["losses"]}
     finally:
         got["cm"].close()
 
@@ -67,6 +68,29 @@ def test_trains_like_the_eager_recipe(name, precision, window):
 @pytest.mark.parametrize("name,precision,window", MATRIX, ids=[f"{n}-{p}-W{w}" for n, p, w in MATRIX])
 def test_trains_like_the_eager_recipe_everywhere(name, precision, window):
     _assert_equal_to_reference(name, precision, window)
+
+
+NORMS = [("gpt_tied", "bf16", 2), ("hf_style", "bf16", 1), ("gpt_mask", "fp16", ALL)]
+
+
+@pytest.mark.parametrize("name,precision,window", NORMS, ids=[f"{n}-{p}-W{w}" for n, p, w in NORMS])
+def test_fp32_norms_train_like_the_eager_recipe(name, precision, window):
+    """``fp32_norms=True``: LayerNorm parameters stay fp32 in the working copy (16-bit input,
+    fp32 gain and bias, 16-bit output: torch's kernel), bitwise as the eager recipe that keeps them."""
+    got = _assert_equal_to_reference(name, precision, window, fp32_norms=True)
+    norms = [n for n, m in ZOO[name][0]().named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms
+    kept = [n for n in norms if f"{n}.weight" not in got["device_dtypes"]]
+    assert kept == norms, "every LayerNorm weight stays fp32 on the device"
+    assert any(d != torch.float32 for d in got["device_dtypes"].values())
+    # and it is another recipe: the master weights differ from the all-16-bit copy's
+    kept_ref, all16 = _reference(name, precision, fp32_norms=True)["master"], _reference(name, precision)["master"]
+    assert any(not torch.equal(v, all16[k]) for k, v in kept_ref.items())
+
+
+def test_fp32_norms_needs_a_16_bit_precision():
+    with pytest.raises(ValueError, match="fp32_norms=True.*precision='bf16'"):
+        shfx.compile(gpt(), fp32_norms=True)
 
 
 def _compile(model, precision, **kw):
