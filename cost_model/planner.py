@@ -812,7 +812,7 @@ def memory_for_model(
     precision = normalize_precision(precision)
     rollback = precision == "float16" if rollback is None else bool(rollback)
     if graph is None:
-        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision))
+        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision), plan_only=True)
         variant = compile_variant(model, tuple(example_inputs), {}, opts)
         graph, progs = variant.graph, variant.programs
     else:
@@ -859,7 +859,7 @@ def plan_for_model(
     pols = [_any_policy(p, window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else p for p in policies]
     tgt = as_target(hardware)
     precision = normalize_precision(precision)
-    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, precision=short_precision(precision))
+    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, precision=short_precision(precision), plan_only=True)
     graph = compile_variant(model, tuple(example_inputs), {}, opts).graph
     n_params = sum(
         info.numel for k, info in graph.tensors.items() if info.kind == "param" and info.trainable
