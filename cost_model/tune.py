@@ -456,8 +456,8 @@ def _explain_host(rows: list[HostWindowRow], chosen: HostWindowRow, best: HostWi
     if smaller:
         s = smaller[-1]
         parts.append(
-            f"H={s.host_window} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower: its reads wait for write-backs "
-            f"({format_seconds(s.ssd_s)} of SSD transfers on the critical path, against {format_seconds(chosen.ssd_s)})."
+            f"H={s.host_window} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower: each read there waits for the "
+            f"write-back that frees its buffer (critical path: {format_seconds(s.ssd_s)} on the SSD, bottleneck {s.bottleneck})."
         )
     elif chosen.ssd_s > 0.05 * chosen.step_s:
         parts.append(f"The SSD is on the critical path for {format_seconds(chosen.ssd_s)}: a larger window hides no more of it.")
