@@ -206,6 +206,9 @@ def _why(r: WindowRow) -> str:
         return f"mostly compute, but {' and '.join(exposed)} of the critical path are exposed"
     if r.bottleneck == "link":
         return f"link-bound: {100 * link:.0f}% of the critical path waits for transfers"
+    if r.bottleneck == "ssd":
+        ssd = r.by_resource.get("ssd", 0.0) / tot
+        return f"SSD-bound: {100 * ssd:.0f}% of the critical path waits for the NVMe tier's reads and write-backs"
     return f"host-optimizer-bound: {100 * host:.0f}% of the critical path waits for host updates"
 
 
@@ -388,6 +391,8 @@ def tune_window(
     )
     if tune_h:
         assert chosen.policy is not None
+        h = chosen.policy.placement(specs).host_window
+        result.reason = f"At the largest host window (H={h}): " + result.reason
         return _tune_host_window(specs, costs, chosen.policy, tolerance, host_windows, host_capacity_bytes, rollback, result)
     return result
 

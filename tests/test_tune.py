@@ -339,7 +339,7 @@ def test_tuner_chooses_window_and_host_window_together():
     r = tune_window(specs, _ssd_costs(6), policy=shfx.Stronghold(window="auto", nvme=True))
     assert r.window == 2 and r.host_window is not None
     assert r.policy == shfx.Stronghold(window=2, nvme=True, host_window=r.host_window)
-    assert r.reason.startswith("chose window 2") and "Host window" in r.reason
+    assert r.reason.startswith("At the largest host window (H=6): chose window 2") and "Host window" in r.reason
     assert "H " in str(r) and r.rows[0].window == 1
     # a fixed host window is not tuned
     r = tune_window(specs, _ssd_costs(6), policy=shfx.Stronghold(window="auto", nvme=True, host_window=2))
