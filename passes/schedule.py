@@ -87,6 +87,8 @@ def deferred_updates(program: Program) -> list[fx.Node]:
 
 def groups_read(program: Program, stage: int) -> set[int]:
     """The trainable groups whose weights a PREFETCH of ``stage`` copies (owned and borrowed)."""
+    if not 0 <= stage < len(program.stages):  # (a broken program: the verifier's residency rule names it)
+        return set()
     st = program.stages[stage]
     return set(st.grad_groups) | ({st.update_group} if st.update_group is not None else set())
 
@@ -130,7 +132,9 @@ def steady_state_program(program: Program) -> Program:
         m = get_meta(n)
         if m.phase == "next-forward":
             continue
-        deps = [env[d] for d in program.deps(n)]
+        # (an edge to a later or unknown action, or into the deferred tail, has no counterpart
+        # here; the verifier's order and step-boundary rules report such programs)
+        deps = [env[d] for d in program.deps(n) if d in env]
         if m.kind == PF:
             deps += [prev[g] for g in sorted(groups_read(program, m.stage)) if g in prev]
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=n.name)

@@ -157,3 +157,46 @@ def test_lowering_refuses_what_the_verifier_would():
         lower_actions("PF0 F0 B0 OG0 SR0 SW0".split(), chain(1), 1, ssd_groups={0}, host_window=1)
     with pytest.raises(ScheduleError, match=r"it writes back group 0's state, but U0 has not updated it since SR0"):
         lower_actions("PF0 F0 B0 OG0 SR0 U0 SW0 SR0 SW0".split(), chain(1), 1, ssd_groups={0}, host_window=1)
+
+
+def test_broken_ssd_programs_get_a_verification_error():
+    """The mutation test of tests/test_verify_rules.py on programs with the NVMe tier (every
+    update timing, host windows 1..3): a broken copy gets a VerificationError listing its
+    violations, never another exception."""
+    import random
+
+    from test_verify_rules import MUTATIONS, outcome
+
+    def buffer(p, rng):  # move an SSD action to another (maybe invalid) host-window buffer
+        ns = [n for n in p.nodes if get_meta(n).buffer is not None]
+        if ns:
+            n = rng.choice(ns)
+            set_meta(n, replace(get_meta(n), buffer=rng.choice([None, *range(-1, p.host_window + 1)])))
+
+    programs = []
+    for n in (2, 3, 4):
+        specs = chain(n, tied=(0, n - 1), mutating=(0,))
+        for h in (1, 2, 3):
+            for pol in (
+                Stronghold(window=2, nvme=True, host_window=h),
+                Stronghold(window=1, resident_first=1, nvme=True, host_window=h),
+                Stronghold(window=2, deferred_update=True, nvme=True, host_window=h),
+                ZeroInfinity(nvme=True, host_window=h),
+            ):
+                p = pol.program(specs)
+                programs += [(p, "train"), (cold_backward_program(p), "backward")]
+    rng = random.Random(12)
+    checked = broken = 0
+    for p, expect in programs:
+        verify_program(p, expect)
+        for _ in range(25):
+            q = p.copy()
+            for mutate in rng.choices(MUTATIONS + [buffer, buffer, buffer], k=rng.choice((1, 1, 2, 3))):
+                mutate(q, rng)
+            got = outcome(verify_program, q, rng.choice((expect, "auto")))
+            checked += 1
+            if got is not None:
+                kind, violations, text = got
+                assert kind == "VerificationError" and violations, text
+                broken += 1
+    assert checked == 25 * len(programs) and broken > 0.8 * checked, (checked, broken)
