@@ -274,9 +274,10 @@ def host_terms(
             "master is the image every PREFETCH copies: use nvme_masters=False, or precision='bf16'/'fp16'"
         )
     masters = list(group_bytes or [o.update_bytes for o in owners.values()])
-    if ssd_masters:
+    if ssd_masters:  # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
+        at = {g: g for g in owners} if group_bytes else {g: i for i, g in enumerate(owners)}
         for o in ssd:
-            masters[o.update_group] -= o.update_bytes
+            masters[at[o.update_group]] -= o.update_bytes
     out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(masters)]
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
     out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host]
