@@ -43,7 +43,7 @@ from .shapes import PRECISIONS, normalize_precision
 
 __all__ = [
     "StageWork", "stage_work", "analytic_costs", "repeat_blocks", "links_of", "plan_inputs", "precision_specs",
-    "matmul_dtype",
+    "matmul_dtype", "ssd_bound_s",
 ]
 
 _MATMUL = {
@@ -131,7 +131,37 @@ def stage_work(graph: StageGraph) -> list[StageWork]:
 
 
 def links_of(hw: Hardware) -> Links:
-    return Links(hw.h2d_bps, hw.d2h_bps, duplex=hw.duplex, latency_s=hw.link_latency_s)
+    """The links of a hardware profile: the host<->device link, and the NVMe drive when the
+    profile has one (``ssd_read_bps``/``ssd_write_bps`` > 0; its duplex and queue depth from the
+    profile)."""
+    return Links(
+        hw.h2d_bps, hw.d2h_bps, duplex=hw.duplex, latency_s=hw.link_latency_s,
+        ssd_read_bps=hw.ssd_read_bps or None, ssd_write_bps=hw.ssd_write_bps or None,
+        ssd_duplex=hw.ssd_duplex, ssd_latency_s=hw.ssd_latency_s, ssd_queue_depth=hw.ssd_queue_depth,
+    )  # fmt: skip
+
+
+def ssd_bound_s(read_bytes: float, write_bytes: float, links: Links) -> float:
+    """The NVMe tier's term of the analytic model: the least time the drive needs for one
+    step's SSD traffic (``Program.bytes_moved()``'s ``"ssd_read"`` and ``"ssd_write"``), a lower
+    bound on the steady-state step time that binds when the SSD is the bottleneck.
+
+    Reads alone take ``x = read_bytes / ssd_read_bps``, writes alone ``y = write_bytes /
+    ssd_write_bps``; while both run each keeps ``d = ssd_duplex`` of its rate, so overlapping
+    them for ``t`` seconds saves ``(2d - 1) t`` and the best is ``x + y - (2d - 1) min(x, y) / d``
+    for ``d > 1/2`` (``max(x, y)`` at ``d = 1``), ``x + y`` otherwise (per-request latency not
+    counted).
+
+    >>> l = Links(None, None, ssd_read_bps=3e9, ssd_write_bps=2e9)
+    >>> ssd_bound_s(3e9, 2e9, l), ssd_bound_s(3e9, 2e9, Links(None, None, ssd_read_bps=3e9, ssd_write_bps=2e9, ssd_duplex=0.5))
+    (1.0, 2.0)
+    """
+    if not read_bytes and not write_bytes:
+        return 0.0
+    if links.ssd_read_bps is None or links.ssd_write_bps is None:
+        raise ValueError("ssd_bound_s needs the links' SSD bandwidth (Links(ssd_read_bps=..., ssd_write_bps=...))")
+    x, y, d = read_bytes / links.ssd_read_bps, write_bytes / links.ssd_write_bps, links.ssd_duplex
+    return x + y - (2 * d - 1) * min(x, y) / d if d > 0.5 else x + y
 
 
 def matmul_dtype(precision: str, dtype: str | None = None) -> str:

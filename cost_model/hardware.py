@@ -33,6 +33,11 @@ class Hardware:
         host_mem_bps: host memory bandwidth (AdamW moves ~28 bytes per parameter).
         host_memory_bytes: host RAM.
         ssd_read_bps, ssd_write_bps: NVMe bandwidth (0: none).
+        ssd_duplex: fraction of its bandwidth each of reads and writes keeps while the other
+            runs (an NVMe drive shares flash and controller; :class:`~shfx.cost_model.costs.Links`).
+        ssd_latency_s: fixed cost per SSD request.
+        ssd_queue_depth: requests the NVMe tier keeps in flight per transfer (the bandwidth
+            figures are those reached at that depth).
         ssd_bytes: NVMe capacity usable for offloaded optimizer states (0: none; the
             planner's ``zero-infinity`` spills there when host RAM overflows).
     """
@@ -51,6 +56,9 @@ class Hardware:
     ssd_read_bps: float = 0.0
     ssd_write_bps: float = 0.0
     ssd_bytes: int = 0
+    ssd_duplex: float = 0.5
+    ssd_latency_s: float = 100e-6
+    ssd_queue_depth: int = 32
 
     def matmul_flops(self, dtype: str = "float32") -> float:
         """Achieved matmul FLOP/s in ``dtype`` (a key of :attr:`flops`; the short names

@@ -34,7 +34,7 @@ from typing import Any
 
 from shfx.passes.units import format_bytes
 
-from shfx.passes.ledger import DEVICE_TERMS, HOST_TERMS, SSD_TERMS, pool_sizes, replay
+from shfx.passes.ledger import DEVICE_TERMS, HOST_TERMS, HOST_WINDOW, SSD_TERMS, pool_sizes, replay
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
@@ -42,6 +42,7 @@ from .shapes import GPTShape, normalize_precision, short_precision
 
 __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
+    "DEFAULT_HOST_WINDOW",
     "Target",
     "as_target",
     "MemoryBreakdown",
@@ -55,6 +56,12 @@ __all__ = [
 ]
 
 
+
+DEFAULT_HOST_WINDOW = 2
+"""The NVMe tier's host window the planner counts when none is given (``shfx plan --host-window``):
+two groups' states on the host, one being updated while the next is read. Its buffers are a few
+blocks' states, so the largest model hardly depends on it; the step time does, and the tuner
+chooses it (:func:`shfx.cost_model.tune.tune_window`)."""
 
 DEFAULT_WORKSPACE_BYTES = 512 * 2**20
 """Device memory a real GPU loses before any tensor: the CUDA context (~300-400 MiB on a V100
@@ -390,6 +397,8 @@ def memory_model(
     nvme: bool | None = None,
     grad_accum_steps: int = 1,
     rollback: bool | None = None,
+    host_window: int | None = None,
+    nvme_masters: bool | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes per tier and term when ``policy`` trains ``family`` (at ``family.layers``) on
     ``hardware``.
@@ -412,8 +421,17 @@ def memory_model(
             not see them).
         attention_scores: the working set includes the ``5 a s / h`` attention-score term
             (materialised scores, as Megatron does; fused attention kernels never hold them).
-        nvme: ``zero-infinity``: spill the fp32 master and AdamW states to the SSD; None: only
-            when host RAM overflows and the target has an SSD. (The shfx runtime has no NVMe tier.)
+        nvme: the NVMe tier (``stronghold`` and ``zero-infinity``; a policy object with
+            ``nvme=True`` says so itself): the AdamW states of the host-updated groups on the SSD
+            and ``host_window`` groups' states in host buffers (the ledger's ``SSD host window``),
+            the fp32 masters too with ``nvme_masters`` (mixed precision only), as the programs'
+            SSD reads and writes place them. None: ``zero-infinity`` spills its fp32 master and
+            states to the SSD only when host RAM overflows and the target has an SSD (ZeRO-
+            Infinity's own choice, no host window counted; the planner's model before the tier).
+        host_window: the NVMe tier's host window (default: the policy object's when a number,
+            else :data:`DEFAULT_HOST_WINDOW`).
+        nvme_masters: the NVMe tier holds the fp32 masters too (default: the policy object's, else
+            False); needs mixed precision (in fp32 the master is what a PREFETCH sends).
         grad_accum_steps: with more than one, gradients are added on the host through up to two
             staging buffers (one otherwise, for the tied embedding's gradient from the tail).
         rollback: count the step journal's copies (``shfx.compile(rollback=...)``, the host term
@@ -426,6 +444,7 @@ def memory_model(
     >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
     8.0
     """
+    nvme, host_window, nvme_masters = _nvme_options(policy, nvme, host_window, nvme_masters)
     policy, window, resident_first = _unpack(policy, window, resident_first)
     _check_common(policy, window, resident_first)
     _positive_int("grad_accum_steps", grad_accum_steps)
@@ -521,11 +540,33 @@ def memory_model(
         # head's in 16-bit, then cast, as autograd does on a 16-bit model)
         "pending tied gradient": elt * V * h if host_groups["head"] else 0,
         "rollback copies": rollback_bytes,
+        HOST_WINDOW: 0,
     }
     ssd: dict[str, int] = {}
-    if policy == "zero-infinity":
+    tier = bool(nvme) and policy in ("stronghold", "zero-infinity") and host_trainable > 0
+    if nvme and policy not in ("stronghold", "zero-infinity"):
+        raise ValueError(f"the NVMe tier is a field of the 'stronghold' and 'zero-infinity' policies, not of {policy!r}")
+    if tier:
+        # the NVMe tier as the programs place it (shfx.passes.ledger.host_terms): the host-updated
+        # groups' AdamW m and v (and fp32 masters) on the SSD, H buffers of the largest on the host
+        if nvme_masters and not fam.mixed:
+            raise ValueError(
+                "nvme_masters=True needs mixed precision (precision='bfloat16' or 'float16'): in fp32 the master is the "
+                "image every PREFETCH copies, so it stays in host RAM"
+            )
+        largest_host = max(group32[k] for k, c in host_groups.items() if c)
+        ssd = {
+            "master parameters (fp32)": host_trainable if nvme_masters else 0,
+            "optimizer states (m, v)": host.pop("optimizer states (m, v)"),
+        }
+        host = {**host, "optimizer states (m, v)": 0}
+        host["master parameters (fp32)"] -= ssd["master parameters (fp32)"]
+        host_window = min(host_window, sum(host_groups.values()))  # (as check_host_window clamps it)
+        host[HOST_WINDOW] = host_window * (_GROUP_STATE_BYTES // 4 + (1 if nvme_masters else 0)) * largest_host
+        host = {k: host.get(k, 0) for k in HOST_TERMS}
+    elif policy == "zero-infinity":
         over = tgt.host_bytes is not None and sum(host.values()) > tgt.host_bytes
-        if nvme or (nvme is None and over and tgt.ssd_bytes > 0):
+        if nvme is None and over and tgt.ssd_bytes > 0:
             ssd = {
                 "master parameters (fp32)": host.pop("master parameters (fp32)"),
                 "optimizer states (m, v)": host.pop("optimizer states (m, v)"),
@@ -541,7 +582,31 @@ def memory_model(
         "grad_accum_steps": grad_accum_steps,
         "rollback": rollback,
     }
+    if tier:
+        settings.update(nvme=True, host_window=host_window, nvme_masters=bool(nvme_masters))
     return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
+
+
+def _nvme_options(policy: Any, nvme: bool | None, host_window: int | None, masters: bool | None) -> tuple[bool | None, int, bool]:
+    """The NVMe tier's options of :func:`memory_model`: from the arguments, or from a policy
+    object with ``nvme=True`` (an argument that disagrees with it is an error)."""
+    own = isinstance(policy, Policy) and bool(getattr(policy, "nvme", False))
+    if own:
+        if nvme is False:
+            raise ValueError(f"nvme=False disagrees with {policy!r}; give it in one place")
+        nvme = True
+        ph = policy.host_window  # type: ignore[attr-defined]
+        if host_window is not None and ph != "auto" and host_window != ph:
+            raise ValueError(f"host_window={host_window!r} disagrees with {policy!r}; give it in one place")
+        host_window = host_window if host_window is not None else (ph if ph != "auto" else None)
+        masters = policy.nvme_masters if masters is None else masters  # type: ignore[attr-defined]
+    if host_window is None:
+        host_window = DEFAULT_HOST_WINDOW
+    if isinstance(host_window, bool) or not isinstance(host_window, int) or host_window < 1:
+        raise ValueError(f"host_window must be an int >= 1 (groups whose optimizer states are on the host at once), got {host_window!r}")
+    if masters is not None and not isinstance(masters, bool):
+        raise ValueError(f"nvme_masters must be True or False, got {masters!r}")
+    return nvme, host_window, bool(masters)
 
 
 # ---- the planner ---------------------------------------------------------------------------------
@@ -585,6 +650,7 @@ def largest_trainable(policy: str | Policy, family: GPTShape, hardware: Any, *, 
     bisects along each residue class.
     """
     _positive_int("max_layers", max_layers)
+    memory_kw.update(_nvme_kw(policy, memory_kw))
     policy, w, k = _unpack(policy, memory_kw.pop("window", None), memory_kw.pop("resident_first", None))
     memory_kw = dict(memory_kw, window=w, resident_first=k)
     if memory_kw.get("resident_first") == "auto":
@@ -634,12 +700,24 @@ def largest_trainable(policy: str | Policy, family: GPTShape, hardware: Any, *, 
             else:
                 hi = mid
         best = max(best, start + lo * period)
+    label = policy + ("+nvme" if memory_kw.get("nvme") else "")
     if best == 0:
         bd = at(1)
-        return PlanRow(policy, 0, 0, bd, bd.binding(tgt))
+        return PlanRow(label, 0, 0, bd, bd.binding(tgt))
     bd = at(best)
     binding = at(best + 1).binding(tgt) if best < max_layers else f"max_layers ({max_layers}) reached"
-    return PlanRow(policy, best, family.with_layers(best).num_params(), bd, binding)
+    return PlanRow(label, best, family.with_layers(best).num_params(), bd, binding)
+
+
+def _nvme_kw(policy: Any, memory_kw: dict) -> dict:
+    """A policy object's NVMe tier as :func:`memory_model` options (popped from ``memory_kw``
+    and checked against them); empty for a name or a policy without the tier."""
+    if not (isinstance(policy, Policy) and getattr(policy, "nvme", False)):
+        return {}
+    nvme, host_window, masters = _nvme_options(
+        policy, memory_kw.pop("nvme", None), memory_kw.pop("host_window", None), memory_kw.pop("nvme_masters", None)
+    )
+    return {"nvme": nvme, "host_window": host_window, "nvme_masters": masters}
 
 
 @dataclass
@@ -668,8 +746,12 @@ class Plan:
             f"allocator slack {100 * st.get('allocator_slack', 0):.0f}%"
             + ("" if self.hardware.emulated else f", working set {'on' if st.get('working_set', True) else 'off'}"),
             "",
-            f"{'policy':<16} {'layers':>7} {'params':>9} {'device':>11} {'host':>11} {'SSD':>11}  limited by",
         ]
+        hws = sorted({r.breakdown.settings["host_window"] for r in self.rows if r.breakdown.settings.get("nvme")})
+        if hws:
+            head[-2] += f", NVMe tier: host window {', '.join(map(str, hws))}"
+        width = max([16] + [len(r.policy) + 5 for r in self.rows])
+        head.append(f"{'policy':<{width}} {'layers':>7} {'params':>9} {'device':>11} {'host':>11} {'SSD':>11}  limited by")
         for r in self.rows:
             bd = r.breakdown
             if r.layers == 0:
@@ -679,7 +761,7 @@ class Plan:
                 ssd = format_bytes(bd.ssd_total) if bd.ssd else "-"
             k = r.breakdown.settings.get("resident_first", 0)
             label = f"{r.policy} k={k}" if k and self.settings.get("resident_first") == "auto" else r.policy
-            head.append(f"{label:<16} {r.layers:>7} {_format_params(r.params):>9} {dev:>11} {host:>11} {ssd:>11}  {r.binding}")
+            head.append(f"{label:<{width}} {r.layers:>7} {_format_params(r.params):>9} {dev:>11} {host:>11} {ssd:>11}  {r.binding}")
         return "\n".join(head)
 
     def __str__(self) -> str:
@@ -738,11 +820,15 @@ def plan(
     [('resident', 33), ('l2l', 66), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
     """
     policies = policy_names() if policies is None else (policies,) if isinstance(policies, (str, Policy)) else policies
-    unpacked = [_unpack(p, *((window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else ())) for p in policies]
+    unpacked = [
+        (*_unpack(p, *((window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else ())), _nvme_kw(p, dict(memory_kw)))
+        for p in policies
+    ]  # fmt: skip
     tgt = as_target(hardware)
     rows = []
-    for name, w, k in unpacked:
-        rows.append(largest_trainable(name, family, tgt, max_layers=max_layers, **dict(memory_kw, window=w, resident_first=k)))
+    for name, w, k, nv in unpacked:
+        kw = {key: v for key, v in memory_kw.items() if not (nv and key in nv)}
+        rows.append(largest_trainable(name, family, tgt, max_layers=max_layers, **dict(kw, window=w, resident_first=k, **nv)))
     ws, slack, wset = _resolve(tgt, memory_kw.get("workspace_bytes"), memory_kw.get("allocator_slack", 0.0), memory_kw.get("working_set"))
     settings = dict(
         window=window,
@@ -767,6 +853,8 @@ def _any_policy(policy: str | Policy, window: int | None, resident_first: int | 
             own = getattr(policy, key, None)
             if given is not None and given != own:
                 raise ValueError(f"{key}={given!r} disagrees with {policy!r}; give it in one place")
+        if "host_window" in policy.auto:  # the NVMe tier's host window: the planner's default
+            return policy.replace(host_window=DEFAULT_HOST_WINDOW)
         return policy
     name, w, k = _unpack(policy, window, resident_first)
     _check_common(name, w, k)
@@ -812,7 +900,7 @@ def memory_for_model(
     precision = normalize_precision(precision)
     rollback = precision == "float16" if rollback is None else bool(rollback)
     if graph is None:
-        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision))
+        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision), plan_only=True)
         variant = compile_variant(model, tuple(example_inputs), {}, opts)
         graph, progs = variant.graph, variant.programs
     else:
@@ -827,12 +915,16 @@ def memory_for_model(
     device["allocator slack"] = int(round(allocator_slack * tgt.device_bytes))
     host = dict.fromkeys(HOST_TERMS, 0)
     host.update(led.static("host"))
+    on_ssd = led.static("ssd")
+    ssd = {**dict.fromkeys(SSD_TERMS, 0), **on_ssd} if on_ssd else {}
     slot_sizes, grad_sizes = pool_sizes(progs)
     name = type(model).__name__ if model is not None else "model"
     settings = {"window": getattr(pol, "window", None), "resident_first": getattr(pol, "resident_first", 0),
                 "workspace_bytes": workspace_bytes, "allocator_slack": allocator_slack, "working_set": False,
                 "stages": len(graph.stages), "precision": precision, "rollback": rollback}
-    return MemoryBreakdown(pol.name, None, device, host, {}, tgt, slot_sizes, grad_sizes, settings, name=name)
+    if progs[0].ssd_groups:
+        settings.update(nvme=True, host_window=progs[0].host_window, nvme_masters=progs[0].ssd_masters)
+    return MemoryBreakdown(pol.name, None, device, host, ssd, tgt, slot_sizes, grad_sizes, settings, name=name)
 
 
 def plan_for_model(
@@ -859,7 +951,7 @@ def plan_for_model(
     pols = [_any_policy(p, window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else p for p in policies]
     tgt = as_target(hardware)
     precision = normalize_precision(precision)
-    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, precision=short_precision(precision))
+    opts = PipelineOptions(policy=pols[0], blocks=blocks, verify=False, precision=short_precision(precision), plan_only=True)
     graph = compile_variant(model, tuple(example_inputs), {}, opts).graph
     n_params = sum(
         info.numel for k, info in graph.tensors.items() if info.kind == "param" and info.trainable

@@ -40,6 +40,13 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
 - **Links are a fluid model.** While transfers in both directions are moving bytes, each goes at
   ``duplex`` times its bandwidth; rates change whenever a transfer starts or ends moving bytes,
   so a copy's duration depends on what it overlaps with (the emulated backend's pacing).
+- **The NVMe tier** (programs with ``SR``/``SW``): reads and write-backs run on two FIFO
+  queues, ``ssd_read`` and ``ssd_write``, one transfer each at a time, charged to the ``ssd``
+  resource; a transfer pays ``links.ssd_latency_s`` and moves ``meta.bytes`` at
+  ``ssd_read_bps``/``ssd_write_bps``, both at ``ssd_duplex`` times their rate while the other
+  queue also moves bytes (the same fluid model as the link, on its own). A CPU_STEP of an SSD
+  group waits for its read, the write-back for the update, a read for the write-back that freed
+  its host-window buffer (the program's edges).
 - **Memory.** The slot pool, ``sum(program.slot_sizes())`` (each slot sized to the largest stage
   the program puts into it), the gradient buffers of slots whose stage keeps its parameters
   through the backward and the optimizer states of groups updated on the device
@@ -85,6 +92,9 @@ What it does NOT model:
   host group region: modelled as one copy of ``meta.bytes``), and copy/compute interference on
   a real GPU's memory bandwidth.
 - ``meta.cost_s`` annotations: durations always come from ``costs``.
+- On the NVMe tier: the queue depth (``links.ssd_queue_depth``: the bandwidth figures are those
+  reached at it), the page cache, the host memory bandwidth the copies into the host-window
+  buffers take from the host optimizer, and the file system.
 - The rollback copy of a group updated on the device (its slot weights and states copied to
   the host before a DEVICE_STEP): with ``rollback`` only host updates pay for their copies.
 
@@ -123,6 +133,9 @@ GRAD_NORM_RATIO = 0.1
 """A GRAD_NORM's duration as a fraction of its group's ``update_s``: it reads 4 bytes a parameter
 (the fp32 host gradient), the update moves 40 (:func:`shfx.cost_model.costs.host_update_bytes`)."""
 
+
+_SSD = ("ssd_read", "ssd_write")
+_COPY_STREAMS = ("h2d", "d2h", *_SSD)
 
 STREAM_ORDER = STREAMS
 """The simulated streams (:data:`shfx.passes.actions.STREAMS`)."""
@@ -208,6 +221,7 @@ class Timeline:
         tracks: list[str] = ["compute", "h2d", "d2h", "host"]
         tracks += ["cpu"] if self.workers == 1 else [f"cpu #{w}" for w in range(self.workers)]
         tracks.append("none")
+        tracks += [t for t in _SSD if any(e.stream == t for e in self.events)]
         tid = {name: i + 1 for i, name in enumerate(tracks)}
         out: list[dict[str, Any]] = [
             {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"shfx simulated step: {self.program}"}}
@@ -273,7 +287,7 @@ class Timeline:
         busy = ", ".join(
             f"{s} {format_seconds(self.busy_s[s])} ({self.utilisation[s]:.0%}"
             + (f" of {self.workers} workers)" if s == "cpu" and self.workers > 1 else ")")
-            for s in ("compute", "h2d", "d2h", "host", "cpu")
+            for s in ("compute", "h2d", "d2h", "host", "cpu", *(t for t in _SSD if self.busy_s.get(t)))
         )
         return "\n".join(
             [
@@ -363,6 +377,20 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
         raise SimulationError(f"links.duplex must be in (0, 1] (1.0: full duplex), got {links.duplex!r}")
     if not (links.latency_s >= 0 and math.isfinite(links.latency_s)):
         raise SimulationError(f"links.latency_s must be >= 0, got {links.latency_s!r}")
+    ssd = getattr(program, "ssd_groups", None)
+    if ssd:
+        for name in ("ssd_read_bps", "ssd_write_bps"):
+            bw = getattr(links, name, None)
+            if bw is None or not (bw > 0 and math.isfinite(bw)):
+                raise SimulationError(
+                    f"program {program.name!r} reads and writes optimizer states on the SSD (groups {sorted(ssd)}), but "
+                    f"links.{name} is {bw!r}: give the drive's bandwidth, Links(..., ssd_read_bps=3e9, ssd_write_bps=2e9) "
+                    "(a Hardware profile's ssd_read_bps/ssd_write_bps through analytic.links_of)"
+                )
+        if not (0 < links.ssd_duplex <= 1):
+            raise SimulationError(f"links.ssd_duplex must be in (0, 1] (1.0: reads and writes do not slow each other), got {links.ssd_duplex!r}")
+        if not (links.ssd_latency_s >= 0 and math.isfinite(links.ssd_latency_s)):
+            raise SimulationError(f"links.ssd_latency_s must be >= 0, got {links.ssd_latency_s!r}")
     table: dict[int, StageCost] = {}
     for spec in program.stages:
         try:
@@ -425,6 +453,12 @@ class _Sim:
         last_forward: dict[int, _Node] = {}
         for nd in self.nodes:
             k, s = nd.kind, nd.meta.stage
+            if KINDS[k].moves in _SSD:  # a copy: its bytes over the drive
+                if s not in owner:
+                    raise SimulationError(
+                        f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
+                    )
+                continue
             if KINDS[k].update:
                 if s not in owner:
                     raise SimulationError(
@@ -457,7 +491,12 @@ class _Sim:
                 nd.acc = c.accumulate_s if self.accumulate else 0.0
 
     def _bandwidth(self, direction: str) -> float | None:
+        if direction in _SSD:
+            return self.links.ssd_read_bps if direction == "ssd_read" else self.links.ssd_write_bps
         return self.links.h2d_bps if direction == "h2d" else self.links.d2h_bps
+
+    def _latency(self, direction: str) -> float:
+        return self.links.ssd_latency_s if direction in _SSD else self.links.latency_s
 
     # ---- the event loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -494,7 +533,7 @@ class _Sim:
             nd.issued = nd.forward or not self.phase_barrier
 
         busy: dict[str, bool] = {"compute": False, "host": False}
-        copies: dict[str, _Copy | None] = {"h2d": None, "d2h": None}
+        copies: dict[str, _Copy | None] = {"h2d": None, "d2h": None, "ssd_read": None, "ssd_write": None}
         running: list[tuple[float, int, str]] = []  # (end, node, part) of fixed-duration work
         held: list[int | None] = [None] * self.workers  # task a worker took
         worker_last: list[int | None] = [None] * self.workers  # its last finished task
@@ -532,7 +571,7 @@ class _Sim:
             if bw is None or nd.nbytes == 0:
                 end_copy(j)
             else:
-                copies[direction] = _Copy(j, direction, bw, now + self.links.latency_s, float(nd.nbytes))
+                copies[direction] = _Copy(j, direction, bw, now + self._latency(direction), float(nd.nbytes))
 
         def end_copy(j: int) -> None:
             nd = nodes[j]
@@ -578,7 +617,7 @@ class _Sim:
                     running.append((now + nodes[j].dur, j, "compute"))
                     progress = True
                 # copy FIFOs
-                for direction in ("h2d", "d2h"):
+                for direction in _COPY_STREAMS:
                     q = queues[direction]
                     while copies[direction] is None and q and nodes[q[0]].issued and all(done(d) for d in nodes[q[0]].deps):
                         start_copy(q.popleft(), direction)
@@ -673,7 +712,14 @@ class _Sim:
     def _rates(self, copies: dict[str, _Copy | None], now: float) -> dict[str, float]:
         moving = {d: c is not None and now >= c.latency_end for d, c in copies.items()}
         both = moving["h2d"] and moving["d2h"]
-        return {d: c.bw * (self.links.duplex if both else 1.0) for d, c in copies.items() if c is not None}
+        both_ssd = moving["ssd_read"] and moving["ssd_write"]
+
+        def share(d: str) -> float:
+            if d in _SSD:
+                return self.links.ssd_duplex if both_ssd else 1.0
+            return self.links.duplex if both else 1.0
+
+        return {d: c.bw * share(d) for d, c in copies.items() if c is not None}
 
     # ---- results -----------------------------------------------------------------------------
     def events(self) -> list[Event]:

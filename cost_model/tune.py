@@ -12,6 +12,13 @@ The policy says what to tune: ``Stronghold(window="auto")`` (the default) tunes 
 first k stages resident with their optimizer on the device) and each window over the remaining
 stages, it simulates the program and chooses, among the pairs that fit and are within
 ``tolerance`` of the fastest, the one needing the least device memory.
+
+With the NVMe tier (``Stronghold(nvme=True, host_window="auto")``, ``ZeroInfinity(...)`` alike)
+the host window H is chosen too, after the window: with (k, W) chosen at the largest H (the
+fewest SSD stalls), every H = 1..(groups on the SSD) is simulated and the smallest whose step
+time is within ``tolerance`` of the fastest H (and whose host memory fits ``host_capacity_bytes``,
+when given) is taken, as W is: host RAM then holds H groups' states instead of every group's.
+:attr:`TuneResult.host_rows` has the table and :attr:`TuneResult.reason` says why.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shfx.passes.policies import Policy, Stronghold, resolve_policy
+from shfx.passes.policies import Policy, Stronghold, ZeroInfinity, resolve_policy
 from shfx.passes.program import Program
 from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
@@ -27,7 +34,7 @@ from shfx.passes.units import format_bytes, format_seconds
 from .costs import CostModel
 from .simulate import Timeline, simulate
 
-__all__ = ["WindowRow", "TuneResult", "NoWindowFits", "tune_window"]
+__all__ = ["WindowRow", "HostWindowRow", "TuneResult", "NoWindowFits", "tune_window"]
 
 
 class NoWindowFits(ValueError):
@@ -53,6 +60,21 @@ class WindowRow:
     policy: Policy | None = field(default=None, repr=False, compare=False)  # the concrete policy simulated
 
 
+@dataclass(frozen=True)
+class HostWindowRow:
+    """Prediction for one host window H of the NVMe tier (at the chosen k and W)."""
+
+    host_window: int
+    step_s: float
+    host_bytes: int  # the ledger's host memory (setup: masters, gradients, the H window buffers, ...)
+    window_bytes: int  # of which the host-window buffers
+    ssd_s: float  # the SSD's critical-path seconds
+    fits: bool
+    bottleneck: str
+    timeline: Timeline = field(repr=False, compare=False)
+    policy: Policy | None = field(default=None, repr=False, compare=False)
+
+
 @dataclass
 class TuneResult:
     """The tuner's table and its choice.
@@ -75,6 +97,8 @@ class TuneResult:
     source: str = ""
     resident_first: int = 0  # the chosen k (stronghold's first stages kept on the device)
     policy: Policy | None = None  # the chosen policy, every "auto" field a number
+    host_window: int | None = None  # the chosen host window (the NVMe tier), None without it
+    host_rows: list[HostWindowRow] = field(default_factory=list)  # one per host window tried
 
     def row(self, window: int, resident_first: int | None = None) -> WindowRow:
         k = self.resident_first if resident_first is None else resident_first
@@ -138,8 +162,24 @@ class TuneResult:
                     keep |= {key(a), key(b)}
         return keep
 
+    def host_table(self) -> str:
+        """One row per host window tried (the NVMe tier); empty without it."""
+        if not self.host_rows:
+            return ""
+        best = min(r.step_s for r in self.host_rows if r.fits) if any(r.fits for r in self.host_rows) else None
+        lines = [f"  {'H':>3}  {'step (pred.)':>13}  {'host memory':>12}  {'of which window':>15}  {'fits':>4}  {'SSD on path':>11}  {'vs best':>8}"]
+        for r in self.host_rows:
+            mark = "  <- chosen" if r.host_window == self.host_window else ""
+            rel = f"{100 * (r.step_s / best - 1):+.1f}%" if best else ""
+            lines.append(
+                f"  {r.host_window:>3}  {format_seconds(r.step_s):>13}  {format_bytes(r.host_bytes):>12}  "
+                f"{format_bytes(r.window_bytes):>15}  {'yes' if r.fits else 'no':>4}  {format_seconds(r.ssd_s):>11}  {rel:>8}{mark}"
+            )
+        return "\n".join(lines)
+
     def __str__(self) -> str:
-        return self.table() + "\n" + self.reason
+        host = self.host_table()
+        return self.table() + ("\n" + host if host else "") + "\n" + self.reason
 
 
 def _shares(r: WindowRow) -> str:
@@ -166,6 +206,9 @@ def _why(r: WindowRow) -> str:
         return f"mostly compute, but {' and '.join(exposed)} of the critical path are exposed"
     if r.bottleneck == "link":
         return f"link-bound: {100 * link:.0f}% of the critical path waits for transfers"
+    if r.bottleneck == "ssd":
+        ssd = r.by_resource.get("ssd", 0.0) / tot
+        return f"SSD-bound: {100 * ssd:.0f}% of the critical path waits for the NVMe tier's reads and write-backs"
     return f"host-optimizer-bound: {100 * host:.0f}% of the critical path waits for host updates"
 
 
@@ -242,6 +285,8 @@ def tune_window(
     windows: Sequence[int] | None = None,
     resident_first: Sequence[int] | None = None,
     rollback: bool | float = False,
+    host_windows: Sequence[int] | None = None,
+    host_capacity_bytes: int | None = None,
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -263,16 +308,34 @@ def tune_window(
         rollback: the host updates also pay the step journal's rollback copies
             (:func:`~shfx.cost_model.simulate.simulate`'s ``rollback``; ``shfx.compile`` keeps
             them in fp16 and with ``rollback=True``).
+        host_windows: the host windows to try for a policy with the NVMe tier and
+            ``host_window="auto"`` (default 1..groups on the SSD).
+        host_capacity_bytes: host budget for the NVMe tier's host window: an H fits when the
+            ledger's host memory (:func:`shfx.passes.ledger.replay`, setup) is at most this.
 
     Raises:
-        NoWindowFits: when no window fits the budget.
+        NoWindowFits: when no window fits the budget (or no host window the host budget).
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.cost_model.costs import CostTable, Links, StageCost
+    >>> costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 6, Links(1e6, 1e6, ssd_read_bps=1e6, ssd_write_bps=1e6))
+    >>> r = tune_window(chain(6, prefetch_bytes=500_000), costs, policy=ZeroInfinity(nvme=True))
+    >>> r.host_window, [x.host_window for x in r.host_rows], r.policy.host_window
+    (3, [1, 2, 3, 4, 5, 6], 3)
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
     n = len(specs)
     pol = resolve_policy(policy, "auto") if not isinstance(policy, Policy) else policy
-    if not pol.windowed:
+    tune_h = "host_window" in pol.auto
+    if not pol.windowed and not tune_h:
         raise ValueError(f"policy {pol.name!r} has no window to tune")
+    if tune_h:
+        # NOTE: (k, W) are chosen at the largest host window (no SSD stall the window could
+        # hide), then H at the chosen (k, W); H barely moves the device side, W not the host
+        pol = pol.replace(host_window=n)
+    if not pol.windowed:
+        return _tune_host_window(specs, costs, pol, tolerance, host_windows, host_capacity_bytes, rollback, None)
     has_k = "resident_first" in pol.options()
     if resident_first is not None:
         if not has_k:
@@ -315,7 +378,7 @@ def tune_window(
         chosen = min(near, key=lambda r: r.window)
     else:
         chosen = min(near, key=lambda r: (r.peak_device_bytes, r.resident_first, r.window))
-    return TuneResult(
+    result = TuneResult(
         rows=rows,
         window=chosen.window,
         best_window=best.window,
@@ -326,3 +389,84 @@ def tune_window(
         resident_first=chosen.resident_first,
         policy=chosen.policy,
     )
+    if tune_h:
+        assert chosen.policy is not None
+        h = chosen.policy.placement(specs).host_window
+        result.reason = f"At the largest host window (H={h}): " + result.reason
+        return _tune_host_window(specs, costs, chosen.policy, tolerance, host_windows, host_capacity_bytes, rollback, result)
+    return result
+
+
+def _tune_host_window(
+    specs: Sequence[StageSpec],
+    costs: CostModel,
+    pol: Policy,
+    tolerance: float,
+    host_windows: Sequence[int] | None,
+    host_capacity_bytes: int | None,
+    rollback: bool | float,
+    result: TuneResult | None,
+) -> TuneResult:
+    """Choose the host window of ``pol`` (its other fields concrete): the smallest H within
+    ``tolerance`` of the fastest H that fits ``host_capacity_bytes``."""
+    from shfx.passes.ledger import HOST_WINDOW, replay
+
+    groups = len(pol.placement(specs).ssd_groups)
+    if not groups:
+        raise ValueError(f"{pol!r} puts no optimizer state on the SSD (every group is updated on the device): no host window to tune")
+    hs = sorted(set(host_windows)) if host_windows is not None else list(range(1, groups + 1))
+    if not hs or hs[0] < 1:
+        raise ValueError(f"host_windows must be ints >= 1, got {host_windows!r}")
+    rows: list[HostWindowRow] = []
+    for h in hs:
+        concrete = pol.replace(host_window=h)
+        prog = concrete.program(specs)
+        tl = simulate(prog, costs, rollback=rollback)
+        host = replay(prog).static("host")
+        need = sum(host.values())
+        fits = host_capacity_bytes is None or need <= host_capacity_bytes
+        rows.append(HostWindowRow(h, tl.step_s, need, host.get(HOST_WINDOW, 0), tl.by_resource.get("ssd", 0.0), fits, tl.bottleneck, tl, concrete))
+    feasible = [r for r in rows if r.fits]
+    if not feasible:
+        small = min(rows, key=lambda r: r.host_bytes)
+        raise NoWindowFits(
+            f"no host window fits the host budget of {format_bytes(host_capacity_bytes or 0)}: even H={small.host_window} "
+            f"needs {format_bytes(small.host_bytes)} of host memory (masters, gradients and the window's buffers)",
+            rows,
+        )
+    best = min(feasible, key=lambda r: (r.step_s, r.host_window))
+    chosen = min((r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)), key=lambda r: r.host_window)
+    why = _explain_host(rows, chosen, best, tolerance, host_capacity_bytes, groups)
+    if result is None:  # the window was not tuned: a one-row window table of the chosen program
+        tl = chosen.timeline
+        w = getattr(pol, "window", 0) or 0
+        row = WindowRow(w, tl.step_s, tl.peak_device_bytes, True, tl.bottleneck, dict(tl.by_resource), tl, 0, chosen.policy)
+        result = TuneResult([row], w, w, tolerance, None, "", getattr(costs, "source", ""), 0, chosen.policy)
+    result.host_window = chosen.host_window
+    result.host_rows = rows
+    result.policy = chosen.policy
+    result.reason = (result.reason + " " if result.reason else "") + why
+    return result
+
+
+def _explain_host(rows: list[HostWindowRow], chosen: HostWindowRow, best: HostWindowRow, tolerance: float, capacity: int | None, groups: int) -> str:
+    parts = [
+        f"Host window {chosen.host_window} (of {groups} groups on the SSD): predicted {format_seconds(chosen.step_s)} per step, "
+        + ("the fastest" if chosen.host_window == best.host_window else
+           f"within {100 * tolerance:.0f}% of the fastest (H={best.host_window}, {format_seconds(best.step_s)})")
+        + f"; host RAM holds {chosen.host_window} of the {groups} groups' optimizer states at a time "
+        f"({format_bytes(chosen.window_bytes)} of window buffers)."
+    ]  # fmt: skip
+    smaller = [r for r in rows if r.host_window < chosen.host_window and r.fits]
+    if smaller:
+        s = smaller[-1]
+        parts.append(
+            f"H={s.host_window} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower: each read there waits for the "
+            f"write-back that frees its buffer (critical path: {format_seconds(s.ssd_s)} on the SSD, bottleneck {s.bottleneck})."
+        )
+    elif chosen.ssd_s > 0.05 * chosen.step_s:
+        parts.append(f"The SSD is on the critical path for {format_seconds(chosen.ssd_s)}: a larger window hides no more of it.")
+    unfit = [r for r in rows if not r.fits]
+    if unfit and capacity is not None:
+        parts.append(f"H>={unfit[0].host_window} does not fit: it needs {format_bytes(unfit[0].host_bytes)} of {format_bytes(capacity)} host memory.")
+    return " ".join(parts)

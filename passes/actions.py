@@ -11,6 +11,8 @@ interpreter (``shfx.runtime.engine``, which dispatches on :attr:`KindInfo.name`)
 ('h2d', 'd2h')
 >>> [k.value for k in ActionKind if KINDS[k].reads_slot]
 ['F', 'OB', 'B', 'OG', 'DU', 'OP']
+>>> KINDS[ActionKind.SSD_READ].stream, KINDS[ActionKind.SSD_WRITE].resource
+('ssd_read', 'ssd')
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ __all__ = [
     "DU",
     "OP",
     "GN",
+    "SR",
+    "SW",
 ]
 
 
@@ -53,6 +57,8 @@ class ActionKind(str, enum.Enum):
     DEVICE_STEP = "DU"  # optimizer update of one parameter group on the device
     OFFLOAD_PARAMS = "OP"  # copy a stage's updated params device -> host
     GRAD_NORM = "GN"  # norms of one group's host gradients (exact global-norm clipping)
+    SSD_READ = "SR"  # read one host-updated group's optimizer state SSD -> a host-window buffer
+    SSD_WRITE = "SW"  # write it back from the buffer to the SSD after the group's update
 
     @property
     def info(self) -> KindInfo:
@@ -74,13 +80,23 @@ U = ActionKind.CPU_STEP
 DU = ActionKind.DEVICE_STEP
 OP = ActionKind.OFFLOAD_PARAMS
 GN = ActionKind.GRAD_NORM
+SR = ActionKind.SSD_READ
+SW = ActionKind.SSD_WRITE
 
-STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none")
+STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
 accumulates copied gradients (the second part of an OFFLOAD_GRAD), the host optimizer's pool,
-and ``none`` (a RELEASE: a join that takes no time)."""
+``none`` (a RELEASE: a join that takes no time), and the NVMe tier's two queues: reads
+(SSD_READ) and write-backs (SSD_WRITE).
 
-RESOURCES = ("compute", "link", "host optimizer")
+NOTE: two SSD queues, not one, as the link has two copy streams: an NVMe drive serves reads and
+writes from separate submission queues at once, and in the steady state of a host window of
+``H >= 2`` groups the read of the group entering the window (it waits only for the write-back
+that freed its buffer) must not queue behind the write-back of another group. Both queues share
+one resource, ``"ssd"``, and the simulator couples their rates (``Links.ssd_duplex``) as the
+drive's bandwidth is shared."""
+
+RESOURCES = ("compute", "link", "host optimizer", "ssd")
 """What the simulator attributes critical-path time to (plus ``"idle"``, for a RELEASE and for
 time nothing explains)."""
 
@@ -102,7 +118,8 @@ class KindInfo:
         update: an optimizer update (or, GRAD_NORM, the gradient norm one needs); its index is a
             parameter group (the update group of the stage owning it), not a stage, and the
             runtime issues it only in the backward that completes a step (``grad_accum_steps``).
-        moves: the link direction ``ActionMeta.bytes`` cross (``"h2d"``, ``"d2h"``), or None.
+        moves: the link direction ``ActionMeta.bytes`` cross (``"h2d"``, ``"d2h"``; for the
+            NVMe tier ``"ssd_read"``, ``"ssd_write"``), or None.
         cost: the :class:`~shfx.cost_model.costs.StageCost` field that gives its duration
             (of the stage, or of the stage owning the group), or None for copies (bytes over
             the link) and RELEASE (no time). A BACKWARD whose forward kept its graph takes
@@ -157,6 +174,13 @@ KINDS: dict[ActionKind, KindInfo] = {
         # simulator): it reads the fp32 gradient once, the update reads and writes 40 B/param
         _info(GN, "grad_norm", "cpu", "host optimizer", slotted=False, reads=False, update=True,
               doc="per-parameter norms of one group's host gradients, as soon as they are complete"),
+        # NOTE: the SSD transfers are ``update`` kinds: their index is a parameter group and the
+        # runtime issues them only in the backward that completes a step, with the updates
+        # they serve (under gradient accumulation the other backwards read nothing from the SSD)
+        _info(SR, "ssd_read", "ssd_read", "ssd", slotted=False, reads=False, update=True, moves="ssd_read",
+              doc="read one host-updated group's optimizer state (and master) from the SSD into a host-window buffer"),
+        _info(SW, "ssd_write", "ssd_write", "ssd", slotted=False, reads=False, update=True, moves="ssd_write",
+              doc="write one group's updated optimizer state (and master) back to the SSD, freeing its buffer"),
     )
 }  # fmt: skip
 

@@ -29,7 +29,11 @@ What it replays, as the runtime (``shfx.runtime.engine``) does it:
 - **end** (of a backward, or of an inference forward): everything still held is freed.
 
 Copies, releases and updates allocate nothing (slots, gradient buffers and states are part of
-the setup). The terms are :data:`DEVICE_TERMS` and :data:`HOST_TERMS`.
+the setup; so are the NVMe tier's host-window buffers, which SSD reads and writes fill and
+empty). The terms are :data:`DEVICE_TERMS`, :data:`HOST_TERMS` and, for a program with the NVMe
+tier (``Program.ssd_groups``), :data:`SSD_TERMS`: the SSD then holds those groups' optimizer
+states (and master weights, ``Program.ssd_masters``) and the host, instead of them,
+``host_window`` buffers each as large as the largest group's (:data:`HOST_WINDOW`).
 
 >>> from shfx.passes.policies import schedule_window
 >>> from shfx.passes.stages import chain
@@ -62,6 +66,7 @@ __all__ = [
     "host_terms",
     "boundary_values",
     "STAGING_BUFFERS",
+    "HOST_WINDOW",
 ]
 
 DEVICE_TERMS = (
@@ -86,8 +91,14 @@ HOST_TERMS = (
     "gradient staging (pinned)",
     "pending tied gradient",
     "rollback copies",
+    "SSD host window",
 )
 SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
+
+HOST_WINDOW = "SSD host window"
+"""The host term of the NVMe tier's host-window buffers: ``host_window`` buffers, each as large
+as the largest SSD group's read (its optimizer states, and its master weights when those are on
+the SSD), that a group's state is read into for its update and written back from."""
 
 STAGING_BUFFERS = 2
 """Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
@@ -97,7 +108,7 @@ STAGING_BUFFERS = 2
 class Change:
     """Bytes allocated (``nbytes > 0``) or freed (``< 0``) on one tier for one term."""
 
-    tier: Literal["device", "host"]
+    tier: Literal["device", "host", "ssd"]
     term: str
     what: str
     nbytes: int
@@ -143,7 +154,7 @@ class Ledger:
     def terms_at_peak(self, tier: str = "device") -> dict[str, int]:
         """Bytes per term at the first moment the peak is reached."""
         levels = self.levels(tier)
-        terms: dict[str, int] = {t: 0 for t in (DEVICE_TERMS if tier == "device" else HOST_TERMS)}
+        terms: dict[str, int] = {t: 0 for t in {"device": DEVICE_TERMS, "host": HOST_TERMS, "ssd": SSD_TERMS}[tier]}
         if not levels:
             return terms
         at = levels.index(max(levels))
@@ -234,6 +245,9 @@ def host_terms(
     optimizer_states: int = 2,
     rollback: bool = False,
     working_bytes: Sequence[int] | None = None,
+    ssd_groups: frozenset[int] | set[int] = frozenset(),
+    host_window: int = 0,
+    ssd_masters: bool = False,
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
@@ -241,17 +255,43 @@ def host_terms(
     borrowed gradient, two under gradient accumulation; each as large as the largest group's
     gradient) and the buffers a borrowed gradient waits in. With ``rollback``, the step
     journal's copies (:mod:`shfx.runtime.journal`): per group its master weights, step counter
-    and optimizer states, and for a group updated on the device its device weights too."""
+    and optimizer states, and for a group updated on the device its device weights too.
+
+    With the NVMe tier (``ssd_groups``, ``host_window``, ``ssd_masters``: a program's
+    :attr:`~shfx.passes.program.Program.tier`), the optimizer states of ``ssd_groups`` (and their
+    master weights' trainable bytes with ``ssd_masters``) are on the ``"ssd"`` tier, and the host
+    holds ``host_window`` buffers (:data:`HOST_WINDOW`) each as large as the largest of those
+    groups' SSD reads instead.
+
+    NOTE: the rollback copies stay on the host as without the tier (the journal's copy of an SSD
+    group's state is not modelled apart yet)."""
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
-    out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(group_bytes or [o.update_bytes for o in owners.values()])]
+    ssd = [o for o in host if o.update_group in ssd_groups]
+    if ssd_masters and ssd and group_bytes is not None and not any(working_bytes or ()):
+        raise ValueError(
+            "the master weights can live on the SSD only in mixed precision (a separate fp32 master); in fp32 the "
+            "master is the image every PREFETCH copies: use nvme_masters=False, or precision='bf16'/'fp16'"
+        )
+    masters = list(group_bytes or [o.update_bytes for o in owners.values()])
+    if ssd_masters:  # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
+        at = {g: g for g in owners} if group_bytes else {g: i for i, g in enumerate(owners)}
+        for o in ssd:
+            masters[at[o.update_group]] -= o.update_bytes
+    out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(masters)]
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
     out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host]
     out += [
-        Change("host", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
+        Change("host" if o not in ssd else "ssd", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
         for o in host
         for i in range(optimizer_states)
     ]
+    if ssd_masters:
+        out += [Change("ssd", "master parameters (fp32)", f"master weights of group {o.update_group}", o.update_bytes) for o in ssd]
+    if ssd:
+        # each buffer holds what one SSD read brings (ssd_bytes_of, with this optimizer's states)
+        per = max(optimizer_states * o.state_bytes + (o.update_bytes if ssd_masters else 0) for o in ssd)
+        out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", per) for i in range(host_window)]
     hg = {o.update_group for o in host}
     pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     trainable = sum(o.update_bytes for o in host)
@@ -439,7 +479,7 @@ def replay(
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
-        working_bytes=working_bytes,
+        working_bytes=working_bytes, **program.tier,
     )  # fmt: skip
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes

@@ -26,6 +26,11 @@ With exact gradient clipping (``updates="next-forward"``) steps 4, 7 and 8 are r
 8'. :func:`add_leading_refresh` - ``PF`` of every persistent stage reading a host-updated
     group before the first action (the next forward refreshes it after its update).
 
+With the NVMe tier (``Placement.ssd_groups``), last:
+
+9. :func:`add_ssd_transfers` - ``SR g`` ahead of each ``U g`` of a group whose optimizer
+   state lives on the SSD, as early as the host window allows, and ``SW g`` right after it.
+
 Each pass inserts its actions at the end of the *trailer* of the compute action they belong
 to: the actions between that ``F``/``B`` and the next compute action. Then
 :func:`shfx.passes.program.lower_actions` adds the dependency edges and slots.
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .actions import B, DU, F, GN, OB, OG, OP, PF, R, U, Action, ActionKind
+from .actions import B, DU, F, GN, OB, OG, OP, PF, R, SR, SW, U, Action, ActionKind
 from .program import ScheduleError
 from .stages import StageSpec, backward_stages
 
@@ -59,6 +64,8 @@ __all__ = [
     "add_grad_norms",
     "add_deferred_updates",
     "add_leading_refresh",
+    "add_ssd_transfers",
+    "check_host_window",
     "last_contributors",
 ]
 
@@ -300,3 +307,65 @@ def add_leading_refresh(acts: Sequence[Action], stages: Sequence[StageSpec], per
         if (set(stages[s].grad_groups) | ({stages[s].update_group} - {None})) - set(device_groups)
     ]  # fmt: skip
     return [Action(PF, s) for s in reads] + list(acts)
+
+
+def check_host_window(host_window: object, num_groups: int) -> int:
+    """Validate a host window (groups whose optimizer states are on the host at once) and clamp
+    it to the number of groups on the SSD (more buffers than groups would never be used)."""
+    if isinstance(host_window, bool) or not isinstance(host_window, int) or host_window < 1:
+        raise ValueError(
+            f"host_window must be an int >= 1 (groups whose optimizer states are on the host at once) or 'auto', "
+            f"got {host_window!r}"
+        )
+    return max(1, min(host_window, num_groups))
+
+
+def add_ssd_transfers(acts: Sequence[Action], ssd_groups: frozenset[int] | set[int], host_window: int) -> list[Action]:
+    """Given an action order with its host updates and the groups whose optimizer states live on
+    the SSD, add ``SR g`` (read the state into a host-window buffer) ahead of each ``U g`` and
+    ``SW g`` (write it back) right after it, with at most ``host_window`` states on the host.
+
+    Reads go as early as the window allows: numbering the SSD groups' updates in issue order,
+    the read for the i-th comes right after the write-back of the (i - host_window)-th (the
+    group leaving the window frees the buffer it enters); the first ``host_window`` reads come
+    where the step's updates become certain: right after the first ``B`` (the runtime issues
+    SSD transfers, like updates, only in the backward that completes a step, so under gradient
+    accumulation the other backwards read nothing), or, when the updates are deferred to the
+    next forward (``GN`` actions: exact clipping), right before the first deferred ``U`` (the
+    previous step's deferred updates still hold the buffers during this step).
+
+    >>> from shfx.passes.stages import chain
+    >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 OG0 U0".split()]
+    >>> " ".join(map(str, add_ssd_transfers(acts, {0, 1}, 1)))
+    'F0 F1 B1 SR1 OG1 U1 SW1 SR0 B0 OG0 U0 SW0'
+    >>> " ".join(map(str, add_ssd_transfers(acts, {0, 1}, 2)))
+    'F0 F1 B1 SR1 SR0 OG1 U1 SW1 B0 OG0 U0 SW0'
+    """
+    if not ssd_groups:
+        return list(acts)
+    if isinstance(host_window, bool) or not isinstance(host_window, int) or host_window < 1:
+        raise ScheduleError(f"the SSD tier needs a host window >= 1, got {host_window!r}")
+    order = [a.stage for a in acts if a.kind == U and a.stage in ssd_groups]
+    if len(set(order)) != len(order):
+        raise ScheduleError(f"each SSD group is updated once per step; the updates are {' '.join(f'U{g}' for g in order)}")
+    missing = sorted(set(ssd_groups) - set(order))
+    if missing:
+        raise ScheduleError(f"groups {missing} are placed on the SSD but the program has no host update (U) for them")
+    then_read = {order[i - host_window]: order[i] for i in range(host_window, len(order))}
+    first = [Action(SR, g) for g in order[:host_window]]
+    deferred = any(a.kind == GN for a in acts)
+    first_u = next(i for i, a in enumerate(acts) if a.kind == U)
+    first_b = next((i for i, a in enumerate(acts) if a.kind == B), None)
+    start, before = (first_u, True) if deferred or first_b is None or first_b > first_u else (first_b, False)
+    out: list[Action] = []
+    for i, a in enumerate(acts):
+        if i == start and before:
+            out += first
+        out.append(a)
+        if i == start and not before:
+            out += first
+        if a.kind == U and a.stage in ssd_groups:
+            out.append(Action(SW, a.stage))
+            if a.stage in then_read:
+                out.append(Action(SR, then_read[a.stage]))
+    return out

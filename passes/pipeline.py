@@ -35,7 +35,7 @@ from .ledger import Ledger, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
-from .program import Program, ScheduleError
+from .program import NVME_RUNTIME_MISSING, Program, ScheduleError
 from .schedule import cold_backward_program, eval_program
 from .stages import StageSpec
 from .verify import verify_program
@@ -65,6 +65,10 @@ class PipelineOptions:
             fp32 master weights; :func:`shfx.passes.layout.precision_dtype`).
         fp32_norms: in mixed precision, keep LayerNorm/RMSNorm parameters in fp32 on the device
             (:func:`shfx.passes.capture.cast_for_device`).
+        plan_only: the programs are built to plan, simulate and compare, not to run (the
+            planner, ``shfx compare``): what the runtime cannot run yet is allowed. Without it a
+            policy with the NVMe tier (``nvme=True``), and any program with SSD reads or writes,
+            is refused up front (:data:`shfx.passes.program.NVME_RUNTIME_MISSING`).
     """
 
     policy: Any = "stronghold"
@@ -76,6 +80,7 @@ class PipelineOptions:
     device: str | None = None
     precision: str = "fp32"
     fp32_norms: bool = False
+    plan_only: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
@@ -86,9 +91,12 @@ class PipelineOptions:
         object.__setattr__(self, "policy", resolve_policy(self.policy, self.window))
         if self.num_stages is not None and (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1):
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
-        for name in ("verify", "verify_each_pass", "fp32_norms"):
+        for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if getattr(self.policy, "nvme", False) and not self.plan_only:
+            # NOTE: refused here, when shfx.compile builds its options, so no step starts
+            raise ScheduleError(f"{self.policy!r}: {NVME_RUNTIME_MISSING}")
 
 
 @dataclass
@@ -232,6 +240,8 @@ def compile_variant(
         passes.append("choose")
     verify = options.verify or options.verify_each_pass
     train, ev, cold = build_programs(graph.specs, policy, verify=verify)
+    if train.ssd_groups and not options.plan_only:  # (a hand-written program: a policy with nvme=True is refused earlier)
+        raise ScheduleError(f"program {train.name!r} reads and writes optimizer states on the SSD: {NVME_RUNTIME_MISSING}")
     if captured.working_dtype is not None and train.device_groups():
         groups_ = sorted(train.device_groups())
         raise ScheduleError(

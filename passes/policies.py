@@ -44,8 +44,10 @@ from .lowering import (
     add_param_copyback,
     add_prefetch_release,
     add_refresh,
+    add_ssd_transfers,
     add_updates_after_backward,
     add_updates_in_backward,
+    check_host_window,
     check_window,
     checked_stages,
     compute_order,
@@ -103,6 +105,12 @@ class Placement:
             prefetch of a stage waits for the updates of the groups it reads).
         refresh: after the host updates, refresh the persistent stages' slots with the new
             weights (a PREFETCH of each; with ``"next-forward"``, at the start of the program).
+        ssd_groups: the NVMe tier: host-updated groups whose optimizer states (AdamW m, v) live
+            on the SSD, read into a host-window buffer before their update and written back
+            after it (empty: every state in host RAM).
+        host_window: how many of those groups' states are on the host at once (its buffers).
+        ssd_masters: the SSD holds those groups' fp32 master weights too (mixed precision: the
+            masters are a buffer of their own, read only by the update).
     """
 
     persistent: tuple[int, ...]
@@ -112,6 +120,9 @@ class Placement:
     device_groups: frozenset[int]
     updates: Updates
     refresh: bool = False
+    ssd_groups: frozenset[int] = frozenset()
+    host_window: int = 0
+    ssd_masters: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -139,8 +150,13 @@ class Policy:
 
     @property
     def auto(self) -> tuple[str, ...]:
-        """The fields left to the tuner (``"auto"``)."""
-        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) == "auto")  # type: ignore[arg-type]
+        """The fields left to the tuner (``"auto"``); a field that does not apply (the host
+        window without the NVMe tier) is not."""
+        off = self._inactive()
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) == "auto" and f.name not in off)  # type: ignore[arg-type]
+
+    def _inactive(self) -> set[str]:
+        return set()
 
     def replace(self, **changes: Any) -> Policy:
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
@@ -174,16 +190,60 @@ def _concrete(policy: Policy) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Stronghold(Policy):
+class _NVMe:
+    """The NVMe tier as fields of a policy that updates on the host (:class:`Stronghold`,
+    :class:`ZeroInfinity`): ``nvme`` puts the optimizer states (AdamW m, v) of every
+    host-updated group on the SSD, ``nvme_masters`` their fp32 master weights too (mixed
+    precision only: in fp32 the master is the image a PREFETCH sends), and ``host_window``
+    bounds how many groups' states are on the host at once (``"auto"``: the tuner's choice)."""
+
+    def _check_nvme(self, cls: str) -> None:
+        _check_flag(cls, "nvme", self.nvme)
+        _check_flag(cls, "nvme_masters", self.nvme_masters)
+        _positive_or_auto(cls, "host_window", self.host_window, 1)
+        if self.nvme_masters and not self.nvme:
+            raise ValueError(f"{cls}(nvme_masters=True) puts the master weights on the SSD, which needs nvme=True")
+
+    def _inactive(self) -> set[str]:
+        return set() if self.nvme else {"host_window"}
+
+    def _ssd(self, stages: Sequence[StageSpec], host_groups: frozenset[int]) -> dict[str, Any]:
+        """The Placement fields of the NVMe tier for these host-updated groups."""
+        if not self.nvme or not host_groups:
+            return {}
+        return {
+            "ssd_groups": host_groups,
+            "host_window": check_host_window(self.host_window, len(host_groups)),
+            "ssd_masters": self.nvme_masters,
+        }
+
+    def _nvme_name(self, placement: Placement) -> str:
+        if not placement.ssd_groups:
+            return ""
+        return f", nvme H={placement.host_window}" + (" with masters" if placement.ssd_masters else "")
+
+    def __repr__(self) -> str:
+        # NOTE: the NVMe fields are shown only when the tier is on, so a policy without it
+        # reads (and prints in reports) as before the tier existed
+        nv = ("nvme", "nvme_masters", "host_window")
+        shown = [f for f in dataclasses.fields(self) if self.nvme or f.name not in nv]  # type: ignore[arg-type]
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
+
+
+@dataclass(frozen=True, repr=False)
+class Stronghold(_NVMe, Policy):
     """STRONGHOLD: a sliding window of ``window`` stages on the device, transfers overlapped
     with compute, each group updated on the host as soon as its gradients land; the first
     ``resident_first`` stages stay on the device with their optimizer, so the next forward
-    starts without waiting for their host updates.
+    starts without waiting for their host updates. With ``nvme=True`` the optimizer states of
+    the host-updated groups live on the SSD, ``host_window`` groups' at a time on the host
+    (:class:`_NVMe`).
 
     >>> from shfx.passes.stages import chain
     >>> " ".join(Stronghold(window=2, resident_first=1).program(chain(4)).actions())
     'PF1 PF2 F0 F1 R1 PF3 F2 F3 B3 OG3 U3 R3 PF1 B2 OG2 U2 R2 B1 OG1 U1 R1 B0 DU0'
+    >>> " ".join(Stronghold(window=2, nvme=True, host_window=1).program(chain(3)).actions())
+    'PF0 PF1 F0 R0 PF2 F1 F2 B2 SR2 OG2 U2 SW2 SR1 R2 PF0 B1 OG1 U1 SW1 SR0 R1 B0 OG0 U0 SW0 R0'
     """
 
     name: ClassVar[str] = "stronghold"
@@ -191,11 +251,15 @@ class Stronghold(Policy):
     window: int | Literal["auto"] = 2
     resident_first: int | Literal["auto"] = 0
     deferred_update: bool = False
+    nvme: bool = False
+    host_window: int | Literal["auto"] = "auto"
+    nvme_masters: bool = False
 
     def __post_init__(self) -> None:
         _positive_or_auto("Stronghold", "window", self.window, 1)
         _positive_or_auto("Stronghold", "resident_first", self.resident_first, 0)
         _check_flag("Stronghold", "deferred_update", self.deferred_update)
+        self._check_nvme("Stronghold")
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
         _concrete(self)
@@ -204,12 +268,15 @@ class Stronghold(Policy):
         rest = n - k
         w = check_window(self.window, rest) if rest else 0
         when: Updates = "next-forward" if self.deferred_update else "backward"
-        return Placement(tuple(range(k)), tuple(range(k, n)), w, w, _update_groups(stages, range(k)), when)
+        dev = _update_groups(stages, range(k))
+        ssd = self._ssd(stages, _update_groups(stages) - dev)
+        return Placement(tuple(range(k)), tuple(range(k, n)), w, w, dev, when, **ssd)
 
     def program_name(self, placement: Placement) -> str:
         k = len(placement.persistent)
-        name = f"stronghold(W={placement.slots})" if k == 0 else f"stronghold(W={placement.slots}, k={k})"
-        return name[:-1] + ", deferred update)" if self.deferred_update else name
+        name = f"stronghold(W={placement.slots}" + ("" if k == 0 else f", k={k}")
+        name += ", deferred update" if self.deferred_update else ""
+        return name + self._nvme_name(placement) + ")"
 
 
 @dataclass(frozen=True)
@@ -291,34 +358,46 @@ class ZeroOffload(Policy):
         return "zero-offload(delayed update)" if self.delayed_update else "zero-offload"
 
 
-@dataclass(frozen=True)
-class ZeroInfinity(Policy):
+@dataclass(frozen=True, repr=False)
+class ZeroInfinity(_NVMe, Policy):
     """ZeRO-Infinity: parameters, gradients and optimizer states on the host; each stage fetched
     on demand ``lookahead`` stages ahead of its use and released right after it; the host
-    updates every group after the backward.
+    updates every group after the backward. With ``nvme=True`` (ZeRO-Infinity's NVMe tier) the
+    optimizer states live on the SSD, ``host_window`` groups' at a time on the host
+    (:class:`_NVMe`).
 
     >>> from shfx.passes.stages import chain
     >>> " ".join(ZeroInfinity().program(chain(3)).actions())
     'PF0 PF1 F0 R0 PF2 F1 R1 F2 R2 PF2 PF1 B2 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0 U0 U1 U2'
+    >>> " ".join(ZeroInfinity(nvme=True, host_window=2).program(chain(3)).actions()[-10:])
+    'B0 OG0 R0 U0 SW0 SR2 U1 SW1 U2 SW2'
     """
 
     name: ClassVar[str] = "zero-infinity"
     lookahead: int = 1
     deferred_update: bool = False
+    nvme: bool = False
+    host_window: int | Literal["auto"] = "auto"
+    nvme_masters: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 1:
             raise ValueError(f"ZeroInfinity(lookahead=...) must be an int >= 1, got {self.lookahead!r}")
         _check_flag("ZeroInfinity", "deferred_update", self.deferred_update)
+        self._check_nvme("ZeroInfinity")
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        _concrete(self)
         n = len(stages)
         when: Updates = "next-forward" if self.deferred_update else "after-backward"
-        return Placement((), tuple(range(n)), min(self.lookahead + 1, n), 0, frozenset(), when)
+        ssd = self._ssd(stages, _update_groups(stages))
+        return Placement((), tuple(range(n)), min(self.lookahead + 1, n), 0, frozenset(), when, **ssd)
 
     def program_name(self, placement: Placement) -> str:
         name = "zero-infinity" if self.lookahead == 1 else f"zero-infinity(lookahead={self.lookahead})"
-        return name + "(deferred update)" if self.deferred_update else name
+        name = name + "(deferred update)" if self.deferred_update else name
+        nv = self._nvme_name(placement)
+        return name + f"({nv[2:]})" if nv else name
 
 
 @dataclass(frozen=True)
@@ -445,10 +524,15 @@ def policy_actions(policy: Policy, stages: Sequence[StageSpec]) -> list[Action]:
         acts = add_updates_after_backward(acts, stages, pl.device_groups)
     if pl.updates == "next-forward":
         acts = add_deferred_updates(acts, stages)
-        return add_leading_refresh(acts, stages, pl.persistent, pl.device_groups) if pl.refresh else acts
+        acts = add_leading_refresh(acts, stages, pl.persistent, pl.device_groups) if pl.refresh else acts
+        return _with_ssd(acts, pl)
     if pl.refresh:
         acts = add_refresh(acts, pl.persistent)
-    return acts
+    return _with_ssd(acts, pl)
+
+
+def _with_ssd(acts: list[Action], pl: Placement) -> list[Action]:
+    return add_ssd_transfers(acts, pl.ssd_groups, pl.host_window) if pl.ssd_groups else acts
 
 
 def lower_policy(policy: Policy, stages: Sequence[StageSpec]) -> Program:
@@ -457,7 +541,10 @@ def lower_policy(policy: Policy, stages: Sequence[StageSpec]) -> Program:
     stages = checked_stages(stages)
     pl = policy.placement(stages)
     acts = policy_actions(policy, stages)
-    prog = lower_actions(acts, stages, pl.num_slots, name=policy.program_name(pl), persistent=pl.persistent)
+    prog = lower_actions(
+        acts, stages, pl.num_slots, name=policy.program_name(pl), persistent=pl.persistent,
+        ssd_groups=pl.ssd_groups, host_window=pl.host_window, ssd_masters=pl.ssd_masters,
+    )  # fmt: skip
     prog.updates_outside = pl.updates == "next-step"
     return prog
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import B, DU, F, GN, KINDS, OB, OG, OP, PF, R, STREAMS, U, Action, ActionKind
+from .actions import B, DU, F, GN, KINDS, OB, OG, OP, PF, R, SR, STREAMS, SW, U, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -46,7 +46,36 @@ __all__ = [
     "DU",
     "OP",
     "GN",
+    "SR",
+    "SW",
+    "OPTIMIZER_STATES",
+    "ssd_bytes_of",
+    "NVME_RUNTIME_MISSING",
 ]
+
+OPTIMIZER_STATES = 2
+"""Optimizer states per parameter group (AdamW's m and v): what an SSD read or write moves."""
+
+NVME_RUNTIME_MISSING = (
+    "the NVMe tier's runtime is not built yet: programs with SSD reads and writes (SR/SW) plan, verify and "
+    "simulate (shfx plan --ssd 2TB, shfx.cost_model.simulate.simulate, shfx.cost_model.tune.tune_window, "
+    "shfx.cost_model.planner.memory_for_model) but shfx.compile cannot run them; train without nvme=True "
+    "(states in host RAM) for now"
+)
+"""The refusal ``shfx.compile`` raises up front for a policy with the NVMe tier (and the engine,
+should a program with SSD actions reach it)."""
+
+
+def ssd_bytes_of(spec: StageSpec, masters: bool = False) -> int:
+    """Bytes one SSD read (or write-back) of the group ``spec`` owns moves: its optimizer states
+    (``OPTIMIZER_STATES`` x ``state_bytes``, in the state dtype the layout gives: fp32 AdamW m and
+    v) and, with ``masters``, its master weights (``update_bytes``: fp32).
+
+    >>> from shfx.passes.stages import chain
+    >>> ssd_bytes_of(chain(1, prefetch_bytes=1000)[0]), ssd_bytes_of(chain(1, prefetch_bytes=1000)[0], masters=True)
+    (2000, 3000)
+    """
+    return OPTIMIZER_STATES * spec.state_bytes + (spec.update_bytes if masters else 0)
 
 
 class ScheduleError(ValueError):
@@ -73,6 +102,8 @@ class ActionMeta:
         refresh: PREFETCH only: the stage is already resident (persistent) and its slot is
             refreshed with the parameters the host optimizer updated.
         cost_s: predicted duration, filled by the cost model (None until annotated).
+        buffer: SSD_READ and SSD_WRITE only: the host-window buffer (``0..host_window-1``) the
+            group's optimizer state is read into and written back from.
     """
 
     action: Action
@@ -83,6 +114,7 @@ class ActionMeta:
     cost_s: float | None = None
     grads_to: str | None = None
     refresh: bool = False
+    buffer: int | None = None
 
     @property
     def kind(self) -> ActionKind:
@@ -108,6 +140,12 @@ class Program:
         persistent: stages resident across steps, in slots ``0..len(persistent)-1``.
         updates_outside: the host updates are not in the program: the runtime runs them
             between steps (ZeRO-Offload's delayed update); the verifier does not ask for them.
+        ssd_groups: the host-updated groups whose optimizer states (and, with ``ssd_masters``,
+            master weights) live on the SSD (the NVMe tier): each update is preceded by an
+            SSD_READ into a host-window buffer and followed by an SSD_WRITE; empty: no SSD tier.
+        host_window: how many of those groups' states may be on the host at once (the
+            host-window buffers); 0 without the SSD tier.
+        ssd_masters: the SSD holds those groups' fp32 master weights too.
     """
 
     def __init__(
@@ -118,6 +156,10 @@ class Program:
         name: str = "custom",
         persistent: Sequence[int] = (),
         updates_outside: bool = False,
+        *,
+        ssd_groups: Iterable[int] = (),
+        host_window: int = 0,
+        ssd_masters: bool = False,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -126,6 +168,15 @@ class Program:
         #: stages resident before the step and after it, in slots 0..len-1 (loaded once)
         self.persistent = tuple(persistent)
         self.updates_outside = updates_outside
+        self.ssd_groups = frozenset(ssd_groups)
+        self.host_window = host_window
+        self.ssd_masters = ssd_masters
+
+    @property
+    def tier(self) -> dict:
+        """The NVMe tier's facts, as keyword arguments of :class:`Program` and
+        :func:`lower_actions` (for derived programs)."""
+        return {"ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters}
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -154,15 +205,16 @@ class Program:
         raise KeyError(f"{action} is not in program {self.name!r}")
 
     def bytes_moved(self, phase: str | None = None) -> dict[str, int]:
-        """Bytes the program moves per direction: ``{"h2d": ..., "d2h": ...}``."""
-        out = {"h2d": 0, "d2h": 0}
+        """Bytes the program moves per direction: ``{"h2d": ..., "d2h": ...}``; a program with
+        the NVMe tier also ``"ssd_read"`` and ``"ssd_write"``."""
+        out = {"h2d": 0, "d2h": 0} | ({"ssd_read": 0, "ssd_write": 0} if self.ssd_groups else {})
         for n in self.nodes:
             m = get_meta(n)
             if phase is not None and m.phase != phase:
                 continue
             moves = KINDS[m.kind].moves
             if moves is not None:
-                out[moves] += m.bytes
+                out[moves] = out.get(moves, 0) + m.bytes
         return out
 
     def slot_sizes(self) -> list[int]:
@@ -237,21 +289,27 @@ class Program:
         for n in self.graph.nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
             env[n].meta = dict(n.meta)
-        return Program(g, self.stages, self.num_slots, self.name, self.persistent, self.updates_outside)
+        return Program(g, self.stages, self.num_slots, self.name, self.persistent, self.updates_outside, **self.tier)
 
     # ---- printing ------------------------------------------------------------------------
     def format(self, mark: fx.Node | None = None) -> str:
         """A table of the program, one action per row; ``mark`` gets an arrow (used on failure)."""
+        moved = self.bytes_moved()
+        ssd = (
+            f"; SSD: {len(self.ssd_groups)} groups' states, host window {self.host_window}, "
+            f"{format_bytes(moved['ssd_read'])} read, {format_bytes(moved['ssd_write'])} written per step"
+            if self.ssd_groups else ""
+        )  # fmt: skip
         rows = [
             f"program {self.name!r}: {len(self.stages)} stages, {self.num_slots} slots, "
-            f"{len(self.nodes)} actions; moves {format_bytes(self.bytes_moved()['h2d'])} h2d, "
-            f"{format_bytes(self.bytes_moved()['d2h'])} d2h per step",
+            f"{len(self.nodes)} actions; moves {format_bytes(moved['h2d'])} h2d, "
+            f"{format_bytes(moved['d2h'])} d2h per step{ssd}",
             f"  {'#':>4}  {'action':<7} {'phase':<9} {'stream':<8} {'slot':>4} {'bytes':>11}  waits for",
         ]
         for i, n in enumerate(self.nodes):
             m = get_meta(n)
             deps = ", ".join(str(get_meta(d).action) for d in self.deps(n)) or "-"
-            slot = "" if m.slot is None else str(m.slot)
+            slot = f"h{m.buffer}" if m.buffer is not None else "" if m.slot is None else str(m.slot)
             nbytes = format_bytes(m.bytes) if m.bytes else ""
             arrow = "->" if n is mark else "  "
             flag = "  (keeps graph)" if m.keep_graph else ""
@@ -277,6 +335,9 @@ def lower_actions(
     name: str = "custom",
     keep_graph: bool = True,
     persistent: Sequence[int] = (),
+    ssd_groups: Iterable[int] = (),
+    host_window: int = 0,
+    ssd_masters: bool = False,
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
@@ -297,6 +358,12 @@ def lower_actions(
       - ``DU g`` (on the device, in the slot of the stage that owns ``g``) waits for ``B j`` of
         every stage ``j`` that sends gradients to ``g``; ``OP s`` waits for ``DU`` of the group
         stage ``s`` owns.
+      - The NVMe tier (``ssd_groups``: groups whose optimizer states live on the SSD,
+        ``host_window``: host buffers for them): ``SR g`` takes the lowest free host-window
+        buffer and waits for the ``SW`` that last freed it; ``U g`` of such a group waits for its
+        ``SR g`` (the state must be on the host); ``SW g`` waits for ``U g`` and frees the buffer.
+        Each moves the group's :func:`ssd_bytes_of` (masters too with ``ssd_masters``). Like the
+        updates, SSD actions after the ``GN`` actions are in phase ``"next-forward"``.
     ``persistent`` stages are resident before the first action, in slots ``0..k-1``, and stay
     resident (they may not be released). The phase is ``"forward"`` up to the first ``B`` and
     ``"backward"`` after it; updates after the ``GN`` actions end the program and are in phase
@@ -319,6 +386,18 @@ def lower_actions(
         raise ScheduleError(f"persistent stages {persistent} must be distinct stages of the program")
     if len(persistent) > num_slots:
         raise ScheduleError(f"{len(persistent)} persistent stages need more than the program's {num_slots} slots")
+    ssd_groups = frozenset(ssd_groups)
+    if isinstance(host_window, bool) or not isinstance(host_window, int) or host_window < 0:
+        raise ScheduleError(f"host_window must be an int >= 0 (host buffers for SSD-resident optimizer states), got {host_window!r}")
+    if ssd_groups and host_window < 1:
+        raise ScheduleError(
+            f"groups {sorted(ssd_groups)} keep their optimizer states on the SSD, so the program needs host_window >= 1 "
+            "(host buffers to update them in), got 0"
+        )
+    buffers_free = list(range(host_window))  # host-window buffers, lowest first
+    buffer_freed_by: dict[int, fx.Node] = {}  # buffer -> the SW that last freed it
+    on_host: dict[int, tuple[int, fx.Node]] = {}  # group -> (buffer, its SR)
+    updated: set[int] = set()  # groups on the host whose update ran since their SR
     graph = fx.Graph()
     free = list(range(len(persistent), num_slots))  # free slots, lowest first
     last_release: dict[int, fx.Node] = {}  # slot -> R that freed it
@@ -370,12 +449,45 @@ def lower_actions(
         elif k == ActionKind.FORWARD and phase == "backward":
             raise fail(pos, act, "a FORWARD cannot come after the first BACKWARD of a step")
 
-        if deferred and not (k == ActionKind.CPU_STEP and norms):
-            raise fail(pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they must end the program")
-        if k == ActionKind.CPU_STEP and norms:
+        buffer: int | None = None
+        if deferred and not (k in (ActionKind.CPU_STEP, SR, SW) and norms):
+            raise fail(
+                pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they (and their SSD "
+                "reads and writes) must end the program"
+            )
+        if k in (SR, SW):
+            if s not in owner_of:
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            if s not in ssd_groups:
+                where = f"only groups {sorted(ssd_groups)} are" if ssd_groups else "no group is"
+                raise fail(pos, act, f"group {s}'s optimizer state is not placed on the SSD ({where}; ssd_groups=...)")
+            nbytes = ssd_bytes_of(by_index[owner_of[s]], ssd_masters)
+            if k == SR:
+                if s in on_host:
+                    raise fail(pos, act, f"group {s}'s state is already on the host in buffer {on_host[s][0]}")
+                if not buffers_free:
+                    held = ", ".join(f"buffer {b}: group {g}" for g, (b, _) in sorted(on_host.items()))
+                    raise fail(pos, act, f"all {host_window} host-window buffers are in use ({held}); write one back first (SW)")
+                buffer = buffers_free.pop(0)
+                if buffer in buffer_freed_by:
+                    deps.append(buffer_freed_by[buffer])
+            else:
+                if s not in on_host:
+                    raise fail(pos, act, f"group {s}'s state is not on the host; read it first (SR{s})")
+                buffer = on_host[s][0]
+                deps.append(need(pos, act, Action(ActionKind.CPU_STEP, s), "the update whose state it writes back"))
+                if s not in updated:
+                    raise fail(pos, act, f"it writes back group {s}'s state, but U{s} has not updated it since SR{s}")
+            if norms and not deferred:
+                deferred = True
+        elif k == ActionKind.CPU_STEP and norms:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             deps.extend(norms)
+            if s in ssd_groups:
+                if s not in on_host:
+                    raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
+                deps.append(on_host[s][1])
             deferred = True
         elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM):
             if s not in owner_of:
@@ -384,6 +496,10 @@ def lower_actions(
                 raise fail(pos, act, f"group {s} is updated on the device (DU{s}) in this program, not on the host")
             for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
+            if k == ActionKind.CPU_STEP and s in ssd_groups:
+                if s not in on_host:
+                    raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
+                deps.append(on_host[s][1])
         elif k == ActionKind.DEVICE_STEP:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
@@ -482,9 +598,20 @@ def lower_actions(
         node = graph.create_node("call_function", KINDS[k].op, (s, *_dedupe(deps)), {}, name=str(act).lower())
         set_meta(node, ActionMeta(
             action=act, phase="next-forward" if deferred else phase, slot=slot, bytes=nbytes, grads_to=grads_to,
-            refresh=refresh,
+            refresh=refresh, buffer=buffer,
         ))  # fmt: skip
         last[act] = node
+        if k == SR:
+            on_host[s] = (buffer, node)
+            updated.discard(s)
+        elif k == ActionKind.CPU_STEP and s in on_host:
+            updated.add(s)
+        elif k == SW:
+            on_host.pop(s)
+            updated.discard(s)
+            buffer_freed_by[buffer] = node
+            buffers_free.append(buffer)
+            buffers_free.sort()
         if k == ActionKind.GRAD_NORM:
             norms.append(node)
         if k == ActionKind.PREFETCH:
@@ -500,7 +627,8 @@ def lower_actions(
     if keep_graph:
         _mark_keep_graph(graph)
     graph.output(None)
-    return Program(graph, stages, num_slots, name, persistent)
+    return Program(graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters)
+
 
 
 def _dedupe(nodes: list[fx.Node]) -> list[fx.Node]:

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from .meta import get_meta, set_meta
 from .policies import schedule_window, window_actions
-from .program import PF, R, Action, Program, lower_actions
+from .program import PF, R, U, Action, Program, lower_actions
 
 __all__ = [
     "eval_program",
@@ -48,7 +48,8 @@ def eval_program(program: Program) -> Program:
     acts = [get_meta(n).action for n in program.phase_nodes("forward")]
     acts += [Action(R, s) for s in resident_after_forward(program) if s not in program.persistent]
     ev = lower_actions(
-        acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False, persistent=program.persistent
+        acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False, persistent=program.persistent,
+        **program.tier,
     )
     ev.updates_outside = program.updates_outside
     return ev
@@ -68,7 +69,7 @@ def cold_backward_program(program: Program) -> Program:
     # first B, so mark them by lowering and then fixing the phase.
     prog = lower_actions(
         acts, program.stages, program.num_slots, name=f"{program.name}/cold-backward", keep_graph=False,
-        persistent=program.persistent,
+        persistent=program.persistent, **program.tier,
     )  # fmt: skip
     for n in prog.nodes:
         m = get_meta(n)
@@ -86,6 +87,8 @@ def deferred_updates(program: Program) -> list[fx.Node]:
 
 def groups_read(program: Program, stage: int) -> set[int]:
     """The trainable groups whose weights a PREFETCH of ``stage`` copies (owned and borrowed)."""
+    if not 0 <= stage < len(program.stages):  # (a broken program: the verifier's residency rule names it)
+        return set()
     st = program.stages[stage]
     return set(st.grad_groups) | ({st.update_group} if st.update_group is not None else set())
 
@@ -96,7 +99,8 @@ def steady_state_program(program: Program) -> Program:
     wait for nothing of this step), every PREFETCH of a stage waiting for the previous updates
     of the groups it reads, and this step's own updates left out (they belong to the next
     step). The previous updates are in phase ``"forward"`` (the runtime's backward starts after
-    them). A program without deferred updates is returned as it is.
+    them); with the NVMe tier their SSD reads and writes come along, keeping the waits among
+    them. A program without deferred updates is returned as it is.
 
     The simulator times this program (:func:`shfx.cost_model.simulate.simulate`) and the
     verifier checks the step boundary on it (:func:`shfx.passes.verify.verify_program`).
@@ -114,21 +118,27 @@ def steady_state_program(program: Program) -> Program:
         return program
     graph = fx.Graph()
     prev: dict[int, fx.Node] = {}
+    in_tail: dict[fx.Node, fx.Node] = {}
     for n in tail:
         m = get_meta(n)
-        node = graph.create_node("call_function", n.target, (m.stage,), {}, name=f"{n.name}_prev")
+        deps = tuple(in_tail[d] for d in program.deps(n) if d in in_tail)  # (SR -> U -> SW; not the GNs)
+        node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=f"{n.name}_prev")
         set_meta(node, replace(m, phase="forward"))
-        prev[m.stage] = node
+        in_tail[n] = node
+        if m.kind == U:
+            prev[m.stage] = node
     env: dict[fx.Node, fx.Node] = {}
     for n in program.nodes:
         m = get_meta(n)
         if m.phase == "next-forward":
             continue
-        deps = [env[d] for d in program.deps(n)]
+        # (an edge to a later or unknown action, or into the deferred tail, has no counterpart
+        # here; the verifier's order and step-boundary rules report such programs)
+        deps = [env[d] for d in program.deps(n) if d in env]
         if m.kind == PF:
             deps += [prev[g] for g in sorted(groups_read(program, m.stage)) if g in prev]
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=n.name)
         set_meta(node, m)
         env[n] = node
     graph.output(None)
-    return Program(graph, program.stages, program.num_slots, f"{program.name}/steady", program.persistent)
+    return Program(graph, program.stages, program.num_slots, f"{program.name}/steady", program.persistent, **program.tier)

@@ -37,7 +37,7 @@ A rule is a function of a :class:`ProgramView` (the program's issue order, reach
 residency, computed once) yielding ``(action or None, message)``:
 
 >>> [rule.__name__ for rule in RULES]
-['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary']
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier']
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from .meta import get_meta
 from .actions import KINDS
-from .program import B, DU, F, GN, OB, OG, OP, PF, R, U, ActionKind, Program, ScheduleError
+from .program import B, DU, F, GN, OB, OG, OP, PF, R, SR, SW, U, ActionKind, Program, ScheduleError
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -412,8 +412,10 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
         m = get_meta(n)
         if m.phase != "next-forward":
             yield n, f"{v.act(n)} comes after the deferred updates, which must end the program"
+        elif m.kind in (SR, SW):
+            continue  # the NVMe tier's reads and write-backs of the deferred updates (rule 8)
         elif m.kind != U:
-            yield n, f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs may be"
+            yield n, f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs (and their SSD reads and writes) may be"
         else:
             for d in norms:
                 if not v.waits_done(n, d):
@@ -427,7 +429,7 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
         if c != 1:
             yield None, f"GN{g} appears {c} times; a program deferring its updates needs it exactly once per host group"
     steady = steady_state_program(v.program)
-    prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev")}
+    prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev") and get_meta(n).kind == U}
     sv = ProgramView(steady, "auto")
     fetched: set[int] = set()
     # (a backward-only program, the cold backward, follows this step's forward: that refreshed)
@@ -453,7 +455,88 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
             fetched.add(m.stage)  # reported once per stage
 
 
-RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary)
+def ssd_tier(v: ProgramView) -> Iterator[Violation]:
+    """8. The NVMe tier: an SSD_READ or SSD_WRITE names a group some stage owns, updated on the
+    host and placed on the SSD (``program.ssd_groups``); reads fill a buffer in
+    ``0..host_window-1`` that no group holds, waiting for the SSD_WRITE that freed it, so at most
+    ``host_window`` groups' states are on the host; a CPU_STEP of an SSD group waits for the read
+    that brought its state (all of it: the read's end); an SSD_WRITE writes back from the buffer
+    its read filled and waits for the group's update since that read; a train program reads and
+    writes each SSD group exactly once (when it runs the host updates) and ends with every
+    state back on the SSD."""
+    p = v.program
+    ssd, hw = p.ssd_groups, p.host_window
+    held: dict[int, tuple[int | None, fx.Node]] = {}  # group -> (buffer, its SR)
+    holder: dict[int, int] = {}  # buffer -> group
+    freed_by: dict[int, fx.Node] = {}  # buffer -> the SW that freed it
+    updated: dict[int, fx.Node] = {}  # group -> its U since its SR
+    counts: dict[tuple[ActionKind, int], int] = {}
+    for n in v.nodes:
+        m = get_meta(n)
+        k, g = m.kind, m.stage
+        if k in (SR, SW):
+            counts[(k, g)] = counts.get((k, g), 0) + 1
+            if g not in v.owner_of:
+                yield n, f"{v.act(n)} moves group {g}'s optimizer state, but no stage owns group {g}"
+                continue
+            if g in v.device_groups:
+                yield n, f"{v.act(n)} moves group {g}'s optimizer state, but DU{g} updates it on the device (its state is there)"
+                continue
+            if g not in ssd:
+                where = f"only groups {sorted(ssd)} are" if ssd else "no group is"
+                yield n, f"{v.act(n)} moves group {g}'s optimizer state, which is not placed on the SSD ({where})"
+                continue
+        if k == SR:
+            b = m.buffer
+            if b is None or not 0 <= b < hw:
+                yield n, f"{v.act(n)} reads into host-window buffer {b}, outside 0..{hw - 1}"
+                continue
+            if g in held:
+                yield n, f"{v.act(n)} reads group {g}'s state again while it is on the host (buffer {held[g][0]})"
+                continue
+            if b in holder:
+                yield n, f"{v.act(n)} fills host-window buffer {b} while group {holder[b]}'s state still holds it"
+            elif b in freed_by and not v.waits_done(n, freed_by[b]):
+                yield n, f"{v.act(n)} reuses host-window buffer {b} before {v.act(freed_by[b])} has written its state back"
+            held[g] = (b, n)
+            holder[b] = g
+            updated.pop(g, None)
+            if len(held) > hw:
+                yield n, f"{v.act(n)} puts {len(held)} groups' states on the host; the host window allows {hw}"
+        elif k == U and g in ssd:
+            if g not in held:
+                yield n, f"{v.act(n)} updates group {g}, whose optimizer state is on the SSD: no SR{g} brought it to the host"
+                continue
+            if not v.waits_done(n, held[g][1]):
+                yield n, f"{v.act(n)} does not wait for {v.act(held[g][1])}: it would update a state still being read"
+            updated[g] = n
+        elif k == SW:
+            if g not in held:
+                yield n, f"{v.act(n)} writes back group {g}'s state, which is not on the host (no SR{g} before it)"
+                continue
+            b, _ = held.pop(g)
+            holder.pop(b, None)
+            if m.buffer != b:
+                yield n, f"{v.act(n)} writes back from buffer {m.buffer}, but SR{g} read group {g}'s state into buffer {b}"
+            u = updated.pop(g, None)
+            if u is None:
+                yield n, f"{v.act(n)} writes back group {g}'s state before U{g} has updated it"
+            elif not v.waits_done(n, u):
+                yield n, f"{v.act(n)} does not wait for {v.act(u)}: it would write back a state being updated"
+            if b is not None:
+                freed_by[b] = n
+    for g, (b, _) in sorted(held.items()):
+        yield None, f"the program ends with group {g}'s state still on the host (buffer {b}); write it back (SW{g})"
+    runs_updates = any(get_meta(n).kind == U for n in v.nodes)
+    if runs_updates and not p.updates_outside:
+        for g in sorted(ssd - v.device_groups):
+            for k in (SR, SW):
+                c = counts.get((k, g), 0)
+                if c != 1:
+                    yield None, f"{k.value}{g} appears {c} times; a program updating group {g} on the SSD tier needs it exactly once"
+
+
+RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary, ssd_tier)
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 
 

@@ -383,7 +383,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="hardware profile (default V100-32GB-PCIe3 unless --device-memory is given)")
     p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device memory, e.g. '32GiB' (overrides the profile's)")
     p.add_argument("--host-memory", type=_bytes_arg, default=None, help="host RAM, e.g. '90GiB' (overrides the profile's)")
-    p.add_argument("--ssd", type=_bytes_arg, default=None, help="NVMe capacity for zero-infinity's spilled optimizer states")
+    p.add_argument("--ssd", type=_bytes_arg, default=None,
+                   help="NVMe capacity: adds stronghold+nvme and zero-infinity+nvme rows (the NVMe tier: optimizer states on "
+                        "the SSD, a host window of them in RAM); zero-infinity's own row spills there when host RAM overflows")
+    p.add_argument("--host-window", type=_positive_int, default=2,
+                   help="the NVMe tier's host window: groups whose optimizer states are in host RAM at once")
+    p.add_argument("--nvme-masters", action="store_true",
+                   help="the NVMe tier holds the fp32 master weights too (mixed precision only)")
     p.add_argument("--emulated", action="store_true",
                    help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
     p.add_argument("--policies", type=_policies_arg, default=list(policy_names()), help="comma-separated")
@@ -423,19 +429,35 @@ def _run_plan(args: argparse.Namespace) -> int:
         target = Target("custom", args.device_memory, args.host_memory, args.ssd or 0)
     family = _shape_from_args(args)
     kw = dict(workspace_bytes=args.workspace, allocator_slack=args.slack)
+    policies: list = list(args.policies)
+    if args.nvme_masters and not args.ssd:
+        raise ValueError("--nvme-masters puts master weights on the NVMe tier, which needs --ssd (its capacity)")
+    if args.ssd:  # the NVMe tier of the policies that have one, beside their host-only rows
+        from shfx.passes.policies import Stronghold, ZeroInfinity
+
+        tier = dict(nvme=True, host_window=args.host_window, nvme_masters=args.nvme_masters)
+        if "stronghold" in args.policies:
+            policies.append(Stronghold(window=args.window, resident_first=args.resident_first, **tier))
+        if "zero-infinity" in args.policies:
+            policies.append(ZeroInfinity(**tier))
     result = plan(
-        family, target, policies=args.policies, window=args.window, resident_first=args.resident_first,
+        family, target, policies=policies, window=args.window, resident_first=args.resident_first,
         max_layers=args.max_layers, **kw,
     )
     if args.json != "-":
         print(result)
     if args.layers is not None:
         print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")
-        for pol in args.policies:
-            bd = memory_model(
-                pol, family.with_layers(args.layers), target, window=args.window,
-                resident_first=(result.row(pol).breakdown.settings.get("resident_first", 0) if pol == "stronghold" else 0), **kw,
-            )
+        for pol, row in zip(policies, result.rows):
+            k = row.breakdown.settings.get("resident_first", 0)
+            if isinstance(pol, str):
+                bd = memory_model(
+                    pol, family.with_layers(args.layers), target, window=args.window,
+                    resident_first=(k if pol == "stronghold" else 0), **kw,
+                )
+            else:
+                pol = pol.replace(resident_first=k) if pol.name == "stronghold" else pol
+                bd = memory_model(pol, family.with_layers(args.layers), target, **kw)
             print(bd)
     if args.csv:
         print(f"csv: {result.to_csv(args.csv)}")

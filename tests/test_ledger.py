@@ -131,3 +131,53 @@ def test_ledger_of_a_synthetic_chain():
     pending = [c for e in tied.entries for c in e.changes if c.term == "pending tied gradient"]
     assert [(c.nbytes > 0) for c in pending] == [True, False]
     assert [e.event for e in tied.entries if any(c.term == "pending tied gradient" for c in e.changes)] == ["B2", "B0"]
+
+
+# ---- the NVMe tier: no runtime yet, so the replay against bytes computed by hand ---------------
+
+
+def test_ssd_tier_ledger_by_hand():
+    """chain(4) groups of 1000 B (fp32 state 1000 B each, AdamW m and v): with the NVMe tier the
+    SSD holds the 8 states, the host its masters, gradients and H buffers of one group's states
+    (2 x 1000 B) instead of the 8000 B of states; SSD reads and writes allocate nothing."""
+    from shfx.passes.ledger import HOST_WINDOW, SSD_TERMS
+
+    specs = chain(4, prefetch_bytes=1000)
+    base = replay(shfx.Stronghold(window=2).program(specs))
+    assert base.static("host") == {"master parameters (fp32)": 4000, "gradients (fp32)": 4000, "optimizer states (m, v)": 8000}
+    assert base.static("ssd") == {}
+    for h, window_bytes in ((1, 2000), (2, 4000), (4, 8000), (9, 8000)):  # 9 clamps to the 4 groups
+        led = replay(shfx.Stronghold(window=2, nvme=True, host_window=h).program(specs))
+        assert led.static("host") == {"master parameters (fp32)": 4000, "gradients (fp32)": 4000, HOST_WINDOW: window_bytes}
+        assert led.static("ssd") == {"optimizer states (m, v)": 8000}
+        assert led.peak("ssd") == 8000 and led.peak("host") == 8000 + window_bytes
+        assert set(led.terms_at_peak("ssd")) == set(SSD_TERMS)
+        # the device side is the host-only program's, action for action
+        assert led.levels("device") == base.levels("device")
+        assert all(not e.changes for e in led.entries if e.event[:2] in ("SR", "SW"))
+    # stronghold k=1: group 0 is updated on the device (its states there), groups 1..3 on the SSD
+    led = replay(shfx.Stronghold(window=2, resident_first=1, nvme=True, host_window=1).program(specs))
+    assert led.static("ssd") == {"optimizer states (m, v)": 6000}
+    assert led.static("device")["optimizer states"] == 2000
+    assert led.static("host")[HOST_WINDOW] == 2000
+
+
+def test_ssd_tier_ledger_with_masters_and_unequal_groups():
+    """Mixed precision (a separate fp32 master: host group bytes 1500 with 500 of buffers, a
+    500 B 16-bit working copy): with nvme_masters the trainable master (update_bytes, 1000 B) of
+    every group moves to the SSD too, and each host buffer holds the largest group's read
+    (states and master: 3 x its bytes)."""
+    from dataclasses import replace
+
+    from shfx.passes.ledger import HOST_WINDOW
+
+    specs = [replace(s, update_bytes=1000 * (1 + s.index % 2), state_bytes=1000 * (1 + s.index % 2)) for s in chain(4, prefetch_bytes=1000)]
+    p = shfx.ZeroInfinity(nvme=True, host_window=2, nvme_masters=True).program(specs)
+    led = replay(p, group_bytes=[1500, 2500, 1500, 2500], working_bytes=[500, 1000, 500, 1000])
+    assert led.static("ssd") == {"optimizer states (m, v)": 2 * 6000, "master parameters (fp32)": 6000}
+    host = led.static("host")
+    assert host["master parameters (fp32)"] == 4 * 500  # buffers and constants stay on the host
+    assert host[HOST_WINDOW] == 2 * 3 * 2000
+    assert p.bytes_moved()["ssd_read"] == 3 * 6000
+    with pytest.raises(ValueError, match="only in mixed precision"):
+        replay(p, group_bytes=[1500, 2500, 1500, 2500])  # fp32: the master is the image

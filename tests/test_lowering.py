@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import shfx
 from shfx.passes.lowering import (
@@ -136,3 +137,118 @@ def test_pipeline_verifies_after_every_pass():
     with pytest.raises(ScheduleError, match="no chooser"):
         compile_variant(gpt_tied(), (x, y), {}, PipelineOptions(policy="stronghold", window="auto"))
     del torch
+
+
+# ---- the NVMe tier ---------------------------------------------------------------------------
+
+
+def test_add_ssd_transfers_reads_ahead_within_the_host_window():
+    from shfx.passes.actions import Action
+    from shfx.passes.lowering import add_ssd_transfers
+
+    acts = [Action.from_str(a) for a in "F0 F1 F2 B2 OG2 U2 B1 OG1 U1 B0 OG0 U0".split()]
+    # H=1: each read right after the write-back of the group leaving the window
+    assert s(add_ssd_transfers(acts, {0, 1, 2}, 1)) == "F0 F1 F2 B2 SR2 OG2 U2 SW2 SR1 B1 OG1 U1 SW1 SR0 B0 OG0 U0 SW0"
+    # H=2: two reads at the start of the backward, the third after the first write-back
+    assert s(add_ssd_transfers(acts, {0, 1, 2}, 2)) == "F0 F1 F2 B2 SR2 SR1 OG2 U2 SW2 SR0 B1 OG1 U1 SW1 B0 OG0 U0 SW0"
+    # H >= groups: every read at the start of the backward
+    assert s(add_ssd_transfers(acts, {0, 1, 2}, 5)) == "F0 F1 F2 B2 SR2 SR1 SR0 OG2 U2 SW2 B1 OG1 U1 SW1 B0 OG0 U0 SW0"
+    # only the groups placed on the SSD
+    assert s(add_ssd_transfers(acts, {1}, 1)) == "F0 F1 F2 B2 SR1 OG2 U2 B1 OG1 U1 SW1 B0 OG0 U0"
+    assert add_ssd_transfers(acts, set(), 1) == acts
+    with pytest.raises(ScheduleError, match=r"groups \[3\] are placed on the SSD but the program has no host update"):
+        add_ssd_transfers(acts, {3}, 1)
+
+
+def test_ssd_programs_of_every_update_timing():
+    """Golden programs with the NVMe tier: updates during the backward (stronghold), after it
+    (zero-infinity), deferred to the next forward (exact clipping) and with groups on the device
+    (stronghold k=1: its group has no SSD transfers). Without the tier the programs are those of
+    the docstrings, unchanged."""
+    golden = {
+        shfx.Stronghold(window=2, nvme=True, host_window=1):
+            "PF0 PF1 F0 R0 PF2 F1 F2 B2 SR2 OG2 U2 SW2 SR1 R2 PF0 B1 OG1 U1 SW1 SR0 R1 B0 OG0 U0 SW0 R0",
+        shfx.Stronghold(window=2, resident_first=1, nvme=True, host_window=2):
+            "PF1 PF2 F0 F1 F2 B2 SR2 SR1 OG2 U2 SW2 R2 B1 OG1 U1 SW1 R1 B0 DU0",
+        shfx.Stronghold(window=2, deferred_update=True, nvme=True, host_window=2):
+            "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 SR0 SR1 U0 SW0 SR2 U1 SW1 U2 SW2",
+        shfx.ZeroInfinity(nvme=True, host_window=1):
+            "PF0 PF1 F0 R0 PF2 F1 R1 F2 R2 PF2 PF1 B2 SR0 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0 U0 SW0 SR1 U1 SW1 SR2 U2 SW2",
+    }  # fmt: skip
+    for pol, want in golden.items():
+        p = pol.program(chain(3))
+        assert " ".join(p.actions()) == want, pol
+        phases = {str(shfx.passes.meta.get_meta(n).action): shfx.passes.meta.get_meta(n).phase for n in p.nodes}
+        # the transfers run with the updates, never in the forward (under gradient accumulation
+        # only the backward completing a step issues them: KINDS[...].update)
+        assert all(ph != "forward" for a, ph in phases.items() if a[:2] in ("SR", "SW")), pol
+    assert " ".join(shfx.Stronghold(window=2).program(chain(3)).actions()) == (
+        "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0"
+    )
+    from shfx.passes.actions import KINDS, SR, SW
+
+    assert KINDS[SR].update and KINDS[SW].update
+    assert (KINDS[SR].stream, KINDS[SW].stream, KINDS[SR].resource, KINDS[SW].resource) == ("ssd_read", "ssd_write", "ssd", "ssd")
+
+
+def test_ssd_bytes_come_from_the_stage_specs():
+    """An SSD read or write moves the group's optimizer states (2 x state_bytes, AdamW's m and
+    v in the layout's state dtype) and, with nvme_masters, its master (update_bytes)."""
+    from dataclasses import replace as dc_replace
+
+    from shfx.passes.meta import get_meta
+
+    specs = [dc_replace(sp, state_bytes=3000 + sp.index) for sp in chain(3, prefetch_bytes=1000)]
+    for masters in (False, True):
+        p = shfx.Stronghold(window=2, nvme=True, host_window=2, nvme_masters=masters).program(specs)
+        got = {str(get_meta(n).action): get_meta(n).bytes for n in p.nodes if str(get_meta(n).action)[:2] in ("SR", "SW")}
+        want = {f"{k}{g}": 2 * (3000 + g) + (1000 if masters else 0) for g in range(3) for k in ("SR", "SW")}
+        assert got == want
+        assert p.bytes_moved()["ssd_read"] == p.bytes_moved()["ssd_write"] == sum(want.values()) // 2
+
+
+def test_nvme_policy_fields():
+    pol = shfx.Stronghold(nvme=True)
+    assert pol.auto == ("host_window",) and shfx.Stronghold().auto == ()
+    assert repr(shfx.Stronghold()) == "Stronghold(window=2, resident_first=0, deferred_update=False)"
+    assert "host_window=3" in repr(shfx.ZeroInfinity(nvme=True, host_window=3))
+    with pytest.raises(ScheduleError, match="leaves host_window to the tuner"):
+        pol.program(chain(3))
+    with pytest.raises(ValueError, match=r"host_window must be an int >= 1 or 'auto' \(in Stronghold\(...\)\), got 0"):
+        shfx.Stronghold(nvme=True, host_window=0)
+    with pytest.raises(ValueError, match="nvme_masters=True.*needs nvme=True"):
+        shfx.ZeroInfinity(nvme_masters=True)
+    with pytest.raises(TypeError, match=r"Stronghold\(nvme=...\) must be True or False"):
+        shfx.Stronghold(nvme=1)
+    # the window clamps to the groups on the SSD; names say the tier
+    p = shfx.Stronghold(window=2, nvme=True, host_window=9).program(chain(3))
+    assert (p.host_window, p.name) == (3, "stronghold(W=2, nvme H=3)")
+    assert shfx.ZeroInfinity(nvme=True, host_window=1).program(chain(3)).name == "zero-infinity(nvme H=1)"
+
+
+def test_compile_refuses_the_nvme_tier_up_front():
+    from shfx.passes.program import NVME_RUNTIME_MISSING
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ScheduleError, match="the NVMe tier's runtime is not built yet") as e:
+        shfx.compile(model, policy=shfx.Stronghold(nvme=True, host_window=1))
+    assert "shfx plan" in str(e.value) and NVME_RUNTIME_MISSING in str(e.value)
+    with pytest.raises(ScheduleError, match="the NVMe tier's runtime is not built yet"):
+        shfx.compile(model, policy=shfx.ZeroInfinity(nvme=True))
+    # a hand-written program with SSD transfers is refused when the first call builds it
+    def ssd_order(specs, window):
+        from shfx.passes.program import lower_actions
+
+        n = len(specs)
+        acts = [f"PF{i}" for i in range(n)] + [f"F{i}" for i in range(n)]
+        for i in reversed(range(n)):
+            acts += [f"B{i}", f"SR{i}", f"OG{i}", f"U{i}", f"SW{i}", f"R{i}"]
+        return lower_actions(acts, specs, n, ssd_groups={s.update_group for s in specs if s.update_group is not None}, host_window=1)
+
+    cm = shfx.compile(model, policy=ssd_order)
+    with pytest.raises(ScheduleError, match="reads and writes optimizer states on the SSD: the NVMe tier's runtime"):
+        cm(torch.randn(3, 4))
+    # planning builds the same programs
+    opts = PipelineOptions(policy=shfx.Stronghold(nvme=True, host_window=1), plan_only=True)
+    v = compile_variant(model, (torch.randn(3, 4),), {}, opts)
+    assert v.train.ssd_groups and v.train.count(shfx.passes.actions.SR) == len(v.train.ssd_groups)

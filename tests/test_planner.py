@@ -490,3 +490,77 @@ def test_cli_plan_precision(capsys):
     assert main(["plan", "--precision", "bf16", "--policies", "stronghold", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["family"]["precision"] == "bfloat16" and data["rows"][0]["host"]["rollback copies"] == 0
+
+
+# ---- the NVMe tier -------------------------------------------------------------------------------
+
+
+def test_nvme_closed_form_is_the_ledger(template):
+    """With the NVMe tier the GPT closed form's host and SSD terms (states on the SSD, the host
+    window's buffers on the host) are the ledger's replay of the program with SSD reads and
+    writes, at several depths, windows and host windows."""
+    from shfx.passes.ledger import SSD_TERMS, replay
+    from shfx.passes.pipeline import build_programs
+
+    for fam, graph in template.items():
+        for L in (1, 2, 5):
+            specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
+            for pol in [shfx.Stronghold(window=w, resident_first=k, nvme=True, host_window=h) for w in (1, 2) for k in (0, 1) for h in (1, 2, 3)] + [
+                shfx.ZeroInfinity(nvme=True, host_window=h) for h in (1, 4)
+            ]:
+                want = memory_model(pol, fam.with_layers(L), EMU)
+                progs = build_programs(specs, pol, verify=False)
+                led = replay(progs[0], programs=progs)
+                assert led.static("host") == {k: v for k, v in want.host.items() if v}, (fam.vocab, L, pol)
+                assert {**dict.fromkeys(SSD_TERMS, 0), **led.static("ssd")} == want.ssd, (fam.vocab, L, pol)
+                dev = {k: v for k, v in led.terms_at_peak("device").items() if v}
+                assert dev == {k: v for k, v in want.device.items() if v}
+
+
+def test_nvme_closed_form_is_the_ledger_in_16_bit_with_masters():
+    fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=3)
+    with torch.device("meta"):
+        model = GPT(fam)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    for precision in ("bf16", "fp16"):
+        for pol in (shfx.Stronghold(window=2, nvme=True, host_window=2, nvme_masters=True), shfx.ZeroInfinity(nvme=True, host_window=1)):
+            want = memory_model(pol, replace(fam, precision=precision), EMU)
+            got = memory_for_model(pol, model, (idx, idx), EMU, precision=precision)
+            assert (got.host, got.ssd, got.device) == (want.host, want.ssd, want.device), (precision, pol)
+            assert got.settings["nvme"] and got.settings["host_window"] == pol.host_window
+    with pytest.raises(ValueError, match="nvme_masters=True needs mixed precision"):
+        memory_model(shfx.Stronghold(nvme=True, nvme_masters=True), fam, EMU)
+
+
+def test_nvme_tier_doubles_stronghold_on_the_reference_setup():
+    """STRONGHOLD's setup with a 2 TB NVMe: the tier takes the AdamW states (8 of 16 B/param) off
+    the host; what binds then is the fp32 master and gradient (4 + 4 B/param)."""
+    hw = replace(get_profile(V100), ssd_bytes=2 * 10**12)
+    host_only = largest_trainable("stronghold", REF, hw)
+    tier = largest_trainable(shfx.Stronghold(nvme=True, host_window=2), REF, hw)
+    assert (host_only.layers, host_only.binding) == (116, "host: optimizer states (m, v)")
+    assert tier.policy == "stronghold+nvme" and tier.layers > 1.9 * host_only.layers
+    assert tier.binding == "host: master parameters (fp32) + gradients (fp32)"
+    assert tier.breakdown.ssd["optimizer states (m, v)"] == 2 * tier.breakdown.host["master parameters (fp32)"] - 2 * (
+        tier.breakdown.host["master parameters (fp32)"] - tier.breakdown.host["gradients (fp32)"]
+    )
+    # a small SSD binds instead, named as the SSD's term
+    small = largest_trainable(shfx.Stronghold(nvme=True, host_window=2), REF, replace(hw, ssd_bytes=20 * 2**30))
+    assert small.binding == "ssd: optimizer states (m, v)" and small.layers < host_only.layers
+
+
+def test_cli_plan_ssd_rows(capsys):
+    from shfx.cli import main
+
+    assert main(["plan", "--ssd", "2TB"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line and line.split()[0] in policy_names() + ("stronghold+nvme", "zero-infinity+nvme")}
+    assert "stronghold+nvme" in rows and "zero-infinity+nvme" in rows
+    assert "NVMe tier: host window 2" in out
+    assert rows["stronghold"].split()[1] == "116" and "host: master parameters (fp32) + gradients (fp32)" in rows["stronghold+nvme"]
+    assert main(["plan", "--ssd", "2TB", "--host-window", "4", "--policies", "stronghold", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in data["rows"]] == ["stronghold", "stronghold+nvme"]
+    assert data["rows"][1]["settings"]["host_window"] == 4
+    assert main(["plan", "--nvme-masters"]) == 1
+    assert "--nvme-masters puts master weights on the NVMe tier, which needs --ssd" in capsys.readouterr().err

@@ -545,3 +545,82 @@ def test_rollback_copies_can_make_the_host_the_bottleneck():
     on = simulate(schedule_window(specs, 3), costs, rollback=True)
     assert off.bottleneck == "compute" and on.bottleneck == "host optimizer"
     assert on.step_s > off.step_s
+
+
+# ---- the NVMe tier -----------------------------------------------------------------------------
+
+
+def _ssd_links(read=4e6, write=1e6, **kw) -> Links:
+    return Links(1e6, 2e6, ssd_read_bps=read, ssd_write_bps=write, **kw)
+
+
+def test_ssd_transfers_by_hand():
+    """One stage, state 1 MB (SR/SW move m and v: 2 MB): PF0 0-1, F0 1-2 (keeps its graph),
+    B0 2-4; SR0 starts when the backward is issued (2) and reads 2 MB at 4 MB/s: 2-2.5; OG0
+    4-4.5; U0 waits for both: 4.5-5; SW0 writes 2 MB at 1 MB/s: 5-7. The critical path ends in
+    the write-back: 2 s of ssd."""
+    p = lower_actions(["PF0", "F0", "B0", "SR0", "OG0", "U0", "SW0", "R0"], chain(1, prefetch_bytes=10**6), 1,
+                      ssd_groups={0}, host_window=1)  # fmt: skip
+    tl = simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5)], _ssd_links()))
+    got = {e.action: (e.start, e.end, e.stream) for e in tl.events}
+    assert got["SR0"] == (2.0, 2.5, "ssd_read") and got["U0"] == (4.5, 5.0, "cpu") and got["SW0"] == (5.0, 7.0, "ssd_write")
+    assert tl.step_s == 7.0
+    assert tl.by_resource == {"compute": 3.0, "link": 1.5, "host optimizer": 0.5, "ssd": 2.0, "idle": 0.0}
+    assert tl.busy_s["ssd_read"] == 0.5 and tl.busy_s["ssd_write"] == 2.0
+    assert "ssd_read" in tl.summary() and "ssd 2.00 s" in tl.summary()
+    tracks = {e["args"]["name"] for e in tl.to_chrome_trace()["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"ssd_read", "ssd_write"} <= tracks
+    # a latency per request, and nothing about the SSD in a program without the tier
+    tl = simulate(p, CostTable([StageCost(1.0, 3.0, update_s=0.5)], _ssd_links(ssd_latency_s=0.25)))
+    assert tl.event("SW0").end == 5.0 + 0.25 + 2.0  # SR0 ends at 2.75 (hidden behind B0)
+    plain = simulate(schedule_window(chain(2), 1), CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 2, Links(1e6, 1e6)))
+    assert "ssd" not in plain.summary() and plain.by_resource["ssd"] == 0.0
+
+
+def test_ssd_reads_and_writes_share_the_drive():
+    """Two groups, host window 2: SR0 and SR1 queue on ssd_read; the write-back of one and the
+    read of nothing overlap with ssd_duplex d: at d=0.5 a write running beside a read goes at
+    half speed."""
+    from shfx.passes.policies import ZeroInfinity
+
+    specs = chain(2, prefetch_bytes=10**6)
+    p = ZeroInfinity(nvme=True, host_window=1).program(specs)
+    costs = lambda d: CostTable([StageCost(0.0, 0.0, update_s=0.0)] * 2, Links(None, None, ssd_read_bps=2e6, ssd_write_bps=2e6, ssd_duplex=d))  # noqa: E731
+    # H=1: SR1 waits for SW0, so nothing overlaps: 4 transfers of 1 s
+    assert simulate(p, costs(1.0)).step_s == pytest.approx(4.0)
+    assert simulate(p, costs(0.5)).step_s == pytest.approx(4.0)
+    # H=2: SR0, SR1 back to back (0-1, 1-2); SW0 (after U0 at 1) runs beside SR1
+    p2 = ZeroInfinity(nvme=True, host_window=2).program(specs)
+    assert simulate(p2, costs(1.0)).step_s == pytest.approx(3.0)
+    assert simulate(p2, costs(0.5)).step_s > simulate(p2, costs(1.0)).step_s
+
+
+def test_ssd_bound_is_a_lower_bound_that_binds_when_the_ssd_dominates():
+    from shfx.cost_model.analytic import ssd_bound_s
+    from shfx.passes.policies import Stronghold, ZeroInfinity
+
+    specs = chain(6, prefetch_bytes=10**6)
+    for d in (0.5, 0.8, 1.0):
+        links = Links(1e9, 1e9, ssd_read_bps=1e6, ssd_write_bps=0.5e6, ssd_duplex=d)
+        costs = CostTable([StageCost(0.01, 0.03, update_s=0.01)] * 6, links)
+        for pol in (Stronghold(window=2, nvme=True, host_window=h) for h in (1, 3, 6)):
+            p = pol.program(specs)
+            moved = p.bytes_moved()
+            bound = ssd_bound_s(moved["ssd_read"], moved["ssd_write"], links)
+            tl = simulate(p, costs)
+            assert tl.step_s >= bound - 1e-9
+            assert tl.bottleneck == "ssd"
+        # zero-infinity with the host window as wide as the model comes within the compute of the bound
+        tl = simulate(ZeroInfinity(nvme=True, host_window=6).program(specs), costs)
+        moved = ZeroInfinity(nvme=True, host_window=6).program(specs).bytes_moved()
+        assert tl.step_s <= ssd_bound_s(moved["ssd_read"], moved["ssd_write"], links) + 12 * (0.01 + 0.03 + 0.01) + 2.0
+
+
+def test_ssd_program_needs_ssd_links():
+    from shfx.passes.policies import Stronghold
+
+    p = Stronghold(window=2, nvme=True, host_window=1).program(chain(2))
+    with pytest.raises(SimulationError, match=r"links.ssd_read_bps is None: give the drive's bandwidth"):
+        simulate(p, CostTable([StageCost(1.0, 3.0)] * 2, Links(1e6, 1e6)))
+    with pytest.raises(SimulationError, match=r"links.ssd_duplex must be in \(0, 1\]"):
+        simulate(p, CostTable([StageCost(1.0, 3.0)] * 2, _ssd_links(ssd_duplex=0)))

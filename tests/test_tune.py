@@ -308,3 +308,49 @@ def test_shfx_tune_cli_emulated_16_bit(capsys):
                  "--batch", "2", "--steps", "2", "--h2d", "200MB/s", "--d2h", "200MB/s", "--precision", "bf16"])
     out = capsys.readouterr().out
     assert code == 0 and "window=auto" in out and "measured:" in out and ", bf16:" in out
+
+
+# ---- the NVMe tier's host window ---------------------------------------------------------------
+
+
+def _ssd_costs(n: int, read: float = 1e6, write: float = 1e6) -> CostTable:
+    return CostTable([StageCost(1.0, 3.0, update_s=0.5)] * n, Links(1e6, 1e6, ssd_read_bps=read, ssd_write_bps=write))
+
+
+def test_tuner_chooses_the_host_window_like_the_window():
+    """The smallest H within the tolerance of the fastest H, after (k, W); its table and reason."""
+    specs = chain(6, prefetch_bytes=500_000)
+    r = tune_window(specs, _ssd_costs(6), policy=shfx.ZeroInfinity(nvme=True))
+    steps = {row.host_window: row.step_s for row in r.host_rows}
+    best = min(steps.values())
+    assert r.host_window == min(h for h, t in steps.items() if t <= best * 1.02)
+    assert steps[1] > best * 1.02  # H=1 stalls the updates on write-backs
+    assert r.policy == shfx.ZeroInfinity(nvme=True, host_window=r.host_window)
+    assert f"Host window {r.host_window} (of 6 groups on the SSD)" in r.reason
+    assert f"H={r.host_window - 1} would be" in r.reason and "<- chosen" in r.host_table()
+    assert [row.window_bytes for row in r.host_rows] == [h * 1_000_000 for h in range(1, 7)]
+    # a fast drive: every H is as fast, so the smallest
+    r = tune_window(specs, _ssd_costs(6, 1e9, 1e9), policy=shfx.ZeroInfinity(nvme=True))
+    assert r.host_window == 1
+
+
+def test_tuner_chooses_window_and_host_window_together():
+    specs = chain(6, prefetch_bytes=500_000)
+    r = tune_window(specs, _ssd_costs(6), policy=shfx.Stronghold(window="auto", nvme=True))
+    assert r.window == 2 and r.host_window is not None
+    assert r.policy == shfx.Stronghold(window=2, nvme=True, host_window=r.host_window)
+    assert r.reason.startswith("At the largest host window (H=6): chose window 2") and "Host window" in r.reason
+    assert "H " in str(r) and r.rows[0].window == 1
+    # a fixed host window is not tuned
+    r = tune_window(specs, _ssd_costs(6), policy=shfx.Stronghold(window="auto", nvme=True, host_window=2))
+    assert r.host_window is None and r.host_rows == [] and r.policy.host_window == 2
+
+
+def test_host_window_under_a_host_budget():
+    specs = chain(6, prefetch_bytes=500_000)
+    # masters 6 x 0.5 MB + gradients 6 x 0.5 MB + H x 1 MB of window buffers
+    r = tune_window(specs, _ssd_costs(6), policy=shfx.ZeroInfinity(nvme=True), host_capacity_bytes=6_000_000 + 1_000_000)
+    assert r.host_window == 1 and [row.fits for row in r.host_rows] == [True] + [False] * 5
+    assert "H>=2 does not fit: it needs" in r.reason
+    with pytest.raises(NoWindowFits, match=r"no host window fits the host budget .*even H=1 needs"):
+        tune_window(specs, _ssd_costs(6), policy=shfx.ZeroInfinity(nvme=True), host_capacity_bytes=6_000_000)

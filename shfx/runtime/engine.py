@@ -32,7 +32,7 @@ from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
 from shfx.passes.pipeline import Variant
-from shfx.passes.program import ActionMeta, Program
+from shfx.passes.program import NVME_RUNTIME_MISSING, ActionMeta, Program, ScheduleError
 from shfx.passes.units import format_bytes
 
 from ..errors import ActionError, NonFiniteGradient, OutOfDeviceMemory, UsageError
@@ -341,6 +341,14 @@ class Engine:
     # ---- one handler per action kind (``_run_<KINDS[kind].name>``) ------------------------------
     def _run_release(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return JoinToken([d.reads_done for d in deps], str(m.action))
+
+    def _run_ssd_read(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        # NOTE: the NVMe tier plans and simulates but does not run yet; shfx.compile refuses its
+        # programs up front (shfx.passes.pipeline), so this is only reached by a program built
+        # around that check
+        raise ScheduleError(f"{m.action}: {NVME_RUNTIME_MISSING}")
+
+    _run_ssd_write = _run_ssd_read
 
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._update_task(m.stage), deps)
