@@ -151,8 +151,11 @@ def test_lr_set_by_hand_applies_to_every_group():
 
 
 # ---- parameter groups --------------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["params", "names", "function"])
-@pytest.mark.parametrize("zoo", ["gpt_tied", "bn_net"])
+@pytest.mark.parametrize(  # every way on gpt_tied, the BatchNorm model by parameter list; the rest with SHFX_SLOW=1
+    "zoo,how",
+    [pytest.param(z, h, id=f"{z}-{h}", marks=() if z == "gpt_tied" or h == "params" else pytest.mark.slow)
+     for z in ("gpt_tied", "bn_net") for h in ("params", "names", "function")],
+)  # fmt: skip
 def test_param_groups_match_eager(zoo, how):
     if how == "function":
         make_shfx = lambda m: shfx.optim.AdamW(lr=LR, weight_decay=0.1, groups=_group_fn)
