@@ -151,8 +151,11 @@ def test_lr_set_by_hand_applies_to_every_group():
 
 
 # ---- parameter groups --------------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["params", "names", "function"])
-@pytest.mark.parametrize("zoo", ["gpt_tied", "bn_net"])
+@pytest.mark.parametrize(  # every way on gpt_tied, the BatchNorm model by parameter list; the rest with SHFX_SLOW=1
+    "zoo,how",
+    [pytest.param(z, h, id=f"{z}-{h}", marks=() if z == "gpt_tied" or h == "params" else pytest.mark.slow)
+     for z in ("gpt_tied", "bn_net") for h in ("params", "names", "function")],
+)  # fmt: skip
 def test_param_groups_match_eager(zoo, how):
     if how == "function":
         make_shfx = lambda m: shfx.optim.AdamW(lr=LR, weight_decay=0.1, groups=_group_fn)
@@ -344,8 +347,16 @@ def test_optimizer_matches_torch_on_the_zoo(kind, zoo):
     cm.close()
 
 
-@pytest.mark.parametrize("window", [1, 2, 99])  # 99: all stages
-@pytest.mark.parametrize("kind", ["SGD", "Adafactor"])
+# 99: all stages. By default window 1 for both kinds and all stages for SGD; window 2 (the
+# default window, which test_optimizer_matches_torch_on_the_zoo runs on gpt_tied for both kinds)
+# and Adafactor at all stages with SHFX_SLOW=1
+AT_WINDOWS = [(k, w) for k in ("SGD", "Adafactor") for w in (1, 2, 99)]
+
+
+@pytest.mark.parametrize(
+    "kind,window",
+    [pytest.param(k, w, id=f"{k}-{w}", marks=() if w == 1 or (k, w) == ("SGD", 99) else pytest.mark.slow) for k, w in AT_WINDOWS],
+)
 def test_optimizer_matches_torch_at_windows(kind, window):
     make_shfx, make_eager = OPTIMIZERS[kind]
     losses, ref_losses, _, cm, model, ref, _ = train_pair("gpt_tied", make_shfx, make_eager, steps=4, window=window)
