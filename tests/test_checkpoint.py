@@ -406,7 +406,14 @@ def _compile_with(kind: str, seed: int) -> shfx.CompiledModel:
                         optimizer=OPTIMIZERS[kind][0](_groups(model, names=True)))  # fmt: skip
 
 
-@pytest.mark.parametrize("kind,sched", [("adamw", "warmup_cosine"), ("sgd", "lambda"), ("adafactor", None)])
+@pytest.mark.parametrize(
+    "kind,sched",
+    [
+        ("adamw", "warmup_cosine"),
+        pytest.param("sgd", "lambda", marks=pytest.mark.slow),
+        pytest.param("adafactor", None, marks=pytest.mark.slow),
+    ],
+)
 def test_every_optimizer_with_groups_and_scheduler_resumes_bitwise(tmp_path, kind, sched):
     """Three parameter groups (other lr and weight_decay each), the scheduler built on
     cm.optimizer itself: 10 steps equal 5 + save + load + 5, in a new compiled model (loaded

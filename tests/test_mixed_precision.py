@@ -52,10 +52,9 @@ def _assert_equal_to_reference(name: str, precision: str, window: int, **kw) -> 
 
 
 FAST = [
-    ("gpt_tied", "bf16", 1), ("gpt_tied", "bf16", ALL), ("gpt_mask", "bf16", 2), ("gpt_dropout", "bf16", 2),
-    ("skip_cnn", "bf16", 2), ("bn_net", "bf16", 2), ("hf_style", "bf16", 2),
-    ("gpt_tied", "fp16", 2), ("bn_net", "fp16", 1), ("skip_cnn", "fp16", ALL),
-]  # fmt: skip
+    ("gpt_tied", "bf16", 1), ("gpt_mask", "bf16", 2), ("gpt_dropout", "bf16", 2),
+    ("skip_cnn", "bf16", 2), ("hf_style", "bf16", 2), ("gpt_tied", "fp16", 2), ("bn_net", "fp16", 1),
+]  # fmt: skip  (the MATRIX below, SHFX_SLOW=1, has every model x precision x window)
 MATRIX = [(n, p, w) for n in ZOO for p in ("bf16", "fp16") for w in (1, 2, ALL)]
 
 
