@@ -1137,8 +1137,8 @@ class Engine:
             if isinstance(err, OutOfDeviceMemory):
                 e = _oom_in(err, f"the optimizer update {label}")
             else:
-                where = "device" if label.startswith("DU") else "host"
-                e = ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label)
+                what = {"DU": "device optimizer update", "SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states"}
+                e = ActionError(f"{what.get(label[:2], 'host optimizer update')} {label} failed: {type(err).__name__}: {err}", label)
             raise _with_note(e, note) from err
         if nonfinite:
             if not self.skip_nonfinite:

@@ -20,9 +20,9 @@ deferred updates) go through :meth:`SSDWindow.staged`, which does the same read,
 write inline in the update's task, in any free buffer.
 
 The step counters (one 0-dim fp32 tensor per group) stay in host RAM. The states start as
-zeros: :meth:`SSDWindow.__init__` writes zeros into every extent, so every ``SR`` reads what the
-program says it reads (the store's byte counters equal ``Program.bytes_moved()`` from the first
-step). A failed or interrupted step calls :meth:`SSDWindow.reset` once nothing runs: a group
+zeros: :meth:`SSDWindow.__init__` writes zeros into every extent (or the state a checkpoint
+loaded before the first call put in RAM), so every ``SR`` reads what the program says it reads
+(the store's byte counters equal ``Program.bytes_moved()`` from the first step). A failed or interrupted step calls :meth:`SSDWindow.reset` once nothing runs: a group
 whose read completed is written back as it is in its buffer (updated or not), every buffer is
 freed.
 """
@@ -83,7 +83,7 @@ class SSDWindow:
         self.read_stream = WorkerStream("ssd_read")
         self.write_stream = WorkerStream("ssd_write")
         optimizer.ssd = self
-        self._write_zeros()
+        self._write_initial()
 
     # ---- buffers -------------------------------------------------------------------------------
     def ensure(self, host_window: int) -> None:
@@ -274,15 +274,24 @@ class SSDWindow:
         self.steps[g].fill_(step)
         self._snap = None
 
-    def _write_zeros(self) -> None:
-        """Every extent starts as zeros (fresh AdamW states), written once at setup."""
+    def _write_initial(self) -> None:
+        """Every extent starts as the group's state: zeros (fresh AdamW), or the state the
+        optimizer already holds in RAM (one loaded before the first call, as from
+        ``cm.load_checkpoint``), which then leaves RAM."""
         if not self.groups:
             return
         zeros = torch.zeros(self.numel, dtype=self.dtype)
         for g in sorted(self.groups):
             n = self.store.groups[g].trainable_numel
-            for name in ("m", "v"):
-                self.ssd.write_from((name, g), zeros[:n]).wait()
+            with self.optimizer._lock:
+                st = self.optimizer.state.pop(g, None)
+            if st is not None and st.max_exp_avg_sq is not None:
+                raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
+            m, v = (zeros[:n], zeros[:n]) if st is None else (st.exp_avg, st.exp_avg_sq)
+            for r in (self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)):
+                r.wait()
+            if st is not None:
+                self.steps[g].copy_(st.step)
 
     def close(self) -> None:
         """Stop the streams and delete the store's file (the SSD is scratch for one run)."""
