@@ -583,6 +583,30 @@ class CompiledModel:
                 if k in self._store.tensors:
                     self._store.tensors[k].copy_(t)
 
+    def _ssd_rates(self) -> tuple[float, float]:
+        """The SSD's read and write bytes/s for the tuner: the emulated rates of the Offload spec,
+        else measured once on its path (32 MiB written and read through an SSDStore)."""
+        off = self.offload
+        if off.read_bps is not None and off.write_bps is not None:
+            return off.read_bps, off.write_bps
+        if getattr(self, "_ssd_measured", None) is None:
+            import time
+
+            from .runtime.ssd import SSDStore
+
+            n = 32 << 20
+            buf = torch.zeros(n // 4)
+            with SSDStore(off.path, {"probe": n}, read_bps=off.read_bps, write_bps=off.write_bps) as probe:
+                t0 = time.perf_counter()
+                probe.write_from("probe", buf).wait()
+                t1 = time.perf_counter()
+                probe.read_into("probe", buf).wait()
+                t2 = time.perf_counter()
+            # NOTE: a read right after the write may come from the page cache (buffered I/O): an
+            # optimistic figure; give nvme_read/nvme_write to tune for a known speed
+            self._ssd_measured = (n / max(t2 - t1, 1e-9), n / max(t1 - t0, 1e-9))
+        return self._ssd_measured
+
     def _ensure_ssd(self, variant: Variant) -> None:
         """The NVMe tier: the first variant with SSD transfers makes the SSD store (its extents
         from the host store's groups, the disk space checked by the store before anything is
@@ -722,6 +746,9 @@ class CompiledModel:
 
         graph = variant.graph
         costs = profile_costs(self._engine, variant, tensors, refresh=refresh)
+        if getattr(policy, "nvme", False):  # the simulator needs the SSD's speed to choose the host window
+            read_bps, write_bps = self._ssd_rates()
+            costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
         if how == "fixed" and policy.windowed:
             policy = policy.replace(window="auto")
         try:

@@ -233,3 +233,19 @@ def test_refusals(tmp_path, kw, match):
     off = shfx.Offload(optimizer="nvme", params="nvme", path=str(tmp_path)) if off == "params" else nvme(tmp_path, 1)
     with pytest.raises(UsageError, match=match):
         shfx.compile(gpt(), optimizer=opt, offload=off, **kw)
+
+
+def test_the_tuner_chooses_the_host_window(tmp_path):
+    # host_window="auto" (the Offload default): the tuner simulates each host window with the
+    # emulated SSD's rates and cm.report() says which it chose and why (a real disk's speed is
+    # measured once on the path instead)
+    torch.manual_seed(0)
+    cm = shfx.compile(gpt(), device=shfx.EmulatedDevice(memory="256MiB"), optimizer=shfx.optim.AdamW(), policy=shfx.Stronghold(window="auto"),
+                      offload=shfx.Offload(optimizer="nvme", path=str(tmp_path), nvme_read="20MB/s", nvme_write="20MB/s"))  # fmt: skip
+    args, kwargs, aux = token_batch(0)
+    loss_of(cm(*args, **kwargs), aux).backward()
+    cm.step()
+    h = cm.variant.train.host_window
+    assert 1 <= h <= len(cm.variant.train.ssd_groups) and cm._engine.ssd.host_window == h
+    assert f"Host window {h} (of {len(cm.variant.train.ssd_groups)} groups on the SSD)" in str(cm.report())
+    cm.close()
