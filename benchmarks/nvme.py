@@ -378,6 +378,7 @@ def tier(argv: list[str]) -> dict:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rates", default="1GB/s,300MB/s")
+    p.add_argument("--predict-rates", default="50MB/s,20MB/s", help="emulated SSD rates of the predicted-vs-measured runs")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "nvme_tier.json"))
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="shfx-nvme-tier-", dir=args.dir)
@@ -402,11 +403,48 @@ def tier(argv: list[str]) -> dict:
         print(f"| {r['name']} | {format_bytes(r['peak_rss_bytes'])} | {format_bytes(r['peak_rss_bytes'] - host['peak_rss_bytes'])} "
               f"| {format_bytes(r['window_bytes'] or r['states_bytes'])} | {med(r['step_s']) * 1e3:.0f} ms | "
               f"{med(r['step_s']) / med(host['step_s']):.2f}x |")
+    out["predicted"] = []
+    print("\n## predicted (the simulator, with the emulated SSD's rates) vs measured step time, GPT 6 x 256, W=2, H=2\n")
+    print("| SSD rate | SSD bytes per step (r / w) | predicted | measured (median) | measured / predicted |\n| --- | --- | --- | --- | --- |")
+    for rate in args.predict_rates.split(","):
+        r = _predicted_vs_measured(rate)
+        out["predicted"].append(r)
+        print(f"| {rate} | {format_bytes(r['ssd_read'])} / {format_bytes(r['ssd_write'])} | {r['predicted_s'] * 1e3:.0f} ms | "
+              f"{r['measured_s'] * 1e3:.0f} ms | {r['measured_s'] / r['predicted_s']:.3f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"\nload average before/after: {out['load_before'][0]:.1f} / {out['load_after'][0]:.1f}; wrote {args.out}")
     return out
+
+
+def _predicted_vs_measured(rate: str, steps: int = 7) -> dict:
+    """The tuner's predicted step time (profiled compute, the emulated SSD's rates) against the
+    median measured step (after the first) of a GPT whose step is SSD-bound at ``rate``."""
+    import shfx
+    from shfx.models import GPT, GPTShape
+
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab=256, seq=32, layers=6, heads=8, hidden=256, dropout=0.0))
+    work = tempfile.mkdtemp(prefix="shfx-nvme-predict-")
+    try:
+        cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1GiB"), optimizer=shfx.optim.AdamW(),
+                          policy=shfx.Stronghold(window=2),
+                          offload=shfx.Offload(optimizer="nvme", path=work, nvme_read=rate, nvme_write=rate, host_window=2))  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
+            cm(x, y).backward()
+            cm.step()
+            cm.zero_grad()
+        t = cm.report().tune
+        times = sorted(cm.engine.step_times[1:] if hasattr(cm, "engine") else cm._engine.step_times[1:])
+        moved = cm.variant.train.bytes_moved()
+        cm.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"rate": rate, "predicted_s": t.row(t.window, t.resident_first).step_s, "measured_s": times[len(times) // 2],
+            "ssd_read": moved["ssd_read"], "ssd_write": moved["ssd_write"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
