@@ -319,7 +319,138 @@ def emulated_run(directory: str, size: int, n_extents: int, bps: float) -> dict:
 
 # ------------------------------------------------------------------------- main
 
+# ---- the tier in training (--tier) ---------------------------------------------------------------
+
+_TIER_CHILD = r"""
+import json, resource, sys, time, torch, shfx
+from shfx.models import GPT, GPTShape
+cfg = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = GPT(GPTShape(vocab=256, seq=32, layers=cfg["layers"], heads=8, hidden=cfg["hidden"], dropout=0.0))
+off = None
+if cfg["nvme"]:
+    off = shfx.Offload(optimizer="nvme", path=cfg["dir"], host_window=cfg["host_window"],
+                       nvme_read=cfg["rate"], nvme_write=cfg["rate"])
+cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="4GiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+                  optimizer=shfx.optim.AdamW(lr=1e-3), offload=off, recompute="full")
+g = torch.Generator().manual_seed(1)
+times = []
+for step in range(cfg["steps"]):
+    x = torch.randint(0, 256, (2, 32), generator=g); y = torch.randint(0, 256, (2, 32), generator=g)
+    t0 = time.perf_counter()
+    cm(x, y).backward(); cm.step(); cm.zero_grad()
+    times.append(time.perf_counter() - t0)
+eng = cm._engine
+states = sum(grp.state_bytes * 2 for grp in cm._store.groups if grp.trainable_bytes)
+out = {"step_s": times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+       "host_bytes": eng.host_bytes(), "store_host_bytes": cm._store.host_bytes, "states_bytes": states,
+       "window_bytes": eng.ssd.host_bytes if eng.ssd is not None else 0,
+       "groups": sum(1 for grp in cm._store.groups if grp.trainable_bytes),
+       "ssd": {k: v for k, v in cm.variant.train.bytes_moved().items() if k.startswith("ssd")}}
+cm.close()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _tier_child(cfg: dict) -> dict:
+    import subprocess
+
+    # NOTE: OMP_WAIT_POLICY=passive: with libgomp's default (idle workers spin) the host-only run's
+    # optimizer-pool team spins on the 2 cores the compute needs (its steps measured 3.4 s against
+    # 0.43 s passive), while the tier's extra I/O threads push libgomp into passive waits: the
+    # comparison would measure the spin policy, not the tier
+    env = dict(os.environ, OMP_WAIT_POLICY="passive", PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _TIER_CHILD, json.dumps(cfg)], capture_output=True, text=True, env=env, check=False)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"the measurement failed: {r.stderr[-2000:]}")
+    return json.loads(line[7:])
+
+
+def tier(argv: list[str]) -> dict:
+    """``--tier``: the NVMe tier in training, each run in a fresh process (its peak RSS is its own):
+    a GPT trained host-only, and with its AdamW states on the SSD store (host window 1) unthrottled
+    and on the emulated SSD at the given rates; peak RSS and median step time of each."""
+    p = argparse.ArgumentParser(description="the NVMe tier in training: host RSS and step time")
+    p.add_argument("--tier", action="store_true")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rates", default="1GB/s,300MB/s")
+    p.add_argument("--predict-rates", default="50MB/s,20MB/s", help="emulated SSD rates of the predicted-vs-measured runs")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "nvme_tier.json"))
+    args = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="shfx-nvme-tier-", dir=args.dir)
+    base = {"layers": args.layers, "hidden": args.hidden, "steps": args.steps, "dir": work, "host_window": 1, "rate": None}
+    runs = [("host RAM", {**base, "nvme": False}), ("NVMe, unthrottled", {**base, "nvme": True})]
+    runs += [(f"NVMe, emulated {r}", {**base, "nvme": True, "rate": r}) for r in args.rates.split(",") if r]
+    out: dict = {"config": base, "load_before": os.getloadavg(), "runs": []}
+    try:
+        for name, cfg in runs:
+            r = _tier_child(cfg)
+            r["name"] = name
+            out["runs"].append(r)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["load_after"] = os.getloadavg()
+    host = out["runs"][0]
+    med = lambda xs: sorted(xs[1:])[len(xs[1:]) // 2]  # noqa: E731 - steps after the first
+    print(f"# GPT {args.layers} layers x {args.hidden} hidden, {host['groups']} host-updated groups, AdamW states "
+          f"{format_bytes(host['states_bytes'])}; SSD per step: {out['runs'][1]['ssd']}\n")
+    print("| run | peak RSS | RSS vs host RAM | states in RAM (window) | median step | vs host RAM |\n| --- | --- | --- | --- | --- | --- |")
+    for r in out["runs"]:
+        print(f"| {r['name']} | {format_bytes(r['peak_rss_bytes'])} | {format_bytes(r['peak_rss_bytes'] - host['peak_rss_bytes'])} "
+              f"| {format_bytes(r['window_bytes'] or r['states_bytes'])} | {med(r['step_s']) * 1e3:.0f} ms | "
+              f"{med(r['step_s']) / med(host['step_s']):.2f}x |")
+    out["predicted"] = []
+    print("\n## predicted (the simulator, with the emulated SSD's rates) vs measured step time, GPT 6 x 256, W=2, H=2\n")
+    print("| SSD rate | SSD bytes per step (r / w) | predicted | measured (median) | measured / predicted |\n| --- | --- | --- | --- | --- |")
+    for rate in args.predict_rates.split(","):
+        r = _predicted_vs_measured(rate)
+        out["predicted"].append(r)
+        print(f"| {rate} | {format_bytes(r['ssd_read'])} / {format_bytes(r['ssd_write'])} | {r['predicted_s'] * 1e3:.0f} ms | "
+              f"{r['measured_s'] * 1e3:.0f} ms | {r['measured_s'] / r['predicted_s']:.3f} |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"\nload average before/after: {out['load_before'][0]:.1f} / {out['load_after'][0]:.1f}; wrote {args.out}")
+    return out
+
+
+def _predicted_vs_measured(rate: str, steps: int = 7) -> dict:
+    """The tuner's predicted step time (profiled compute, the emulated SSD's rates) against the
+    median measured step (after the first) of a GPT whose step is SSD-bound at ``rate``."""
+    import shfx
+    from shfx.models import GPT, GPTShape
+
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab=256, seq=32, layers=6, heads=8, hidden=256, dropout=0.0))
+    work = tempfile.mkdtemp(prefix="shfx-nvme-predict-")
+    try:
+        cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1GiB"), optimizer=shfx.optim.AdamW(),
+                          policy=shfx.Stronghold(window=2),
+                          offload=shfx.Offload(optimizer="nvme", path=work, nvme_read=rate, nvme_write=rate, host_window=2))  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)
+            cm(x, y).backward()
+            cm.step()
+            cm.zero_grad()
+        t = cm.report().tune
+        times = sorted(cm.engine.step_times[1:] if hasattr(cm, "engine") else cm._engine.step_times[1:])
+        moved = cm.variant.train.bytes_moved()
+        cm.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"rate": rate, "predicted_s": t.row(t.window, t.resident_first).step_s, "measured_s": times[len(times) // 2],
+            "ssd_read": moved["ssd_read"], "ssd_write": moved["ssd_write"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--tier" in argv:
+        return tier(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: the system's temporary directory)")
     p.add_argument("--size", default="192MiB", help="bytes written and read per measurement")

@@ -35,7 +35,7 @@ from .ledger import Ledger, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
-from .program import NVME_RUNTIME_MISSING, Program, ScheduleError
+from .program import Program, ScheduleError
 from .schedule import cold_backward_program, eval_program
 from .stages import StageSpec
 from .verify import verify_program
@@ -66,9 +66,8 @@ class PipelineOptions:
         fp32_norms: in mixed precision, keep LayerNorm/RMSNorm parameters in fp32 on the device
             (:func:`shfx.passes.capture.cast_for_device`).
         plan_only: the programs are built to plan, simulate and compare, not to run (the
-            planner, ``shfx compare``): what the runtime cannot run yet is allowed. Without it a
-            policy with the NVMe tier (``nvme=True``), and any program with SSD reads or writes,
-            is refused up front (:data:`shfx.passes.program.NVME_RUNTIME_MISSING`).
+            planner, ``shfx compare``). (The NVMe tier runs since issue 12 part 3: it is no
+            longer refused here; ``shfx.compile`` needs ``offload=shfx.Offload(...)`` for it.)
     """
 
     policy: Any = "stronghold"
@@ -94,9 +93,6 @@ class PipelineOptions:
         for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if getattr(self.policy, "nvme", False) and not self.plan_only:
-            # NOTE: refused here, when shfx.compile builds its options, so no step starts
-            raise ScheduleError(f"{self.policy!r}: {NVME_RUNTIME_MISSING}")
 
 
 @dataclass
@@ -240,8 +236,6 @@ def compile_variant(
         passes.append("choose")
     verify = options.verify or options.verify_each_pass
     train, ev, cold = build_programs(graph.specs, policy, verify=verify)
-    if train.ssd_groups and not options.plan_only:  # (a hand-written program: a policy with nvme=True is refused earlier)
-        raise ScheduleError(f"program {train.name!r} reads and writes optimizer states on the SSD: {NVME_RUNTIME_MISSING}")
     if captured.working_dtype is not None and train.device_groups():
         groups_ = sorted(train.device_groups())
         raise ScheduleError(

@@ -50,20 +50,10 @@ __all__ = [
     "SW",
     "OPTIMIZER_STATES",
     "ssd_bytes_of",
-    "NVME_RUNTIME_MISSING",
 ]
 
 OPTIMIZER_STATES = 2
 """Optimizer states per parameter group (AdamW's m and v): what an SSD read or write moves."""
-
-NVME_RUNTIME_MISSING = (
-    "the NVMe tier's runtime is not built yet: programs with SSD reads and writes (SR/SW) plan, verify and "
-    "simulate (shfx plan --ssd 2TB, shfx.cost_model.simulate.simulate, shfx.cost_model.tune.tune_window, "
-    "shfx.cost_model.planner.memory_for_model) but shfx.compile cannot run them; train without nvme=True "
-    "(states in host RAM) for now"
-)
-"""The refusal ``shfx.compile`` raises up front for a policy with the NVMe tier (and the engine,
-should a program with SSD actions reach it)."""
 
 
 def ssd_bytes_of(spec: StageSpec, masters: bool = False) -> int:

@@ -37,6 +37,7 @@ from shfx.cost_model.tune import NoWindowFits, tune_window
 from .amp import LossScaler
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
+from .offload import Offload
 from .optim import HostOptimizer
 from .runtime.backend import Backend
 from .runtime.engine import Engine, StepContext
@@ -286,6 +287,7 @@ class CompiledModel:
         max_captures: int = 8,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
+        offload: Offload | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -369,6 +371,7 @@ class CompiledModel:
             rollback=bool(skip_nonfinite and overlap_update) if rollback is None else bool(rollback),
             skip_nonfinite=bool(skip_nonfinite), scaler=scaler, max_grad_norm=max_grad_norm, norm_type=norm_type,
         )  # fmt: skip
+        self._options, self.offload = _nvme_options(self._options, offload, optimizer, self._engine_kwargs["rollback"])
         self.recompute = recompute
         self._engine: Engine | None = None
         self._store: HostStore | None = None
@@ -548,6 +551,7 @@ class CompiledModel:
                 )
             warnings.warn(what + ".", stacklevel=4)
         self._ensure_store(variant.captured, variant.graph)
+        self._ensure_ssd(variant)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)
             self._check_capacity(variant)
@@ -578,6 +582,59 @@ class CompiledModel:
             for k, t in captured.constants.items():  # constants of this capture (values may differ)
                 if k in self._store.tensors:
                     self._store.tensors[k].copy_(t)
+
+    def _ssd_rates(self) -> tuple[float, float]:
+        """The SSD's read and write bytes/s for the tuner: the emulated rates of the Offload spec,
+        else measured once on its path (32 MiB written and read through an SSDStore)."""
+        off = self.offload
+        if off.read_bps is not None and off.write_bps is not None:
+            return off.read_bps, off.write_bps
+        if getattr(self, "_ssd_measured", None) is None:
+            import time
+
+            from .runtime.ssd import SSDStore
+
+            n = 32 << 20
+            buf = torch.zeros(n // 4)
+            with SSDStore(off.path, {"probe": n}, read_bps=off.read_bps, write_bps=off.write_bps) as probe:
+                t0 = time.perf_counter()
+                probe.write_from("probe", buf).wait()
+                t1 = time.perf_counter()
+                probe.read_into("probe", buf).wait()
+                t2 = time.perf_counter()
+            # NOTE: a read right after the write may come from the page cache (buffered I/O): an
+            # optimistic figure; give nvme_read/nvme_write to tune for a known speed
+            self._ssd_measured = (n / max(t2 - t1, 1e-9), n / max(t1 - t0, 1e-9))
+        return self._ssd_measured
+
+    def _ensure_ssd(self, variant: Variant) -> None:
+        """The NVMe tier: the first variant with SSD transfers makes the SSD store (its extents
+        from the host store's groups, the disk space checked by the store before anything is
+        allocated) and the engine's host window; a later one grows the window if it needs more."""
+        prog = variant.train
+        if not prog.ssd_groups:
+            return
+        eng = self._engine
+        if eng.ssd is None:
+            from .runtime.ssd import SSDStore, group_extents
+            from .runtime.ssd_window import SSDWindow
+
+            groups = sorted(g for g, grp in enumerate(self._store.groups) if grp.trainable_bytes and g not in variant.device_groups)
+            extents = group_extents([self._store.groups[g] for g in groups])
+            ssd = SSDStore.from_offload(self.offload, extents)
+            try:
+                eng.ssd = SSDWindow(self._store, eng.optimizer, groups, prog.host_window, ssd)
+            except BaseException:
+                ssd.close()
+                raise
+            return
+        missing = sorted(prog.ssd_groups - eng.ssd.groups)
+        if missing:
+            raise UsageError(
+                f"program {prog.name!r} keeps groups {missing} on the SSD, which the SSD store made for the first "
+                f"capture does not hold (it holds {sorted(eng.ssd.groups)}); keep the same policy for every input shape"
+            )
+        eng.ssd.ensure(prog.host_window)
 
     def _bind_record(self, captured: Captured) -> list[tuple[str, torch.Tensor, int, nn.Module | None, str, bool | None]]:
         """What the model looks like once the store holds its tensors (see :meth:`_check_model`)."""
@@ -689,6 +746,9 @@ class CompiledModel:
 
         graph = variant.graph
         costs = profile_costs(self._engine, variant, tensors, refresh=refresh)
+        if getattr(policy, "nvme", False):  # the simulator needs the SSD's speed to choose the host window
+            read_bps, write_bps = self._ssd_rates()
+            costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
         if how == "fixed" and policy.windowed:
             policy = policy.replace(window="auto")
         try:
@@ -1206,6 +1266,65 @@ class CompiledModel:
         return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
 
 
+def _nvme_options(options: PipelineOptions, offload: Any, optimizer: Any, rollback: bool) -> tuple[PipelineOptions, Offload | None]:
+    """The pipeline options for ``shfx.compile(offload=...)``, and the spec kept.
+
+    One source of truth: the :class:`shfx.Offload` spec sets the policy's NVMe fields
+    (``nvme=True``, its ``host_window`` unless ``"auto"``); a policy asking for the tier itself
+    (``Stronghold(nvme=True)``) still needs the spec, which says where the store lives."""
+    pol = options.policy
+    if offload is not None and not isinstance(offload, Offload):
+        raise TypeError(f"offload must be a shfx.Offload(...), got {type(offload).__name__}")
+    asks = bool(getattr(pol, "nvme", False))
+    if offload is None or not offload.uses_nvme:
+        if asks:
+            raise UsageError(
+                f"{pol!r} keeps the optimizer states on an SSD, but shfx.compile got no offload=... saying where: pass "
+                "offload=shfx.Offload(optimizer='nvme', path='/mnt/nvme/shfx') (the policy's nvme fields then follow it)"
+            )
+        return options, offload
+    if offload.params == "nvme" or getattr(pol, "nvme_masters", False):
+        raise UsageError(
+            "Offload(params='nvme') / nvme_masters=True (the fp32 master weights on the SSD) is planned but not run: the "
+            "runtime keeps the masters in host RAM, where the model's parameters are views of them. Use params='host' "
+            "(optimizer='nvme' moves AdamW's m and v, 8 of the 12-16 host bytes per parameter, to the SSD)"
+        )
+    if offload.optimizer != "nvme":  # pragma: no cover - uses_nvme without params/optimizer nvme
+        return options, offload
+    if optimizer is None:
+        raise UsageError("Offload(optimizer='nvme') puts the optimizer states on the SSD, but there is no optimizer: pass optimizer=shfx.optim.AdamW(...)")
+    from .optim import AdamW
+
+    if not isinstance(optimizer, AdamW):
+        raise UsageError(
+            f"the NVMe tier holds AdamW's m and v; {type(optimizer).__name__} is not supported with it: use "
+            "optimizer=shfx.optim.AdamW(...), or offload=None"
+        )
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise UsageError("the NVMe tier holds AdamW's m and v, not amsgrad's third state: use amsgrad=False with it")
+    if rollback:
+        raise UsageError(
+            "the NVMe tier cannot roll a step back (rollback=True, the default with precision='fp16' or skip_nonfinite=True "
+            "and overlap_update=True): the undo copies would keep every group's optimizer states in host RAM, which is "
+            "what the tier avoids. Compile with overlap_update=False (the updates then start in step(), after every "
+            "gradient was checked, so nothing needs undoing), or rollback=False"
+        )
+    if not hasattr(pol, "nvme"):
+        raise UsageError(
+            f"policy {getattr(pol, 'name', pol)!r} has no NVMe tier (its updates are not host updates the tier can stage): "
+            "use policy='stronghold' or 'zero-infinity' with offload=shfx.Offload(optimizer='nvme', ...)"
+        )
+    hw = pol.host_window if pol.nvme else "auto"
+    if offload.host_window != "auto":
+        if hw != "auto" and hw != offload.host_window:
+            raise UsageError(
+                f"{pol!r} asks for host_window={hw} and offload=... for host_window={offload.host_window}: give it in one "
+                "place (the Offload spec sets the policy's)"
+            )
+        hw = offload.host_window
+    return dataclasses.replace(options, policy=pol.replace(nvme=True, host_window=hw)), offload
+
+
 def _clipping_options(options: PipelineOptions, max_grad_norm: Any, norm_type: Any, overlap_update: bool, optimizer: Any) -> PipelineOptions:
     """The pipeline options for ``shfx.compile(max_grad_norm=...)``: the policy's deferred-update
     mode (norms during the backward, updates in the next forward), or an error saying why not."""
@@ -1278,6 +1397,12 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             the host, and the updates run in forward order during the next forward (docs/usage.md,
             "Gradient clipping"). ``cm.clip_grad_norm_`` is the torch-style call.
         norm_type: the p of the p-norm (2.0; ``float("inf")`` for the max norm).
+        offload: ``shfx.Offload(optimizer="nvme", path=..., host_window=..., nvme_read=...,
+            nvme_write=...)``: the NVMe tier (docs/usage.md, "NVMe tier"): AdamW's ``m`` and ``v``
+            live in a scratch file under ``path``, ``host_window`` groups' of them in host RAM at a
+            time. It sets the policy's fields (``nvme=True``, and ``host_window`` unless
+            ``"auto"``, which leaves the policy's own, default ``"auto"``: the tuner's); the
+            policy must be Stronghold or ZeroInfinity, the optimizer AdamW, and rollback off.
         pin_memory: pin the host store (CUDA only).
         optimizer_workers: host threads running updates of different stages in parallel.
         verify: check every step program's invariants before running it; ``verify_each_pass``:

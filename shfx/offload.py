@@ -18,9 +18,11 @@ class Offload:
     """Which tier holds the optimizer states and the fp32 master weights of the groups the host
     updates.
 
-    .. note:: The runtime's NVMe tier is being built: this spec and the SSD store
-       (:class:`shfx.runtime.ssd.SSDStore`) exist, but ``shfx.compile(offload=...)`` is not
-       accepted yet.
+    ``shfx.compile(model, offload=spec)`` turns the tier on: the spec sets the policy's fields
+    (``Stronghold``/``ZeroInfinity`` ``nvme=True``, and ``host_window`` unless ``"auto"``, which
+    leaves the policy's own), and the first call makes the SSD store under ``path``
+    (docs/usage.md, "NVMe tier"). ``params="nvme"`` is planned (``shfx plan``) but not run yet:
+    ``shfx.compile`` refuses it.
 
     Args:
         optimizer: ``"host"`` (AdamW ``m`` and ``v`` in host RAM, as today) or ``"nvme"`` (on the

@@ -226,28 +226,12 @@ def test_nvme_policy_fields():
     assert shfx.ZeroInfinity(nvme=True, host_window=1).program(chain(3)).name == "zero-infinity(nvme H=1)"
 
 
-def test_compile_refuses_the_nvme_tier_up_front():
-    from shfx.passes.program import NVME_RUNTIME_MISSING
-
+def test_compile_runs_the_nvme_tier_only_with_an_offload_spec():
+    # (the runtime runs it since issue 12 part 3: tests/test_nvme_runtime.py; without a spec saying
+    # where the SSD store lives a policy asking for the tier is refused up front)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    with pytest.raises(ScheduleError, match="the NVMe tier's runtime is not built yet") as e:
-        shfx.compile(model, policy=shfx.Stronghold(nvme=True, host_window=1))
-    assert "shfx plan" in str(e.value) and NVME_RUNTIME_MISSING in str(e.value)
-    with pytest.raises(ScheduleError, match="the NVMe tier's runtime is not built yet"):
-        shfx.compile(model, policy=shfx.ZeroInfinity(nvme=True))
-    # a hand-written program with SSD transfers is refused when the first call builds it
-    def ssd_order(specs, window):
-        from shfx.passes.program import lower_actions
-
-        n = len(specs)
-        acts = [f"PF{i}" for i in range(n)] + [f"F{i}" for i in range(n)]
-        for i in reversed(range(n)):
-            acts += [f"B{i}", f"SR{i}", f"OG{i}", f"U{i}", f"SW{i}", f"R{i}"]
-        return lower_actions(acts, specs, n, ssd_groups={s.update_group for s in specs if s.update_group is not None}, host_window=1)
-
-    cm = shfx.compile(model, policy=ssd_order)
-    with pytest.raises(ScheduleError, match="reads and writes optimizer states on the SSD: the NVMe tier's runtime"):
-        cm(torch.randn(3, 4))
+    with pytest.raises(shfx.errors.UsageError, match="offload=shfx.Offload"):
+        shfx.compile(model, policy=shfx.Stronghold(nvme=True, host_window=1), optimizer=shfx.optim.AdamW())
     # planning builds the same programs
     opts = PipelineOptions(policy=shfx.Stronghold(nvme=True, host_window=1), plan_only=True)
     v = compile_variant(model, (torch.randn(3, 4),), {}, opts)

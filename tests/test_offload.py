@@ -58,10 +58,12 @@ def test_bad_specs_say_what_to_change(kwargs, message):
         Offload(**kwargs)
 
 
-def test_compile_does_not_take_it_yet():
-    # the spec exists ahead of the runtime's tier; its docstring says compile does not accept it
-    assert "offload" not in inspect.signature(shfx.compile).parameters
-    assert "is not accepted yet" in " ".join(Offload.__doc__.split())
+def test_compile_takes_it():
+    # (issue 12 part 3: tests/test_nvme_runtime.py trains with it) compile documents the keyword
+    # and the spec's docstring says how it relates to the policy's fields
+    assert "offload" in inspect.signature(shfx.api.CompiledModel).parameters
+    assert "offload: ``shfx.Offload(" in " ".join(shfx.compile.__doc__.split())
+    assert "sets the policy's fields" in " ".join(Offload.__doc__.split())
 
 
 @pytest.mark.parametrize("module", [shfx.offload, shfx.runtime.ssd])

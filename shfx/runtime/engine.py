@@ -32,7 +32,7 @@ from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
 from shfx.passes.pipeline import Variant
-from shfx.passes.program import NVME_RUNTIME_MISSING, ActionMeta, Program, ScheduleError
+from shfx.passes.program import ActionMeta, Program, ScheduleError
 from shfx.passes.units import format_bytes
 
 from ..errors import ActionError, NonFiniteGradient, OutOfDeviceMemory, UsageError
@@ -45,6 +45,7 @@ from .host_optim import HostAdamW
 from .host_store import GRAD_NONE, GRAD_VALID, HostStore
 from .journal import StepJournal
 from .slots import SlotPool
+from .ssd_window import SSDWindow
 from .streams import Cancelled, DependencyFailed, DoneToken, JoinToken, Token, root_cause
 
 __all__ = ["Engine", "StepContext", "MemoryEvent"]
@@ -173,6 +174,8 @@ class Engine:
         self.device_optimizer = DeviceAdamW(backend, optimizer.config) if optimizer is not None else None
         # what the updates of the current step changed, to undo a step that fails or is skipped
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
+        # the NVMe tier's host window (shfx.runtime.ssd_window), set by shfx.compile(offload=...)
+        self.ssd: SSDWindow | None = None
         self.skip_nonfinite = skip_nonfinite
         # every update checks its gradient first (a sum over it): inf or NaN skips the step
         # (skip_nonfinite, fp16) or fails it with an error naming the stage
@@ -252,10 +255,13 @@ class Engine:
         if self.optimizer is not None:
             states = sum(
                 t.numel() * t.element_size()
-                for st in self.optimizer.state.values()
+                for g, st in list(self.optimizer.state.items())
+                if self.ssd is None or g not in self.ssd.groups  # (staged: views of the window's buffers)
                 for t in st.tensors()
                 if t.dim()  # not the 0-dim step counters (the memory ledger does not count them)
             )
+        if self.ssd is not None:
+            states += self.ssd.host_bytes
         return (
             self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
             + self.journal.host_bytes
@@ -342,13 +348,24 @@ class Engine:
     def _run_release(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return JoinToken([d.reads_done for d in deps], str(m.action))
 
-    def _run_ssd_read(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        # NOTE: the NVMe tier plans and simulates but does not run yet; shfx.compile refuses its
-        # programs up front (shfx.passes.pipeline), so this is only reached by a program built
-        # around that check
-        raise ScheduleError(f"{m.action}: {NVME_RUNTIME_MISSING}")
+    def _ssd_window(self, m: ActionMeta) -> SSDWindow:
+        if self.ssd is None:
+            raise ScheduleError(
+                f"{m.action}: the program reads and writes optimizer states on the SSD, but this model has no SSD store; "
+                "compile with offload=shfx.Offload(optimizer='nvme', path=...)"
+            )
+        return self.ssd
 
-    _run_ssd_write = _run_ssd_read
+    def _run_ssd_read(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """SR g: the group's states into host-window buffer ``m.buffer``, on the window's read
+        stream; the token completes when the reads did (:meth:`SSDWindow.read`)."""
+        w = self._ssd_window(m)
+        return w.read_stream.submit(self._timed(lambda: w.read(m.stage, m.buffer), m), deps, str(m.action))
+
+    def _run_ssd_write(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """SW g: the group's states back to the SSD; its buffer is free when the token completes."""
+        w = self._ssd_window(m)
+        return w.write_stream.submit(self._timed(lambda: w.write(m.stage), m), deps, str(m.action))
 
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._update_task(m.stage), deps)
@@ -702,18 +719,29 @@ class Engine:
         finite = self.check_finite if finite is None else finite
         scaler, unscaled, whose = self.scaler, self.unscaled, self._whose(group, "host")
 
+        ssd = self.ssd if self.ssd is not None and group in self.ssd.groups else None
+
         def run() -> None:
             if not check or store.grad_state[group] == GRAD_VALID:
-                if finite:
-                    _check_finite(store.grad(group), group, whose)
-                journal.before_host_update(group)
-                if scaler is not None and group not in unscaled:
-                    # as the fused kernel's grad_scale divides (bitwise alike); through .data, so
-                    # the exposed .grad views' version counters see no user edit
-                    store.grad(group).data.div_(scaler.scale_tensor())
-                    unscaled.add(group)
-                opt.update(group, hp)  # (mixed precision: also writes the 16-bit working copy, same pass)
-                journal.done("host", group)
+                if ssd is not None and not ssd.is_staged(group):
+                    # an update outside the program's SR/SW (step() without overlap, clipping's
+                    # deferred updates): read, update and write back here
+                    with ssd.staged(group):
+                        body()
+                else:
+                    body()
+
+        def body() -> None:
+            if finite:
+                _check_finite(store.grad(group), group, whose)
+            journal.before_host_update(group)
+            if scaler is not None and group not in unscaled:
+                # as the fused kernel's grad_scale divides (bitwise alike); through .data, so
+                # the exposed .grad views' version counters see no user edit
+                store.grad(group).data.div_(scaler.scale_tensor())
+                unscaled.add(group)
+            opt.update(group, hp)  # (mixed precision: also writes the 16-bit working copy, same pass)
+            journal.done("host", group)
 
         return run
 
@@ -800,6 +828,8 @@ class Engine:
     def _undo_step(self) -> tuple[list[int], list[int]]:
         """Roll back the current step's updates (the journal's copies) when rollback is on;
         returns (groups restored, groups updated and left applied)."""
+        if self.ssd is not None:
+            self.ssd.reset()  # a group read for an update that did not finish goes back to the SSD
         if self.journal.enabled:
             restored = self.journal.rollback(self.pool.region if self.pool is not None else None)
             if restored:
@@ -1107,8 +1137,8 @@ class Engine:
             if isinstance(err, OutOfDeviceMemory):
                 e = _oom_in(err, f"the optimizer update {label}")
             else:
-                where = "device" if label.startswith("DU") else "host"
-                e = ActionError(f"{where} optimizer update {label} failed: {type(err).__name__}: {err}", label)
+                what = {"DU": "device optimizer update", "SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states"}
+                e = ActionError(f"{what.get(label[:2], 'host optimizer update')} {label} failed: {type(err).__name__}: {err}", label)
             raise _with_note(e, note) from err
         if nonfinite:
             if not self.skip_nonfinite:
@@ -1445,7 +1475,11 @@ class Engine:
             if self.pool is not None:
                 self.pool.close()
             self.loaded = None
-            self.backend.close()
+            try:
+                if self.ssd is not None:
+                    self.ssd.close()
+            finally:
+                self.backend.close()
 
     def memory_summary(self) -> str:
         b = self.backend

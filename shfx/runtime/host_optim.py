@@ -273,12 +273,17 @@ class _State:
 
     __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "views", "working", "pgs")
 
-    def __init__(self, store: HostStore, g: int, amsgrad: bool, merge: bool = True, chunk: int = CHUNK, layout=None):
+    def __init__(
+        self, store: HostStore, g: int, amsgrad: bool, merge: bool = True, chunk: int = CHUNK, layout=None,
+        *, step: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
+    ):  # fmt: skip
+        # step / exp_avg / exp_avg_sq: the NVMe tier's host-window buffers (views of a staging
+        # buffer, shfx.runtime.ssd_window) instead of buffers of the state's own
         grp = store.groups[g]
         n, dt = grp.trainable_numel, grp.dtypes.state
-        self.step = torch.zeros((), dtype=torch.float32)
-        self.exp_avg = torch.zeros(n, dtype=dt)
-        self.exp_avg_sq = torch.zeros(n, dtype=dt)
+        self.step = torch.zeros((), dtype=torch.float32) if step is None else step
+        self.exp_avg = torch.zeros(n, dtype=dt) if exp_avg is None else exp_avg
+        self.exp_avg_sq = torch.zeros(n, dtype=dt) if exp_avg_sq is None else exp_avg_sq
         self.max_exp_avg_sq = torch.zeros(n, dtype=dt) if amsgrad else None
         bufs = [store.master(g), store.grad(g), self.exp_avg, self.exp_avg_sq]
         if amsgrad:
@@ -326,10 +331,18 @@ class HostAdamW:
         self.chunk = chunk
         self.state: dict[int, _State] = {}
         self._lock = threading.Lock()
+        # the NVMe tier (shfx.runtime.ssd_window.SSDWindow): the states of its groups are in
+        # ``state`` only while a host-window buffer holds them (between their SSD read and write)
+        self.ssd: Any = None
 
     def _state(self, g: int, amsgrad: bool) -> _State:
         with self._lock:
             st = self.state.get(g)
+            if st is None and self.ssd is not None and g in self.ssd.groups:
+                raise RuntimeError(
+                    f"group {g}'s optimizer state lives on the SSD and is not in a host-window buffer: its update must "
+                    f"come between its SSD read (SR{g}) and write (SW{g})"
+                )
             if st is None:
                 st = _State(self.store, g, amsgrad, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]))
                 self.state[g] = st
@@ -340,6 +353,8 @@ class HostAdamW:
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Group ``g``'s ``(step, exp_avg, exp_avg_sq)``, dropped here (the group is updated on
         the device from now on); None when it has none."""
+        if self.ssd is not None and g in self.ssd.groups:
+            raise NotImplementedError(f"group {g}'s optimizer state is on the SSD: it cannot move to the device-side optimizer")
         with self._lock:
             st = self.state.get(g)
             if st is None:
@@ -351,6 +366,8 @@ class HostAdamW:
 
     def put(self, g: int, step: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Take over group ``g``'s states (it is updated on the host from now on)."""
+        if self.ssd is not None and g in self.ssd.groups:
+            raise NotImplementedError(f"group {g}'s optimizer state is on the SSD: it cannot take a device-side state")
         st = self._state(g, amsgrad=False)
         st.step.copy_(step)
         st.exp_avg.copy_(exp_avg)
@@ -387,6 +404,9 @@ class HostAdamW:
         as views (of the device state ``dev`` for a group updated on the device); {} before its
         first update."""
         st = self.state.get(g)
+        if st is None and dev is None and self.ssd is not None and g in self.ssd.groups:
+            # NOTE: copies read from the SSD (one group at a time), not views of a live buffer
+            st = self.ssd.snapshot(g)
         if dev is not None:
             if int(dev.step.item()) == 0:
                 return {}
@@ -405,6 +425,9 @@ class HostAdamW:
     def load_group(self, g: int, entries: list[tuple[tuple, dict]], dev: Any = None) -> None:
         """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
         covering all its trainable parameters, or drop it (``entries`` empty: fresh state)."""
+        if self.ssd is not None and g in self.ssd.groups and dev is None:
+            self.ssd.load_group(g, entries)
+            return
         if not entries:
             with self._lock:
                 self.state.pop(g, None)
@@ -489,6 +512,8 @@ class HostAdamW:
         return time.perf_counter() - t0
 
     def steps(self, g: int) -> int:
+        if self.ssd is not None and g in self.ssd.groups:
+            return int(self.ssd.steps[g].item())
         st = self.state.get(g)
         return 0 if st is None else int(st.step.item())
 
@@ -539,6 +564,8 @@ class _HostRunner:
         raise NotImplementedError(f"{type(self.config).__name__} runs on the host only")
 
     def steps(self, g: int) -> int:
+        if self.ssd is not None and g in self.ssd.groups:
+            return int(self.ssd.steps[g].item())
         st = self.state.get(g)
         return 0 if st is None else int(st.step.item())
 
@@ -748,6 +775,8 @@ class HostAdafactor(_HostRunner):
                   maximize=h["maximize"])  # fmt: skip
 
     def steps(self, g: int) -> int:
+        if self.ssd is not None and g in self.ssd.groups:
+            return int(self.ssd.steps[g].item())
         st = self.state.get(g)
         return 0 if st is None or not st.steps else int(st.steps[0].item())
 

@@ -84,6 +84,7 @@ class HostStore:
         self.staging_bytes = 0  # host bytes of the staging buffers allocated so far
         self._staging_max = max(1, staging_buffers)
         self._staging_cv = threading.Condition()
+        self._grads_lock = threading.Lock()
 
     # ---- views ---------------------------------------------------------------------------
     def group_bytes(self, g: int) -> torch.Tensor:
@@ -123,9 +124,14 @@ class HostStore:
         """Group ``g``'s flat gradient buffer in the host gradient dtype (created zeroed on first use)."""
         t = self._grads[g]
         if t is None:
-            grp = self.groups[g]
-            t = self.backend.alloc_host(grp.grad_bytes, self.pin).view(grp.dtypes.grad)
-            self._grads[g] = t
+            # NOTE: under a lock: two threads using it first at once (the NVMe tier's SSD read
+            # building the update's views, a gradient copy) must get the same buffer
+            with self._grads_lock:
+                t = self._grads[g]
+                if t is None:
+                    grp = self.groups[g]
+                    t = self.backend.alloc_host(grp.grad_bytes, self.pin).view(grp.dtypes.grad)
+                    self._grads[g] = t
         return t
 
     def grad_bytes(self, g: int) -> torch.Tensor:

@@ -1,0 +1,302 @@
+"""The NVMe tier's host window: SSD-resident AdamW states, staged through a few host buffers.
+
+With ``shfx.compile(offload=shfx.Offload(optimizer="nvme", ...))`` the AdamW states (``m`` and
+``v``) of every host-updated group live in an :class:`shfx.runtime.ssd.SSDStore`, not in host
+RAM. :class:`SSDWindow` owns ``host_window`` *staging buffers*, each an ``(m, v)`` pair sized
+for the largest group, and moves one group's states through one of them:
+
+* ``SR g`` (:meth:`SSDWindow.read`, on the window's ``ssd_read`` stream): the program's buffer
+  (``ActionMeta.buffer``; the verifier's rule 8 guarantees the ``SW`` that last freed it has
+  completed) receives the group's ``m`` and ``v`` (``SSDStore.read_into``, asynchronous; the
+  action's token completes when both reads did), and the group's optimizer state becomes the
+  staging views (:class:`shfx.runtime.host_optim.HostAdamW` ``state[g]``, the same
+  per-parameter views and fused kernel as a resident state: the update is bitwise the same);
+* ``U g``: the host update, unchanged, on those views;
+* ``SW g`` (:meth:`SSDWindow.write`, on the ``ssd_write`` stream): the buffer goes back to the
+  SSD (``SSDStore.write_from``) and returns to the pool when the write completed.
+
+Updates the engine runs itself (``overlap_update=False``: in ``step()``; exact clipping's
+deferred updates) go through :meth:`SSDWindow.staged`, which does the same read, update and
+write inline in the update's task, in any free buffer.
+
+The step counters (one 0-dim fp32 tensor per group) stay in host RAM. The states start as
+zeros: :meth:`SSDWindow.__init__` writes zeros into every extent (or the state a checkpoint
+loaded before the first call put in RAM), so every ``SR`` reads what the program says it reads
+(the store's byte counters equal ``Program.bytes_moved()`` from the first step). A failed or interrupted step calls :meth:`SSDWindow.reset` once nothing runs: a group
+whose read completed is written back as it is in its buffer (updated or not), every buffer is
+freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .ssd import SSDStore, group_extents
+from .streams import WorkerStream
+
+__all__ = ["SSDWindow"]
+
+
+class _Snapshot:
+    """A group's state read from the SSD (copies), shaped like a host optimizer state."""
+
+    __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(self, step: torch.Tensor, m: torch.Tensor, v: torch.Tensor):
+        self.step, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq = step, m, v, None
+
+
+class SSDWindow:
+    """``groups``' AdamW states on ``ssd`` (an :class:`SSDStore` with the extents
+    :func:`shfx.runtime.ssd.group_extents` gives them), ``host_window`` of them in host RAM at a
+    time. ``optimizer``: the :class:`shfx.runtime.host_optim.HostAdamW` running their updates
+    (its ``ssd`` is set to this window)."""
+
+    def __init__(self, store: Any, optimizer: Any, groups: Sequence[int], host_window: int, ssd: SSDStore):
+        if host_window < 1:
+            raise ValueError(f"host_window must be >= 1, got {host_window}")
+        self.store = store
+        self.optimizer = optimizer
+        self.groups = frozenset(groups)
+        self.ssd = ssd
+        grps = [store.groups[g] for g in sorted(self.groups)]
+        want = group_extents(grps)
+        have = {k: e.nbytes for k, e in ssd.extents.items()}
+        if any(have.get(k) != n for k, n in want.items()):
+            raise ValueError(f"the SSD store's extents {have} do not hold the states of groups {sorted(self.groups)} ({want})")
+        self.numel = max((g.trainable_numel for g in grps), default=0)
+        self.dtype = grps[0].dtypes.state if grps else torch.float32
+        self.steps = {g: torch.zeros((), dtype=torch.float32) for g in sorted(self.groups)}
+        self._cond = threading.Condition()
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._holder: list[int | None] = []  # buffer -> the group in it
+        self._read_ok: list[bool] = []
+        self.where: dict[int, int] = {}  # group -> its buffer
+        self._views: dict[tuple[int, int], Any] = {}  # (group, buffer) -> the optimizer state over it
+        self._snap: tuple[int, _Snapshot] | None = None  # the last group read for state_dict()
+        self.ensure(host_window)
+        self.read_stream = WorkerStream("ssd_read")
+        self.write_stream = WorkerStream("ssd_write")
+        optimizer.ssd = self
+        self._write_initial()
+
+    # ---- buffers -------------------------------------------------------------------------------
+    def ensure(self, host_window: int) -> None:
+        """At least ``host_window`` staging buffers (a program with a larger window)."""
+        with self._cond:
+            while len(self.buffers) < host_window:
+                self.buffers.append((torch.zeros(self.numel, dtype=self.dtype), torch.zeros(self.numel, dtype=self.dtype)))
+                self._holder.append(None)
+                self._read_ok.append(False)
+            self._cond.notify_all()
+
+    @property
+    def host_window(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the staging buffers (and the step counters)."""
+        return sum(m.numel() * m.element_size() + v.numel() * v.element_size() for m, v in self.buffers) + 4 * len(self.steps)
+
+    def _claim(self, g: int, b: int | None) -> int:
+        """Put group ``g`` in buffer ``b`` (the program's), or the first free one (waiting)."""
+        with self._cond:
+            if g in self.where:
+                raise RuntimeError(f"group {g}'s optimizer state is already in host-window buffer {self.where[g]}")
+            if b is None:
+                while None not in self._holder:
+                    self._cond.wait()
+                b = self._holder.index(None)
+            elif not 0 <= b < len(self.buffers):
+                raise RuntimeError(f"host-window buffer {b} does not exist: the window has {len(self.buffers)} buffers")
+            elif self._holder[b] is not None:
+                raise RuntimeError(
+                    f"host-window buffer {b} still holds group {self._holder[b]}'s state when group {g}'s read needs it "
+                    "(the program must write that group back first)"
+                )
+            self._holder[b] = g
+            self._read_ok[b] = False
+            self.where[g] = b
+            return b
+
+    def _free(self, g: int) -> None:
+        with self._cond:
+            b = self.where.pop(g)
+            self._holder[b] = None
+            self._read_ok[b] = False
+            self.optimizer.state.pop(g, None)
+            self._cond.notify_all()
+
+    def _views_of(self, g: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.store.groups[g].trainable_numel
+        m, v = self.buffers[b]
+        return m[:n], v[:n]
+
+    def _stage(self, g: int, b: int) -> None:
+        """Group ``g``'s optimizer state becomes the views of buffer ``b`` (built once per pair)."""
+        from .host_optim import _State, _layout
+
+        st = self._views.get((g, b))
+        if st is None:
+            m, v = self._views_of(g, b)
+            opt = self.optimizer
+            st = _State(self.store, g, False, opt.merge_views, opt.chunk, _layout(opt.config, self.store.groups[g]),
+                        step=self.steps[g], exp_avg=m, exp_avg_sq=v)  # fmt: skip
+            self._views[(g, b)] = st
+        with self.optimizer._lock:
+            self.optimizer.state[g] = st
+
+    # ---- the actions ---------------------------------------------------------------------------
+    def read(self, g: int, buffer: int | None = None) -> None:
+        """SR g: read ``g``'s ``m`` and ``v`` into a host-window buffer and stage them; returns
+        when both reads completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
+        b = self._claim(g, buffer)
+        m, v = self._views_of(g, b)
+        reqs = [self.ssd.read_into(("m", g), m), self.ssd.read_into(("v", g), v)]
+        errors = []
+        for r in reqs:
+            try:
+                r.wait()
+            except BaseException as e:  # noqa: BLE001 - both requests end before raising
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        self._read_ok[b] = True
+        self._snap = None
+        self._stage(g, b)
+
+    def write(self, g: int) -> None:
+        """SW g: write ``g``'s staged ``m`` and ``v`` back; the buffer is free when both writes
+        completed (a failed write keeps it: :meth:`reset` retries)."""
+        b = self.where.get(g)
+        if b is None:
+            raise RuntimeError(f"group {g}'s optimizer state is not in a host-window buffer: SW{g} has nothing to write")
+        m, v = self._views_of(g, b)
+        reqs = [self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)]
+        errors = []
+        for r in reqs:
+            try:
+                r.wait()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        self._snap = None
+        self._free(g)
+
+    def is_staged(self, g: int) -> bool:
+        return g in self.where
+
+    @contextlib.contextmanager
+    def staged(self, g: int) -> Iterator[None]:
+        """Read ``g`` into a free buffer, run the block (its update), write it back: an update
+        the engine runs outside the program's SR/SW."""
+        try:
+            self.read(g)
+        except BaseException:
+            if g in self.where:
+                self._free(g)
+            raise
+        try:
+            yield
+        finally:
+            self.write(g)
+
+    def reset(self) -> None:
+        """After a failed or abandoned step (nothing running): write back every group whose
+        read completed, free every buffer."""
+        errors = []
+        for g in list(self.where):
+            b = self.where[g]
+            if self._read_ok[b]:
+                try:
+                    self.write(g)
+                    continue
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+            self._free(g)
+        if errors:
+            raise errors[0]
+
+    # ---- reading and loading the states (state_dict, checkpoints) --------------------------------
+    def snapshot(self, g: int) -> _Snapshot | None:
+        """Group ``g``'s state as copies read from the SSD (None before its first update); the
+        last group read is kept, so a state_dict reading a group's parameters one after the
+        other reads the group once."""
+        if int(self.steps[g].item()) == 0:
+            return None
+        if g in self.where:  # staged (inside a step): its live views
+            st = self.optimizer.state.get(g)
+            if st is not None:
+                return st
+        if self._snap is not None and self._snap[0] == g:
+            return self._snap[1]
+        n = self.store.groups[g].trainable_numel
+        m, v = torch.empty(n, dtype=self.dtype), torch.empty(n, dtype=self.dtype)
+        for r in (self.ssd.read_into(("m", g), m), self.ssd.read_into(("v", g), v)):
+            r.wait()
+        snap = _Snapshot(self.steps[g].clone(), m, v)
+        self._snap = (g, snap)
+        return snap
+
+    def load_group(self, g: int, entries: list) -> None:
+        """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
+        (empty: fresh, zeros and step 0), written to the SSD through one group-sized buffer."""
+        if g in self.where:
+            raise RuntimeError(f"group {g}'s optimizer state is in a host-window buffer (a step is running): load it between steps")
+        n = self.store.groups[g].trainable_numel
+        m, v = torch.zeros(n, dtype=self.dtype), torch.zeros(n, dtype=self.dtype)
+        step = 0.0
+        if entries:
+            if any("max_exp_avg_sq" in e for _, e in entries):
+                raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
+            steps = {float(e["step"]) for _, e in entries}
+            if len(steps) != 1:
+                raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
+            step = steps.pop()
+            for (_, off, k, shape), e in entries:
+                for name, buf in (("exp_avg", m), ("exp_avg_sq", v)):
+                    src = e.get(name)
+                    if src is None or tuple(src.shape) != tuple(shape):
+                        raise ValueError(
+                            f"state {name!r} of a parameter of shape {tuple(shape)} is "
+                            f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                        )
+                    buf[off : off + k].view(shape).copy_(src)
+        for r in (self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)):
+            r.wait()
+        self.steps[g].fill_(step)
+        self._snap = None
+
+    def _write_initial(self) -> None:
+        """Every extent starts as the group's state: zeros (fresh AdamW), or the state the
+        optimizer already holds in RAM (one loaded before the first call, as from
+        ``cm.load_checkpoint``), which then leaves RAM."""
+        if not self.groups:
+            return
+        zeros = torch.zeros(self.numel, dtype=self.dtype)
+        for g in sorted(self.groups):
+            n = self.store.groups[g].trainable_numel
+            with self.optimizer._lock:
+                st = self.optimizer.state.pop(g, None)
+            if st is not None and st.max_exp_avg_sq is not None:
+                raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
+            m, v = (zeros[:n], zeros[:n]) if st is None else (st.exp_avg, st.exp_avg_sq)
+            for r in (self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)):
+                r.wait()
+            if st is not None:
+                self.steps[g].copy_(st.step)
+
+    def close(self) -> None:
+        """Stop the streams and delete the store's file (the SSD is scratch for one run)."""
+        try:
+            self.read_stream.close()
+            self.write_stream.close()
+        finally:
+            self.ssd.close()  # (the optimizer keeps pointing here: reading a state now says the store is closed)

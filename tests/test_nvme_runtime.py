@@ -1,0 +1,251 @@
+"""The NVMe tier's runtime (shfx.compile(offload=shfx.Offload(optimizer="nvme", ...))): AdamW's
+states on an SSD store, a host window of them in RAM. Every run is compared bitwise
+(torch.equal) with the same run keeping every state in host RAM: the update runs the same
+kernel over the same per-parameter views, only the memory under the states differs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from zoo import ZOO, gpt, loss_of, token_batch
+
+import shfx
+from shfx.errors import ActionError, SSDSpaceError, UsageError
+from shfx.runtime import ssd as ssd_mod
+
+
+def train(make_model, make_batch, *, offload=None, steps=3, accum=1, window=2, policy="stronghold", keep=False, **kw):
+    """``steps`` optimizer steps; returns (losses, model state, optimizer state_dict, cm or None).
+
+    NOTE: ``recompute="full"``, not ``"auto"``: auto picks early stop per stage from measured
+    forward times, and the two recompute ways draw dropout masks differently, so a run whose
+    timing differs (SSD I/O sharing the cores) could take the other way."""
+    kw.setdefault("recompute", "full")
+    torch.manual_seed(0)
+    model = make_model()
+    pol = shfx.Stronghold(window=window) if policy == "stronghold" else policy
+    cm = shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=pol,
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), grad_accum_steps=accum, offload=offload, **kw,
+    )  # fmt: skip
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            args, kwargs, aux = make_batch(step, micro)
+            torch.manual_seed(10_000 + 100 * step + micro)
+            loss = loss_of(cm(*args, **kwargs), aux) / accum
+            loss.backward()
+            losses.append(loss.detach().clone())
+        cm.step()
+        cm.zero_grad()
+    state = {k: v.clone() for k, v in cm.state_dict().items()}
+    opt = cm.optimizer.state_dict()
+    if not keep:
+        cm.close()
+        cm = None
+    return losses, state, opt, cm
+
+
+def assert_bitwise(a, b) -> None:
+    la, sa, oa, _ = a
+    lb, sb, ob, _ = b
+    assert all(torch.equal(x, y) for x, y in zip(la, lb)), (la, lb)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    assert oa["state"].keys() == ob["state"].keys() and oa["state"]
+    for i in oa["state"]:
+        for f in oa["state"][i]:
+            assert torch.equal(oa["state"][i][f], ob["state"][i][f]), (i, f)
+
+
+def nvme(tmp_path, host_window=1, **kw) -> shfx.Offload:
+    return shfx.Offload(optimizer="nvme", path=str(tmp_path / "ssd"), host_window=host_window, **kw)
+
+
+@pytest.mark.parametrize("host_window", [1, 2])
+def test_same_bits_as_the_host_ram_run(tmp_path, host_window):
+    ref = train(gpt, token_batch)
+    got = train(gpt, token_batch, offload=nvme(tmp_path, host_window), keep=True)
+    cm = got[3]
+    assert cm.variant.train.ssd_groups and cm.variant.train.host_window == host_window
+    assert cm._engine.ssd.host_window == host_window
+    cm.close()
+    assert_bitwise(got, ref)
+
+
+def test_accumulation_and_zero_infinity(tmp_path):
+    ref = train(gpt, token_batch, accum=2, policy=shfx.ZeroInfinity())
+    got = train(gpt, token_batch, accum=2, policy=shfx.ZeroInfinity(), offload=nvme(tmp_path, 2))
+    assert_bitwise(got, ref)
+
+
+@pytest.mark.parametrize("how", ["overlap_update=False", "max_grad_norm"])
+def test_updates_the_engine_runs_itself(tmp_path, how):
+    # without overlap step() runs the updates; with clipping they run during the next forward:
+    # both read, update and write back inside the update's task (SSDWindow.staged)
+    kw = {"overlap_update": False} if how == "overlap_update=False" else {"max_grad_norm": 0.5}
+    ref = train(gpt, token_batch, **kw)
+    got = train(gpt, token_batch, offload=nvme(tmp_path, 1), **kw)
+    assert_bitwise(got, ref)
+
+
+def test_bf16_mixed_precision(tmp_path):
+    ref = train(gpt, token_batch, precision="bf16")
+    got = train(gpt, token_batch, precision="bf16", offload=nvme(tmp_path, 2))
+    assert_bitwise(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:window=64 is more than")
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("window", [1, 2, "all"])
+@pytest.mark.parametrize("host_window", [1, 2])
+def test_zoo_grid(tmp_path, name, window, host_window):
+    make_model, make_batch = ZOO[name]
+    w = 64 if window == "all" else window
+    ref = train(make_model, make_batch, window=w)
+    got = train(make_model, make_batch, window=w, offload=nvme(tmp_path, host_window))
+    assert_bitwise(got, ref)
+
+
+def test_bytes_per_step_are_the_programs(tmp_path):
+    *_, cm = train(gpt, token_batch, offload=nvme(tmp_path, 2), steps=1, keep=True)
+    store = cm._engine.ssd.ssd
+    moved = cm.variant.train.bytes_moved()
+    assert moved["ssd_read"] > 0 and moved["ssd_read"] == moved["ssd_write"]
+    for step in range(1, 3):
+        r0, w0 = store.bytes_read, store.bytes_written
+        args, kwargs, aux = token_batch(step)
+        loss_of(cm(*args, **kwargs), aux).backward()
+        cm.step()
+        cm.zero_grad()
+        assert (store.bytes_read - r0, store.bytes_written - w0) == (moved["ssd_read"], moved["ssd_write"])
+    # the states in RAM: the window's buffers (for the largest group), not every group's
+    groups = [cm._store.groups[g] for g in cm._engine.ssd.groups]
+    assert len(groups) > 2
+    assert cm._engine.ssd.host_bytes == 2 * 2 * max(g.state_bytes for g in groups) + 4 * len(groups)
+    assert not cm.optimizer.runner.state  # nothing staged between steps
+    cm.close()
+
+
+def test_an_emulated_ssd_at_a_finite_rate(tmp_path):
+    off = nvme(tmp_path, 1, nvme_read="200MB/s", nvme_write="100MB/s")
+    *rest, cm = train(gpt, token_batch, offload=off, keep=True)
+    store = cm._engine.ssd.ssd
+    assert (store.read_bps, store.write_bps) == (200e6, 100e6)
+    cm.close()
+    assert_bitwise((*rest, None), train(gpt, token_batch))
+
+
+def test_the_scratch_file_goes_with_close(tmp_path):
+    *_, cm = train(gpt, token_batch, offload=nvme(tmp_path, 1), steps=1, keep=True)
+    path = cm._engine.ssd.ssd.file_path
+    assert os.path.exists(path) and os.path.dirname(path) == str(tmp_path / "ssd")
+    cm.close()
+    assert not os.path.exists(path) and os.listdir(tmp_path / "ssd") == []
+
+
+def test_a_full_disk_is_refused_before_training(tmp_path, monkeypatch):
+    real = ssd_mod.shutil.disk_usage
+    monkeypatch.setattr(ssd_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    torch.manual_seed(0)
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB"), optimizer=shfx.optim.AdamW(), offload=nvme(tmp_path))
+    args, kwargs, _ = token_batch(0)
+    with pytest.raises(SSDSpaceError, match=r"needs \d+ bytes .* has 1000 bytes .* free") as e:
+        cm(*args, **kwargs)
+    assert e.value.path == str(tmp_path / "ssd") and e.value.available_bytes == 1000
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    cm.close()
+
+
+def test_a_failing_ssd_read_names_its_action(tmp_path, monkeypatch):
+    # the SSD reads run with the updates (issued by the backward, waited for by step()): a failed
+    # read fails step() with an ActionError naming it; nothing hangs, every buffer is free again,
+    # and (no update ran: each waits for its group's read) retrying step() applies the step
+    ref = train(gpt, token_batch, steps=2)
+    *_, cm = train(gpt, token_batch, offload=nvme(tmp_path, 1), steps=1, keep=True)
+
+    def broken(fd, buf, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ssd_mod, "_read_full", broken)
+    args, kwargs, aux = token_batch(1)
+    torch.manual_seed(10_000 + 100)
+    loss_of(cm(*args, **kwargs), aux).backward()
+    with pytest.raises(ActionError, match=r"SSD read of optimizer states SR\d+ failed: SSDIOError: SSD read of \('[mv]', \d+\) failed") as e:
+        cm.step()
+    assert e.value.action.startswith("SR") and "the gradients are kept" in str(e.value)
+    assert not cm._engine.ssd.where
+    monkeypatch.undo()
+    cm.step()
+    assert all(torch.equal(v, ref[1][k]) for k, v in cm.state_dict().items())
+    cm.close()
+
+
+def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
+    # a checkpoint of an NVMe run after 2 steps, loaded into a new NVMe run: 1 more step there is
+    # bitwise the host-RAM run's 3 steps
+    *_, cm = train(gpt, token_batch, offload=nvme(tmp_path, 1), steps=2, keep=True)
+    ckpt = str(tmp_path / "ckpt")
+    cm.save_checkpoint(ckpt)
+    cm.close()
+    ref = train(gpt, token_batch, steps=3)
+    torch.manual_seed(0)
+    model = gpt()
+    cm2 = shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+                       optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=nvme(tmp_path / "b", 1))  # fmt: skip
+    cm2.load_checkpoint(ckpt)
+    args, kwargs, aux = token_batch(2)
+    torch.manual_seed(10_000 + 200)
+    loss = loss_of(cm2(*args, **kwargs), aux)
+    loss.backward()
+    cm2.step()
+    assert torch.equal(loss, ref[0][2])
+    assert all(torch.equal(v, ref[1][k]) for k, v in cm2.state_dict().items())
+    opt = cm2.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt[i][f], ref[2]["state"][i][f]) for i in opt for f in opt[i])
+    # and loading into a running NVMe model writes the SSD
+    cm2.load_checkpoint(ckpt)
+    assert int(cm2.optimizer.state_dict()["state"][0]["step"]) == 2
+    cm2.close()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(offload="params"), "params='nvme'"),
+        (dict(optimizer="sgd"), "SGD is not supported"),
+        (dict(rollback=True), "cannot roll a step back"),
+        (dict(precision="fp16"), "cannot roll a step back"),
+        (dict(policy=shfx.ZeroOffload()), "has no NVMe tier"),
+        (dict(policy=shfx.Stronghold(nvme=True, host_window=2)), "give it in one place"),
+        (dict(optimizer=None), "there is no optimizer"),
+    ],
+)
+def test_refusals(tmp_path, kw, match):
+    opt = {"sgd": shfx.optim.SGD(lr=0.1), None: None}.get(kw.pop("optimizer", "adamw"), shfx.optim.AdamW())
+    off = kw.pop("offload", None)
+    off = shfx.Offload(optimizer="nvme", params="nvme", path=str(tmp_path)) if off == "params" else nvme(tmp_path, 1)
+    with pytest.raises(UsageError, match=match):
+        shfx.compile(gpt(), optimizer=opt, offload=off, **kw)
+
+
+def test_the_tuner_chooses_the_host_window(tmp_path):
+    # host_window="auto" (the Offload default): the tuner simulates each host window with the
+    # emulated SSD's rates and cm.report() says which it chose and why (a real disk's speed is
+    # measured once on the path instead)
+    torch.manual_seed(0)
+    cm = shfx.compile(gpt(), device=shfx.EmulatedDevice(memory="256MiB"), optimizer=shfx.optim.AdamW(), policy=shfx.Stronghold(window="auto"),
+                      offload=shfx.Offload(optimizer="nvme", path=str(tmp_path), nvme_read="20MB/s", nvme_write="20MB/s"))  # fmt: skip
+    args, kwargs, aux = token_batch(0)
+    loss_of(cm(*args, **kwargs), aux).backward()
+    cm.step()
+    h = cm.variant.train.host_window
+    assert 1 <= h <= len(cm.variant.train.ssd_groups) and cm._engine.ssd.host_window == h
+    assert f"Host window {h} (of {len(cm.variant.train.ssd_groups)} groups on the SSD)" in str(cm.report())
+    cm.close()
