@@ -114,6 +114,23 @@ def _kernel(
     )  # fmt: skip
 
 
+
+def copy_state_entries(entries: list, dst: dict[str, torch.Tensor | None]) -> None:
+    """Copy torch-format per-parameter states ``[((g, off, n, shape), {name: tensor})]`` into
+    flat buffers ``dst`` (``{"exp_avg": m, "exp_avg_sq": v}``; a None buffer is skipped), each
+    parameter's at its offset; a missing or misshapen state raises ``ValueError`` naming it."""
+    for (_, off, n, shape), e in entries:
+        for name, buf in dst.items():
+            if buf is None:
+                continue
+            src = e.get(name)
+            if src is None or tuple(src.shape) != tuple(shape):
+                raise ValueError(
+                    f"state {name!r} of a parameter of shape {tuple(shape)} is "
+                    f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                )
+            buf[off : off + n].view(shape).copy_(src)
+
 class _Batch:
     """One kernel call over pieces of views, then the cast of their masters into the working
     pieces (``dst``/``src``: the pieces that have a working copy)."""
@@ -451,17 +468,7 @@ class HostAdamW:
             dst = {"exp_avg": dev.m, "exp_avg_sq": dev.v}
             step = dev.step
         step.fill_(steps.pop())
-        for (_, off, n, shape), e in entries:
-            for name, buf in dst.items():
-                if buf is None:
-                    continue
-                src = e.get(name)
-                if src is None or tuple(src.shape) != tuple(shape):
-                    raise ValueError(
-                        f"state {name!r} of a parameter of shape {tuple(shape)} is "
-                        f"{'missing' if src is None else tuple(src.shape)} in the state dict"
-                    )
-                buf[off : off + n].view(shape).copy_(src)
+        copy_state_entries(entries, dst)
 
     def time_update(self, g: int, hp: dict, repeats: int = 3) -> float:
         """Median seconds of one update of group ``g``, run on scratch buffers laid out like the

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .host_optim import copy_state_entries
 from .ssd import SSDStore, group_extents
 from .streams import WorkerStream
 
@@ -260,15 +261,7 @@ class SSDWindow:
             if len(steps) != 1:
                 raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
             step = steps.pop()
-            for (_, off, k, shape), e in entries:
-                for name, buf in (("exp_avg", m), ("exp_avg_sq", v)):
-                    src = e.get(name)
-                    if src is None or tuple(src.shape) != tuple(shape):
-                        raise ValueError(
-                            f"state {name!r} of a parameter of shape {tuple(shape)} is "
-                            f"{'missing' if src is None else tuple(src.shape)} in the state dict"
-                        )
-                    buf[off : off + k].view(shape).copy_(src)
+            copy_state_entries(entries, {"exp_avg": m, "exp_avg_sq": v})
         for r in (self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)):
             r.wait()
         self.steps[g].fill_(step)
