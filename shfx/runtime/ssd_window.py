@@ -134,6 +134,20 @@ class SSDWindow:
             self.optimizer.state.pop(g, None)
             self._cond.notify_all()
 
+    def _io(self, direction: str, g: int, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Read (``"read"``) or write group ``g``'s ``m`` and ``v`` extents into / from ``m`` and
+        ``v``; returns when both requests ended, raising the first one's error (never leaving
+        one in flight, which would block the next request on its key)."""
+        io = self.ssd.read_into if direction == "read" else self.ssd.write_from
+        errors = []
+        for r in (io(("m", g), m), io(("v", g), v)):
+            try:
+                r.wait()
+            except BaseException as e:  # noqa: BLE001 - both requests end before raising
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     def _views_of(self, g: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.store.groups[g].trainable_numel
         m, v = self.buffers[b]
@@ -158,16 +172,7 @@ class SSDWindow:
         """SR g: read ``g``'s ``m`` and ``v`` into a host-window buffer and stage them; returns
         when both reads completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
         b = self._claim(g, buffer)
-        m, v = self._views_of(g, b)
-        reqs = [self.ssd.read_into(("m", g), m), self.ssd.read_into(("v", g), v)]
-        errors = []
-        for r in reqs:
-            try:
-                r.wait()
-            except BaseException as e:  # noqa: BLE001 - both requests end before raising
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        self._io("read", g, *self._views_of(g, b))
         self._read_ok[b] = True
         self._snap = None
         self._stage(g, b)
@@ -178,16 +183,7 @@ class SSDWindow:
         b = self.where.get(g)
         if b is None:
             raise RuntimeError(f"group {g}'s optimizer state is not in a host-window buffer: SW{g} has nothing to write")
-        m, v = self._views_of(g, b)
-        reqs = [self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)]
-        errors = []
-        for r in reqs:
-            try:
-                r.wait()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        self._io("write", g, *self._views_of(g, b))
         self._snap = None
         self._free(g)
 
@@ -240,8 +236,7 @@ class SSDWindow:
             return self._snap[1]
         n = self.store.groups[g].trainable_numel
         m, v = torch.empty(n, dtype=self.dtype), torch.empty(n, dtype=self.dtype)
-        for r in (self.ssd.read_into(("m", g), m), self.ssd.read_into(("v", g), v)):
-            r.wait()
+        self._io("read", g, m, v)
         snap = _Snapshot(self.steps[g].clone(), m, v)
         self._snap = (g, snap)
         return snap
@@ -262,8 +257,7 @@ class SSDWindow:
                 raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
             step = steps.pop()
             copy_state_entries(entries, {"exp_avg": m, "exp_avg_sq": v})
-        for r in (self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)):
-            r.wait()
+        self._io("write", g, m, v)
         self.steps[g].fill_(step)
         self._snap = None
 
@@ -281,8 +275,7 @@ class SSDWindow:
             if st is not None and st.max_exp_avg_sq is not None:
                 raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
             m, v = (zeros[:n], zeros[:n]) if st is None else (st.exp_avg, st.exp_avg_sq)
-            for r in (self.ssd.write_from(("m", g), m), self.ssd.write_from(("v", g), v)):
-                r.wait()
+            self._io("write", g, m, v)
             if st is not None:
                 self.steps[g].copy_(st.step)
 
