@@ -13,6 +13,8 @@ interpreter (``shfx.runtime.engine``, which dispatches on :attr:`KindInfo.name`)
 ['F', 'OB', 'B', 'OG', 'DU', 'OP']
 >>> KINDS[ActionKind.SSD_READ].stream, KINDS[ActionKind.SSD_WRITE].resource
 ('ssd_read', 'ssd')
+>>> KINDS[ActionKind.REDUCE_GRADS].stream, KINDS[ActionKind.GATHER_PARAMS].update
+('reduce', True)
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ __all__ = [
     "GN",
     "SR",
     "SW",
+    "RS",
+    "AG",
 ]
 
 
@@ -59,6 +63,8 @@ class ActionKind(str, enum.Enum):
     GRAD_NORM = "GN"  # norms of one group's host gradients (exact global-norm clipping)
     SSD_READ = "SR"  # read one host-updated group's optimizer state SSD -> a host-window buffer
     SSD_WRITE = "SW"  # write it back from the buffer to the SSD after the group's update
+    REDUCE_GRADS = "RS"  # data parallel: reduce-scatter one group's local gradient across ranks
+    GATHER_PARAMS = "AG"  # data parallel: all-gather one group's updated working-copy shards
 
     @property
     def info(self) -> KindInfo:
@@ -82,8 +88,10 @@ OP = ActionKind.OFFLOAD_PARAMS
 GN = ActionKind.GRAD_NORM
 SR = ActionKind.SSD_READ
 SW = ActionKind.SSD_WRITE
+RS = ActionKind.REDUCE_GRADS
+AG = ActionKind.GATHER_PARAMS
 
-STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write")
+STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write", "reduce", "gather")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
 accumulates copied gradients (the second part of an OFFLOAD_GRAD), the host optimizer's pool,
 ``none`` (a RELEASE: a join that takes no time), and the NVMe tier's two queues: reads
@@ -94,9 +102,15 @@ writes from separate submission queues at once, and in the steady state of a hos
 ``H >= 2`` groups the read of the group entering the window (it waits only for the write-back
 that freed its buffer) must not queue behind the write-back of another group. Both queues share
 one resource, ``"ssd"``, and the simulator couples their rates (``Links.ssd_duplex``) as the
-drive's bandwidth is shared."""
+drive's bandwidth is shared.
 
-RESOURCES = ("compute", "link", "host optimizer", "ssd")
+Data parallel adds two communication queues, ``reduce`` (REDUCE_GRADS) and ``gather``
+(GATHER_PARAMS). NOTE: two, each running its collectives in program order on a process group of
+its own: every rank issues the same program, so the collectives of one queue match across ranks
+by construction, and a gradient reduction never waits behind an all-gather that waits for an
+update (which waits for an earlier reduction)."""
+
+RESOURCES = ("compute", "link", "host optimizer", "ssd", "network")
 """What the simulator attributes critical-path time to (plus ``"idle"``, for a RELEASE and for
 time nothing explains)."""
 
@@ -119,7 +133,8 @@ class KindInfo:
             parameter group (the update group of the stage owning it), not a stage, and the
             runtime issues it only in the backward that completes a step (``grad_accum_steps``).
         moves: the link direction ``ActionMeta.bytes`` cross (``"h2d"``, ``"d2h"``; for the
-            NVMe tier ``"ssd_read"``, ``"ssd_write"``), or None.
+            NVMe tier ``"ssd_read"``, ``"ssd_write"``; for data parallel's collectives
+            ``"reduce"``, ``"gather"``: the bytes each rank contributes), or None.
         cost: the :class:`~shfx.cost_model.costs.StageCost` field that gives its duration
             (of the stage, or of the stage owning the group), or None for copies (bytes over
             the link) and RELEASE (no time). A BACKWARD whose forward kept its graph takes
@@ -181,6 +196,13 @@ KINDS: dict[ActionKind, KindInfo] = {
               doc="read one host-updated group's optimizer state (and master) from the SSD into a host-window buffer"),
         _info(SW, "ssd_write", "ssd_write", "ssd", slotted=False, reads=False, update=True, moves="ssd_write",
               doc="write one group's updated optimizer state (and master) back to the SSD, freeing its buffer"),
+        # NOTE: a reduction runs in every backward (under gradient accumulation each micro-step's
+        # gradient is reduced into the rank's shard, as DDP reduces every backward): not an update
+        # kind; the all-gather publishes an update, so it runs only with one
+        _info(RS, "reduce_grads", "reduce", "network", slotted=False, reads=False, moves="reduce",
+              doc="data parallel: reduce-scatter one group's local gradient across ranks into this rank's host shard"),
+        _info(AG, "gather_params", "gather", "network", slotted=False, reads=False, update=True, moves="gather",
+              doc="data parallel: all-gather one group's updated working-copy shards into every rank's host image"),
     )
 }  # fmt: skip
 

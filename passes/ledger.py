@@ -248,6 +248,7 @@ def host_terms(
     ssd_groups: frozenset[int] | set[int] = frozenset(),
     host_window: int = 0,
     ssd_masters: bool = False,
+    ranks: int = 1,
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient

@@ -31,6 +31,12 @@ With the NVMe tier (``Placement.ssd_groups``), last:
 9. :func:`add_ssd_transfers` - ``SR g`` ahead of each ``U g`` of a group whose optimizer
    state lives on the SSD, as early as the host window allows, and ``SW g`` right after it.
 
+With data parallel (:func:`shfx.passes.schedule.data_parallel_program`, any policy's program):
+
+10. :func:`add_collectives` - ``RS g`` right after the ``OG`` of group ``g``'s last gradient
+    contributor (the reduction of the rank's local gradient starts as soon as it is complete,
+    while the backward of earlier stages runs), ``AG g`` right after each ``U g``.
+
 Each pass inserts its actions at the end of the *trailer* of the compute action they belong
 to: the actions between that ``F``/``B`` and the next compute action. Then
 :func:`shfx.passes.program.lower_actions` adds the dependency edges and slots.
@@ -46,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .actions import B, DU, F, GN, OB, OG, OP, PF, R, SR, SW, U, Action, ActionKind
+from .actions import AG, B, DU, F, GN, OB, OG, OP, PF, RS, R, SR, SW, U, Action, ActionKind
 from .program import ScheduleError
 from .stages import StageSpec, backward_stages
 
@@ -67,6 +73,7 @@ __all__ = [
     "add_ssd_transfers",
     "check_host_window",
     "last_contributors",
+    "add_collectives",
 ]
 
 _COMPUTE = (F, B)
@@ -368,4 +375,43 @@ def add_ssd_transfers(acts: Sequence[Action], ssd_groups: frozenset[int] | set[i
             out.append(Action(SW, a.stage))
             if a.stage in then_read:
                 out.append(Action(SR, then_read[a.stage]))
+    return out
+
+
+def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:
+    """Given a (host-updated) action order, add data parallel's collectives: ``RS g`` right
+    after the ``OG`` of group ``g``'s last gradient contributor in issue order (each rank's local
+    gradient of ``g`` is then complete: the reduce-scatter runs while the backward of earlier
+    stages does), and ``AG g`` right after each ``U g`` (the updated shards are gathered before
+    anything reads the group again). Device updates (``DU``) are refused: data parallel shards
+    the host optimizer.
+
+    >>> from shfx.passes.stages import chain
+    >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 OG0 U0".split()]
+    >>> " ".join(map(str, add_collectives(acts, chain(2))))
+    'F0 F1 B1 OG1 RS1 U1 AG1 B0 OG0 RS0 U0 AG0'
+    """
+    dev = sorted({a.stage for a in acts if a.kind == DU})
+    if dev:
+        raise ScheduleError(
+            f"data parallel shards the host optimizer across ranks, but groups {dev} are updated on the device (DU); "
+            "use a policy that updates every group on the host (Stronghold(resident_first=0), ZeroOffload, ZeroInfinity)"
+        )
+    stages = list(stages)
+    owned = {st.update_group for st in stages if st.update_group is not None}
+    last_og: dict[int, int] = {}  # group -> position of its last contributor's OG
+    for i, a in enumerate(acts):
+        if a.kind == OG and 0 <= a.stage < len(stages):
+            for g in stages[a.stage].grad_groups:
+                if g in owned:
+                    last_og[g] = i
+    after: dict[int, list[Action]] = {}
+    for g, i in sorted(last_og.items()):
+        after.setdefault(i, []).append(Action(RS, g))
+    out: list[Action] = []
+    for i, a in enumerate(acts):
+        out.append(a)
+        out += after.get(i, [])
+        if a.kind == U:
+            out.append(Action(AG, a.stage))
     return out

@@ -36,7 +36,7 @@ from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
 from .program import Program, ScheduleError
-from .schedule import cold_backward_program, eval_program
+from .schedule import cold_backward_program, data_parallel_program, eval_program
 from .stages import StageSpec
 from .verify import verify_program
 
@@ -68,6 +68,8 @@ class PipelineOptions:
         plan_only: the programs are built to plan, simulate and compare, not to run (the
             planner, ``shfx compare``). (The NVMe tier runs since issue 12 part 3: it is no
             longer refused here; ``shfx.compile`` needs ``offload=shfx.Offload(...)`` for it.)
+        ranks: data parallel: the processes running the programs, each with its own batch
+            (:func:`~shfx.passes.schedule.data_parallel_program`); 1: none.
     """
 
     policy: Any = "stronghold"
@@ -80,6 +82,7 @@ class PipelineOptions:
     precision: str = "fp32"
     fp32_norms: bool = False
     plan_only: bool = False
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
@@ -90,6 +93,8 @@ class PipelineOptions:
         object.__setattr__(self, "policy", resolve_policy(self.policy, self.window))
         if self.num_stages is not None and (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1):
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
+            raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {self.ranks!r}")
         for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -151,10 +156,13 @@ class Variant:
         )  # fmt: skip
 
 
-def build_programs(specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True) -> tuple[Program, Program, Program]:
-    """The train program of ``policy`` for ``specs`` and its derived inference and cold-backward
-    programs, each verified (``verify``)."""
-    train = policy.program(specs)
+def build_programs(
+    specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1
+) -> tuple[Program, Program, Program]:
+    """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
+    :func:`~shfx.passes.schedule.data_parallel_program`) and its derived inference and
+    cold-backward programs, each verified (``verify``)."""
+    train = data_parallel_program(policy.program(specs), ranks)
     if verify:
         verify_program(train, "train")
     ev, cold = eval_program(train), cold_backward_program(train)
@@ -180,11 +188,13 @@ def _check_specs(specs: Sequence[StageSpec]) -> None:
                 raise ScheduleError(f"stage {s.index} ({s.name!r}) sends gradients to group {g}, which no stage updates")
 
 
-def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True) -> Variant:
+def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True, ranks: int | None = None) -> Variant:
     """The same stages lowered with another policy (a probe program for the profiler, another
-    policy for the planner): no new capture."""
+    policy for the planner): no new capture. ``ranks``: data-parallel processes (None: the
+    variant's own)."""
     pol = resolve_policy(policy)
-    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify)
+    ranks = variant.train.ranks if ranks is None else ranks
+    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify, ranks=ranks)
     done = tuple(p for p in variant.passes if p in ("capture", "capture-dynamic", "partition", "retarget"))
     return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
 
@@ -235,7 +245,7 @@ def compile_variant(
         policy = choose(captured, graph, policy)
         passes.append("choose")
     verify = options.verify or options.verify_each_pass
-    train, ev, cold = build_programs(graph.specs, policy, verify=verify)
+    train, ev, cold = build_programs(graph.specs, policy, verify=verify, ranks=options.ranks)
     if captured.working_dtype is not None and train.device_groups():
         groups_ = sorted(train.device_groups())
         raise ScheduleError(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import B, DU, F, GN, KINDS, OB, OG, OP, PF, R, SR, STREAMS, SW, U, Action, ActionKind
+from .actions import AG, B, DU, F, GN, KINDS, OB, OG, OP, PF, RS, R, SR, STREAMS, SW, U, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -48,6 +48,8 @@ __all__ = [
     "GN",
     "SR",
     "SW",
+    "RS",
+    "AG",
     "OPTIMIZER_STATES",
     "ssd_bytes_of",
 ]
@@ -136,6 +138,10 @@ class Program:
         host_window: how many of those groups' states may be on the host at once (the
             host-window buffers); 0 without the SSD tier.
         ssd_masters: the SSD holds those groups' fp32 master weights too.
+        ranks: data parallel: the number of ranks running this program, each with its own
+            batch (1: none). Each host-updated group's gradient is then reduced across them
+            (REDUCE_GRADS) before its update, and each rank updates its shard and all-gathers
+            the updated working copy (GATHER_PARAMS) before the group's next prefetch.
     """
 
     def __init__(
@@ -150,6 +156,7 @@ class Program:
         ssd_groups: Iterable[int] = (),
         host_window: int = 0,
         ssd_masters: bool = False,
+        ranks: int = 1,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -161,12 +168,16 @@ class Program:
         self.ssd_groups = frozenset(ssd_groups)
         self.host_window = host_window
         self.ssd_masters = ssd_masters
+        self.ranks = ranks
 
     @property
     def tier(self) -> dict:
-        """The NVMe tier's facts, as keyword arguments of :class:`Program` and
-        :func:`lower_actions` (for derived programs)."""
-        return {"ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters}
+        """The NVMe tier's and data parallel's facts, as keyword arguments of :class:`Program`
+        and :func:`lower_actions` (for derived programs)."""
+        return {
+            "ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters,
+            "ranks": self.ranks,
+        }  # fmt: skip
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -196,8 +207,10 @@ class Program:
 
     def bytes_moved(self, phase: str | None = None) -> dict[str, int]:
         """Bytes the program moves per direction: ``{"h2d": ..., "d2h": ...}``; a program with
-        the NVMe tier also ``"ssd_read"`` and ``"ssd_write"``."""
+        the NVMe tier also ``"ssd_read"`` and ``"ssd_write"``, a data-parallel one ``"reduce"``
+        and ``"gather"`` (the bytes each rank contributes to its collectives)."""
         out = {"h2d": 0, "d2h": 0} | ({"ssd_read": 0, "ssd_write": 0} if self.ssd_groups else {})
+        out |= {"reduce": 0, "gather": 0} if self.ranks > 1 else {}
         for n in self.nodes:
             m = get_meta(n)
             if phase is not None and m.phase != phase:
@@ -290,6 +303,11 @@ class Program:
             f"{format_bytes(moved['ssd_read'])} read, {format_bytes(moved['ssd_write'])} written per step"
             if self.ssd_groups else ""
         )  # fmt: skip
+        if self.ranks > 1:
+            ssd += (
+                f"; data parallel over {self.ranks} ranks: {format_bytes(moved['reduce'])} reduced, "
+                f"{format_bytes(moved['gather'])} gathered per rank per step"
+            )
         rows = [
             f"program {self.name!r}: {len(self.stages)} stages, {self.num_slots} slots, "
             f"{len(self.nodes)} actions; moves {format_bytes(moved['h2d'])} h2d, "
@@ -328,6 +346,7 @@ def lower_actions(
     ssd_groups: Iterable[int] = (),
     host_window: int = 0,
     ssd_masters: bool = False,
+    ranks: int = 1,
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
@@ -354,6 +373,11 @@ def lower_actions(
         ``SR g`` (the state must be on the host); ``SW g`` waits for ``U g`` and frees the buffer.
         Each moves the group's :func:`ssd_bytes_of` (masters too with ``ssd_masters``). Like the
         updates, SSD actions after the ``GN`` actions are in phase ``"next-forward"``.
+      - Data parallel (``ranks > 1``): ``RS g`` waits for ``OG j`` of every stage ``j`` that sends
+        gradients to group ``g`` (the rank's whole local gradient); ``U g`` and ``GN g`` wait for
+        ``RS g``; ``AG g`` waits for ``U g``; a ``PF`` waits for the last ``AG`` of each group its
+        stage reads (as for ``U``). Both move the group's gradient bytes (its trainable region in
+        the device dtype). Groups updated on the device (``DU``) are refused.
     ``persistent`` stages are resident before the first action, in slots ``0..k-1``, and stay
     resident (they may not be released). The phase is ``"forward"`` up to the first ``B`` and
     ``"backward"`` after it; updates after the ``GN`` actions end the program and are in phase
@@ -384,6 +408,8 @@ def lower_actions(
             f"groups {sorted(ssd_groups)} keep their optimizer states on the SSD, so the program needs host_window >= 1 "
             "(host buffers to update them in), got 0"
         )
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ScheduleError(f"ranks must be an int >= 1 (data-parallel processes running the program), got {ranks!r}")
     buffers_free = list(range(host_window))  # host-window buffers, lowest first
     buffer_freed_by: dict[int, fx.Node] = {}  # buffer -> the SW that last freed it
     on_host: dict[int, tuple[int, fx.Node]] = {}  # group -> (buffer, its SR)
@@ -440,12 +466,27 @@ def lower_actions(
             raise fail(pos, act, "a FORWARD cannot come after the first BACKWARD of a step")
 
         buffer: int | None = None
-        if deferred and not (k in (ActionKind.CPU_STEP, SR, SW) and norms):
+        if deferred and not (k in (ActionKind.CPU_STEP, SR, SW, AG) and norms):
             raise fail(
                 pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they (and their SSD "
-                "reads and writes) must end the program"
+                "reads and writes, their all-gathers) must end the program"
             )
-        if k in (SR, SW):
+        if k in (RS, AG):
+            if ranks < 2:
+                raise fail(pos, act, f"{KINDS[k].name} is a data-parallel collective, but the program runs on one rank (ranks=1)")
+            if s not in owner_of:
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            if s in device_groups:
+                raise fail(pos, act, f"group {s} is updated on the device (DU{s}); data parallel reduces host-updated groups only")
+            nbytes = by_index[owner_of[s]].grad_bytes_to({s})
+            if k == RS:
+                for j in contributors(s):
+                    deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
+            else:
+                deps.append(need(pos, act, Action(ActionKind.CPU_STEP, s), "the update whose shard it gathers"))
+                if norms and not deferred:
+                    deferred = True
+        elif k in (SR, SW):
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             if s not in ssd_groups:
@@ -474,6 +515,8 @@ def lower_actions(
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             deps.extend(norms)
+            if ranks > 1:
+                deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient reduced across the {ranks} ranks"))
             if s in ssd_groups:
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
@@ -486,6 +529,8 @@ def lower_actions(
                 raise fail(pos, act, f"group {s} is updated on the device (DU{s}) in this program, not on the host")
             for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
+            if ranks > 1:
+                deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient reduced across the {ranks} ranks"))
             if k == ActionKind.CPU_STEP and s in ssd_groups:
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
@@ -493,6 +538,8 @@ def lower_actions(
         elif k == ActionKind.DEVICE_STEP:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            if ranks > 1:
+                raise fail(pos, act, f"data parallel ({ranks} ranks) shards the host optimizer; group {s} cannot be updated on the device")
             own = owner_of[s]
             slot, pf, _ = need_resident(pos, act, own)
             if pf is not None:
@@ -520,9 +567,10 @@ def lower_actions(
                 if ob is not None and ob not in deps:
                     deps.append(ob)
                 for g in sorted(spec.grad_groups | ({spec.update_group} if spec.update_group is not None else set())):
-                    u = last.get(Action(ActionKind.CPU_STEP, g))
-                    if u is not None:
-                        deps.append(u)
+                    for kind in (ActionKind.CPU_STEP, AG):
+                        u = last.get(Action(kind, g))
+                        if u is not None:
+                            deps.append(u)
                 nbytes = spec.prefetch_bytes
                 if s not in persistent:
                     # copies of groups updated on the device in a persistent owner's slot come
@@ -617,7 +665,10 @@ def lower_actions(
     if keep_graph:
         _mark_keep_graph(graph)
     graph.output(None)
-    return Program(graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters)
+    return Program(
+        graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters,
+        ranks=ranks,
+    )  # fmt: skip
 
 
 

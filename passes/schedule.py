@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .lowering import check_window
+from .lowering import add_collectives, check_window
 import torch.fx as fx
 
 from .meta import get_meta, set_meta
 from .policies import schedule_window, window_actions
-from .program import PF, R, U, Action, Program, lower_actions
+from .program import AG, PF, R, U, Action, Program, lower_actions
 
 __all__ = [
     "eval_program",
@@ -21,6 +21,7 @@ __all__ = [
     "deferred_updates",
     "groups_read",
     "steady_state_program",
+    "data_parallel_program",
     "schedule_window",
     "window_actions",
     "check_window",
@@ -125,7 +126,7 @@ def steady_state_program(program: Program) -> Program:
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=f"{n.name}_prev")
         set_meta(node, replace(m, phase="forward"))
         in_tail[n] = node
-        if m.kind == U:
+        if m.kind in (U, AG):  # (with data parallel the all-gather after the update is what a PF waits for)
             prev[m.stage] = node
     env: dict[fx.Node, fx.Node] = {}
     for n in program.nodes:
@@ -142,3 +143,31 @@ def steady_state_program(program: Program) -> Program:
         env[n] = node
     graph.output(None)
     return Program(graph, program.stages, program.num_slots, f"{program.name}/steady", program.persistent, **program.tier)
+
+
+def data_parallel_program(program: Program, ranks: int) -> Program:
+    """The train program ``program`` run by ``ranks`` data-parallel processes: its actions with
+    :func:`~shfx.passes.lowering.add_collectives` (``RS g`` as soon as group ``g``'s local
+    gradient is complete, ``AG g`` after each ``U g``), lowered again with ``ranks`` (the waits
+    of :func:`~shfx.passes.program.lower_actions`). Any policy's program, a user's too; with
+    ``ranks == 1`` the program is returned as it is.
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import Stronghold
+    >>> p = data_parallel_program(Stronghold(window=2).program(chain(2)), 2)
+    >>> " ".join(p.actions())
+    'PF0 PF1 F0 F1 B1 OG1 RS1 U1 AG1 R1 B0 OG0 RS0 U0 AG0 R0'
+    >>> [d.name for d in p.deps(p.find("U1"))]
+    ['og1', 'rs1']
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {ranks!r}")
+    if ranks == 1:
+        return program
+    if program.ranks != 1:
+        raise ValueError(f"program {program.name!r} is already data parallel ({program.ranks} ranks)")
+    acts = add_collectives([get_meta(n).action for n in program.nodes], program.stages)
+    tier = program.tier | {"ranks": ranks}
+    prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **tier)
+    prog.updates_outside = program.updates_outside
+    return prog

@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from .meta import get_meta
 from .actions import KINDS
-from .program import B, DU, F, GN, OB, OG, OP, PF, R, SR, SW, U, ActionKind, Program, ScheduleError
+from .program import AG, B, DU, F, GN, OB, OG, OP, PF, R, SR, SW, U, ActionKind, Program, ScheduleError
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -412,10 +412,13 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
         m = get_meta(n)
         if m.phase != "next-forward":
             yield n, f"{v.act(n)} comes after the deferred updates, which must end the program"
-        elif m.kind in (SR, SW):
-            continue  # the NVMe tier's reads and write-backs of the deferred updates (rule 8)
+        elif m.kind in (SR, SW, AG):
+            continue  # the NVMe tier's reads and write-backs of the deferred updates (rule 8), data parallel's all-gathers
         elif m.kind != U:
-            yield n, f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs (and their SSD reads and writes) may be"
+            yield n, (
+                f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs (and their SSD reads and writes, "
+                "their all-gathers) may be"
+            )
         else:
             for d in norms:
                 if not v.waits_done(n, d):
@@ -429,7 +432,8 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
         if c != 1:
             yield None, f"GN{g} appears {c} times; a program deferring its updates needs it exactly once per host group"
     steady = steady_state_program(v.program)
-    prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev") and get_meta(n).kind == U}
+    # (with data parallel a PF waits for the all-gather after the update: the later one wins)
+    prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev") and get_meta(n).kind in (U, AG)}
     sv = ProgramView(steady, "auto")
     fetched: set[int] = set()
     # (a backward-only program, the cold backward, follows this step's forward: that refreshed)

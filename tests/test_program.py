@@ -10,7 +10,7 @@ from shfx.passes.schedule import check_window, cold_backward_program, eval_progr
 from shfx.passes.stages import StageSpec, chain
 
 
-@pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0", "DU5", "OP1", "GN3", "SR2", "SW10"])
+@pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0", "DU5", "OP1", "GN3", "SR2", "SW10", "RS3", "AG11"])
 def test_action_round_trip(s):
     a = Action.from_str(s)
     assert str(a) == s
@@ -37,6 +37,8 @@ def test_streams_of_kinds():
         ActionKind.GRAD_NORM: "cpu",
         ActionKind.SSD_READ: "ssd_read",
         ActionKind.SSD_WRITE: "ssd_write",
+        ActionKind.REDUCE_GRADS: "reduce",
+        ActionKind.GATHER_PARAMS: "gather",
     }
 
 

@@ -565,7 +565,7 @@ def test_ssd_transfers_by_hand():
     got = {e.action: (e.start, e.end, e.stream) for e in tl.events}
     assert got["SR0"] == (2.0, 2.5, "ssd_read") and got["U0"] == (4.5, 5.0, "cpu") and got["SW0"] == (5.0, 7.0, "ssd_write")
     assert tl.step_s == 7.0
-    assert tl.by_resource == {"compute": 3.0, "link": 1.5, "host optimizer": 0.5, "ssd": 2.0, "idle": 0.0}
+    assert tl.by_resource == {"compute": 3.0, "link": 1.5, "host optimizer": 0.5, "ssd": 2.0, "network": 0.0, "idle": 0.0}
     assert tl.busy_s["ssd_read"] == 0.5 and tl.busy_s["ssd_write"] == 2.0
     assert "ssd_read" in tl.summary() and "ssd 2.00 s" in tl.summary()
     tracks = {e["args"]["name"] for e in tl.to_chrome_trace()["traceEvents"] if e.get("name") == "thread_name"}

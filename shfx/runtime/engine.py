@@ -367,6 +367,12 @@ class Engine:
         w = self._ssd_window(m)
         return w.write_stream.submit(self._timed(lambda: w.write(m.stage), m), deps, str(m.action))
 
+    def _run_reduce_grads(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        raise ScheduleError(f"{m.action}: data-parallel programs do not run yet (issue 13, in progress)")
+
+    def _run_gather_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        raise ScheduleError(f"{m.action}: data-parallel programs do not run yet (issue 13, in progress)")
+
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._update_task(m.stage), deps)
 
