@@ -408,8 +408,10 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
             if held is None:
                 raise UsageError(
                     f"the checkpoint has optimizer state {name}.{field}, which this data-parallel model holds neither in "
-                    "its shards nor in cm.optimizer.state (no step taken since the first call); load the checkpoint "
-                    "before the first call (right after shfx.compile) or after a step"
+                    "its shards (dp.state_pieces()) nor in cm.optimizer.state: either the checkpoint comes from another "
+                    "optimizer configuration (amsgrad's max_exp_avg_sq, say; load it into the same one), or no step "
+                    "has run since the first call (load the checkpoint before the first call, right after "
+                    "shfx.compile, or after a step)"
                 )
             if tuple(m.size) != tuple(held.shape):
                 raise UsageError(f"optimizer state {name}.{field} is {tuple(m.size)} in the checkpoint and {tuple(held.shape)} here")
