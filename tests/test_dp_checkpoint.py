@@ -5,8 +5,8 @@ split into ranks' ranges the way the data-parallel runtime holds it (a tiny fake
 parameters back to back in a group's flat buffer, padded, chunk = ceil(T/N) per rank) and a fake
 compiled model offers the runtime's protocol (``cm._engine.dp.state_pieces()`` ...). Spawned
 processes with gloo on the CPU save with 2 ranks and load with 3; a 1-process checkpoint loads into
-2 ranks; the 2-rank checkpoint loads into eager torch through ``load_into``: every element equals
-the reference (torch.equal). Two spawns in all, each under a timeout; a failed and a killed rank
+2 ranks; the 2-rank checkpoint loads into eager torch through ``load_into`` and into a compiled
+model without data parallel: every element equals the reference (torch.equal). Two spawns in all, each under a timeout; a failed and a killed rank
 leave the last good checkpoint.
 """
 
@@ -340,6 +340,30 @@ def _eager_load_mismatches(path: str, ref: dict) -> list[str]:
     return bad + (["lr"] if opt.param_groups[0]["lr"] != ref["lr"] else [])
 
 
+def _compiled_load_mismatches(path: str, ref: dict) -> list[str]:
+    """Load into a compiled model without data parallel (one process, no process group) that
+    has taken a step (its optimizer state lives in the host store's flat buffers)."""
+    import shfx
+
+    torch.manual_seed(7)
+    cm = shfx.compile(
+        Net(), optimizer=shfx.optim.AdamW(lr=0.5, weight_decay=0.01), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None)
+    )
+    try:
+        cm(torch.randn(4, 5)).square().mean().backward()
+        cm.optimizer.step()
+        cm.optimizer.zero_grad()
+        cm.load_checkpoint(path)
+        named = dict(cm.module.named_parameters())
+        bad = [k for k, v in cm.state_dict().items() if not torch.equal(v, ref["weights"][k])]
+        bad += [
+            f"{n}.{f}" for n, fs in ref["state"].items() for f, v in fs.items() if not torch.equal(cm.optimizer.state[named[n]][f], v)
+        ]
+        return bad + (["lr"] if cm.optimizer.param_groups[0]["lr"] != ref["lr"] else [])
+    finally:
+        cm.close()
+
+
 def test_saved_by_two_ranks_loads_with_three_one_and_eager(tmp_path):
     tmp = str(tmp_path)
     ref = _reference(tmp)
@@ -363,6 +387,7 @@ def test_saved_by_two_ranks_loads_with_three_one_and_eager(tmp_path):
     assert chunks["optimizer.state.net.0.weight.exp_avg"] == written["optimizer.state.net.0.weight.exp_avg"]
 
     assert _eager_load_mismatches(p2, ref) == []  # 2 -> eager torch, one process without a process group
+    assert _compiled_load_mismatches(p2, ref) == []  # 2 -> a compiled model without data parallel
     before = os.readlink(p2)
     with pytest.raises(mp.ProcessExitedException) as e:
         _spawn(3, "three", tmp)
