@@ -23,6 +23,10 @@ it with ``os.replace`` (atomic on POSIX) and the parent directory fsynced. A sav
 is killed half way leaves the last good checkpoint as it was (its leftovers, hidden
 ``.<name>.shfx-*`` directories, are removed by the next save to the same path).
 
+Under data parallel (``cm._engine.dp`` set) :func:`save` and :func:`load` hand over to
+:mod:`shfx.dp_checkpoint`: every rank calls them, each writes and reads its own ranges of the
+optimizer states, and the checkpoint is the same format, loadable with any number of ranks.
+
 >>> import tempfile, torch, shfx
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
 >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -190,7 +190,9 @@ def sharded_state(pieces: Pieces, group: Any, error: str | None = None) -> dict[
                 if ranks[r] == me:
                     n = math.prod(sizes)
                     local_shards.append(Shard(mine[key][3][start : start + n].view(sizes), md))
-        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False)
+        props = TensorProperties(
+            dtype=dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False
+        )
         st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size(shape), tensor_properties=props)
         out.setdefault(key[0], {})[key[1]] = ShardedTensor._init_from_local_shards_and_global_metadata(
             local_shards, st_md, process_group=group

@@ -6,8 +6,8 @@ parameters back to back in a group's flat buffer, padded, chunk = ceil(T/N) per 
 compiled model offers the runtime's protocol (``cm._engine.dp.state_pieces()`` ...). Spawned
 processes with gloo on the CPU save with 2 ranks and load with 3; a 1-process checkpoint loads into
 2 ranks; the 2-rank checkpoint loads into eager torch through ``load_into`` and into a compiled
-model without data parallel: every element equals the reference (torch.equal). Two spawns in all, each under a timeout; a failed and a killed rank
-leave the last good checkpoint.
+model without data parallel: every element equals the reference (torch.equal). Two spawns in
+all, each under a timeout; a failed and a killed rank leave the last good checkpoint.
 """
 
 from __future__ import annotations
