@@ -23,6 +23,10 @@ it with ``os.replace`` (atomic on POSIX) and the parent directory fsynced. A sav
 is killed half way leaves the last good checkpoint as it was (its leftovers, hidden
 ``.<name>.shfx-*`` directories, are removed by the next save to the same path).
 
+Under data parallel (``cm._engine.dp`` set) :func:`save` and :func:`load` hand over to
+:mod:`shfx.dp_checkpoint`: every rank calls them, each writes and reads its own ranges of the
+optimizer states, and the checkpoint is the same format, loadable with any number of ranks.
+
 >>> import tempfile, torch, shfx
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
 >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -113,27 +117,19 @@ def _as_tensor(field: str, v: Any) -> torch.Tensor:
     return t.reshape(()) if field == "step" and t.numel() == 1 else t
 
 
-def _load_optimizer(
-    path: str, md: dict[str, Any], meta: dict[str, Any], named_params: Any, optimizer: torch.optim.Optimizer
-) -> None:
-    """Load a checkpoint's optimizer state and hyperparameters into ``optimizer`` (eager, or
-    ``cm.optimizer`` before or after its first call) through ``optimizer.load_state_dict``, the
-    checkpoint's names mapped onto the optimizer's parameters and groups. A load that is
-    refused changes nothing."""
-    saved = _load_optim_tensors(path, md)
+def _group_hyperparams(path: str, meta: dict[str, Any], named_params: Any, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The checkpoint's hyperparameters for each of ``optimizer``'s parameter groups (``{}``
+    for a group none of whose parameters the checkpoint has), its groups mapped onto the
+    optimizer's by parameter name; refused when one optimizer group mixes checkpoint groups
+    with other hyperparameters, or the checkpoint lacks a hyperparameter the optimizer needs."""
     names = _names(named_params)
     group_of = {n: i for i, g in enumerate(meta["param_groups"]) for n in g["params"]}
-    sd = optimizer.state_dict()
-    held: set[str] = set()
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for gi, (group, sdg) in enumerate(zip(optimizer.param_groups, sd["param_groups"])):
+    out: list[dict[str, Any]] = []
+    for gi, group in enumerate(optimizer.param_groups):
         hps: dict[str, Any] = {}
         src: dict[int, str] = {}
-        for p, index in zip(group["params"], sdg["params"]):
+        for p in group["params"]:
             n = names.get(id(p))
-            held.add(n)
-            if n in saved:
-                state[index] = saved[n]
             if n in group_of and group_of[n] not in src:
                 src[group_of[n]] = n
                 h = {k: v for k, v in meta["param_groups"][group_of[n]].items() if k not in _IMPL and k != "params"}
@@ -144,12 +140,36 @@ def _load_optimizer(
                         "the optimizer with the checkpoint's groups (shfx.checkpoint.read_info(path)['param_groups'])"
                     )
                 hps = h
-        lacking = sorted(set(sdg) - set(hps) - _IMPL - {"params", "param_names", "initial_lr"}) if hps else []
+        lacking = sorted(set(group) - set(hps) - _IMPL - {"params", "param_names", "initial_lr"}) if hps else []
         if lacking:
             raise UsageError(
                 f"the checkpoint's optimizer has no {lacking} in its parameter groups ({sorted(hps)}), which "
                 f"{type(optimizer).__name__} needs; load it into the kind of optimizer that saved it"
             )
+        out.append(hps)
+    return out
+
+
+def _load_optimizer(
+    path: str, md: dict[str, Any], meta: dict[str, Any], named_params: Any, optimizer: torch.optim.Optimizer
+) -> None:
+    """Load a checkpoint's optimizer state and hyperparameters into ``optimizer`` (eager, or
+    ``cm.optimizer`` before or after its first call) through ``optimizer.load_state_dict``, the
+    checkpoint's names mapped onto the optimizer's parameters and groups. A load that is
+    refused changes nothing."""
+    named_params = list(named_params)
+    saved = _load_optim_tensors(path, md)
+    names = _names(named_params)
+    hps_by_group = _group_hyperparams(path, meta, named_params, optimizer)
+    sd = optimizer.state_dict()
+    held: set[str] = set()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for group, sdg, hps in zip(optimizer.param_groups, sd["param_groups"], hps_by_group):
+        for p, index in zip(group["params"], sdg["params"]):
+            n = names.get(id(p))
+            held.add(n)
+            if n in saved:
+                state[index] = saved[n]
         sdg.update({k: tuple(v) if isinstance(v, list) else v for k, v in hps.items()})
     unknown = sorted(set(saved) - held)
     if unknown:
@@ -373,7 +393,12 @@ def _stage(tensors: Any, staging: dict[str, torch.Tensor], prefix: str = "") -> 
 def save(
     cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save: bool = False
 ) -> AsyncSave | None:
-    """Save a compiled model's training state to ``path`` (see :meth:`CompiledModel.save_checkpoint`)."""
+    """Save a compiled model's training state to ``path`` (see :meth:`CompiledModel.save_checkpoint`).
+    Under data parallel (``cm._engine.dp`` set) every rank calls it: :func:`shfx.dp_checkpoint.save`."""
+    if getattr(getattr(cm, "_engine", None), "dp", None) is not None:
+        from . import dp_checkpoint
+
+        return dp_checkpoint.save(cm, path, extra=extra, scheduler=scheduler, async_save=async_save)
     if pending := getattr(cm, "_pending_checkpoint", None):
         raise UsageError(
             "a checkpoint was loaded before the first call and its optimizer state is applied at that call; call "
@@ -482,7 +507,12 @@ def _load_optim_tensors(path: str, md: dict[str, Any]) -> dict[str, dict[str, to
 
 
 def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True) -> Any:
-    """Load what :func:`save` wrote into a compiled model (see :meth:`CompiledModel.load_checkpoint`)."""
+    """Load what :func:`save` wrote into a compiled model (see :meth:`CompiledModel.load_checkpoint`).
+    Under data parallel (``cm._engine.dp`` set) every rank calls it: :func:`shfx.dp_checkpoint.load`."""
+    if getattr(getattr(cm, "_engine", None), "dp", None) is not None:
+        from . import dp_checkpoint
+
+        return dp_checkpoint.load(cm, path, scheduler=scheduler, strict=strict, restore_rng=restore_rng)
     path = os.path.abspath(path)
     md, meta = _read_meta(path)
     cm._settle()

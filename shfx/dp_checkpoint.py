@@ -1,0 +1,453 @@
+"""Checkpoints of data-parallel training: N ranks write one checkpoint that M ranks (1 included) load.
+
+Under data parallel every rank holds the whole model (replicated weights) but, for each
+parameter, only a contiguous range ``[lo, hi)`` of its FLATTENED optimizer state (the rank's
+shard of the group's flat buffer, intersected with the parameter's span). This module writes
+such a state in :mod:`shfx.checkpoint`'s format (``model.<name>``,
+``optimizer.state.<param name>.<field>`` with each parameter's real shape, ``shfx_state.pt``):
+a checkpoint written by N ranks has the same keys and shapes as one written by one process,
+and :func:`shfx.checkpoint.load_into` (eager torch), a compiled model without data parallel,
+or M ranks of data parallel load it.
+
+How a range becomes DCP chunks: :func:`flat_range_boxes` cuts the row-major range ``[lo, hi)``
+into the few rectangular boxes it is made of (at most ``2 * ndim - 1``, each contiguous in
+memory), and each box is a local shard of a ``ShardedTensor`` whose tensor is a VIEW of the
+rank's 1-D state reshaped to the box (no copy): DCP writes the shards it is given and, on
+load, copies into the shards each rank asks for, reading whichever saved chunks overlap them
+(resharding). The replicated weights are plain tensors on every rank; DCP's planner writes
+each once.
+
+NOTE: why ShardedTensor and not DTensor. A DTensor's local part is what a placement
+(``Shard(dim)``, ``Replicate``) on a device mesh computes, an even split along one
+dimension; a range of the flattened tensor that starts or ends inside a row is not one, and
+its rank cannot hold several boxes. ``ShardedTensor`` takes any set of non-overlapping boxes
+(``ShardMetadata``: offsets, sizes, placement ``rank:<global rank>/cpu``) and torch 2.13's
+DCP planners read and write it (``planner_helpers._create_write_items`` /
+``_create_chunk_list``); torch's own DCP optimizer code builds it the same way. Every rank
+needs the global list of boxes: ``init_from_local_shards`` gathers it with one collective PER
+TENSOR, so instead one ``all_gather_object`` of every rank's ``(key, shape, lo, hi)`` gives
+each rank all the boxes and ``ShardedTensor._init_from_local_shards_and_global_metadata``
+(the constructor DCP's ``optimizer.py`` uses) builds the tensors without further
+communication; the same gathered list is checked first, so ranges that overlap or leave a
+gap are refused with the key and ranks named.
+
+The protocol of a compiled model under data parallel (the runtime implements it): a
+compiled model ``cm`` whose ``cm._engine.dp`` is set has
+
+- ``dp.state_pieces() -> {param name: {field: (global_shape, lo, hi, local_1d)}}``: the
+  optimizer-state fields this rank holds a range of (AdamW's ``exp_avg``, ``exp_avg_sq``),
+  ``local_1d`` a 1-D view of the host store holding elements ``[lo, hi)`` of the flattened
+  field (``lo == hi`` or a missing name: none); loading writes into these views;
+- ``dp.group`` (the gloo ProcessGroup), ``dp.rank`` (this rank in it), ``dp.ranks`` (its size);
+- ``dp.refresh_masters()``: called after a load has written the weights into the model's
+  parameters (the whole image on every rank), so the runtime sets its master shards from them;
+- every other optimizer field (``step``: the same on every rank) is in ``cm.optimizer.state``
+  as without data parallel, as views that a load writes into in place.
+
+Saving with a process group is atomic as :func:`shfx.checkpoint.save` is: rank 0 makes the
+new directory and tells the others its name, every rank writes its shards through DCP (an
+error on any rank reaches every rank), rank 0 writes ``shfx_state.pt`` and switches the link,
+and every rank returns only once the link is switched (or with rank 0's error). A rank that
+fails or dies before the switch leaves the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import checkpoint as _ck
+from .errors import UsageError
+
+__all__ = ["flat_range_boxes", "sharded_state", "save", "load"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]
+# {param name: {field: (global_shape, lo, hi, local 1-D tensor)}}
+Pieces = dict[str, dict[str, tuple[Sequence[int], int, int, torch.Tensor]]]
+
+
+# ---- ranges of a flattened tensor as boxes ------------------------------------------------------------
+def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[Box]:
+    """The flattened (row-major) range ``[lo, hi)`` of a tensor of ``shape`` as rectangular
+    boxes ``(offsets, sizes, start)`` in order, ``start`` the position of the box's first
+    element within ``[lo, hi)``. Each box is contiguous in memory (sizes ``(1, .., 1, n,
+    full, .., full)``) and there are as few as the row-major decomposition allows: a partial
+    leading row (cut again one dimension down), the whole rows, a partial trailing row;
+    at most ``2 * len(shape) - 1``. An empty range has none.
+
+    >>> flat_range_boxes((2, 3, 4), 4, 24)
+    [((0, 1, 0), (1, 2, 4), 0), ((1, 0, 0), (1, 3, 4), 8)]
+    >>> flat_range_boxes((3, 4), 2, 7)
+    [((0, 2), (1, 2), 0), ((1, 0), (1, 3), 2)]
+    """
+    shape = tuple(int(d) for d in shape)
+    numel = math.prod(shape)
+    if not 0 <= lo <= hi <= numel:
+        raise UsageError(f"the range [{lo}, {hi}) is not within a tensor of shape {shape} ({numel} elements); pass 0 <= lo <= hi <= numel")
+    out: list[Box] = []
+    _boxes(shape, lo, hi, (), lo, out)
+    return out
+
+
+def _boxes(shape: tuple[int, ...], lo: int, hi: int, prefix: tuple[int, ...], base: int, out: list[Box]) -> None:
+    """Append the boxes of ``[lo, hi)`` (flat, within the sub-tensor ``shape`` at index
+    ``prefix``); ``base`` is the flat position of the whole range's first element relative to
+    this sub-tensor's first element."""
+    if lo >= hi:
+        return
+    ones = (1,) * len(prefix)
+    if not shape:  # a 0-d tensor (or one element of the last dimension's parent): [0, 1)
+        out.append((prefix, ones, lo - base))
+        return
+    row = math.prod(shape[1:])  # elements per index of the first dimension
+    first, last = lo // row, hi // row  # the rows [lo, hi) starts in, and ends before or in
+    if len(shape) == 1 or (lo % row == 0 and hi % row == 0):  # whole rows (or a 1-d run)
+        out.append((prefix + (first,) + (0,) * (len(shape) - 1), ones + (last - first,) + shape[1:], lo - base))
+        return
+    if lo % row:  # a partial leading row
+        end = min(hi, (first + 1) * row)
+        _boxes(shape[1:], lo - first * row, end - first * row, prefix + (first,), base - first * row, out)
+        lo, first = end, first + 1
+    if first < last:  # whole rows
+        out.append((prefix + (first,) + (0,) * (len(shape) - 1), ones + (last - first,) + shape[1:], lo - base))
+        lo = last * row
+    if lo < hi:  # a partial trailing row
+        _boxes(shape[1:], 0, hi - last * row, prefix + (last,), base - last * row, out)
+
+
+# ---- pieces as ShardedTensors -------------------------------------------------------------------------
+def _flat_pieces(pieces: Pieces) -> dict[tuple[str, str], tuple[tuple[int, ...], int, int, torch.Tensor]]:
+    out = {}
+    for name, fields in pieces.items():
+        for field, (shape, lo, hi, local) in fields.items():
+            shape = tuple(int(d) for d in shape)
+            lo, hi = int(lo), int(hi)
+            if local.dim() != 1 or local.numel() != hi - lo or not local.is_contiguous() or local.device.type != "cpu":
+                raise UsageError(
+                    f"the data-parallel state piece {name}.{field} must be a contiguous 1-D CPU tensor of hi - lo = "
+                    f"{hi - lo} elements (range [{lo}, {hi}) of shape {shape}), got shape {tuple(local.shape)} on "
+                    f"{local.device}; the runtime's state_pieces() must return views of its host shard"
+                )
+            if not 0 <= lo <= hi <= math.prod(shape):
+                raise UsageError(f"the data-parallel state piece {name}.{field} has range [{lo}, {hi}), outside shape {shape}")
+            out[(name, field)] = (shape, lo, hi, local)
+    return out
+
+
+def sharded_state(pieces: Pieces, group: Any, error: str | None = None) -> dict[str, dict[str, Any]]:
+    """``{param name: {field: ShardedTensor}}`` of every rank's ``pieces`` (a collective on
+    ``group``: every rank calls it): each tensor has the field's global shape, and this rank's
+    local shards are views of its 1-D pieces cut into :func:`flat_range_boxes`. The keys are
+    the union over the ranks (a rank without a piece of a key has no local shard of it); the
+    ranges of every key must tile it exactly (checked, naming the ranks). ``error``: this
+    rank's reason to refuse (a check that failed before), raised on every rank."""
+    import torch.distributed as dist
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    # NOTE: torch warns (FutureWarning) on every use of a ShardedTensor, DCP's own included, that
+    # it is deprecated for DTensor, which cannot express these ranges (module docstring): that one
+    # message is filtered, once, as shfx.checkpoint filters DCP's single-process notice
+    warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning)
+    mine: dict = {}
+    if error is None:
+        try:
+            mine = _flat_pieces(pieces)
+        except UsageError as e:
+            error = str(e)
+    ranks = dist.get_process_group_ranks(group)  # group rank -> global rank (ShardMetadata's placement)
+    desc = {k: (shape, lo, hi, local.dtype) for k, (shape, lo, hi, local) in mine.items()}
+    gathered: list[Any] = [None] * len(ranks)
+    # NOTE: a rank's own error travels with its pieces, so every rank raises instead of the
+    # others waiting in this collective for a rank that has given up
+    dist.all_gather_object(gathered, (error, desc), group=group)
+    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise UsageError(e if r == dist.get_rank(group) else f"rank {r} refused the checkpoint: {e}")
+    everyone = [d for _, d in gathered]
+    me = dist.get_rank()
+    out: dict[str, dict[str, Any]] = {}
+    for key in sorted(set().union(*everyone)):
+        held = sorted((d[key][1], d[key][2], r, d[key][0], d[key][3]) for r, d in enumerate(everyone) if key in d)
+        shape, dtype = held[0][3], held[0][4]
+        _check_tiling(key, shape, dtype, held)
+        shards_md, local_shards = [], []
+        for lo, hi, r, _, _ in held:
+            for offsets, sizes, start in flat_range_boxes(shape, lo, hi):
+                md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{ranks[r]}/cpu")
+                shards_md.append(md)
+                if ranks[r] == me:
+                    n = math.prod(sizes)
+                    local_shards.append(Shard(mine[key][3][start : start + n].view(sizes), md))
+        props = TensorProperties(
+            dtype=dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False
+        )
+        st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size(shape), tensor_properties=props)
+        out.setdefault(key[0], {})[key[1]] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards, st_md, process_group=group
+        )
+    return out
+
+
+def _check_tiling(key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype, held: list) -> None:
+    name = f"{key[0]}.{key[1]}"
+    for _, _, r, s, d in held:
+        if s != shape or d != dtype:
+            raise UsageError(
+                f"rank {held[0][2]} holds {name} as {shape} {dtype}, rank {r} as {s} {d}; every rank must describe a "
+                "field with its global shape and dtype"
+            )
+    at = 0
+    for lo, hi, r, _, _ in held:
+        if lo == hi:
+            continue
+        if lo != at:
+            what = "overlaps" if lo < at else "leaves a gap before"
+            raise UsageError(
+                f"the ranks' ranges of {name} (shape {shape}) do not tile it: rank {r}'s [{lo}, {hi}) {what} element {at} "
+                f"(ranges by rank: {[(x[2], x[0], x[1]) for x in held]}); each element must be held by exactly one rank"
+            )
+        at = hi
+    if at != math.prod(shape):
+        raise UsageError(
+            f"the ranks' ranges of {name} (shape {shape}) end at element {at} of {math.prod(shape)} (ranges by rank: "
+            f"{[(x[2], x[0], x[1]) for x in held]}); each element must be held by exactly one rank"
+        )
+
+
+# ---- atomic save with a process group ------------------------------------------------------------------
+def _root(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)[0]
+
+
+def _atomic_write_group(path: str, write: Callable[[str], None], finish: Callable[[str], None], group: Any, rank: int) -> None:
+    """:func:`shfx.checkpoint._atomic_write` across the ranks of ``group``: rank 0 makes the new
+    directory, every rank runs ``write(directory)`` (collective: DCP), rank 0 runs
+    ``finish(directory)`` and switches the link; every rank returns after the switch or raises."""
+    import torch.distributed as dist
+
+    path = os.path.abspath(path)
+    parent, prefix = _ck._prefix(path)
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            _ck._check_target(path)
+            token = f"{time.time_ns():x}-{os.getpid()}-{threading.get_ident():x}"
+            real = os.path.join(parent, prefix + token)
+            os.mkdir(real)
+            box[0] = ("ok", real)
+        except BaseException as e:
+            error, box[0] = e, ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=_root(group), group=group)
+    if error is not None:
+        raise error
+    status, real = box[0]
+    if status != "ok":
+        raise RuntimeError(f"rank 0 could not start the checkpoint at {path!r}: {real}")
+    try:
+        write(real)  # DCP: an exception on one rank is raised on every rank
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(real, ignore_errors=True)
+        raise
+    if rank == 0:
+        try:
+            finish(real)
+            _ck._fsync_dir(real)
+            _ck._test_kill_point("switch")
+            link = os.path.join(parent, prefix + "link-" + os.path.basename(real)[len(prefix) :])
+            os.symlink(os.path.basename(real), link)
+            os.replace(link, path)
+            _ck._fsync_dir(parent)
+            box[0] = ("ok", "")
+        except BaseException as e:
+            shutil.rmtree(real, ignore_errors=True)
+            error, box[0] = e, ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=_root(group), group=group)
+    if error is not None:
+        raise error
+    if box[0][0] != "ok":
+        raise RuntimeError(f"rank 0 could not finish the checkpoint at {path!r}: {box[0][1]}; the last checkpoint there is kept")
+    if rank == 0:  # the previous checkpoint, and leftovers of saves that failed: no longer reachable
+        for entry in os.listdir(parent):
+            full = os.path.join(parent, entry)
+            if entry.startswith(prefix) and entry != os.path.basename(real):
+                if os.path.islink(full) or not os.path.isdir(full):
+                    os.unlink(full)
+                else:
+                    shutil.rmtree(full, ignore_errors=True)
+
+
+# ---- save and load of a compiled model under data parallel ---------------------------------------------
+@contextlib.contextmanager
+def _failures_named(what: str, after: str):
+    """Re-raise DCP's ``CheckpointException`` (a BaseException, raised on every rank when one
+    rank's part failed) as a RuntimeError naming the ranks and their errors."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items()))
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(e.failures)} ({causes}); {after}") from e
+
+
+def _rng_by_rank(group: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, _ck.rng_state(), group=group)
+    return out
+
+
+def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save: bool = False) -> None:
+    """:func:`shfx.checkpoint.save` of a compiled model under data parallel (every rank calls
+    it): the weights (replicated: written once), each rank's ranges of the optimizer states as
+    boxes of their global tensors, the other optimizer fields (``step``) and ``shfx_state.pt``
+    (rank 0's RNG states as ``rng``, every rank's as ``rng_by_rank``)."""
+    import torch.distributed.checkpoint as dcp
+
+    dp = cm._engine.dp
+    if async_save:
+        raise UsageError(
+            "async_save=True is not supported under data parallel yet (the save is a collective of every rank); "
+            "save with async_save=False"
+        )
+    error, pieces = None, {}
+    try:
+        model_sd = cm.state_dict()  # settles the step
+        pieces = dp.state_pieces()
+        state, groups = _ck._optimizer_state(cm.module.named_parameters(), cm.optimizer)
+    except UsageError as e:
+        error = str(e)
+    sharded = sharded_state(pieces, dp.group, error)
+    for name, fields in sharded.items():  # the ranges replace what cm.optimizer.state may show of them
+        state.setdefault(name, {}).update(fields)
+    steps = max((int(e["step"]) for e in state.values() if "step" in e and torch.is_tensor(e["step"]) and e["step"].dim() == 0), default=0)
+    tensors: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in model_sd.items()}}
+    if state:
+        tensors["optimizer"] = {"state": state}
+    meta = _ck._meta(steps, groups, scheduler, cm.scaler, extra, cm.skipped_steps)
+    meta["ranks"] = int(dp.ranks)
+    meta["rng_by_rank"] = _rng_by_rank(dp.group)
+
+    def write(d: str) -> None:
+        with _failures_named(f"writing the checkpoint {os.path.abspath(path)!r}", "the last checkpoint there is kept"):
+            dcp.save(tensors, storage_writer=_ck._writer(d), process_group=dp.group)
+
+    def finish(d: str) -> None:
+        with open(os.path.join(d, _ck.STATE_FILE), "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic_write_group(path, write, finish, dp.group, int(dp.rank))
+
+
+def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True) -> Any:
+    """:func:`shfx.checkpoint.load` into a compiled model under data parallel (every rank calls
+    it; the checkpoint may come from any number of ranks, or one process): the weights whole
+    on every rank, this rank's ranges of the optimizer states read in place into
+    ``dp.state_pieces()``, the other fields (``step``) in place into ``cm.optimizer.state``,
+    the hyperparameters into ``cm.optimizer.param_groups``. Every check runs before anything
+    is written (the ranges' tiling is checked by every rank alike)."""
+    import torch.distributed.checkpoint as dcp
+
+    dp = cm._engine.dp
+    path = os.path.abspath(path)
+    error, pieces = None, {}
+    try:
+        md, meta = _ck._read_meta(path)
+        cm._settle()
+        _ck._check_common(meta, path, scheduler)
+        targets = _ck._model_targets(path, md, cm.module.state_dict(), strict)
+        pieces = dp.state_pieces()
+    except (UsageError, FileNotFoundError) as e:
+        error = str(e)
+    sharded = sharded_state(pieces, dp.group, error)
+    named = dict(cm.module.named_parameters())
+    pre = "optimizer.state."
+    saved: dict[str, dict[str, Any]] = {}
+    for k, m in md.items():
+        if k.startswith(pre):
+            name, _, field = k[len(pre) :].rpartition(".")
+            saved.setdefault(name, {})[field] = m
+    unknown = sorted(set(saved) - set(named))
+    if unknown:
+        raise UsageError(
+            f"the checkpoint has optimizer state for {unknown[0]!r} ({len(unknown)} such), which is not a parameter of "
+            "this model; load a checkpoint of this model"
+        )
+    live = cm.optimizer.state if cm.optimizer is not None else {}
+    scalars: dict[str, dict[str, torch.Tensor]] = {}  # fields outside the pieces: read whole, copied in place
+    for name, fields in sorted(saved.items()):
+        for field, m in fields.items():
+            if field in sharded.get(name, {}):
+                st = sharded[name][field]
+                here = st.metadata()
+                if tuple(m.size) != tuple(here.size) or m.properties.dtype != here.tensor_properties.dtype:
+                    raise UsageError(
+                        f"optimizer state {name}.{field} is {tuple(m.size)} {m.properties.dtype} in the checkpoint and "
+                        f"{tuple(here.size)} {here.tensor_properties.dtype} here; load a checkpoint of this model and optimizer"
+                    )
+                continue
+            held = live.get(named[name], {}).get(field)
+            if held is None:
+                raise UsageError(
+                    f"the checkpoint has optimizer state {name}.{field}, which this data-parallel model holds neither in "
+                    "its shards (dp.state_pieces()) nor in cm.optimizer.state: either the checkpoint comes from another "
+                    "optimizer configuration (amsgrad's max_exp_avg_sq, say; load it into the same one), or no step "
+                    "has run since the first call (load the checkpoint before the first call, right after "
+                    "shfx.compile, or after a step)"
+                )
+            if tuple(m.size) != tuple(held.shape):
+                raise UsageError(f"optimizer state {name}.{field} is {tuple(m.size)} in the checkpoint and {tuple(held.shape)} here")
+            scalars.setdefault(name, {})[field] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    missing = sorted(f"{n}.{f}" for n, fs in sharded.items() for f in fs if f not in saved.get(n, {}))
+    if missing:
+        raise UsageError(
+            f"the checkpoint at {path!r} has no optimizer state {missing[0]} ({len(missing)} such) that this "
+            "data-parallel model holds; load a checkpoint saved after the optimizer's first step, with the same optimizer"
+        )
+    hps = _ck._group_hyperparams(path, meta, cm.module.named_parameters(), cm.optimizer) if cm.optimizer is not None else []
+    # every check is done: read
+    want: dict[str, Any] = {k: v for k, v in sharded.items()}
+    for name, fields in scalars.items():
+        want.setdefault(name, {}).update(fields)
+    if want:
+        with _failures_named(f"reading the optimizer state of {path!r}", "the model's weights are unchanged"):
+            dcp.load({"optimizer": {"state": want}}, storage_reader=_ck._reader(path), process_group=dp.group)
+    with torch.no_grad():
+        for name, fields in scalars.items():
+            for field, t in fields.items():
+                live_t = live[named[name]][field]
+                live_t.copy_(t.to(live_t.dtype))
+    if targets:
+        with torch.no_grad():
+            with _failures_named(f"reading the weights of {path!r}", "the optimizer state is loaded"):
+                dcp.load({"model": targets}, storage_reader=_ck._reader(path), process_group=dp.group)
+    for g, h in zip(cm.optimizer.param_groups if cm.optimizer is not None else [], hps):
+        g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
+    dp.refresh_masters()
+    cm._engine.invalidate_device_weights()
+    cm._engine.skipped_steps = meta["skipped_steps"]
+    rng = meta.get("rng_by_rank")
+    if restore_rng and rng is not None and len(rng) == int(dp.ranks):
+        meta = {**meta, "rng": rng[int(dp.rank)]}
+    _ck._load_common(meta, path, scheduler, cm.scaler, restore_rng)
+    return meta["extra"]
