@@ -67,6 +67,9 @@ __all__ = [
     "boundary_values",
     "STAGING_BUFFERS",
     "HOST_WINDOW",
+    "DP_IMAGE",
+    "DP_COLLECTIVE",
+    "shard_numel",
 ]
 
 DEVICE_TERMS = (
@@ -92,6 +95,8 @@ HOST_TERMS = (
     "pending tied gradient",
     "rollback copies",
     "SSD host window",
+    "parameter image (whole)",
+    "collective buffers",
 )
 SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
 
@@ -101,6 +106,29 @@ as the largest SSD group's read (its optimizer states, and its master weights wh
 the SSD), that a group's state is read into for its update and written back from."""
 
 STAGING_BUFFERS = 2
+DP_IMAGE = "parameter image (whole)"
+"""Data parallel (``ranks > 1``): the host image every rank holds whole (what a PREFETCH sends,
+the model's parameters view it), beside the rank's fp32 master *shard*. In fp32 it is the whole
+group; in mixed precision the 16-bit working copy stays in ``working copy (16-bit)``."""
+DP_COLLECTIVE = "collective buffers"
+"""Data parallel: the receive buffers of the collectives, sized for the largest group: the
+all-gather's padded output (``ranks x chunk`` elements in the device dtype, the first ``T``
+copied into the image) and the reduce-scatter's output chunk (``chunk`` elements)."""
+
+
+def shard_numel(total: int, ranks: int) -> int:
+    """Elements of one rank's shard of a group with ``total`` trainable elements (padding
+    included) over ``ranks`` ranks: ``chunk = ceil(total / ranks)`` (the sharding rule of
+    ``shfx.runtime.sharding.shard_range``; the last ranks' shards may be shorter or empty, but
+    every rank's buffers are allocated at ``chunk``, the collectives' padded length being
+    ``ranks x chunk``).
+
+    >>> shard_numel(10, 4), shard_numel(8, 4), shard_numel(3, 4)
+    (3, 2, 1)
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks!r}")
+    return -(-total // ranks)
 """Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
 
 
@@ -265,7 +293,34 @@ def host_terms(
     groups' SSD reads instead.
 
     NOTE: the rollback copies stay on the host as without the tier (the journal's copy of an SSD
-    group's state is not modelled apart yet)."""
+    group's state is not modelled apart yet).
+
+    With data parallel (``ranks = N > 1``, every group updated on the host), the terms are per
+    rank: each group's trainable region of ``T`` elements (``update_bytes / 4``, padding
+    included) is sharded, ``chunk = ceil(T / N)`` (:func:`shard_numel`), and
+
+    - ``master parameters (fp32)``: ``4 chunk`` per group (its own buffer); in mixed precision
+      plus the rest of the group's master copy (``group_bytes - 4 T``: frozen parameters,
+      buffers), kept whole;
+    - ``parameter image (whole)`` (:data:`DP_IMAGE`): in fp32 the whole group (``group_bytes``)
+      on every rank; in mixed precision the 16-bit image stays in ``working copy (16-bit)``;
+    - ``gradients (fp32)``: ``4 chunk`` per group; ``optimizer states (m, v)``: ``4 chunk`` per
+      state per group;
+    - ``gradient staging (pinned)``: :data:`STAGING_BUFFERS` buffers, each the largest group's
+      local gradient in the device dtype padded to ``N chunk`` elements (the runtime's local
+      gradient waits there from its OG until its ``RS``);
+    - ``collective buffers`` (:data:`DP_COLLECTIVE`): for the largest group the all-gather's
+      padded output (``N chunk`` elements, device dtype) and the reduce-scatter's output chunk
+      (``chunk`` elements, device dtype);
+    - ``pending tied gradient``: as without data parallel; ``rollback copies``: per group its
+      master shard, step counter and state shards.
+
+    Groups updated on the device and the NVMe tier are refused (``ValueError``)."""
+    if ranks > 1:
+        return _dp_host_terms(
+            stages, device_groups, group_bytes=group_bytes, optimizer_states=optimizer_states, rollback=rollback,
+            working_bytes=working_bytes, ssd_groups=ssd_groups, ranks=ranks,
+        )  # fmt: skip
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
     ssd = [o for o in host if o.update_group in ssd_groups]
@@ -310,6 +365,56 @@ def host_terms(
             if g in device_groups:
                 n += o.update_bytes  # the weights in the slot, beside the host master
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
+    return [c for c in out if c.nbytes]
+
+
+def _dp_host_terms(
+    stages: Sequence[StageSpec],
+    device_groups: frozenset[int] | set[int],
+    *,
+    group_bytes: Sequence[int] | None,
+    optimizer_states: int,
+    rollback: bool,
+    working_bytes: Sequence[int] | None,
+    ssd_groups: frozenset[int] | set[int],
+    ranks: int,
+) -> list[Change]:
+    """:func:`host_terms` per rank with data parallel over ``ranks`` ranks."""
+    owners = {s.update_group: s for s in stages if s.update_group is not None}
+    if set(device_groups) & set(owners):
+        raise ValueError(
+            f"data parallel ({ranks} ranks) shards the host optimizer, but groups {sorted(set(device_groups) & set(owners))} "
+            "are updated on the device; use a policy that updates every group on the host"
+        )
+    if ssd_groups:
+        raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled (groups {sorted(ssd_groups)} on the SSD)")
+    mixed = any(working_bytes or ())
+    elt = 2 if mixed else 4  # the device dtype of the local gradient and the working copy
+    # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
+    whole = list(group_bytes) if group_bytes is not None else [o.update_bytes for o in owners.values()]
+    at = {g: g for g in owners} if group_bytes is not None else {g: i for i, g in enumerate(owners)}
+    out: list[Change] = []
+    padded = 0  # the largest group's padded length, ranks x chunk
+    largest_chunk = 0
+    for g, o in sorted(owners.items()):
+        numel = o.update_bytes // 4
+        chunk = shard_numel(numel, ranks)
+        padded, largest_chunk = max(padded, ranks * chunk), max(largest_chunk, chunk)
+        rest = whole[at[g]] - o.update_bytes if mixed else 0
+        out.append(Change("host", "master parameters (fp32)", f"master shard of group {g}", 4 * chunk + rest))
+        if not mixed:
+            out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
+        out.append(Change("host", "gradients (fp32)", f"gradient shard of group {g}", 4 * chunk))
+        out += [Change("host", "optimizer states (m, v)", f"optimizer state {i} shard of group {g}", 4 * chunk) for i in range(optimizer_states)]
+        if rollback and numel:
+            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s shard", 4 * chunk * (1 + optimizer_states) + STEP_BYTES))
+    out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
+    if padded:
+        out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", padded * elt) for i in range(STAGING_BUFFERS)]
+        out.append(Change("host", DP_COLLECTIVE, "all-gather output (padded)", padded * elt))
+        out.append(Change("host", DP_COLLECTIVE, "reduce-scatter output chunk", largest_chunk * elt))
+    hg = set(owners)
+    out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     return [c for c in out if c.nbytes]
 
 
