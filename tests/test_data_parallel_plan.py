@@ -279,3 +279,120 @@ def test_in_situ_costs_take_the_measured_network_rate():
     got = in_situ_costs(p, costs, [(10.0, 14.0, ev)], overheads=False)
     assert got.links.net_bps == pytest.approx(0.5e6) and got.links.net_latency_s == 0.1
     assert got.links.ssd_read_bps == 5e6  # kept
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+
+import torch  # noqa: E402
+
+from shfx.cost_model.planner import Target, largest_trainable, memory_for_model, memory_model, plan  # noqa: E402
+from shfx.models import GPT, GPTShape  # noqa: E402
+from shfx.passes.capture import capture_model  # noqa: E402
+from shfx.passes.partition import partition_stages  # noqa: E402
+from shfx.passes.pipeline import build_programs  # noqa: E402
+from shfx.passes.policies import make_policy  # noqa: E402
+
+REF = GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
+V100 = "V100-32GB-PCIe3"
+EMU = Target("emulated", 1 << 40, emulated=True)
+SMALL = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64)
+
+
+@pytest.fixture(scope="module")
+def template():
+    """A captured two-block GPT (meta device) whose block stage repeat_blocks copies to any depth."""
+
+    def capture(fam: GPTShape):
+        cfg = GPTShape(vocab=fam.vocab, seq=fam.seq, layers=2, heads=fam.heads, hidden=fam.hidden)
+        with torch.device("meta"):
+            model = GPT(cfg)
+            idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+        return partition_stages(capture_model(model, (idx, idx)), model=model)
+
+    # vocab 512: the tail's slot is larger than a block's; hidden 33: groups not multiples of N
+    return {fam: capture(fam) for fam in (SMALL, GPTShape(hidden=33, heads=3, seq=16, batch=2, vocab=512))}
+
+
+def test_closed_form_is_the_ledger_with_data_parallel(template):
+    """The GPT closed form with ``ranks`` is the ledger's replay of the data-parallel program
+    (built from the repeated blocks' specs) at several depths, ranks and policies: device terms
+    at the peak and host terms per rank."""
+    for fam, graph in template.items():
+        for L in (1, 2, 5):
+            specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
+            for ranks in (2, 3, 4, 8):
+                for policy, kw in [("zero-offload", {}), ("zero-infinity", {})] + [("stronghold", {"window": w}) for w in (1, 2, 3)]:
+                    for rollback in (False, True):
+                        want = memory_model(policy, fam.with_layers(L), EMU, ranks=ranks, rollback=rollback, **kw)
+                        progs = build_programs(specs, make_policy(policy, **kw), verify=True, ranks=ranks)
+                        assert progs[0].ranks == ranks
+                        led = replay(progs[0], programs=progs, rollback=rollback)
+                        where = (fam.vocab, L, ranks, policy, kw, rollback)
+                        assert led.static("host") == {k: v for k, v in want.host.items() if v}, where
+                        dev = {k: v for k, v in led.terms_at_peak("device").items() if v}
+                        assert dev == {k: v for k, v in want.device.items() if v}, where
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_closed_form_is_the_captured_models_ledger_in_16_bit(precision):
+    """In mixed precision the image stays the 16-bit working copy; the fp32 master, gradient and
+    states are sharded: the closed form equals memory_for_model's replay of the real capture."""
+    fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=3, precision=precision)
+    with torch.device("meta"):
+        model = GPT(fam)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    for ranks in (2, 4):
+        want = memory_model("stronghold", fam, EMU, ranks=ranks)
+        got = memory_for_model("stronghold", model, (idx, idx), EMU, precision=precision, ranks=ranks)
+        assert got.host == want.host, (precision, ranks)
+        assert got.host["working copy (16-bit)"] > 0 and got.host[DP_IMAGE] == 0
+
+
+def test_host_bytes_per_parameter_fall_as_16_over_n():
+    """Master, gradient, m and v: 16 bytes per parameter on one rank, ~16/N per rank with N."""
+    fam = REF.with_layers(40)
+    one = memory_model("stronghold", fam, V100)
+    n_params = fam.num_params()
+    state = lambda bd: sum(bd.host[k] for k in ("master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)"))  # noqa: E731
+    assert state(one) / n_params == pytest.approx(16, rel=1e-3)
+    for ranks in (2, 4, 8):
+        bd = memory_model("stronghold", fam, V100, ranks=ranks)
+        assert state(bd) / n_params == pytest.approx(16 / ranks, rel=1e-3)
+        assert bd.host[DP_IMAGE] == one.host["master parameters (fp32)"]  # the fp32 image, whole on every rank
+        assert bd.device == one.device
+
+
+def test_data_parallel_refuses_device_updates_and_the_nvme_tier():
+    with pytest.raises(ValueError, match="policy 'resident' updates groups on the device"):
+        memory_model("resident", REF.with_layers(4), V100, ranks=2)
+    with pytest.raises(ValueError, match="with resident_first=1 updates groups on the device"):
+        memory_model("stronghold", REF.with_layers(4), V100, ranks=2, resident_first=1)
+    with pytest.raises(ValueError, match="NVMe tier is not modelled"):
+        memory_model("stronghold", REF.with_layers(4), V100, ranks=2, nvme=True)
+    with pytest.raises(ValueError, match="disagrees with the target's 8 ranks"):
+        memory_model("stronghold", REF.with_layers(4), with_data_parallel(V100, 8), ranks=4)
+
+
+def test_plan_for_ranks_and_nodes():
+    """One node of 8 shares 90 GiB among 8 ranks, each holding the whole image: fewer layers
+    than one rank; 8 nodes of 1 each have 90 GiB for 1/8 of the states: more. The policies
+    updating on the device are left out and said so."""
+    one = plan(REF, V100)
+    node = plan(REF, with_data_parallel(V100, 8))
+    nodes = plan(REF, with_data_parallel(V100, 8, nodes=8, network="25gbe"))
+    assert [r.policy for r in node.rows] == ["zero-offload", "zero-infinity", "stronghold"]
+    assert node.settings["not data parallel"] == ["resident", "l2l"] and "left out" in node.table()
+    assert node.row("stronghold").layers < one.row("stronghold").layers < nodes.row("stronghold").layers
+    assert node.hardware.host_bytes == one.hardware.host_bytes // 8 and node.hardware.ranks == 8
+    # the largest size fits per rank, one more does not (the search against the memory model)
+    for p in (node, nodes):
+        r = p.row("stronghold")
+        bd = memory_model("stronghold", REF.with_layers(r.layers + 1), p.hardware)
+        assert r.breakdown.fits() and not bd.fits()
+        assert r.breakdown.host_total * p.hardware.ranks_per_node <= get_profile_host(V100)
+    auto = largest_trainable("stronghold", REF, with_data_parallel(V100, 4), resident_first="auto")
+    assert auto.breakdown.settings["resident_first"] == 0
+
+
+def get_profile_host(name: str) -> int:
+    return PROFILES[name].host_memory_bytes
