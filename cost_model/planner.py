@@ -53,6 +53,7 @@ __all__ = [
     "plan",
     "memory_for_model",
     "plan_for_model",
+    "updates_on_device",
 ]
 
 
@@ -903,8 +904,8 @@ def plan(
     skipped: list[str] = []
     if _ranks(as_target(hardware), memory_kw.get("ranks")) > 1:
         # data parallel shards the host optimizer: the policies updating on the device are left out
-        keep = [p for p in policies if not _updates_on_device(p)]
-        skipped = [str(p if isinstance(p, str) else p.name) for p in policies if _updates_on_device(p)]
+        keep = [p for p in policies if not updates_on_device(p)]
+        skipped = [str(p if isinstance(p, str) else p.name) for p in policies if updates_on_device(p)]
         policies = keep
     unpacked = [
         (*_unpack(p, *((window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else ())), _nvme_kw(p, dict(memory_kw)))
@@ -930,7 +931,7 @@ def plan(
     return Plan(family, tgt, rows, settings)
 
 
-def _updates_on_device(policy: str | Policy) -> bool:
+def updates_on_device(policy: str | Policy) -> bool:
     """Whether a policy updates some group on the device (refused with data parallel)."""
     name = policy if isinstance(policy, str) else policy.name
     k = getattr(policy, "resident_first", 0) if isinstance(policy, Policy) else 0

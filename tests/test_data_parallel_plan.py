@@ -396,3 +396,22 @@ def test_plan_for_ranks_and_nodes():
 
 def get_profile_host(name: str) -> int:
     return PROFILES[name].host_memory_bytes
+
+
+def test_cli_plan_ranks(capsys):
+    from shfx.cli import main
+
+    small = ["--hidden", "64", "--heads", "2", "--seq", "32", "--batch", "2", "--vocab", "128", "--max-layers", "40"]
+    assert main(["plan", "--ranks", "4", "--nodes", "2", "--network", "100gbe", "--layers", "3", *small]) == 0
+    out = capsys.readouterr().out
+    assert "data parallel over 4 ranks" in out and "left out" in out and "resident, l2l" in out
+    assert "simulated step at the largest size (4 ranks x batch 2 = 8 samples per step)" in out
+    steps = [line for line in out.splitlines() if "samples/s" in line]
+    assert [line.split()[0] for line in steps] == ["zero-offload", "zero-infinity", "stronghold"]
+    assert "at 3 layers" in out and "parameter image (whole)" in out
+    assert main(["plan", "--nodes", "2"]) == 1
+    assert "give --ranks too" in capsys.readouterr().err
+    assert main(["plan", "--ranks", "4", "--nodes", "2"]) == 1
+    assert "need a network" in capsys.readouterr().err
+    assert main(["plan", "--ranks", "2", "--emulated", "--device-memory", "1GiB"]) == 1
+    assert "--ranks needs a hardware profile" in capsys.readouterr().err
