@@ -33,7 +33,11 @@ the setup; so are the NVMe tier's host-window buffers, which SSD reads and write
 empty). The terms are :data:`DEVICE_TERMS`, :data:`HOST_TERMS` and, for a program with the NVMe
 tier (``Program.ssd_groups``), :data:`SSD_TERMS`: the SSD then holds those groups' optimizer
 states (and master weights, ``Program.ssd_masters``) and the host, instead of them,
-``host_window`` buffers each as large as the largest group's (:data:`HOST_WINDOW`).
+``host_window`` buffers each as large as the largest group's (:data:`HOST_WINDOW`). A
+data-parallel program (``Program.ranks = N > 1``) has one rank's host terms: the fp32 master,
+gradient and optimizer states sharded to ``ceil(T / N)`` elements per group
+(:func:`shard_numel`), the image whole (:data:`DP_IMAGE`), the staging buffers at the padded
+length and the collectives' buffers (:data:`DP_COLLECTIVE`); see :func:`host_terms`.
 
 >>> from shfx.passes.policies import schedule_window
 >>> from shfx.passes.stages import chain
