@@ -34,7 +34,7 @@ from typing import Any
 
 from shfx.passes.units import format_bytes
 
-from shfx.passes.ledger import DEVICE_TERMS, DP_COLLECTIVE, DP_IMAGE, HOST_TERMS, HOST_WINDOW, SSD_TERMS, pool_sizes, replay, shard_numel
+from shfx.passes.ledger import DEVICE_TERMS, DP_COLLECTIVE, DP_IMAGE, HOST_TERMS, HOST_WINDOW, SSD_TERMS, pool_sizes, replay, shard_chunk, shard_numel
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
@@ -460,7 +460,7 @@ def memory_model(
         ranks: data parallel over this many ranks (default: the target's, 1 without data
             parallel). The terms are then one rank's: the device's unchanged, the host's as the
             ledger counts them (:func:`shfx.passes.ledger.host_terms` with ``ranks``): the fp32
-            master, gradient and AdamW m and v of each group sharded to ``ceil(T / N)``
+            master, gradient and AdamW m and v of each group sharded to rank 0's ``min(T, chunk)``, ``chunk = ceil(T / N)`` rounded up to 16
             elements, the image whole, the staging buffers and the collectives' buffers at the
             largest group's padded length. Policies that update groups on the device
             (``resident``, ``l2l``, stronghold's first k) and the NVMe tier are refused.
@@ -643,8 +643,9 @@ def _dp_host(fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | N
     """One rank's host terms with data parallel (every group updated on the host): the closed
     form of :func:`shfx.passes.ledger.host_terms` with ``ranks``."""
     counts = {"head": 1, "block": L, "tail": 1}
-    chunk = {k: shard_numel(group32[k] // 4, ranks) for k in counts}
-    shard = sum(4 * chunk[k] * c for k, c in counts.items())
+    chunk = {k: shard_chunk(group32[k] // 4, ranks) for k in counts}
+    own = {k: shard_numel(group32[k] // 4, ranks) for k in counts}  # rank 0's: the most
+    shard = sum(4 * own[k] * c for k, c in counts.items())
     elt = fam.param_bytes if group16 is not None else 4
     padded = max(ranks * chunk[k] for k in counts)
     return {
@@ -655,9 +656,9 @@ def _dp_host(fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | N
         "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * shard,
         "working copy (16-bit)": host["working copy (16-bit)"],
         "gradient staging (pinned)": _STAGING_BUFFERS * padded * elt,
-        DP_COLLECTIVE: padded * elt + max(chunk.values()) * elt,
+        DP_COLLECTIVE: padded * elt + 2 * max(chunk.values()) * elt,
         "pending tied gradient": host["pending tied gradient"],
-        "rollback copies": sum((4 * chunk[k] * 3 + _STEP_BYTES) * c for k, c in counts.items()) if rollback else 0,
+        "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in counts.items()) if rollback else 0,
     }
 
 

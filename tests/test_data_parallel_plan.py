@@ -14,7 +14,7 @@ from shfx.cost_model.costs import CostTable, Links, StageCost, ring_collective_s
 from shfx.cost_model.hardware import NETWORKS, PROFILES, get_network, with_data_parallel
 from shfx.cost_model.simulate import SimulationError, simulate
 from shfx.cost_model.trace import Event, in_situ_costs
-from shfx.passes.ledger import DP_COLLECTIVE, DP_IMAGE, STAGING_BUFFERS, replay, shard_numel
+from shfx.passes.ledger import DP_COLLECTIVE, DP_IMAGE, STAGING_BUFFERS, replay, shard_chunk, shard_numel, shard_range
 from shfx.passes.meta import get_meta
 from shfx.passes.policies import Resident, Stronghold, ZeroInfinity, ZeroOffload
 from shfx.passes.program import Program, lower_actions
@@ -148,28 +148,40 @@ def test_collectives_need_ranks_and_device_updates_refuse_them():
 
 
 def test_sharding_rule():
-    assert [shard_numel(10, n) for n in (1, 2, 3, 4, 10, 11)] == [10, 5, 4, 3, 1, 1]
-    assert shard_numel(0, 4) == 0
+    """chunk = ceil(T / N) rounded up to 16 elements; rank r owns [r chunk, min(T, (r+1) chunk))."""
+    assert [shard_chunk(100, n) for n in (1, 2, 3, 4, 7, 200)] == [112, 64, 48, 32, 16, 16]
+    for total in (0, 1, 15, 16, 17, 100, 1000, 1001):
+        for ranks in (1, 2, 3, 4, 8):
+            spans = [shard_range(total, r, ranks) for r in range(ranks)]
+            assert spans[0][0] == 0 and spans[-1][1] == total and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all((hi - lo) % 16 == 0 for lo, hi in spans if hi < total), spans  # cuts at multiples of 16
+            assert max(hi - lo for lo, hi in spans) == shard_numel(total, ranks) <= shard_chunk(total, ranks)
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_host_terms_per_rank_by_hand(ranks):
-    """Three groups of 250 fp32 elements (1000 bytes): chunk = ceil(250 / N); masters, gradients
-    and m, v are 4 chunk bytes per group, the image whole (1000 per group), two staging buffers
-    and the all-gather's output of the padded length N chunk, the reduce-scatter's chunk."""
-    led = replay(dp(n=3, ranks=ranks, specs=chain(3, prefetch_bytes=1000)))
-    c = math.ceil(250 / ranks)
-    assert led.static("host") == {
-        "master parameters (fp32)": 3 * 4 * c,
-        DP_IMAGE: 3000,
-        "gradients (fp32)": 3 * 4 * c,
-        "optimizer states (m, v)": 2 * 3 * 4 * c,
-        "gradient staging (pinned)": STAGING_BUFFERS * ranks * c * 4,
-        DP_COLLECTIVE: ranks * c * 4 + c * 4,
-    }
-    # 16/N bytes per parameter plus the image and the constants
+    """Three groups of 250 fp32 elements (1000 bytes): chunk = ceil(250 / N) rounded up to 16;
+    rank r's masters, gradients and m, v are 4 n bytes per group (n: the elements it owns), the
+    image whole (1000 per group), two staging buffers and the all-gather's output of the padded
+    length N chunk, its send chunk and the reduce-scatter's chunk."""
+    p = dp(n=3, ranks=ranks, specs=chain(3, prefetch_bytes=1000))
+    c = {2: 128, 3: 96, 4: 64}[ranks]
+    for rank in range(ranks):
+        n = min(250, (rank + 1) * c) - min(250, rank * c)
+        want = {
+            "master parameters (fp32)": 3 * 4 * n,
+            DP_IMAGE: 3000,
+            "gradients (fp32)": 3 * 4 * n,
+            "optimizer states (m, v)": 2 * 3 * 4 * n,
+            "gradient staging (pinned)": STAGING_BUFFERS * ranks * c * 4,
+            DP_COLLECTIVE: ranks * c * 4 + 2 * c * 4,
+        }
+        assert replay(p, rank=rank).static("host") == {k: v for k, v in want.items() if v}, rank
+    # the ranks' shards tile the groups: 16 bytes per parameter over all ranks, as one rank has
+    total = sum(replay(p, rank=r).static("host").get(t, 0) for r in range(ranks) for t in ("master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)"))
     one = replay(Stronghold(window=2).program(chain(3, prefetch_bytes=1000))).static("host")
     assert one == {"master parameters (fp32)": 3000, "gradients (fp32)": 3000, "optimizer states (m, v)": 6000}
+    assert total == sum(one.values())
 
 
 def test_host_terms_refuse_device_groups():
