@@ -427,3 +427,30 @@ def test_cli_plan_ranks(capsys):
     assert "need a network" in capsys.readouterr().err
     assert main(["plan", "--ranks", "2", "--emulated", "--device-memory", "1GiB"]) == 1
     assert "--ranks needs a hardware profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+@pytest.mark.parametrize(
+    "policy",
+    [Stronghold(window=1), Stronghold(window=3), Stronghold(window=2, deferred_update=True), ZeroOffload(), ZeroInfinity()],
+    ids=str,
+)
+def test_simulated_data_parallel_steps_keep_the_invariants(policy, ranks):
+    """Over policies and ranks: the critical path's resources sum to the step, the network's
+    busy time is the ring formula summed over the collectives (alone or slowed by sharing), and
+    every edge of the program is respected (RS after its OGs, U after RS, AG after U)."""
+    specs = chain(5, prefetch_bytes=10**6, tied=(0, 4))
+    p = data_parallel_program(policy.program(specs), ranks)
+    links = dict(net_bps=0.5e6, net_latency_s=0.01)
+    tl = simulate(p, _costs(5, **links))
+    assert sum(tl.by_resource.values()) == pytest.approx(tl.step_s)
+    alone = Links(None, None, **links)
+    for e in tl.events:
+        if e.stream in ("reduce", "gather"):
+            assert e.end - e.start >= alone.collective_time_s(e.bytes, ranks) - 1e-9
+            assert e.end - e.start <= alone.collective_time_s(e.bytes, ranks, both=True) + 1e-9
+        ends = {d: tl.events[[x.node for x in tl.events].index(d)].end for d in e.deps}
+        if e.stream != "none":
+            assert all(e.start >= t - 1e-9 for t in ends.values()), e
+    if "deferred" not in str(policy):
+        assert tl.by_resource["network"] > 0
