@@ -454,3 +454,20 @@ def test_simulated_data_parallel_steps_keep_the_invariants(policy, ranks):
             assert all(e.start >= t - 1e-9 for t in ends.values()), e
     if "deferred" not in str(policy):
         assert tl.by_resource["network"] > 0
+
+
+def test_tune_window_with_data_parallel():
+    """A slow network makes every window pay the collectives that end the step: the tuned
+    step is longer with 8 ranks than with one, the window the tuner picks still fits, and the
+    rows' programs are data parallel (network time on their critical path)."""
+    from shfx.cost_model.tune import tune_window
+
+    specs = chain(6, prefetch_bytes=10**6)
+    costs = _costs(6, net_bps=0.5e6, net_latency_s=0.01)
+    one = tune_window(specs, costs)
+    dp8 = tune_window(specs, costs, ranks=8)
+    assert dp8.rows[0].timeline.step_s > one.rows[0].timeline.step_s
+    assert all(r.by_resource["network"] > 0 for r in dp8.rows) and all(r.by_resource["network"] == 0 for r in one.rows)
+    assert dp8.policy.resident_first == 0
+    with pytest.raises(ValueError, match="ranks must be an int >= 1"):
+        tune_window(specs, costs, ranks=0)
