@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from shfx.passes.meta import get_meta
 from shfx.passes.program import ActionKind, Program
 
-from .costs import CostTable, Links, StageCost
+from .costs import CostTable, StageCost
 
 if TYPE_CHECKING:
     import torch.fx as fx

@@ -5,7 +5,6 @@ collective queues, the in-situ costs, the planner's closed form against the ledg
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
