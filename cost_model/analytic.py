@@ -133,11 +133,14 @@ def stage_work(graph: StageGraph) -> list[StageWork]:
 def links_of(hw: Hardware) -> Links:
     """The links of a hardware profile: the host<->device link, and the NVMe drive when the
     profile has one (``ssd_read_bps``/``ssd_write_bps`` > 0; its duplex and queue depth from the
-    profile)."""
+    profile), and with data parallel (``hw.ranks > 1``) the ring's slowest link
+    (:meth:`~shfx.cost_model.hardware.Hardware.collective_link`) as the network."""
+    net_bps, net_latency_s = hw.collective_link()
     return Links(
         hw.h2d_bps, hw.d2h_bps, duplex=hw.duplex, latency_s=hw.link_latency_s,
         ssd_read_bps=hw.ssd_read_bps or None, ssd_write_bps=hw.ssd_write_bps or None,
         ssd_duplex=hw.ssd_duplex, ssd_latency_s=hw.ssd_latency_s, ssd_queue_depth=hw.ssd_queue_depth,
+        net_bps=net_bps, net_latency_s=net_latency_s,
     )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from shfx.passes.stages import StageSpec
 
 __all__ = [
     "StageCost", "Links", "CostModel", "CostTable", "ProfileStats", "ROLLBACK_COPY_RATIO",
-    "host_update_bytes", "host_accumulate_bytes",
+    "host_update_bytes", "host_accumulate_bytes", "ring_collective_s",
 ]
 
 ROLLBACK_COPY_RATIO = 1.46
@@ -111,6 +111,26 @@ class StageCost:
         return self.rollback_s if self.rollback_s is not None else ratio * self.update_s
 
 
+def ring_collective_s(nbytes: float, ranks: int, bps: float, latency_s: float) -> float:
+    """Seconds of a ring reduce-scatter or all-gather of a buffer of ``nbytes`` (per rank) over
+    ``ranks`` ranks, the slowest link of the ring moving ``bps`` bytes/s per direction with
+    ``latency_s`` per step:
+
+        t = (N - 1) / N * B / bw + (N - 1) * latency
+
+    (the ring algorithm's ``N - 1`` steps each send one ``B / N`` chunk to the next rank, all
+    ranks at once: Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+    Operations in MPICH", IJHPCA 2005, and NCCL's ``busBw = algBw x (N - 1) / N`` for both
+    collectives). An all-reduce is the two back to back. 0 with one rank.
+
+    >>> ring_collective_s(8e9, 8, 1e9, 0.0), ring_collective_s(8e9, 8, 1e9, 1e-3)
+    (7.0, 7.007)
+    """
+    if ranks <= 1 or nbytes == 0:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bps + (ranks - 1) * latency_s
+
+
 @dataclass(frozen=True)
 class Links:
     """Host<->device link: bytes per second each way (None: instantaneous), the fraction each
@@ -123,6 +143,12 @@ class Links:
     ``ssd_queue_depth``: the requests one SSD action keeps in flight (the runtime splits a
     group's state into that many aligned chunks); the simulator charges bytes at the drive's
     bandwidth, which is what it reaches at that depth, so the depth is recorded, not modelled.
+
+    Data parallel's collectives (``RS``/``AG``): ``net_bps``, the bytes/s per direction of the
+    slowest link of the ring (None: no network; simulating a data-parallel program is then an
+    error), ``net_latency_s`` per ring step, and ``net_duplex``, the fraction of it each of the
+    two collective queues keeps while the other also moves bytes (0.5: they share the link
+    equally). A collective's time alone is :func:`ring_collective_s`.
 
     >>> Links(12e9, 12e9, ssd_read_bps=3e9, ssd_write_bps=2e9).ssd_time_s("ssd_read", 3 * 10**9)
     1.0
@@ -137,6 +163,22 @@ class Links:
     ssd_duplex: float = 1.0
     ssd_latency_s: float = 0.0
     ssd_queue_depth: int = 1
+    net_bps: float | None = None
+    net_latency_s: float = 0.0
+    net_duplex: float = 0.5
+
+    def collective_time_s(self, nbytes: int, ranks: int, both: bool = False) -> float:
+        """Seconds one ring reduce-scatter or all-gather of ``nbytes`` per rank over ``ranks``
+        ranks takes alone (``both``: while the other collective queue also moves bytes).
+
+        >>> Links(None, None, net_bps=1e9, net_latency_s=1e-3).collective_time_s(4 * 10**9, 4)
+        3.003
+        """
+        if ranks <= 1 or nbytes == 0:
+            return 0.0
+        if self.net_bps is None:
+            raise ValueError("these links have no network bandwidth (Links(net_bps=..., net_latency_s=...))")
+        return ring_collective_s(nbytes, ranks, self.net_bps * (self.net_duplex if both else 1.0), self.net_latency_s)
 
     def ssd_time_s(self, direction: str, nbytes: int, both: bool = False) -> float:
         """Seconds one SSD read (``"ssd_read"``) or write (``"ssd_write"``) of ``nbytes`` takes

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from shfx.passes.units import format_bandwidth, format_bytes
 
-__all__ = ["Hardware", "PROFILES", "get_profile"]
+__all__ = ["Hardware", "PROFILES", "get_profile", "Network", "NETWORKS", "get_network", "with_data_parallel"]
 
 GB = 1e9
 GiB = 2**30
@@ -40,6 +40,14 @@ class Hardware:
             figures are those reached at that depth).
         ssd_bytes: NVMe capacity usable for offloaded optimizer states (0: none; the
             planner's ``zero-infinity`` spills there when host RAM overflows).
+        net_bps: data parallel: the node's network bandwidth, bytes/s per direction (0: none,
+            a single node); ``net_latency_s``: its latency per collective step (one hop of a ring).
+        peer_bps: bandwidth between two accelerators of one node, bytes/s per direction (0: the
+            host link's ``h2d_bps``: PCIe without NVLink); ``peer_latency_s``: per step (0: the
+            host link's ``link_latency_s``).
+        ranks_per_node: data-parallel ranks (accelerators) per node; ``nodes``: nodes. The
+            ranks are ``ranks_per_node x nodes``; ``host_memory_bytes`` is per node, shared by
+            its ranks (:func:`with_data_parallel` sets these four from a :class:`Network`).
     """
 
     name: str
@@ -59,6 +67,42 @@ class Hardware:
     ssd_duplex: float = 0.5
     ssd_latency_s: float = 100e-6
     ssd_queue_depth: int = 32
+    net_bps: float = 0.0
+    net_latency_s: float = 0.0
+    peer_bps: float = 0.0
+    peer_latency_s: float = 0.0
+    ranks_per_node: int = 1
+    nodes: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks: ``ranks_per_node x nodes``."""
+        return self.ranks_per_node * self.nodes
+
+    def collective_link(self) -> tuple[float | None, float]:
+        """``(bytes/s per direction, latency per step)`` of the slowest link of the ring the
+        collectives run on: between the accelerators of a node (``peer_bps``) with one node,
+        the network (``net_bps``; the slower of both when a node has several ranks) with
+        several; ``(None, 0.0)`` with one rank (no collective).
+
+        >>> v = with_data_parallel("V100-32GB-PCIe3", 8, nodes=8, network="25gbe")
+        >>> v.collective_link() == (NETWORKS["25gbe"].bps, NETWORKS["25gbe"].latency_s)
+        True
+        """
+        if self.ranks == 1:
+            return None, 0.0
+        peer = (self.peer_bps or self.h2d_bps, self.peer_latency_s or self.link_latency_s)
+        if self.nodes == 1:
+            return peer
+        if not self.net_bps > 0:
+            raise ValueError(
+                f"{self.name} has {self.nodes} nodes but no network bandwidth (net_bps=0): give one, e.g. "
+                "with_data_parallel(hw, ranks, nodes=..., network='25gbe')"
+            )
+        net = (self.net_bps, self.net_latency_s)
+        if self.ranks_per_node == 1:
+            return net
+        return min(net[0], peer[0]), max(net[1], peer[1])
 
     def matmul_flops(self, dtype: str = "float32") -> float:
         """Achieved matmul FLOP/s in ``dtype`` (a key of :attr:`flops`; the short names
@@ -71,10 +115,17 @@ class Hardware:
 
     def describe(self) -> str:
         fl = ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in self.flops.items())
+        dp = ""
+        if self.ranks > 1:
+            bps, lat = self.collective_link()
+            dp = (
+                f"; data parallel: {self.ranks} ranks ({self.nodes} node{'s' if self.nodes > 1 else ''} of {self.ranks_per_node}), "
+                f"ring bottleneck {format_bandwidth(bps or 0)}, {lat * 1e6:.0f} us per step"
+            )
         return (
             f"{self.name}: {format_bytes(self.device_memory_bytes)} device, {fl}; h2d {format_bandwidth(self.h2d_bps)}, "
             f"d2h {format_bandwidth(self.d2h_bps)}, duplex {self.duplex}; host {self.host_cores} cores, "
-            f"{format_bandwidth(self.host_mem_bps)} memory, {format_bytes(self.host_memory_bytes)} RAM"
+            f"{format_bandwidth(self.host_mem_bps)} memory, {format_bytes(self.host_memory_bytes)} RAM" + dp
         )
 
 
@@ -96,6 +147,9 @@ PROFILES: dict[str, Hardware] = {
         host_memory_bytes=90 * GiB,
         ssd_read_bps=3 * GB,
         ssd_write_bps=2 * GB,
+        # V100s without NVLink exchange data over PCIe 3 x16 (~12 GB/s achieved, REFERENCE.md)
+        peer_bps=12 * GB,
+        peer_latency_s=10e-6,
     ),
     "A100-80GB-PCIe4": Hardware(
         name="A100-80GB-PCIe4",
@@ -143,6 +197,63 @@ PROFILES: dict[str, Hardware] = {
         ssd_write_bps=6 * GB,
     ),
 }
+
+
+@dataclass(frozen=True)
+class Network:
+    """A node's network for data parallel: achieved bandwidth per direction (bytes/s) and
+    latency per collective step (one ring hop: a message through the NIC, the switch and the
+    other NIC, plus gloo/NCCL's per-message software cost)."""
+
+    name: str
+    bps: float
+    latency_s: float
+
+
+NETWORKS: dict[str, Network] = {
+    # NOTE: typical achieved figures, not datasheet peaks and not measured here: 25 Gb/s is
+    # 3.125 GB/s on the wire, TCP (gloo) reaches ~90% of it; 100 Gb/s is 12.5 GB/s, ~11 GB/s
+    # with RDMA (NCCL over RoCE/InfiniBand), less over TCP. Latencies: a TCP hop ~25 us, RDMA ~5-10 us.
+    "25gbe": Network("25GbE", 2.8e9, 25e-6),
+    "100gbe": Network("100GbE", 11e9, 10e-6),
+}
+
+
+def get_network(name: str | Network) -> Network:
+    """A :class:`Network` by name (:data:`NETWORKS`: ``25gbe``, ``100gbe``) or as it is."""
+    if isinstance(name, Network):
+        return name
+    try:
+        return NETWORKS[name.lower()]
+    except (KeyError, AttributeError):
+        raise KeyError(f"unknown network {name!r}; known: {', '.join(NETWORKS)} (or pass a Network)") from None
+
+
+def with_data_parallel(hw: str | Hardware, ranks: int, *, nodes: int = 1, network: str | Network | None = None) -> Hardware:
+    """``hw`` as one of ``ranks`` data-parallel ranks spread evenly over ``nodes`` nodes joined by
+    ``network`` (needed when ``nodes > 1``). Each node is the profile's machine (its host RAM
+    shared by ``ranks / nodes`` ranks); the accelerators of a node talk over ``peer_bps`` (the
+    host link, PCIe, unless the profile says otherwise).
+
+    >>> hw = with_data_parallel("V100-32GB-PCIe3", 8, nodes=2, network="100gbe")
+    >>> hw.ranks, hw.ranks_per_node, hw.collective_link()
+    (8, 4, (11000000000.0, 1e-05))
+    """
+    from dataclasses import replace
+
+    hw = get_profile(hw)
+    for name, v in (("ranks", ranks), ("nodes", nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if ranks % nodes:
+        raise ValueError(f"{ranks} ranks do not spread evenly over {nodes} nodes; give a multiple of the node count")
+    if nodes > 1 and network is None:
+        raise ValueError(f"{nodes} nodes need a network between them: network='25gbe' or '100gbe' (or a Network)")
+    net = get_network(network) if network is not None else None
+    return replace(
+        hw, ranks_per_node=ranks // nodes, nodes=nodes,
+        net_bps=net.bps if net else hw.net_bps, net_latency_s=net.latency_s if net else hw.net_latency_s,
+    )  # fmt: skip
 
 
 def get_profile(name: str | Hardware) -> Hardware:

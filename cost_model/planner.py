@@ -34,7 +34,7 @@ from typing import Any
 
 from shfx.passes.units import format_bytes
 
-from shfx.passes.ledger import DEVICE_TERMS, HOST_TERMS, HOST_WINDOW, SSD_TERMS, pool_sizes, replay
+from shfx.passes.ledger import DEVICE_TERMS, DP_COLLECTIVE, DP_IMAGE, HOST_TERMS, HOST_WINDOW, SSD_TERMS, pool_sizes, replay, shard_chunk, shard_numel
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
@@ -53,6 +53,7 @@ __all__ = [
     "plan",
     "memory_for_model",
     "plan_for_model",
+    "updates_on_device",
 ]
 
 
@@ -160,6 +161,11 @@ class Target:
         ssd_bytes: NVMe capacity for spilled optimizer states (0: none).
         emulated: the emulated device: it counts only what shfx reserves (no working set,
             workspace or fragmentation), so the planner's defaults for those are 0.
+        ranks: data-parallel ranks the model trains on (1: none); every tier's capacity is then
+            one rank's: its device, and ``host_bytes`` its share of the node's RAM (the node's
+            RAM over ``ranks_per_node``; the host terms are per rank, so the node holds them
+            ``ranks_per_node`` times).
+        ranks_per_node: ranks sharing one node's host RAM.
     """
 
     name: str
@@ -167,23 +173,34 @@ class Target:
     host_bytes: int | None = None
     ssd_bytes: int = 0
     emulated: bool = False
+    ranks: int = 1
+    ranks_per_node: int = 1
 
     def describe(self) -> str:
         host = "host not limited" if self.host_bytes is None else f"{format_bytes(self.host_bytes)} host"
+        if self.ranks > 1 and self.host_bytes is not None:
+            host += f" per rank ({format_bytes(self.host_bytes * self.ranks_per_node)} per node of {self.ranks_per_node})"
         ssd = f"{format_bytes(self.ssd_bytes)} SSD" if self.ssd_bytes else "no SSD"
-        return f"{self.name}: {format_bytes(self.device_bytes)} device, {host}, {ssd}"
+        dp = f"; data parallel over {self.ranks} ranks" if self.ranks > 1 else ""
+        return f"{self.name}: {format_bytes(self.device_bytes)} device, {host}, {ssd}{dp}"
 
 
 def as_target(hardware: Any) -> Target:
     """A :class:`Target` from a :class:`~shfx.cost_model.hardware.Hardware`, a profile name
     (:data:`shfx.cost_model.hardware.PROFILES`), an emulated device (``shfx.EmulatedDevice``: anything
-    with ``memory_bytes`` and ``h2d_bps``), or a Target."""
+    with ``memory_bytes`` and ``h2d_bps``), or a Target. A Hardware with data parallel
+    (:func:`~shfx.cost_model.hardware.with_data_parallel`) gives one rank's target: its
+    ``ranks``, and ``host_bytes`` the node's RAM over its ranks per node."""
     if isinstance(hardware, Target):
         return hardware
     if isinstance(hardware, str):
         hardware = get_profile(hardware)
     if isinstance(hardware, Hardware):
-        return Target(hardware.name, int(hardware.device_memory_bytes), int(hardware.host_memory_bytes), int(hardware.ssd_bytes))
+        k = hardware.ranks_per_node
+        return Target(
+            hardware.name, int(hardware.device_memory_bytes), int(hardware.host_memory_bytes) // k, int(hardware.ssd_bytes),
+            ranks=hardware.ranks, ranks_per_node=k,
+        )  # fmt: skip
     if hasattr(hardware, "memory_bytes") and hasattr(hardware, "h2d_bps"):  # shfx.EmulatedDevice (cost_model never imports shfx)
         return Target(str(hardware), int(hardware.memory_bytes), None, 0, emulated=True)
     raise TypeError(
@@ -399,6 +416,7 @@ def memory_model(
     rollback: bool | None = None,
     host_window: int | None = None,
     nvme_masters: bool | None = None,
+    ranks: int | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes per tier and term when ``policy`` trains ``family`` (at ``family.layers``) on
     ``hardware``.
@@ -439,6 +457,13 @@ def memory_model(
             for a group updated on the device its weights in the slot too). Default: what
             ``shfx.compile`` does at ``family.precision``: on for ``float16`` (the loss scaler
             undoes the updates an overflowing step already ran), off otherwise.
+        ranks: data parallel over this many ranks (default: the target's, 1 without data
+            parallel). The terms are then one rank's: the device's unchanged, the host's as the
+            ledger counts them (:func:`shfx.passes.ledger.host_terms` with ``ranks``): the fp32
+            master, gradient and AdamW m and v of each group sharded to rank 0's ``min(T, chunk)``, ``chunk = ceil(T / N)`` rounded up to 16
+            elements, the image whole, the staging buffers and the collectives' buffers at the
+            largest group's padded length. Policies that update groups on the device
+            (``resident``, ``l2l``, stronghold's first k) and the NVMe tier are refused.
 
     >>> m = memory_model("resident", GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304, layers=30), "V100-32GB-PCIe3")
     >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
@@ -455,6 +480,7 @@ def memory_model(
     if rollback is not None and not isinstance(rollback, bool):
         raise ValueError(f"rollback must be True, False or None (the precision's default), got {rollback!r}")
     tgt = as_target(hardware)
+    ranks = _ranks(tgt, ranks)
     workspace_bytes, allocator_slack, working_set = _resolve(tgt, workspace_bytes, allocator_slack, working_set)
     fam = family
     rollback = fam.rollback_default if rollback is None else rollback
@@ -469,6 +495,15 @@ def memory_model(
     own16 = _stage_bytes(fam, elt)
     group16 = {"head": own16["head"], "block": own16["block"], "tail": own16["tail_own"]}  # the working copy
     lay = _layout(policy, L, window, resident_first)
+    if ranks > 1:
+        if policy in ("resident", "l2l") or any(lay.device_groups.values()):
+            raise ValueError(
+                f"data parallel ({ranks} ranks) shards the host optimizer, but policy {policy!r}"
+                + (f" with resident_first={resident_first}" if resident_first else "")
+                + " updates groups on the device; use zero-offload, zero-infinity or stronghold with resident_first=0"
+            )
+        if nvme:
+            raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled; use nvme=False")
 
     # ---- device
     slot_sizes: tuple[int, ...] = ()
@@ -541,7 +576,11 @@ def memory_model(
         "pending tied gradient": elt * V * h if host_groups["head"] else 0,
         "rollback copies": rollback_bytes,
         HOST_WINDOW: 0,
+        DP_IMAGE: 0,
+        DP_COLLECTIVE: 0,
     }
+    if ranks > 1:
+        host = _dp_host(fam, L, ranks, group32, group16 if working else None, rollback, host)
     ssd: dict[str, int] = {}
     tier = bool(nvme) and policy in ("stronghold", "zero-infinity") and host_trainable > 0
     if nvme and policy not in ("stronghold", "zero-infinity"):
@@ -582,9 +621,45 @@ def memory_model(
         "grad_accum_steps": grad_accum_steps,
         "rollback": rollback,
     }
+    if ranks > 1:
+        settings["ranks"] = ranks
     if tier:
         settings.update(nvme=True, host_window=host_window, nvme_masters=bool(nvme_masters))
     return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
+
+
+def _ranks(tgt: Target, ranks: int | None) -> int:
+    """Data-parallel ranks: ``ranks`` when given (it must agree with a target that has its
+    own), else the target's."""
+    if ranks is None:
+        return tgt.ranks
+    _positive_int("ranks", ranks)
+    if tgt.ranks > 1 and ranks != tgt.ranks:
+        raise ValueError(f"ranks={ranks} disagrees with the target's {tgt.ranks} ranks; give it in one place")
+    return ranks
+
+
+def _dp_host(fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | None, rollback: bool, host: dict) -> dict[str, int]:
+    """One rank's host terms with data parallel (every group updated on the host): the closed
+    form of :func:`shfx.passes.ledger.host_terms` with ``ranks``."""
+    counts = {"head": 1, "block": L, "tail": 1}
+    chunk = {k: shard_chunk(group32[k] // 4, ranks) for k in counts}
+    own = {k: shard_numel(group32[k] // 4, ranks) for k in counts}  # rank 0's: the most
+    shard = sum(4 * own[k] * c for k, c in counts.items())
+    elt = fam.param_bytes if group16 is not None else 4
+    padded = max(ranks * chunk[k] for k in counts)
+    return {
+        **dict.fromkeys(HOST_TERMS, 0),
+        "master parameters (fp32)": shard,
+        DP_IMAGE: 0 if group16 is not None else host["master parameters (fp32)"],
+        "gradients (fp32)": shard,
+        "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * shard,
+        "working copy (16-bit)": host["working copy (16-bit)"],
+        "gradient staging (pinned)": _STAGING_BUFFERS * padded * elt,
+        DP_COLLECTIVE: padded * elt + 2 * max(chunk.values()) * elt,
+        "pending tied gradient": host["pending tied gradient"],
+        "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in counts.items()) if rollback else 0,
+    }
 
 
 def _nvme_options(policy: Any, nvme: bool | None, host_window: int | None, masters: bool | None) -> tuple[bool | None, int, bool]:
@@ -659,6 +734,8 @@ def largest_trainable(policy: str | Policy, family: GPTShape, hardware: Any, *, 
         # device), the smallest such k
         if policy != "stronghold":
             raise ValueError(f"resident_first='auto' is for the 'stronghold' policy, not {policy!r}")
+        if _ranks(as_target(hardware), memory_kw.get("ranks")) > 1:  # data parallel: every group on the host
+            return largest_trainable(policy, family, hardware, max_layers=max_layers, **dict(memory_kw, resident_first=0))
         best, worse = None, 0
         for k in range(_AUTO_K_MAX + 1):  # more k helps while the host binds, then costs the device
             row = largest_trainable(policy, family, hardware, max_layers=max_layers, **dict(memory_kw, resident_first=k))
@@ -747,6 +824,11 @@ class Plan:
             + ("" if self.hardware.emulated else f", working set {'on' if st.get('working_set', True) else 'off'}"),
             "",
         ]
+        if st.get("not data parallel"):
+            head[-2] += (
+                f"; left out (they update on the device, data parallel shards the host optimizer): "
+                f"{', '.join(st['not data parallel'])}"
+            )
         hws = sorted({r.breakdown.settings["host_window"] for r in self.rows if r.breakdown.settings.get("nvme")})
         if hws:
             head[-2] += f", NVMe tier: host window {', '.join(map(str, hws))}"
@@ -820,6 +902,12 @@ def plan(
     [('resident', 33), ('l2l', 66), ('zero-offload', 67), ('zero-infinity', 116), ('stronghold', 116)]
     """
     policies = policy_names() if policies is None else (policies,) if isinstance(policies, (str, Policy)) else policies
+    skipped: list[str] = []
+    if _ranks(as_target(hardware), memory_kw.get("ranks")) > 1:
+        # data parallel shards the host optimizer: the policies updating on the device are left out
+        keep = [p for p in policies if not updates_on_device(p)]
+        skipped = [str(p if isinstance(p, str) else p.name) for p in policies if updates_on_device(p)]
+        policies = keep
     unpacked = [
         (*_unpack(p, *((window, resident_first if p == "stronghold" else 0) if isinstance(p, str) else ())), _nvme_kw(p, dict(memory_kw)))
         for p in policies
@@ -839,7 +927,16 @@ def plan(
         max_layers=max_layers,
         **{k: v for k, v in memory_kw.items() if k not in ("workspace_bytes", "allocator_slack", "working_set")},
     )
+    if skipped:
+        settings["not data parallel"] = skipped
     return Plan(family, tgt, rows, settings)
+
+
+def updates_on_device(policy: str | Policy) -> bool:
+    """Whether a policy updates some group on the device (refused with data parallel)."""
+    name = policy if isinstance(policy, str) else policy.name
+    k = getattr(policy, "resident_first", 0) if isinstance(policy, Policy) else 0
+    return name in ("resident", "l2l") or bool(isinstance(k, int) and k > 0)
 
 
 # ---- any model, from its capture ----------------------------------------------------------------
@@ -876,6 +973,7 @@ def memory_for_model(
     graph: Any = None,
     precision: str = "float32",
     rollback: bool | None = None,
+    ranks: int | None = None,
 ) -> MemoryBreakdown:
     """The memory model of any model shfx can capture, from its real stages and step program.
 
@@ -890,21 +988,25 @@ def memory_for_model(
     partitioned (skips the capture; it is taken in the precision it was partitioned for).
     ``precision``: what ``shfx.compile(precision=...)`` trains in (``fp32``, ``bf16``, ``fp16``
     or the long names); ``rollback``: count the step journal's copies (default: as
-    ``shfx.compile`` does, on for fp16).
+    ``shfx.compile`` does, on for fp16). ``ranks``: data parallel (default: the target's), the
+    programs with their collectives and the host terms one rank's.
     """
     from shfx.passes.pipeline import PipelineOptions, build_programs, compile_variant
 
     pol = _any_policy(policy, window, resident_first)
     tgt = as_target(hardware)
+    ranks = _ranks(tgt, ranks)
     workspace_bytes, allocator_slack, _ = _resolve(tgt, workspace_bytes, allocator_slack, False)
     precision = normalize_precision(precision)
     rollback = precision == "float16" if rollback is None else bool(rollback)
     if graph is None:
-        opts = PipelineOptions(policy=pol, blocks=blocks, verify=False, precision=short_precision(precision), plan_only=True)
+        opts = PipelineOptions(
+            policy=pol, blocks=blocks, verify=False, precision=short_precision(precision), plan_only=True, ranks=ranks
+        )
         variant = compile_variant(model, tuple(example_inputs), {}, opts)
         graph, progs = variant.graph, variant.programs
     else:
-        progs = build_programs(graph.specs, pol, verify=False)
+        progs = build_programs(graph.specs, pol, verify=False, ranks=ranks)
     led = replay(
         progs[0], programs=progs, group_bytes=[g.host_master_bytes for g in graph.groups],
         working_bytes=[g.working_bytes for g in graph.groups], grad_accum_steps=grad_accum_steps, rollback=rollback,
@@ -922,6 +1024,8 @@ def memory_for_model(
     settings = {"window": getattr(pol, "window", None), "resident_first": getattr(pol, "resident_first", 0),
                 "workspace_bytes": workspace_bytes, "allocator_slack": allocator_slack, "working_set": False,
                 "stages": len(graph.stages), "precision": precision, "rollback": rollback}
+    if ranks > 1:
+        settings["ranks"] = ranks
     if progs[0].ssd_groups:
         settings.update(nvme=True, host_window=progs[0].host_window, nvme_masters=progs[0].ssd_masters)
     return MemoryBreakdown(pol.name, None, device, host, ssd, tgt, slot_sizes, grad_sizes, settings, name=name)

@@ -47,6 +47,16 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   queue also moves bytes (the same fluid model as the link, on its own). A CPU_STEP of an SSD
   group waits for its read, the write-back for the update, a read for the write-back that freed
   its host-window buffer (the program's edges).
+- **Data parallel** (``program.ranks = N > 1``): the collectives run on two FIFO queues,
+  ``reduce`` (``RS g``) and ``gather`` (``AG g``), one collective each at a time, charged to the
+  ``network`` resource. A collective of ``meta.bytes`` ``B`` is a ring
+  (:func:`shfx.cost_model.costs.ring_collective_s`): it pays ``(N - 1) x links.net_latency_s``,
+  then moves ``(N - 1) / N x B`` at ``links.net_bps`` (the ring's slowest link), each queue at
+  ``links.net_duplex`` times that rate while the other also moves bytes (the two share the
+  NIC, as the SSD's two queues share the drive). ``RS g`` waits for the OG of every stage
+  sending gradients to ``g``, ``U g`` for ``RS g``, ``AG g`` for ``U g``, a PREFETCH for the
+  ``AG`` of each group it reads (the program's edges). Every rank runs the same program on the
+  same costs: the simulated step is any rank's.
 - **Memory.** The slot pool, ``sum(program.slot_sizes())`` (each slot sized to the largest stage
   the program puts into it), the gradient buffers of slots whose stage keeps its parameters
   through the backward and the optimizer states of groups updated on the device
@@ -95,6 +105,9 @@ What it does NOT model:
 - On the NVMe tier: the queue depth (``links.ssd_queue_depth``: the bandwidth figures are those
   reached at it), the page cache, the host memory bandwidth the copies into the host-window
   buffers take from the host optimizer, and the file system.
+- With data parallel: ranks that differ (stragglers), gloo's host-side memcpy and reduction
+  arithmetic, the topology beyond the ring's slowest link (a tree, several rings, NVLink), and
+  the host memory bandwidth the collectives take from the host optimizer.
 - The rollback copy of a group updated on the device (its slot weights and states copied to
   the host before a DEVICE_STEP): with ``rollback`` only host updates pay for their copies.
 
@@ -135,7 +148,8 @@ GRAD_NORM_RATIO = 0.1
 
 
 _SSD = ("ssd_read", "ssd_write")
-_COPY_STREAMS = ("h2d", "d2h", *_SSD)
+_NET = ("reduce", "gather")
+_COPY_STREAMS = ("h2d", "d2h", *_SSD, *_NET)
 
 STREAM_ORDER = STREAMS
 """The simulated streams (:data:`shfx.passes.actions.STREAMS`)."""
@@ -221,7 +235,7 @@ class Timeline:
         tracks: list[str] = ["compute", "h2d", "d2h", "host"]
         tracks += ["cpu"] if self.workers == 1 else [f"cpu #{w}" for w in range(self.workers)]
         tracks.append("none")
-        tracks += [t for t in _SSD if any(e.stream == t for e in self.events)]
+        tracks += [t for t in (*_SSD, *_NET) if any(e.stream == t for e in self.events)]
         tid = {name: i + 1 for i, name in enumerate(tracks)}
         out: list[dict[str, Any]] = [
             {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"shfx simulated step: {self.program}"}}
@@ -287,7 +301,7 @@ class Timeline:
         busy = ", ".join(
             f"{s} {format_seconds(self.busy_s[s])} ({self.utilisation[s]:.0%}"
             + (f" of {self.workers} workers)" if s == "cpu" and self.workers > 1 else ")")
-            for s in ("compute", "h2d", "d2h", "host", "cpu", *(t for t in _SSD if self.busy_s.get(t)))
+            for s in ("compute", "h2d", "d2h", "host", "cpu", *(t for t in (*_SSD, *_NET) if self.busy_s.get(t)))
         )
         return "\n".join(
             [
@@ -377,6 +391,19 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
         raise SimulationError(f"links.duplex must be in (0, 1] (1.0: full duplex), got {links.duplex!r}")
     if not (links.latency_s >= 0 and math.isfinite(links.latency_s)):
         raise SimulationError(f"links.latency_s must be >= 0, got {links.latency_s!r}")
+    ranks = getattr(program, "ranks", 1)
+    if ranks > 1:
+        bw = getattr(links, "net_bps", None)
+        if bw is None or not (bw > 0 and math.isfinite(bw)):
+            raise SimulationError(
+                f"program {program.name!r} is data parallel over {ranks} ranks (RS/AG collectives), but links.net_bps is "
+                f"{bw!r}: give the ring's slowest link, Links(..., net_bps=2.8e9, net_latency_s=25e-6) (a Hardware "
+                "through hardware.with_data_parallel and analytic.links_of)"
+            )
+        if not (0 < links.net_duplex <= 1):
+            raise SimulationError(f"links.net_duplex must be in (0, 1] (1.0: the two collective queues do not slow each other), got {links.net_duplex!r}")
+        if not (links.net_latency_s >= 0 and math.isfinite(links.net_latency_s)):
+            raise SimulationError(f"links.net_latency_s must be >= 0, got {links.net_latency_s!r}")
     ssd = getattr(program, "ssd_groups", None)
     if ssd:
         for name in ("ssd_read_bps", "ssd_write_bps"):
@@ -453,7 +480,7 @@ class _Sim:
         last_forward: dict[int, _Node] = {}
         for nd in self.nodes:
             k, s = nd.kind, nd.meta.stage
-            if KINDS[k].moves in _SSD:  # a copy: its bytes over the drive
+            if KINDS[k].moves in _SSD or KINDS[k].moves in _NET:  # a copy: its bytes over the drive or the network
                 if s not in owner:
                     raise SimulationError(
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
@@ -491,12 +518,23 @@ class _Sim:
                 nd.acc = c.accumulate_s if self.accumulate else 0.0
 
     def _bandwidth(self, direction: str) -> float | None:
+        if direction in _NET:
+            return self.links.net_bps
         if direction in _SSD:
             return self.links.ssd_read_bps if direction == "ssd_read" else self.links.ssd_write_bps
         return self.links.h2d_bps if direction == "h2d" else self.links.d2h_bps
 
     def _latency(self, direction: str) -> float:
+        if direction in _NET:  # a ring's N - 1 steps
+            return (self.program.ranks - 1) * self.links.net_latency_s
         return self.links.ssd_latency_s if direction in _SSD else self.links.latency_s
+
+    def _moved(self, direction: str, nbytes: int) -> float:
+        """Bytes a copy moves at its bandwidth: a ring collective's ``(N - 1) / N`` of its buffer."""
+        if direction in _NET:
+            n = self.program.ranks
+            return (n - 1) / n * nbytes
+        return float(nbytes)
 
     # ---- the event loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -533,7 +571,7 @@ class _Sim:
             nd.issued = nd.forward or not self.phase_barrier
 
         busy: dict[str, bool] = {"compute": False, "host": False}
-        copies: dict[str, _Copy | None] = {"h2d": None, "d2h": None, "ssd_read": None, "ssd_write": None}
+        copies: dict[str, _Copy | None] = dict.fromkeys(_COPY_STREAMS)
         running: list[tuple[float, int, str]] = []  # (end, node, part) of fixed-duration work
         held: list[int | None] = [None] * self.workers  # task a worker took
         worker_last: list[int | None] = [None] * self.workers  # its last finished task
@@ -571,7 +609,7 @@ class _Sim:
             if bw is None or nd.nbytes == 0:
                 end_copy(j)
             else:
-                copies[direction] = _Copy(j, direction, bw, now + self._latency(direction), float(nd.nbytes))
+                copies[direction] = _Copy(j, direction, bw, now + self._latency(direction), self._moved(direction, nd.nbytes))
 
         def end_copy(j: int) -> None:
             nd = nodes[j]
@@ -713,8 +751,11 @@ class _Sim:
         moving = {d: c is not None and now >= c.latency_end for d, c in copies.items()}
         both = moving["h2d"] and moving["d2h"]
         both_ssd = moving["ssd_read"] and moving["ssd_write"]
+        both_net = moving["reduce"] and moving["gather"]
 
         def share(d: str) -> float:
+            if d in _NET:
+                return self.links.net_duplex if both_net else 1.0
             if d in _SSD:
                 return self.links.ssd_duplex if both_ssd else 1.0
             return self.links.duplex if both else 1.0

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from shfx.passes.meta import get_meta
 from shfx.passes.program import ActionKind, Program
 
-from .costs import CostTable, Links, StageCost
+from .costs import CostTable, StageCost
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -355,6 +355,11 @@ def in_situ_costs(
     and the median transition to the last stage's FORWARD. Simulating the result shows what of
     the error is left once the costs are the measured ones.
 
+    With data parallel (``program.ranks = N > 1``) the network's bandwidth is the median rate
+    of the measured collectives (``RS``/``AG``: ``(N - 1) / N`` of their bytes after the ring's
+    ``N - 1`` latencies, :func:`~shfx.cost_model.costs.ring_collective_s`); the links' SSD and
+    network fields are kept otherwise.
+
     It does not replace the host update, accumulation or device update costs, nor the
     ``duplex`` factor, nor compute durations per occurrence (a stage run twice gets one
     median); the step's lead and tail are not costs of any action (add them to the simulated
@@ -365,7 +370,10 @@ def in_situ_costs(
     b: dict[int, list[float]] = {}
     pf_rate: list[float] = []
     og_rate: list[float] = []
+    net_rate: list[float] = []
+    ranks = program.ranks
     lat = costs.links.latency_s
+    net_lat = (ranks - 1) * costs.links.net_latency_s
     handoff: dict[str, list[float]] = {}
     trans: list[float] = []
     for t0, t_end, events in traces:
@@ -380,6 +388,8 @@ def in_situ_costs(
                 pf_rate.append(e.bytes / max(e.end - e.start - lat, 1e-6))
             elif k == "OG" and e.bytes:  # the copy: up to reads_end
                 og_rate.append(e.bytes / max(e.reads_end - e.start - lat, 1e-6))
+            elif k in ("RS", "AG") and e.bytes and ranks > 1:  # a ring moves (N - 1) / N of the buffer
+                net_rate.append((ranks - 1) / ranks * e.bytes / max(e.end - e.start - net_lat, 1e-6))
         if overheads:
             a = analyse_step(program, events, t0, t_end)
             if a:
@@ -398,11 +408,12 @@ def in_situ_costs(
             out.append(StageCost(fs, bs + fs, backward_kept_s=bs, update_s=upd, accumulate_s=c.accumulate_s))
         else:
             out.append(StageCost(fs, bs, update_s=upd, accumulate_s=c.accumulate_s))
-    links = Links(
-        _median(pf_rate, costs.links.h2d_bps or 0.0) or costs.links.h2d_bps,
-        _median(og_rate, costs.links.d2h_bps or 0.0) or costs.links.d2h_bps,
-        duplex=costs.links.duplex,
+    links = replace(
+        costs.links,
+        h2d_bps=_median(pf_rate, costs.links.h2d_bps or 0.0) or costs.links.h2d_bps,
+        d2h_bps=_median(og_rate, costs.links.d2h_bps or 0.0) or costs.links.d2h_bps,
         latency_s=lat + _median([h[k] for k in ("PREFETCH", "OFFLOAD_GRAD") if k in h]),
+        net_bps=_median(net_rate, costs.links.net_bps or 0.0) or costs.links.net_bps,
     )
     return CostTable(out, links, optimizer_workers=costs.optimizer_workers, source="in situ")
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from shfx.passes.policies import Policy, Stronghold, ZeroInfinity, resolve_policy
 from shfx.passes.program import Program
+from shfx.passes.schedule import data_parallel_program
 from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
 
@@ -287,6 +288,7 @@ def tune_window(
     rollback: bool | float = False,
     host_windows: Sequence[int] | None = None,
     host_capacity_bytes: int | None = None,
+    ranks: int = 1,
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -310,6 +312,9 @@ def tune_window(
             them in fp16 and with ``rollback=True``).
         host_windows: the host windows to try for a policy with the NVMe tier and
             ``host_window="auto"`` (default 1..groups on the SSD).
+        ranks: data parallel: the windows' programs run by this many ranks
+            (:func:`~shfx.passes.schedule.data_parallel_program`: the collectives on the
+            network, ``costs.links.net_bps`` needed); ``resident_first`` is then 0.
         host_capacity_bytes: host budget for the NVMe tier's host window: an H fits when the
             ledger's host memory (:func:`shfx.passes.ledger.replay`, setup) is at most this.
 
@@ -325,11 +330,15 @@ def tune_window(
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {ranks!r}")
     n = len(specs)
     pol = resolve_policy(policy, "auto") if not isinstance(policy, Policy) else policy
     tune_h = "host_window" in pol.auto
     if not pol.windowed and not tune_h:
         raise ValueError(f"policy {pol.name!r} has no window to tune")
+    if tune_h and ranks > 1:
+        raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled; tune without one of them")
     if tune_h:
         # NOTE: (k, W) are chosen at the largest host window (no SSD stall the window could
         # hide), then H at the chosen (k, W); H barely moves the device side, W not the host
@@ -344,7 +353,7 @@ def tune_window(
         if not ks or ks[0] < 0 or ks[-1] >= n:
             raise ValueError(f"resident_first values must be in 0..{n - 1} (the model has {n} stages), got {list(resident_first)}")
     elif has_k and pol.resident_first == "auto":
-        ks = list(range(n))
+        ks = [0] if ranks > 1 else list(range(n))  # (data parallel: every group updated on the host)
     else:
         ks = [int(pol.resident_first) if has_k else 0]
     pairs: list[tuple[int, int]] = []
@@ -360,7 +369,7 @@ def tune_window(
     rows = []
     for k, w in pairs:
         concrete = pol.replace(window=w, **({"resident_first": k} if has_k else {}))
-        tl = simulate(concrete.program(specs), costs, rollback=rollback)
+        tl = simulate(data_parallel_program(concrete.program(specs), ranks), costs, rollback=rollback)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
         rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k, concrete))

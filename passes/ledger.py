@@ -33,7 +33,11 @@ the setup; so are the NVMe tier's host-window buffers, which SSD reads and write
 empty). The terms are :data:`DEVICE_TERMS`, :data:`HOST_TERMS` and, for a program with the NVMe
 tier (``Program.ssd_groups``), :data:`SSD_TERMS`: the SSD then holds those groups' optimizer
 states (and master weights, ``Program.ssd_masters``) and the host, instead of them,
-``host_window`` buffers each as large as the largest group's (:data:`HOST_WINDOW`).
+``host_window`` buffers each as large as the largest group's (:data:`HOST_WINDOW`). A
+data-parallel program (``Program.ranks = N > 1``) has one rank's host terms: the fp32 master,
+gradient and optimizer states sharded (``ceil(T / N)`` elements per group rounded up to
+:data:`SHARD_ALIGN`, :func:`shard_range`), the image whole (:data:`DP_IMAGE`), the staging buffers at the padded
+length and the collectives' buffers (:data:`DP_COLLECTIVE`); see :func:`host_terms`.
 
 >>> from shfx.passes.policies import schedule_window
 >>> from shfx.passes.stages import chain
@@ -67,6 +71,12 @@ __all__ = [
     "boundary_values",
     "STAGING_BUFFERS",
     "HOST_WINDOW",
+    "DP_IMAGE",
+    "DP_COLLECTIVE",
+    "shard_numel",
+    "shard_chunk",
+    "shard_range",
+    "SHARD_ALIGN",
 ]
 
 DEVICE_TERMS = (
@@ -92,6 +102,8 @@ HOST_TERMS = (
     "pending tied gradient",
     "rollback copies",
     "SSD host window",
+    "parameter image (whole)",
+    "collective buffers",
 )
 SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
 
@@ -101,6 +113,62 @@ as the largest SSD group's read (its optimizer states, and its master weights wh
 the SSD), that a group's state is read into for its update and written back from."""
 
 STAGING_BUFFERS = 2
+DP_IMAGE = "parameter image (whole)"
+"""Data parallel (``ranks > 1``): the host image every rank holds whole (what a PREFETCH sends,
+the model's parameters view it), beside the rank's fp32 master *shard*. In fp32 it is the whole
+group; in mixed precision the 16-bit working copy stays in ``working copy (16-bit)``."""
+DP_COLLECTIVE = "collective buffers"
+"""Data parallel: the receive buffers of the collectives, sized for the largest group: the
+all-gather's padded output (``ranks x chunk`` elements in the device dtype, the first ``T``
+copied into the image) and the reduce-scatter's output chunk (``chunk`` elements)."""
+
+
+SHARD_ALIGN = 16
+"""Elements a data-parallel shard's length is a multiple of (but the last one's)."""
+
+
+def shard_chunk(total: int, ranks: int) -> int:
+    """Elements per rank of a group of ``total`` trainable elements (padding included) over
+    ``ranks`` ranks: ``ceil(total / ranks)`` rounded up to :data:`SHARD_ALIGN` (the runtime's
+    rule, ``shfx.runtime.sharding.shard_chunk``: a shard boundary cuts every parameter at a
+    multiple of 16 elements from its start, so the sharded fused AdamW is bitwise the one over
+    whole parameters). The collectives move ``ranks x chunk`` elements (zero-padded).
+
+    >>> shard_chunk(100, 2), shard_chunk(20, 4), shard_chunk(0, 4)
+    (64, 16, 0)
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    per = -(-total // ranks)
+    return -(-per // SHARD_ALIGN) * SHARD_ALIGN
+
+
+def shard_range(total: int, rank: int, ranks: int) -> tuple[int, int]:
+    """``[lo, hi)``: the elements of a group of ``total`` trainable elements that rank ``rank``
+    of ``ranks`` owns (its fp32 master, gradient and optimizer states): ``[r chunk, min(total,
+    (r + 1) chunk))``, possibly empty.
+
+    >>> [shard_range(20, r, 4) for r in range(4)]
+    [(0, 16), (16, 20), (20, 20), (20, 20)]
+    """
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
+    chunk = shard_chunk(total, ranks)
+    lo = min(total, rank * chunk)
+    return lo, min(total, lo + chunk)
+
+
+def shard_numel(total: int, ranks: int, rank: int = 0) -> int:
+    """Elements rank ``rank`` owns of a group of ``total`` (:func:`shard_range`); rank 0 owns
+    the most, ``min(total, chunk)``.
+
+    >>> shard_numel(100, 2), shard_numel(100, 2, rank=1), shard_numel(20, 4, rank=3)
+    (64, 36, 0)
+    """
+    lo, hi = shard_range(total, rank, ranks)
+    return hi - lo
 """Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
 
 
@@ -249,6 +317,7 @@ def host_terms(
     host_window: int = 0,
     ssd_masters: bool = False,
     ranks: int = 1,
+    rank: int = 0,
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
@@ -265,7 +334,38 @@ def host_terms(
     groups' SSD reads instead.
 
     NOTE: the rollback copies stay on the host as without the tier (the journal's copy of an SSD
-    group's state is not modelled apart yet)."""
+    group's state is not modelled apart yet).
+
+    With data parallel (``ranks = N > 1``, every group updated on the host), the terms are those
+    of rank ``rank`` (default 0, the rank that owns the most): each group's trainable region of
+    ``T`` elements (``update_bytes / 4``, padding included) is sharded, ``chunk`` elements per
+    rank (:func:`shard_chunk`), rank ``r`` owning ``n = `` :func:`shard_numel` ``(T, N, r)`` of
+    them, and
+
+    - ``master parameters (fp32)``: ``4 n`` per group (its own buffer); in mixed precision
+      plus the rest of the group's master copy (``group_bytes - 4 T``: frozen parameters,
+      buffers), kept whole;
+    - ``parameter image (whole)`` (:data:`DP_IMAGE`): in fp32 the whole group (``group_bytes``)
+      on every rank; in mixed precision the 16-bit image stays in ``working copy (16-bit)``;
+    - ``gradients (fp32)``: ``4 n`` per group; ``optimizer states (m, v)``: ``4 n`` per state
+      per group (the runtime's host bytes, ``Engine.host_bytes()``, are these three terms, the
+      image and nothing else of the store: the staging, collective and pending buffers are
+      the ledger's bounds on what is in flight);
+    - ``gradient staging (pinned)``: :data:`STAGING_BUFFERS` buffers, each the largest group's
+      local gradient in the device dtype padded to ``N chunk`` elements (the runtime's local
+      gradient waits there from its OG until its ``RS``);
+    - ``collective buffers`` (:data:`DP_COLLECTIVE`): for the largest group the all-gather's
+      padded output (``N chunk`` elements) and send chunk (``chunk``), and the reduce-scatter's
+      output chunk (``chunk``), device dtype (one collective of each queue at once);
+    - ``pending tied gradient``: as without data parallel; ``rollback copies``: per group its
+      master shard, step counter and state shards.
+
+    Groups updated on the device and the NVMe tier are refused (``ValueError``)."""
+    if ranks > 1:
+        return _dp_host_terms(
+            stages, device_groups, group_bytes=group_bytes, optimizer_states=optimizer_states, rollback=rollback,
+            working_bytes=working_bytes, ssd_groups=ssd_groups, ranks=ranks, rank=rank,
+        )  # fmt: skip
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
     ssd = [o for o in host if o.update_group in ssd_groups]
@@ -310,6 +410,59 @@ def host_terms(
             if g in device_groups:
                 n += o.update_bytes  # the weights in the slot, beside the host master
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
+    return [c for c in out if c.nbytes]
+
+
+def _dp_host_terms(
+    stages: Sequence[StageSpec],
+    device_groups: frozenset[int] | set[int],
+    *,
+    group_bytes: Sequence[int] | None,
+    optimizer_states: int,
+    rollback: bool,
+    working_bytes: Sequence[int] | None,
+    ssd_groups: frozenset[int] | set[int],
+    ranks: int,
+    rank: int = 0,
+) -> list[Change]:
+    """:func:`host_terms` per rank with data parallel over ``ranks`` ranks."""
+    owners = {s.update_group: s for s in stages if s.update_group is not None}
+    if set(device_groups) & set(owners):
+        raise ValueError(
+            f"data parallel ({ranks} ranks) shards the host optimizer, but groups {sorted(set(device_groups) & set(owners))} "
+            "are updated on the device; use a policy that updates every group on the host"
+        )
+    if ssd_groups:
+        raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled (groups {sorted(ssd_groups)} on the SSD)")
+    mixed = any(working_bytes or ())
+    elt = 2 if mixed else 4  # the device dtype of the local gradient and the working copy
+    # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
+    whole = list(group_bytes) if group_bytes is not None else [o.update_bytes for o in owners.values()]
+    at = {g: g for g in owners} if group_bytes is not None else {g: i for i, g in enumerate(owners)}
+    out: list[Change] = []
+    padded = 0  # the largest group's padded length, ranks x chunk
+    largest_chunk = 0
+    for g, o in sorted(owners.items()):
+        numel = o.update_bytes // 4
+        chunk = shard_chunk(numel, ranks)
+        own = shard_numel(numel, ranks, rank)
+        padded, largest_chunk = max(padded, ranks * chunk), max(largest_chunk, chunk)
+        rest = whole[at[g]] - o.update_bytes if mixed else 0
+        out.append(Change("host", "master parameters (fp32)", f"master shard of group {g}", 4 * own + rest))
+        if not mixed:
+            out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
+        out.append(Change("host", "gradients (fp32)", f"gradient shard of group {g}", 4 * own))
+        out += [Change("host", "optimizer states (m, v)", f"optimizer state {i} shard of group {g}", 4 * own) for i in range(optimizer_states)]
+        if rollback and numel:
+            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s shard", 4 * own * (1 + optimizer_states) + STEP_BYTES))
+    out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
+    if padded:
+        out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", padded * elt) for i in range(STAGING_BUFFERS)]
+        out.append(Change("host", DP_COLLECTIVE, "all-gather output (padded)", padded * elt))
+        out.append(Change("host", DP_COLLECTIVE, "all-gather send chunk", largest_chunk * elt))
+        out.append(Change("host", DP_COLLECTIVE, "reduce-scatter output chunk", largest_chunk * elt))
+    hg = set(owners)
+    out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     return [c for c in out if c.nbytes]
 
 
@@ -459,6 +612,7 @@ def replay(
     grad_accum_steps: int = 1,
     rollback: bool = False,
     working_bytes: Sequence[int] | None = None,
+    rank: int = 0,
 ) -> Ledger:
     """The ledger of one step of ``program`` (see the module docstring).
 
@@ -473,6 +627,8 @@ def replay(
             (the image a PREFETCH sends, beside the fp32 master).
         grad_accum_steps: backward calls per step (gradient staging on the host).
         rollback: the step journal keeps copies to undo a step (``shfx.compile(rollback=...)``).
+        rank: data parallel (``program.ranks > 1``): whose host terms (default 0, the rank
+            owning the largest shards).
     """
     rp = _Replay(program)
     pool = list(programs) if programs is not None else [program]
@@ -480,7 +636,7 @@ def replay(
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
-        working_bytes=working_bytes, **program.tier,
+        working_bytes=working_bytes, rank=rank, **program.tier,
     )  # fmt: skip
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes

@@ -28,6 +28,14 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
    action on a stage reading a host group runs on weights prefetched in this step (a persistent
    stage is refreshed first), so no prefetch reads weights whose update has not finished.
 
+8. **ssd tier**: see :func:`ssd_tier`.
+9. **data parallel** (:func:`data_parallel`): with ``program.ranks > 1`` every host-updated
+   group's gradient is reduced exactly once per backward (one ``RS g``, after and waiting for
+   the OFFLOAD_GRAD of every stage sending it gradients), every ``U g``/``GN g`` waits for
+   ``RS g``, every ``U g`` is followed by exactly one ``AG g`` that waits for it, and every
+   later PREFETCH of a stage reading ``g`` waits for that ``AG g`` (across the step boundary
+   too, in the steady state); no ``RS``/``AG`` with one rank, no DEVICE_STEP with several.
+
 Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a PREFETCH of
 one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
 stage owning its group and waits for the BACKWARD of every stage sending it gradients; an
@@ -37,7 +45,7 @@ A rule is a function of a :class:`ProgramView` (the program's issue order, reach
 residency, computed once) yielding ``(action or None, message)``:
 
 >>> [rule.__name__ for rule in RULES]
-['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier']
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel']
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ import torch.fx as fx
 
 from .meta import get_meta
 from .actions import KINDS
-from .program import AG, B, DU, F, GN, OB, OG, OP, PF, R, SR, SW, U, ActionKind, Program, ScheduleError
+from .program import AG, B, DU, F, GN, OB, OG, OP, PF, RS, R, SR, SW, U, ActionKind, Program, ScheduleError
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -540,7 +548,108 @@ def ssd_tier(v: ProgramView) -> Iterator[Violation]:
                     yield None, f"{k.value}{g} appears {c} times; a program updating group {g} on the SSD tier needs it exactly once"
 
 
-RULES: tuple[Rule, ...] = (order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary, ssd_tier)
+def data_parallel(v: ProgramView) -> Iterator[Violation]:
+    """9. Data parallel (``program.ranks > 1``): each host-updated group's gradient is reduced
+    across the ranks exactly once per backward: one ``RS g`` in a program that runs the
+    OFFLOAD_GRADs of ``g``'s contributors (none in one that runs none), issued after and
+    waiting for the OFFLOAD_GRAD of every stage sending gradients to ``g``; every ``U g`` and
+    ``GN g`` waits for ``RS g`` (the rank's shard of the reduced gradient); every ``U g`` is
+    followed by exactly one ``AG g`` (before the next ``U g``) that waits for it; and every
+    PREFETCH of a stage reading ``g`` issued after an ``AG g`` waits for it, in the program and
+    across the step boundary (the steady state, :func:`~shfx.passes.schedule.steady_state_program`,
+    whose previous step's all-gathers a PREFETCH waits for). With one rank, no ``RS``/``AG``;
+    with several, no DEVICE_STEP (the host optimizer is sharded)."""
+    from .schedule import groups_read, steady_state_program
+
+    p = v.program
+    if p.ranks <= 1:
+        for n in v.nodes:
+            if get_meta(n).kind in (RS, AG):
+                yield n, f"{v.act(n)} is a data-parallel collective, but the program runs on one rank (ranks=1)"
+        return
+    host = {g for g in v.owner_of if g not in v.device_groups}
+    contributors = {g: [s for s, st in v.stages.items() if g in st.grad_groups] for g in host}
+    reduced: dict[int, fx.Node] = {}  # group -> its RS
+    updated: dict[int, tuple[fx.Node, int]] = {}  # group -> (its last U, AGs after it)
+    gathered: dict[int, fx.Node] = {}  # group -> its last AG
+    ogs: dict[int, list[fx.Node]] = {}  # stage -> its OGs so far
+    counts: dict[int, int] = {}
+    for n in v.nodes:
+        m = get_meta(n)
+        k, g = m.kind, m.stage
+        if k == DU:
+            yield n, f"{v.act(n)} updates group {g} on the device, but data parallel ({p.ranks} ranks) shards the host optimizer"
+        elif k == OG:
+            ogs.setdefault(g, []).append(n)
+            for h in v.stages[g].grad_groups if g in v.stages else ():
+                if h in reduced:
+                    yield n, f"{v.act(n)} sends gradients to group {h} after {v.act(reduced[h])} reduced it: they are left out"
+        elif k == RS:
+            counts[g] = counts.get(g, 0) + 1
+            if g not in host:
+                why = "no stage owns it" if g not in v.owner_of else f"DU{g} updates it on the device"
+                yield n, f"{v.act(n)} reduces group {g}'s gradient, but {why}"
+                continue
+            for j in contributors[g]:
+                if not ogs.get(j):
+                    yield n, f"{v.act(n)} reduces group {g}'s gradient before OG{j} (stage {j} sends gradients to it) has run"
+                elif not v.waits_done(n, ogs[j][-1]):
+                    yield n, f"{v.act(n)} does not wait for {v.act(ogs[j][-1])}: it would reduce a gradient still being copied"
+            reduced[g] = n
+        elif k in (U, GN) and g in host:
+            if n.name.endswith("_prev"):  # the steady state's previous-step update: reduced in that step
+                pass
+            elif g not in reduced:
+                yield n, f"{v.act(n)} reads group {g}'s gradient, but no RS{g} before it reduced it across the {p.ranks} ranks"
+            elif not v.waits_done(n, reduced[g]):
+                yield n, f"{v.act(n)} does not wait for {v.act(reduced[g])}: it would read a gradient not yet reduced"
+            if k == U:
+                if g in updated and updated[g][1] == 0:
+                    yield updated[g][0], f"{v.act(updated[g][0])} is not followed by an AG{g}: the other ranks never see its shard"
+                updated[g] = (n, 0)
+        elif k == AG:
+            if g not in updated:
+                yield n, f"{v.act(n)} gathers group {g}'s shards, but no U{g} before it updated them"
+                continue
+            u, c = updated[g]
+            updated[g] = (u, c + 1)
+            if c:
+                yield n, f"{v.act(n)} gathers group {g} again after {v.act(u)}; each update needs exactly one AG{g}"
+            elif not v.waits_done(n, u):
+                yield n, f"{v.act(n)} does not wait for {v.act(u)}: it would gather a shard still being updated"
+            gathered[g] = n
+        elif k == PF:
+            for h in sorted(groups_read(p, g) & set(gathered)):
+                if not v.waits_done(n, gathered[h]):
+                    yield n, f"{v.act(n)} copies group {h}'s weights but does not wait for {v.act(gathered[h])} (a stale image)"
+    for g, (u, c) in sorted(updated.items()):
+        if c == 0:
+            yield u, f"{v.act(u)} is not followed by an AG{g}: the other ranks never see its shard"
+    for g in sorted(host):
+        sends = any(ogs.get(j) for j in contributors[g])
+        c = counts.get(g, 0)
+        if sends and c != 1:
+            yield None, f"RS{g} appears {c} times; each backward reduces group {g}'s gradient exactly once"
+    steady = steady_state_program(p)
+    if steady is p:
+        return
+    prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev") and get_meta(n).kind == AG}
+    sv = ProgramView(steady, "auto")
+    for n in steady.nodes:
+        m = get_meta(n)
+        if m.kind != PF or n.name.endswith("_prev"):
+            continue
+        for h in sorted(groups_read(steady, m.stage) & set(prev)):
+            if not sv.waits_done(n, prev[h]):
+                yield p.find(str(m.action)), (
+                    f"{m.action} copies group {h}'s weights but does not wait for the previous step's AG{h} "
+                    "(it would read an image whose all-gather has not finished)"
+                )
+
+
+RULES: tuple[Rule, ...] = (
+    order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary, ssd_tier, data_parallel,
+)
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 
 

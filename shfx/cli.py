@@ -392,6 +392,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="the NVMe tier holds the fp32 master weights too (mixed precision only)")
     p.add_argument("--emulated", action="store_true",
                    help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
+    p.add_argument("--ranks", type=_positive_int, default=None,
+                   help="data parallel over this many ranks (host optimizer sharded; host memory per node is the per-rank "
+                        "terms x ranks per node): prints each policy's largest model and its simulated step time")
+    p.add_argument("--nodes", type=_positive_int, default=1, help="data parallel: nodes the ranks spread over evenly")
+    p.add_argument("--network", choices=("25gbe", "100gbe"), default=None,
+                   help="data parallel: the network between nodes (needed with --nodes > 1)")
     p.add_argument("--policies", type=_policies_arg, default=list(policy_names()), help="comma-separated")
     p.add_argument("--window", type=_positive_int, default=2, help="stronghold's window")
     p.add_argument("--resident-first", type=_k_arg, default=0, help="stronghold: first k stages resident with their optimizer, or 'auto' (the k that trains the most)")
@@ -401,6 +407,31 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", default=None, help="write the table as CSV (every term a column)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the plan as JSON to this file ('-' or no value: stdout)")
     p.set_defaults(func=_run_plan)
+
+
+def _data_parallel_steps(result, family, hw) -> str:
+    """Each row's simulated step at its largest size on ``hw`` (a data-parallel Hardware): the
+    analytic costs of the GPT, the policy's program with the collectives, one step simulated."""
+    from shfx.commands import gpt_plan_inputs
+    from shfx.cost_model.simulate import simulate
+    from shfx.passes.policies import make_policy
+    from shfx.passes.schedule import data_parallel_program
+
+    lines = [f"simulated step at the largest size ({hw.ranks} ranks x batch {family.batch} = {hw.ranks * family.batch} samples per step):"]
+    for r in result.rows:
+        if r.layers == 0:
+            lines.append(f"  {r.policy:<16} -")
+            continue
+        st = r.breakdown.settings
+        pol = make_policy(r.policy, **({"window": st["window"]} if r.policy == "stronghold" else {}))
+        specs, costs = gpt_plan_inputs(family.with_layers(r.layers), hw)
+        tl = simulate(data_parallel_program(pol.program(specs), hw.ranks), costs, rollback=family.rollback_default)
+        net = tl.by_resource.get("network", 0.0)
+        lines.append(
+            f"  {r.policy:<16} {r.layers:>5} layers: step {tl.step_s:.2f} s, {hw.ranks * family.batch / tl.step_s:.2f} samples/s, "
+            f"bottleneck {tl.bottleneck} (network {net:.2f} s of the critical path)"
+        )
+    return "\n".join(lines)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -428,6 +459,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     else:
         target = Target("custom", args.device_memory, args.host_memory, args.ssd or 0)
     family = _shape_from_args(args)
+    if args.ranks is None and (args.nodes != 1 or args.network is not None):
+        raise ValueError("--nodes and --network describe data parallel: give --ranks too (e.g. --ranks 8 --nodes 8 --network 25gbe)")
+    if args.ranks is not None:
+        from shfx.cost_model.hardware import Hardware, with_data_parallel
+
+        if not isinstance(target, Hardware):
+            raise ValueError("--ranks needs a hardware profile (--hardware), not --emulated or a custom --device-memory alone")
+        if args.ssd:
+            raise ValueError("--ranks with --ssd: the NVMe tier is not modelled with data parallel; drop one")
+        target = with_data_parallel(target, args.ranks, nodes=args.nodes, network=args.network)
     kw = dict(workspace_bytes=args.workspace, allocator_slack=args.slack)
     policies: list = list(args.policies)
     if args.nvme_masters and not args.ssd:
@@ -446,9 +487,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     )
     if args.json != "-":
         print(result)
+        if args.ranks is not None:
+            print()
+            print(_data_parallel_steps(result, family, target))
     if args.layers is not None:
         print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")
-        for pol, row in zip(policies, result.rows):
+        from shfx.cost_model.planner import updates_on_device
+
+        kept = [p for p in policies if not updates_on_device(p)] if args.ranks is not None else policies
+        for pol, row in zip(kept, result.rows):
             k = row.breakdown.settings.get("resident_first", 0)
             if isinstance(pol, str):
                 bd = memory_model(
