@@ -166,6 +166,7 @@ def _against_ddp(rank: int, world: int, name: str, window: int, accum: int = 1, 
     mism = [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
     sd, rsd = model.state_dict(), ref.state_dict()
     mism += [f"weight {k}: max diff {(sd[k] - rsd[k]).abs().max().item():.3g}" for k in sd if not torch.equal(sd[k], rsd[k])]
+    close = dict(losses=(torch.stack(losses), torch.stack(ref_losses)), state=(sd, rsd))
     dp = cm.engine.dp
     params = dict(ref.named_parameters())
     ranges = {}
@@ -191,7 +192,7 @@ def _against_ddp(rank: int, world: int, name: str, window: int, accum: int = 1, 
     )
     cm.close()
     dist.barrier()
-    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks)
+    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks, close=close)
 
 
 def _ddp_suite(rank: int, world: int, configs: list[dict]) -> list[dict]:
@@ -257,11 +258,21 @@ SCENARIOS = {"ddp": _ddp_suite, "one_process": _against_one_process, "rank_dies"
 
 
 # ---- the tests --------------------------------------------------------------------------------------
-def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: int) -> None:
+def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: int, tol: dict | None = None) -> None:
+    """Each config's results: bitwise (``tol`` None: no mismatch at all) or, per model name,
+    within ``tol[name] = (rtol, atol)`` for the weights (the optimizer states are then not
+    compared: Adam's states follow the gradients' rounding)."""
     for c, per_rank in zip(configs, zip(*results)):
         for r, res in enumerate(per_rank):
             assert res["ranks"] == world
-            assert not res["mismatches"], f"{c} rank {r}: {res['mismatches'][:8]}"
+            if tol is None:
+                assert not res["mismatches"], f"{c} rank {r}: {res['mismatches'][:8]}"
+                continue
+            rtol, atol = tol[c["name"]]
+            torch.testing.assert_close(*res["close"]["losses"], rtol=1e-6, atol=1e-7)
+            sd, rsd = res["close"]["state"]
+            for k in sd:
+                torch.testing.assert_close(sd[k], rsd[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{c} {k}: {m}")
         # the ranks' ranges of each parameter's optimizer state tile it exactly
         numel = per_rank[0]["counts"]["numel"]
         for key, n in numel.items():
@@ -301,12 +312,19 @@ def test_two_ranks_match_ddp_bitwise(tmp_path):
 
 @pytest.mark.slow
 def test_four_ranks_match_ddp(tmp_path):
-    """4 ranks vs eager DDP. Bitwise too: the gradients are multiplied by 1/4 (exact) and summed
-    by gloo's reduce-scatter and DDP's all-reduce (gloo's ring) in the same order on the CPU
-    (this test would show it if that changed: it asserts ``torch.equal``)."""
-    configs = [dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2)]
+    """4 ranks vs eager DDP: not bitwise, within a stated tolerance. Both multiply by 1/4
+    (exact) and gloo sums with the same ring algorithm in its all-reduce (DDP) and its
+    reduce-scatter (shfx): the buffer is cut into N chunks and chunk q is summed in the rank
+    order q+1, q+2, ... (checked: on one buffer both collectives give the same bits). But
+    which chunk an element falls in, so where its sum starts, depends on its position in the
+    collective's buffer: DDP's bucket (all parameters, reverse order) vs shfx's group buffer.
+    With 4 addends the order changes the rounding (an ulp or so in a gradient; with 2,
+    ``a + b == b + a``). The MLP's weights then stay within 1e-6 over 3 steps; the GPT's
+    attention key bias has a true gradient of zero (softmax ignores it), and Adam turns
+    rounding noise there into lr-sized steps of any sign, hence its loose atol."""
+    configs = [dict(name="mlp", window=2), dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2)]
     results = _spawn(tmp_path, 4, "ddp", timeout_s=480, configs=configs)
-    _check_ddp_results(results, configs, 4)
+    _check_ddp_results(results, configs, 4, tol={"mlp": (1e-5, 1e-6), "gpt_tied": (1e-4, 1e-4), "gpt_mask": (1e-4, 1e-4)})
 
 
 def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
