@@ -138,8 +138,10 @@ class DataParallelRuntime:
     def local_grad_buffer(self, g: int) -> torch.Tensor:
         """A host buffer (uint8) for group ``g``'s local gradient, padded to ``N * chunk``
         fp32 elements for :meth:`reduce_grads`."""
-        grp = self.store.groups[g]
-        return torch.empty(self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize, dtype=torch.uint8)
+        store = self.store
+        grp = store.groups[g]
+        # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
+        return store.backend.alloc_host(self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize, store.pin)
 
     # ---- what checkpoints read and write -------------------------------------------------------
     def state_pieces(self) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
