@@ -148,6 +148,9 @@ def _against_ddp(rank: int, world: int, name: str, window: int, accum: int = 1, 
         for micro in range(accum):
             args = _batch(name, step, 10 * rank + micro)
             loss = _loss(name, _forward(name, cm, args), args) / accum
+            if step == 0 and micro == 0:  # the states a checkpoint load fills before the first step
+                pieces = cm.engine.dp.state_pieces(create=True)
+                assert pieces and all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
             loss.backward()
             losses.append(loss.detach())
             ref_loss = _loss(name, _forward(name, ddp, args), args) / accum

@@ -144,17 +144,23 @@ class DataParallelRuntime:
         return store.backend.alloc_host(self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize, store.pin)
 
     # ---- what checkpoints read and write -------------------------------------------------------
-    def state_pieces(self) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
-        """Per trainable parameter (its key in the capture) that has optimizer state on this rank:
+    def state_pieces(self, create: bool = False) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
+        """Per trainable parameter (its name in the model) that has optimizer state on this rank:
         ``{field: (global shape, lo, hi, view)}`` for ``exp_avg`` and ``exp_avg_sq``, where
         ``[lo, hi)`` is the range of the parameter's flattened elements this rank holds and
         ``view`` the 1-D view of the host state over it (writing into it changes the state).
-        ``step`` stays in ``cm.optimizer.state`` (every rank's is the same)."""
+        ``step`` stays in ``cm.optimizer.state`` (every rank's is the same). Before the first
+        step there is no state; ``create`` makes it (zeros, step 0) for a load to fill."""
         out: dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]] = {}
         opt = self.optimizer
-        if opt is None:
+        if opt is None or self.store is None:
             return out
+        if create:
+            hp = opt.config.hyperparams()
+            amsgrad = bool((hp if isinstance(hp, dict) else hp[0])["amsgrad"])
         for grp in self.store.groups:
+            if create and grp.trainable_numel and grp.index not in opt.state:
+                opt.ensure(grp.index, amsgrad)  # zeros, step 0
             st = opt.state.get(grp.index)
             if st is None:
                 continue
@@ -167,10 +173,3 @@ class DataParallelRuntime:
                 fields = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
                 out[info.key] = {f: (tuple(info.shape), a - o, b - o, buf[a - lo : b - lo]) for f, buf in fields.items()}
         return out
-
-    def close(self) -> None:
-        for g in (self.reduce_group, self.gather_group):
-            try:
-                self._dist.destroy_process_group(g)
-            except Exception:  # noqa: BLE001 - the default group may be gone already
-                pass

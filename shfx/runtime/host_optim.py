@@ -385,6 +385,11 @@ class HostAdamW:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
             return st
 
+    def ensure(self, g: int, amsgrad: bool = False) -> _State:
+        """Group ``g``'s state, created (zeros, step 0) if it has none yet: for a load to write
+        into before the first update (data parallel's checkpoint pieces)."""
+        return self._state(g, amsgrad)
+
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Group ``g``'s ``(step, exp_avg, exp_avg_sq)``, dropped here (the group is updated on
         the device from now on); None when it has none."""
