@@ -333,14 +333,16 @@ def test_four_ranks_match_ddp(tmp_path):
 def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
     """N ranks with batch B == one process with batch N*B, up to rounding: the one process's
     loss is the mean over N*B samples, shfx's gradient the mean (over ranks) of per-rank means,
-    which rounds differently (a few ulp in the gradients), and AdamW's update divides by
-    sqrt(v), so parameter differences stay near lr * 1e-5 over 3 steps. An MLP on dense data
-    (every parameter has a real gradient; Adam would turn rounding noise in a zero gradient,
-    attention's key bias, into lr-sized steps)."""
+    which rounds differently (a few ulp in the gradients); AdamW's update normalises by
+    sqrt(v), so a relative gradient difference becomes a relative update difference of the
+    same size. Measured (lr 1e-2, 3 steps): weights within 1.8e-6 absolute, 1.3e-5 relative;
+    the tolerance (rtol 1e-4, atol 1e-5) leaves a margin for other CPUs' kernels. An MLP on
+    dense data: every parameter has a real gradient (Adam would turn rounding noise in a zero
+    gradient, attention's key bias, into lr-sized steps of either sign)."""
     r0, _ = _spawn(tmp_path, 2, "one_process", timeout_s=120)
     torch.testing.assert_close(torch.stack(r0["losses"]), torch.stack(r0["ref_losses"]), rtol=1e-6, atol=1e-7)
     for k, v in r0["state"].items():
-        torch.testing.assert_close(v, r0["ref_state"][k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(v, r0["ref_state"][k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_a_dead_rank_fails_the_others_with_a_clear_error(tmp_path):
