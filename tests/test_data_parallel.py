@@ -125,7 +125,9 @@ def _compile(model: nn.Module, name: str, window: int, accum: int = 1, **kw):
     )  # fmt: skip
 
 
-def _against_ddp(rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, **kw) -> dict:
+def _against_ddp(
+    rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, subgroup: list[int] | None = None, **kw
+) -> dict | None:
     """Train ``name`` with shfx (data parallel) and with eager DDP side by side in this rank:
     losses, final weights and this rank's optimizer-state ranges, each compared bitwise here
     (the mismatches are returned); plus the store's host byte counts.
@@ -133,14 +135,21 @@ def _against_ddp(rank: int, world: int, name: str, window: int, accum: int = 1, 
     Gradient accumulation: shfx reduces every micro-step's gradient (RS runs in every backward,
     overlapping the backward) and accumulates the reduced ones in the shard, so the eager side
     does the same: DDP reduces each micro-step, and the reduced gradients are summed outside it
-    (DDP's own accumulation into ``.grad`` before the reduce rounds differently)."""
+    (DDP's own accumulation into ``.grad`` before the reduce rounds differently).
+
+    ``subgroup``: train over a process group of these ranks only (the others return None)."""
     import torch.distributed as dist
 
-    torch.manual_seed(0)
+    group = dist.new_group(subgroup) if subgroup is not None else None
+    if subgroup is not None and rank not in subgroup:
+        dist.barrier()
+        return None
+    rank = dist.get_rank(group)  # (the batches are per rank of the group)
+    torch.manual_seed(1 + rank)  # different initial weights per rank: shfx and DDP both take rank 0's
     model = _model(name)
     ref = copy.deepcopy(model)
-    cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(timeout_s=60), **kw)
-    ddp = nn.parallel.DistributedDataParallel(ref)
+    cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=group)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     losses, ref_losses = [], []
     for step in range(steps):
@@ -304,7 +313,9 @@ DDP_CONFIGS = [
 def test_two_ranks_match_ddp_bitwise(tmp_path):
     """2 ranks vs eager DDP + ``torch.optim.AdamW(fused=True)``: losses, final weights, each rank's
     optimizer-state ranges and steps, all ``torch.equal``, for a tied-embedding GPT at W=1 and
-    W=all (with grad_accum_steps=2) and the untied GPT with overlap_update=False. Bitwise is
+    W=all (with grad_accum_steps=2) and the untied GPT with overlap_update=False. Each rank
+    initialises its model with its own seed: the first call's broadcast (DDP's constructor's)
+    makes rank 0's weights everyone's. Bitwise is
     expected: shfx and DDP both multiply each local gradient by 1/2 (exact) and sum two
     values, ``a/2 + b/2``, which is the same in either order; the sharded AdamW cuts
     parameters only at multiples of 16 elements (shfx.runtime.sharding), where the fused
@@ -328,6 +339,17 @@ def test_four_ranks_match_ddp(tmp_path):
     configs = [dict(name="mlp", window=2), dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2)]
     results = _spawn(tmp_path, 4, "ddp", timeout_s=480, configs=configs)
     _check_ddp_results(results, configs, 4, tol={"mlp": (1e-5, 1e-6), "gpt_tied": (1e-4, 1e-4), "gpt_mask": (1e-4, 1e-4)})
+
+
+@pytest.mark.slow
+def test_a_process_group_of_some_ranks(tmp_path):
+    """DataParallel(process_group=...) over ranks 1 and 2 of 3 (rank 0 stays out): shfx's own
+    gloo groups are made from those ranks only, the first call broadcasts from the group's
+    first rank (global rank 1), and training matches DDP over the same group bitwise."""
+    configs = [dict(name="gpt_mask", window=2, subgroup=[1, 2])]
+    results = _spawn(tmp_path, 3, "ddp", timeout_s=240, configs=configs)
+    assert results[0] == [None]
+    _check_ddp_results(results[1:], configs, 2)
 
 
 def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
