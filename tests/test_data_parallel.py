@@ -151,7 +151,7 @@ def _against_ddp(
     cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
     ddp = nn.parallel.DistributedDataParallel(ref, process_group=group)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
-    losses, ref_losses = [], []
+    losses, ref_losses, mism = [], [], []
     for step in range(steps):
         summed: dict[nn.Parameter, torch.Tensor] = {}
         for micro in range(accum):
@@ -161,6 +161,8 @@ def _against_ddp(
                 pieces = cm.engine.dp.state_pieces(create=True)
                 assert pieces and all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
             loss.backward()
+            if any(p.grad is not None for p in model.parameters()):
+                mism.append(".grad exposed under data parallel")  # (sharded: never exposed)
             losses.append(loss.detach())
             ref_loss = _loss(name, _forward(name, ddp, args), args) / accum
             ref_loss.backward()
@@ -175,7 +177,7 @@ def _against_ddp(
         cm.zero_grad()
         opt.step()
         opt.zero_grad()
-    mism = [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
+    mism += [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
     sd, rsd = model.state_dict(), ref.state_dict()
     mism += [f"weight {k}: max diff {(sd[k] - rsd[k]).abs().max().item():.3g}" for k in sd if not torch.equal(sd[k], rsd[k])]
     close = dict(losses=(torch.stack(losses), torch.stack(ref_losses)), state=(sd, rsd))
