@@ -143,7 +143,12 @@ class DataParallelRuntime:
         # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
         return store.backend.alloc_host(self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize, store.pin)
 
-    # ---- what checkpoints read and write -------------------------------------------------------
+    # ---- what checkpoints read and write (shfx.dp_checkpoint's protocol) ----------------------
+    def refresh_masters(self) -> None:
+        """After a load wrote the weights into the model's parameters (the image, whole on every
+        rank): this rank's fp32 master shards from them."""
+        self.store.refresh_working()
+
     def state_pieces(self, create: bool = False) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
         """Per trainable parameter (its name in the model) that has optimizer state on this rank:
         ``{field: (global shape, lo, hi, view)}`` for ``exp_avg`` and ``exp_avg_sq``, where
