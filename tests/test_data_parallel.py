@@ -126,8 +126,9 @@ def _compile(model: nn.Module, name: str, window: int, accum: int = 1, **kw):
 
 
 def _against_ddp(
-    rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, subgroup: list[int] | None = None, **kw
-) -> dict | None:
+    rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, subgroup: list[int] | None = None,
+    resume: bool = False, **kw,
+) -> dict | None:  # fmt: skip
     """Train ``name`` with shfx (data parallel) and with eager DDP side by side in this rank:
     losses, final weights and this rank's optimizer-state ranges, each compared bitwise here
     (the mismatches are returned); plus the store's host byte counts.
@@ -137,7 +138,9 @@ def _against_ddp(
     does the same: DDP reduces each micro-step, and the reduced gradients are summed outside it
     (DDP's own accumulation into ``.grad`` before the reduce rounds differently).
 
-    ``subgroup``: train over a process group of these ranks only (the others return None)."""
+    ``subgroup``: train over a process group of these ranks only (the others return None).
+    ``resume``: first 2 eager steps in one process (every rank alike), whose weights and
+    torch AdamW state dict shfx loads before its first call (each rank keeps its ranges)."""
     import torch.distributed as dist
 
     group = dist.new_group(subgroup) if subgroup is not None else None
@@ -145,19 +148,29 @@ def _against_ddp(
         dist.barrier()
         return None
     rank = dist.get_rank(group)  # (the batches are per rank of the group)
-    torch.manual_seed(1 + rank)  # different initial weights per rank: shfx and DDP both take rank 0's
+    # different initial weights per rank: shfx and DDP both take rank 0's (a resumed state: the same)
+    torch.manual_seed(0 if resume else 1 + rank)
     model = _model(name)
     ref = copy.deepcopy(model)
-    cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
-    ddp = nn.parallel.DistributedDataParallel(ref, process_group=group)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    if resume:
+        for step in range(2):
+            args = _batch(name, 100 + step, 0)
+            _loss(name, _forward(name, ref, args), args).backward()
+            opt.step()
+            opt.zero_grad()
+        model.load_state_dict(ref.state_dict())
+    cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
+    if resume:
+        cm.optimizer.load_state_dict(opt.state_dict())
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=group)
     losses, ref_losses, mism = [], [], []
     for step in range(steps):
         summed: dict[nn.Parameter, torch.Tensor] = {}
         for micro in range(accum):
             args = _batch(name, step, 10 * rank + micro)
             loss = _loss(name, _forward(name, cm, args), args) / accum
-            if step == 0 and micro == 0:  # the states a checkpoint load fills before the first step
+            if step == 0 and micro == 0 and not resume:  # the states a checkpoint load fills before the first step
                 pieces = cm.engine.dp.state_pieces(create=True)
                 assert pieces and all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
             loss.backward()
@@ -309,13 +322,15 @@ DDP_CONFIGS = [
     dict(name="gpt_tied", window=1),
     dict(name="gpt_tied", window=5, accum=2),  # W = all 5 stages
     dict(name="gpt_mask", window=2, overlap_update=False),  # step() runs U and AG itself
+    dict(name="gpt_tied", window=2, resume=True),  # whole torch states loaded before the first call
 ]
 
 
 def test_two_ranks_match_ddp_bitwise(tmp_path):
     """2 ranks vs eager DDP + ``torch.optim.AdamW(fused=True)``: losses, final weights, each rank's
     optimizer-state ranges and steps, all ``torch.equal``, for a tied-embedding GPT at W=1 and
-    W=all (with grad_accum_steps=2) and the untied GPT with overlap_update=False. Each rank
+    W=all (with grad_accum_steps=2), the untied GPT with overlap_update=False, and a resume
+    from a torch AdamW state dict loaded before the first call. Each rank
     initialises its model with its own seed: the first call's broadcast (DDP's constructor's)
     makes rank 0's weights everyone's. Bitwise is
     expected: shfx and DDP both multiply each local gradient by 1/2 (exact) and sum two

@@ -472,11 +472,6 @@ class HostAdamW:
         if self.ssd is not None and g in self.ssd.groups and dev is None:
             self.ssd.load_group(g, entries)
             return
-        if entries and getattr(self.store, "sharded", False):
-            raise NotImplementedError(
-                "data parallel shards the optimizer states across ranks: load them with cm.load_checkpoint(path) "
-                "(each rank reads its own range), not optimizer.load_state_dict"
-            )
         if not entries:
             with self._lock:
                 self.state.pop(g, None)
@@ -500,6 +495,24 @@ class HostAdamW:
             dst = {"exp_avg": dev.m, "exp_avg_sq": dev.v}
             step = dev.step
         step.fill_(steps.pop())
+        if getattr(self.store, "sharded", False):
+            # data parallel: whole per-parameter states (a checkpoint loaded before the first
+            # call), of which this rank keeps its shard's range
+            lo, hi = self.store.shard_of(g)
+            for (_, off, n, shape), e in entries:
+                a, b = max(off, lo), min(off + n, hi)
+                for name, buf in dst.items():
+                    if buf is None:
+                        continue
+                    src = e.get(name)
+                    if src is None or tuple(src.shape) != tuple(shape):
+                        raise ValueError(
+                            f"state {name!r} of a parameter of shape {tuple(shape)} is "
+                            f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                        )
+                    if a < b:
+                        buf[a - lo : b - lo].copy_(src.reshape(-1)[a - off : b - off])
+            return
         copy_state_entries(entries, dst)
 
     def time_update(self, g: int, hp: dict, repeats: int = 3) -> float:
