@@ -431,10 +431,10 @@ def _tiny() -> nn.Module:
     return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
 
 
-def test_needs_torch_distributed_initialised():
+def test_needs_torch_distributed_initialised(monkeypatch):
     import torch.distributed as dist
 
-    assert not dist.is_initialized()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # (whatever other tests left behind)
     with pytest.raises(UsageError, match="init_process_group"):
         shfx.compile(_tiny(), optimizer=shfx.optim.AdamW(), data_parallel=True, device=shfx.EmulatedDevice())
 
