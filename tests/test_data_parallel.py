@@ -117,7 +117,7 @@ def _forward(name: str, model, args: tuple):
     return model(args[0]) if name == "mlp" else model(*args)
 
 
-def _compile(model: nn.Module, name: str, window: int, accum: int = 1, **kw):
+def _compile(model: nn.Module, name: str, window: int | None, accum: int = 1, **kw):
     extra = dict(blocks=False, num_stages=4) if name == "mlp" else {}
     return shfx.compile(
         model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=window,
@@ -323,14 +323,15 @@ DDP_CONFIGS = [
     dict(name="gpt_tied", window=5, accum=2),  # W = all 5 stages
     dict(name="gpt_mask", window=2, overlap_update=False),  # step() runs U and AG itself
     dict(name="gpt_tied", window=2, resume=True),  # whole torch states loaded before the first call
+    dict(name="gpt_tied", window=None, policy=shfx.ZeroInfinity()),
 ]
 
 
 def test_two_ranks_match_ddp_bitwise(tmp_path):
     """2 ranks vs eager DDP + ``torch.optim.AdamW(fused=True)``: losses, final weights, each rank's
     optimizer-state ranges and steps, all ``torch.equal``, for a tied-embedding GPT at W=1 and
-    W=all (with grad_accum_steps=2), the untied GPT with overlap_update=False, and a resume
-    from a torch AdamW state dict loaded before the first call. Each rank
+    W=all (with grad_accum_steps=2), the untied GPT with overlap_update=False, a resume from a
+    torch AdamW state dict loaded before the first call, and ZeRO-Infinity's schedule. Each rank
     initialises its model with its own seed: the first call's broadcast (DDP's constructor's)
     makes rank 0's weights everyone's. Bitwise is
     expected: shfx and DDP both multiply each local gradient by 1/2 (exact) and sum two
@@ -353,7 +354,10 @@ def test_four_ranks_match_ddp(tmp_path):
     ``a + b == b + a``). The MLP's weights then stay within 1e-6 over 3 steps; the GPT's
     attention key bias has a true gradient of zero (softmax ignores it), and Adam turns
     rounding noise there into lr-sized steps of any sign, hence its loose atol."""
-    configs = [dict(name="mlp", window=2), dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2)]
+    configs = [
+        dict(name="mlp", window=2), dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2),
+        dict(name="gpt_tied", window=None, policy=shfx.ZeroOffload()),
+    ]  # fmt: skip
     results = _spawn(tmp_path, 4, "ddp", timeout_s=480, configs=configs)
     _check_ddp_results(results, configs, 4, tol={"mlp": (1e-5, 1e-6), "gpt_tied": (1e-4, 1e-4), "gpt_mask": (1e-4, 1e-4)})
 
