@@ -1522,6 +1522,11 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             time. It sets the policy's fields (``nvme=True``, and ``host_window`` unless
             ``"auto"``, which leaves the policy's own, default ``"auto"``: the tuner's); the
             policy must be Stronghold or ZeroInfinity, the optimizer AdamW, and rollback off.
+        data_parallel: ``True`` or ``shfx.DataParallel(process_group=None, timeout_s=600)``:
+            train over the ranks of a ``torch.distributed`` process group (initialised by you, as
+            for DDP), each with its own batch and device (``cuda:<LOCAL_RANK>``, or its emulated
+            device), gradients reduce-scattered during backward and the host AdamW sharded
+            across the ranks (docs/usage.md, "Data parallel": what is sharded, what is refused).
         pin_memory: pin the host store (CUDA only).
         optimizer_workers: host threads running updates of different stages in parallel.
         verify: check every step program's invariants before running it; ``verify_each_pass``:
