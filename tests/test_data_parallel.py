@@ -88,6 +88,14 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 4))
 
 
+def _mlp_frozen() -> nn.Module:
+    """The MLP with its first layer frozen (a group whose image holds frozen parameters after
+    the trainable region)."""
+    m = _mlp()
+    m[0].requires_grad_(False)
+    return m
+
+
 def _mlp_batch(step: int, micro: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + 31 * step + micro)
     return torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)
@@ -96,29 +104,29 @@ def _mlp_batch(step: int, micro: int, batch: int = 8) -> tuple[torch.Tensor, tor
 def _model(name: str) -> nn.Module:
     import zoo
 
-    return {"gpt_tied": lambda: zoo.gpt(tie_weights=True), "gpt_mask": zoo.gpt_mask, "mlp": _mlp}[name]()
+    return {"gpt_tied": lambda: zoo.gpt(tie_weights=True), "gpt_mask": zoo.gpt_mask, "mlp": _mlp, "mlp_frozen": _mlp_frozen}[name]()
 
 
 def _batch(name: str, step: int, micro: int) -> tuple:
     """Rank ``r``'s batch of micro-step ``micro``: ``micro = 10 * r + m`` (each rank its own)."""
     import zoo
 
-    if name == "mlp":
+    if name.startswith("mlp"):
         return _mlp_batch(step, micro)
     (x, y), _, _ = zoo.token_batch(step, micro)
     return x, y
 
 
 def _loss(name: str, out: torch.Tensor, args: tuple) -> torch.Tensor:
-    return nn.functional.mse_loss(out, args[1]) if name == "mlp" else out
+    return nn.functional.mse_loss(out, args[1]) if name.startswith("mlp") else out
 
 
 def _forward(name: str, model, args: tuple):
-    return model(args[0]) if name == "mlp" else model(*args)
+    return model(args[0]) if name.startswith("mlp") else model(*args)
 
 
 def _compile(model: nn.Module, name: str, window: int | None, accum: int = 1, **kw):
-    extra = dict(blocks=False, num_stages=4) if name == "mlp" else {}
+    extra = dict(blocks=False, num_stages=4) if name.startswith("mlp") else {}
     return shfx.compile(
         model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=window,
         optimizer=shfx.optim.AdamW(lr=LR, weight_decay=WD), grad_accum_steps=accum, **extra, **kw,
@@ -215,7 +223,7 @@ def _against_ddp(
         trainable=sum(g.trainable_numel for g in store.groups),
         shard=sum(hi - lo for lo, hi in store.shards),
         groups=len(store.groups),
-        numel={k: p.numel() for k, p in params.items()},
+        numel={k: p.numel() for k, p in params.items() if p.requires_grad},
     )
     cm.close()
     dist.barrier()
@@ -324,6 +332,7 @@ DDP_CONFIGS = [
     dict(name="gpt_mask", window=2, overlap_update=False),  # step() runs U and AG itself
     dict(name="gpt_tied", window=2, resume=True),  # whole torch states loaded before the first call
     dict(name="gpt_tied", window=None, policy=shfx.ZeroInfinity()),
+    dict(name="mlp_frozen", window=2, accum=2),  # frozen parameters in a group's image
 ]
 
 
@@ -331,7 +340,8 @@ def test_two_ranks_match_ddp_bitwise(tmp_path):
     """2 ranks vs eager DDP + ``torch.optim.AdamW(fused=True)``: losses, final weights, each rank's
     optimizer-state ranges and steps, all ``torch.equal``, for a tied-embedding GPT at W=1 and
     W=all (with grad_accum_steps=2), the untied GPT with overlap_update=False, a resume from a
-    torch AdamW state dict loaded before the first call, and ZeRO-Infinity's schedule. Each rank
+    torch AdamW state dict loaded before the first call, ZeRO-Infinity's schedule, and an MLP
+    with a frozen layer. Each rank
     initialises its model with its own seed: the first call's broadcast (DDP's constructor's)
     makes rank 0's weights everyone's. Bitwise is
     expected: shfx and DDP both multiply each local gradient by 1/2 (exact) and sum two
