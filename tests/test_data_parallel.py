@@ -280,11 +280,13 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float) -> dict:
                 os._exit(1)
             time.sleep(timeout_s + 5)
             os._exit(0)
+        t0 = time.perf_counter()
         try:
             loss.backward()
             cm.step()
         except Exception as e:  # noqa: BLE001 - what the test checks
-            return dict(step=step, error=f"{type(e).__name__}: {e}", cause=type(e.__cause__).__name__)
+            # (elapsed_s: reported, never asserted on)
+            return dict(step=step, error=f"{type(e).__name__}: {e}", cause=type(e.__cause__).__name__, elapsed_s=time.perf_counter() - t0)
         cm.zero_grad()
     return dict(step=None, error=None)
 
