@@ -15,6 +15,7 @@ from .api import CompiledModel, compile
 from .compare import CompareResult, compare
 from .devices import CudaDevice, EmulatedDevice
 from .offload import Offload
+from .parallel import DataParallel
 from shfx.cost_model.planner import GPTShape, plan
 from shfx.passes.policies import L2L, Policy, Resident, Stronghold, ZeroInfinity, ZeroOffload
 from .errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "EmulatedDevice",
     "CudaDevice",
     "Offload",
+    "DataParallel",
     "plan",
     "GPTShape",
     "ShfxError",

@@ -27,7 +27,7 @@ from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
-from shfx.passes.policies import Policy, Stronghold
+from shfx.passes.policies import Policy, Stronghold, resolve_policy
 from shfx.passes.program import ActionKind, Program
 from shfx.passes.units import format_bytes
 
@@ -38,6 +38,8 @@ from .amp import LossScaler
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
 from .offload import Offload
+from .parallel import DataParallel
+from .runtime.data_parallel import DataParallelRuntime
 from .optim import HostOptimizer
 from .runtime.backend import Backend
 from .runtime.engine import Engine, StepContext
@@ -288,6 +290,7 @@ class CompiledModel:
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
         offload: Offload | None = None,
+        data_parallel: bool | DataParallel | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
@@ -336,7 +339,20 @@ class CompiledModel:
             )
         self.scaler = scaler
         self.precision = dtype_name(working)
+        dp_spec = _data_parallel_spec(data_parallel)
+        self._dp: DataParallelRuntime | None = None
+        if dp_spec is not None:
+            _check_data_parallel(
+                policy=policy, window=window, optimizer=optimizer, precision=self.precision, offload=offload,
+                max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, rollback=rollback,
+            )  # fmt: skip
+            device = _data_parallel_device(device)
+            self._dp = DataParallelRuntime(dp_spec.process_group, dp_spec.timeout_s)
+            if self._dp.ranks == 1:  # one rank: nothing to reduce or shard, the single-process runtime
+                self._dp = None
         self._backend = _make_backend(device, optimizer_workers)
+        if self._dp is not None:
+            self._backend.add_collective_streams()
         # dropped without close() (or failing below): stop the worker threads and free the device
         # when the compiled model is garbage (the finalizer holds the backend, not self)
         self._finalizer = weakref.finalize(self, self._backend.close)
@@ -344,6 +360,7 @@ class CompiledModel:
         self._options = PipelineOptions(
             policy=policy, window=window, blocks=blocks, num_stages=num_stages, verify=verify,
             verify_each_pass=verify_each_pass, device=dev, precision=self.precision, fp32_norms=fp32_norms,
+            ranks=self._dp.ranks if self._dp is not None else 1,
         )  # fmt: skip
         self.module = model
         self.optimizer = optimizer
@@ -564,10 +581,13 @@ class CompiledModel:
         if self._store is None:
             model_tensors = {**captured.params, **captured.buffers, **captured.constants}
             self._store = HostStore(
-                self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda"
-            )
+                self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda", dp=self._dp
+            )  # (data parallel: broadcasts rank 0's weights, collectively)
             opt = self.optimizer.bind(self._store, captured.params) if self.optimizer is not None else None
             self._engine = Engine(self._backend, self._store, opt, **self._engine_kwargs)
+            if self._dp is not None:
+                self._dp.store, self._dp.optimizer = self._store, opt
+                self._engine.dp = self._dp
             self._engine.recompute = self.recompute
             by_group: dict[int, list] = {}
             for key in sorted(graph.owner, key=lambda k: graph.owner[k]):
@@ -914,6 +934,12 @@ class CompiledModel:
                 "Reload the last checkpoint if this step must not count."
             )
 
+    def _refuse_data_parallel(self, what: str) -> None:
+        if self._dp is not None:
+            raise UsageError(
+                f"{what} is not supported with data_parallel yet; see docs/usage.md, 'Data parallel', for what is"
+            )
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of this step by their global norm, as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` called
@@ -938,6 +964,7 @@ class CompiledModel:
         (torch.float32, 0)
         """
         self._require_engine("clip_grad_norm_")
+        self._refuse_data_parallel("cm.clip_grad_norm_() (the global norm would need a reduction across ranks)")
         eng = self._engine
         v = self._last
         if v is not None and eng.overlap_update and eng.pending_updates and any(
@@ -1005,6 +1032,8 @@ class CompiledModel:
         result = self.module.load_state_dict(state_dict, strict=strict)
         if self._engine is not None:
             self._engine.invalidate_device_weights()
+            if self._dp is not None:  # the model's weights are the image: the master shards from it
+                self._store.refresh_working()
         return result
 
     def save_checkpoint(self, path: str, extra: Any = None, async_save: bool = False, *, scheduler: Any = None) -> None:
@@ -1125,6 +1154,7 @@ class CompiledModel:
         profiled now (once per signature) to predict every window for comparison. When the
         measured steps keep missing the prediction it says so (``report.drift``);
         :meth:`retune` then profiles and tunes again."""
+        self._refuse_data_parallel("cm.report() (it profiles steps on this rank alone)")
         v = self.variant
         rep = self._reports.get(v.signature)
         if rep is None:
@@ -1143,6 +1173,7 @@ class CompiledModel:
         over, so training goes on exactly as before. With a fixed window only the report's
         predictions are refreshed. For when ``cm.report()`` says the measured steps keep
         missing the prediction (a profile taken while the machine was busy, say).
+        Not under data parallel (profiling would run collectives on one rank only).
 
         Call it between steps: after ``cm.step()`` and before the next forward.
 
@@ -1163,6 +1194,7 @@ class CompiledModel:
         >>> rep is cm.report() and rep.window == cm.program.num_slots
         True
         """
+        self._refuse_data_parallel("cm.retune() (it profiles steps on this rank alone)")
         self._require_engine("retune")
         eng = self._engine
         v = self.variant
@@ -1264,6 +1296,93 @@ class CompiledModel:
     def __repr__(self) -> str:
         n = len(self._variants)
         return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
+
+
+def _data_parallel_spec(data_parallel: Any) -> DataParallel | None:
+    """``shfx.compile(data_parallel=...)`` as a :class:`DataParallel` (None: off), checking that
+    torch.distributed is initialised (as ``DistributedDataParallel`` needs)."""
+    if data_parallel is None or data_parallel is False:
+        return None
+    if data_parallel is True:
+        data_parallel = DataParallel()
+    if not isinstance(data_parallel, DataParallel):
+        raise TypeError(
+            f"data_parallel must be True, False or shfx.DataParallel(process_group=..., timeout_s=...), "
+            f"got {type(data_parallel).__name__}"
+        )
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError(
+            "data_parallel needs torch.distributed initialised, as DistributedDataParallel does, and it is not: call "
+            "torch.distributed.init_process_group('gloo') (or 'nccl') in every process first (torchrun sets "
+            "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it), then shfx.compile(..., data_parallel=True)"
+        )
+    return data_parallel
+
+
+def _check_data_parallel(
+    *, policy: Any, window: Any, optimizer: Any, precision: str, offload: Any, max_grad_norm: Any,
+    skip_nonfinite: bool, rollback: bool | None,
+) -> None:  # fmt: skip
+    """Refuse, at compile time, what data parallel does not run (yet): each refusal says what
+    was given and what to use instead (docs/usage.md, "Data parallel")."""
+    from .optim import AdamW
+
+    def refuse(what: str, fix: str) -> UsageError:
+        return UsageError(f"data_parallel does not support {what}; {fix}")
+
+    if not isinstance(optimizer, AdamW):
+        got = "no optimizer" if optimizer is None else type(optimizer).__name__
+        raise refuse(f"{got} as the optimizer (it shards AdamW's states across ranks)", "pass optimizer=shfx.optim.AdamW(...)")
+    if precision != "fp32":
+        raise refuse(f"precision={precision!r} (mixed precision) yet", "use precision='fp32'")
+    if offload is not None:
+        raise refuse("the NVMe tier (offload=...)", "drop offload= (the sharded host optimizer already divides its memory by the ranks)")
+    if max_grad_norm is not None:
+        raise refuse("gradient clipping (max_grad_norm=...) yet: the global norm would need a reduction across ranks", "drop max_grad_norm")
+    if skip_nonfinite or precision == "fp16":
+        raise refuse("skip_nonfinite=True yet: every rank would have to agree to skip", "drop skip_nonfinite")
+    if rollback:
+        raise refuse("rollback=True yet: undoing a step would have to be agreed across ranks", "drop rollback= (off by default)")
+    pol = resolve_policy(policy, window)
+    if pol.auto:
+        raise refuse(
+            f"{pol!r}: its {', '.join(pol.auto)} {'is' if len(pol.auto) == 1 else 'are'} left to the tuner, which profiles "
+            "on each rank and could choose differently on each",
+            "give fixed values (the default Stronghold(window=2) for one)",
+        )
+    if getattr(pol, "delayed_update", False):
+        raise refuse("ZeroOffload(delayed_update=True)", "use ZeroOffload() or Stronghold()")
+    try:  # a probe: does the policy update some groups on the device (DU)?
+        from shfx.passes.stages import chain
+
+        probe = pol.program(chain(int(getattr(pol, "resident_first", 0) or 0) + 4))
+        dev = sorted(probe.device_groups())
+    except Exception:  # noqa: BLE001 - a user's function policy: checked when its program is built
+        dev = []
+    if dev:
+        raise refuse(
+            f"{pol!r}: it updates some parameter groups on the device (DU), and data parallel shards the optimizer on the host",
+            "use a policy that updates every group on the host: Stronghold(resident_first=0) (the default), ZeroOffload() or "
+            "ZeroInfinity()",
+        )
+
+
+def _data_parallel_device(device: Any) -> Any:
+    """Each rank its own device: ``cuda:<LOCAL_RANK>`` for ``None``/``"cuda"`` when CUDA is
+    available (torchrun sets ``LOCAL_RANK``), else the given device (an emulated device is
+    per process already)."""
+    import os
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None and torch.cuda.is_available():
+        return f"cuda:{local}"
+    if isinstance(device, str) and device == "cuda":
+        return f"cuda:{local}"
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
+        return f"cuda:{local}"
+    return device
 
 
 def _nvme_options(options: PipelineOptions, offload: Any, optimizer: Any, rollback: bool) -> tuple[PipelineOptions, Offload | None]:
@@ -1403,6 +1522,11 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             time. It sets the policy's fields (``nvme=True``, and ``host_window`` unless
             ``"auto"``, which leaves the policy's own, default ``"auto"``: the tuner's); the
             policy must be Stronghold or ZeroInfinity, the optimizer AdamW, and rollback off.
+        data_parallel: ``True`` or ``shfx.DataParallel(process_group=None, timeout_s=600)``:
+            train over the ranks of a ``torch.distributed`` process group (initialised by you, as
+            for DDP), each with its own batch and device (``cuda:<LOCAL_RANK>``, or its emulated
+            device), gradients reduce-scattered during backward and the host AdamW sharded
+            across the ranks (docs/usage.md, "Data parallel": what is sharded, what is refused).
         pin_memory: pin the host store (CUDA only).
         optimizer_workers: host threads running updates of different stages in parallel.
         verify: check every step program's invariants before running it; ``verify_each_pass``:

@@ -6,7 +6,9 @@ links, a memory capacity; every schedule runs and is testable without an acceler
 
 Streams: ``compute`` (stage forward/backward), ``h2d`` and ``d2h`` (copies), ``host`` (a host
 FIFO for gradient accumulation) and ``cpu`` (the host optimizer's thread pool). Each has
-``submit(fn, deps, label) -> Token``.
+``submit(fn, deps, label) -> Token``. Under data parallel also ``reduce`` and ``gather``
+(:meth:`Backend.add_collective_streams`): one FIFO per queue of collectives, so each runs its
+collectives in program order.
 """
 
 from __future__ import annotations
@@ -94,6 +96,17 @@ class Backend:
         self.compute: Any = None
         self.h2d: Any = None
         self.d2h: Any = None
+        self.reduce: Any = None  # data parallel's queues (add_collective_streams)
+        self.gather: Any = None
+
+    def add_collective_streams(self) -> None:
+        """Data parallel: the ``reduce`` (gradient reduce-scatter) and ``gather`` (weights'
+        all-gather) queues, each a FIFO worker running its collectives in program order."""
+        if self.reduce is None:
+            cores = torch.get_num_threads()
+            self.reduce = WorkerStream("reduce", setup=single_omp_thread)
+            self.gather = WorkerStream("gather", setup=single_omp_thread)
+            torch.set_num_threads(cores)  # (single_omp_thread: the constructing thread restores it)
 
     # ---- memory accounting ---------------------------------------------------------------
     @contextlib.contextmanager
@@ -199,6 +212,6 @@ class Backend:
         return self.name
 
     def close(self) -> None:
-        for s in (self.compute, self.h2d, self.d2h, self.host, self.cpu):
+        for s in (self.compute, self.h2d, self.d2h, self.host, self.cpu, self.reduce, self.gather):
             if s is not None and hasattr(s, "close"):
                 s.close()

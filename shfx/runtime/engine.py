@@ -38,6 +38,7 @@ from shfx.passes.units import format_bytes
 from ..errors import ActionError, NonFiniteGradient, OutOfDeviceMemory, UsageError
 from .backend import Backend, MemoryEvent
 from .context import StepContext, fork_rng
+from .data_parallel import DataParallelRuntime
 from .delayed import DelayedUpdates
 from .device_optim import DeviceAdamW
 from .gradients import GradientRouter
@@ -176,6 +177,8 @@ class Engine:
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
         # the NVMe tier's host window (shfx.runtime.ssd_window), set by shfx.compile(offload=...)
         self.ssd: SSDWindow | None = None
+        # data parallel (shfx.runtime.data_parallel), set by shfx.compile(data_parallel=...)
+        self.dp: DataParallelRuntime | None = None
         self.skip_nonfinite = skip_nonfinite
         # every update checks its gradient first (a sum over it): inf or NaN skips the step
         # (skip_nonfinite, fp16) or fails it with an error naming the stage
@@ -367,11 +370,33 @@ class Engine:
         w = self._ssd_window(m)
         return w.write_stream.submit(self._timed(lambda: w.write(m.stage), m), deps, str(m.action))
 
+    def _data_parallel(self, m: ActionMeta) -> DataParallelRuntime:
+        if self.dp is None:
+            raise ScheduleError(
+                f"{m.action}: the program is data parallel, but this model was compiled without it; compile with "
+                "shfx.compile(..., data_parallel=True) under torch.distributed"
+            )
+        return self.dp
+
     def _run_reduce_grads(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        raise ScheduleError(f"{m.action}: data-parallel programs do not run yet (issue 13, in progress)")
+        """RS g (queue ``reduce``, every backward): the group's local gradient, complete once the
+        OGs it waits for ran, reduce-scattered into this rank's gradient shard (copied at the
+        first micro-step, added at later ones)."""
+        dp, store, g = self._data_parallel(m), self.store, m.stage
+
+        def run() -> None:
+            acc = ctx.accumulation
+            local = acc.local.pop(g, None) if acc is not None else None
+            dp.reduce_grads(str(m.action), g, local, first=store.grad_state[g] == GRAD_NONE)
+            store.grad_state[g] = GRAD_VALID
+
+        return self._submit(m, run, deps)
 
     def _run_gather_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        raise ScheduleError(f"{m.action}: data-parallel programs do not run yet (issue 13, in progress)")
+        """AG g (queue ``gather``, after U g): the updated shards of the group's working copy
+        from every rank into the host image."""
+        dp = self._data_parallel(m)
+        return self._submit(m, lambda: dp.gather_params(str(m.action), m.stage), deps)
 
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._update_task(m.stage), deps)
@@ -1100,6 +1125,11 @@ class Engine:
             for gi in groups:
                 tok = self.backend.cpu.submit(self._task(f"U{gi}", self._update_task(gi, finite=False)), [], f"U{gi}")
                 self.pending_updates.append((f"U{gi}", tok))
+                if self.dp is not None:  # the program's AG after each U: the updated shards to every rank
+                    ag = self.backend.gather.submit(
+                        self._task(f"AG{gi}", lambda gi=gi: self.dp.gather_params(f"AG{gi}", gi)), [tok], f"AG{gi}"
+                    )  # fmt: skip
+                    self.pending_updates.append((f"AG{gi}", ag))
             for gi, slot in dev_groups:
                 task = self._device_step_task(v, gi, slot, finite=False)
                 tok = self.backend.compute.submit(self._task(f"DU{gi}", task), [], f"DU{gi}")
@@ -1143,7 +1173,10 @@ class Engine:
             if isinstance(err, OutOfDeviceMemory):
                 e = _oom_in(err, f"the optimizer update {label}")
             else:
-                what = {"DU": "device optimizer update", "SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states"}
+                what = {
+                    "DU": "device optimizer update", "SR": "SSD read of optimizer states",
+                    "SW": "SSD write of optimizer states", "AG": "data-parallel all-gather of the updated weights",
+                }  # fmt: skip
                 e = ActionError(f"{what.get(label[:2], 'host optimizer update')} {label} failed: {type(err).__name__}: {err}", label)
             raise _with_note(e, note) from err
         if nonfinite:

@@ -7,6 +7,13 @@ is persistent, or its group is updated on the device). An OFFLOAD_GRAD copies th
 (on the d2h stream) and adds them into the group's gradient buffer (on the host FIFO).
 Gradients of a tensor several stages use (a tied embedding) are summed before they are added,
 as eager autograd sums contributions before accumulating.
+
+Data parallel: an OFFLOAD_GRAD never writes the host gradient. The owner's copy of its group
+lands in a local buffer (padded for the collective, :meth:`DataParallelRuntime.local_grad_buffer
+<shfx.runtime.data_parallel.DataParallelRuntime.local_grad_buffer>`), borrowed contributions are
+summed into it as they are into the host gradient without data parallel, and the group's
+complete local gradient waits there (``Accumulation.local``) for ``RS g``, which reduces it
+across ranks into this rank's gradient shard. ``.grad`` is not exposed (the gradient is sharded).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class Accumulation:
         self.flushed: set[int] = set()
         self.pending: dict[int, list] = {}
         self.pending_keys: set[tuple[int, int]] = set()
+        # data parallel: group -> its complete local gradient (fp32, padded), waiting for RS
+        self.local: dict[int, torch.Tensor] = {}
 
 
 class GradientRouter:
@@ -164,6 +173,7 @@ class GradientRouter:
         plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
         dev = ctx.variant.device_groups
         pool = self.engine.pool
+        dp = self.engine.dp
 
         def copy_out() -> None:
             if stage.index in ctx.no_grads:
@@ -182,7 +192,11 @@ class GradientRouter:
                     and c.host_offset == 0
                     and c.nbytes == store.groups[c.group].trainable_bytes
                 )
-                if full and store.grad_state[c.group] == GRAD_NONE and not store.groups[c.group].dtypes.mixed:
+                if full and dp is not None:  # the local gradient waits for RS in a buffer of its own
+                    buf = dp.local_grad_buffer(c.group)
+                    backend.d2h_copy(buf[: c.nbytes], src)
+                    plan.append(("dp", c, buf))
+                elif full and store.grad_state[c.group] == GRAD_NONE and not store.groups[c.group].dtypes.mixed:
                     backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
                     store.grad_state[c.group] = GRAD_VALID
                     plan.append(("direct", c, None))
@@ -198,7 +212,7 @@ class GradientRouter:
                     if kind == "shared":
                         src = buf[: c.nbytes].view(self._dtype(c))
                         if g in acc.flushed:  # the owner's sum is in already: add directly
-                            self._grad_slice(g, c, zero_if_none=True).add_(src)
+                            self._target(acc, g, c).add_(src)
                         else:
                             pend = self._pending(c)
                             if (g, c.host_offset) in acc.pending_keys:
@@ -207,6 +221,11 @@ class GradientRouter:
                                 pend.copy_(src)
                                 acc.pending_keys.add((g, c.host_offset))
                                 acc.pending.setdefault(g, []).append(c)
+                    elif kind == "dp":  # own + borrowed, in the device dtype, kept for RS g
+                        for pc in acc.pending.pop(g, []):
+                            buf[pc.host_offset : pc.host_offset + pc.nbytes].view(self._dtype(pc)).add_(self._pending(pc))
+                        acc.local[g] = buf.view(store.groups[g].dtypes.grad)
+                        acc.flushed.add(g)
                     elif kind == "add":
                         # the sum of the stage's own gradient and the borrowed ones, in the device
                         # dtype (as autograd sums a tied weight's contributions), then into the
@@ -231,11 +250,11 @@ class GradientRouter:
                 own = stage.spec.update_group
                 if own is not None and own not in acc.flushed:  # owner without gradients of its own
                     for pc in acc.pending.pop(own, []):
-                        self._grad_slice(own, pc, zero_if_none=True).add_(self._pending(pc))
+                        self._target(acc, own, pc).add_(self._pending(pc))
                     acc.flushed.add(own)
             finally:
-                for _, _, buf in plan:
-                    if buf is not None:
+                for kind, _, buf in plan:
+                    if buf is not None and kind != "dp":
                         store.release_staging(buf)
                 plan.clear()
 
@@ -243,6 +262,20 @@ class GradientRouter:
         t_acc = backend.host.submit(accumulate, [t_copy], str(m.action))
         t_acc.reads = t_copy
         return t_acc
+
+    def _target(self, acc: Accumulation, g: int, c: Any) -> torch.Tensor:
+        """Where a borrowed contribution is added once its owner's sum is in (or the owner has
+        none): group ``g``'s host gradient over the copy's range, or under data parallel its
+        local gradient (zeros first when the owner sent none)."""
+        dp = self.engine.dp
+        if dp is None:
+            return self._grad_slice(g, c, zero_if_none=True)
+        local = acc.local.get(g)
+        if local is None:
+            grp = self.store.groups[g]
+            local = acc.local[g] = dp.local_grad_buffer(g).view(grp.dtypes.grad).zero_()
+        ((_, elem, n, _),) = self.store.groups[g].elements(c.host_offset, c.nbytes)
+        return local[elem : elem + n]
 
     def _grad_slice(self, g: int, c: Any, zero_if_none: bool) -> torch.Tensor:
         """Group ``g``'s host gradient over a copy's range (zeroing the group first if it holds
@@ -280,8 +313,13 @@ class GradientRouter:
 
         When updates are already running (the overlapped update started during backward) it
         also records each ``.grad`` and its version counter, after shfx's own writes: an edit
-        from now on comes too late for this step (:meth:`edited_since_expose`)."""
+        from now on comes too late for this step (:meth:`edited_since_expose`).
+
+        Data parallel: nothing is exposed (each rank holds a shard of the gradient)."""
         st = self.store
+        if st.sharded:
+            self._exposed = None
+            return
         for g, keys in param_keys_by_group.items():
             if st.grad_state[g] == GRAD_VALID:
                 for k, p in keys:
@@ -344,8 +382,13 @@ class GradientRouter:
         first backward after a step, when every parameter's ``.grad`` is None (``model.zero_grad()``),
         they start from zero too; otherwise they accumulate, as the exposed ones then do.
 
-        The common cases cost one identity check per parameter."""
+        The common cases cost one identity check per parameter.
+
+        Data parallel: ``.grad`` is never exposed, so there is nothing to take; the gradients
+        are dropped by ``cm.zero_grad()`` only."""
         st, views = self.store, self._views
+        if st.sharded:
+            return
         cur = self.engine.current
         dev = cur.device_groups if cur is not None else frozenset()
         if self._stepped and not before_step:

@@ -95,6 +95,19 @@ def _spans(
     return out
 
 
+def _clip(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``(offset, numel)`` spans cut to the elements in ``[lo, hi)`` (a data-parallel shard,
+    :func:`shfx.runtime.sharding.shard_range`: its bounds are multiples of 16 elements from
+    every parameter's start, so each piece keeps its elements' positions modulo 16 and the
+    update stays bitwise the one over whole parameters)."""
+    out = []
+    for o, n in spans:
+        a, b = max(o, lo), min(o + n, hi)
+        if a < b:
+            out.append((a, b - a))
+    return out
+
+
 def _kernel(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -297,7 +310,10 @@ class _State:
         # step / exp_avg / exp_avg_sq: the NVMe tier's host-window buffers (views of a staging
         # buffer, shfx.runtime.ssd_window) instead of buffers of the state's own
         grp = store.groups[g]
-        n, dt = grp.trainable_numel, grp.dtypes.state
+        # data parallel: the buffers hold the rank's shard [lo, hi) of the trainable region;
+        # spans (group element offsets) are clipped to it, and views index the shard buffers
+        lo, hi = store.shard_of(g) if hasattr(store, "shard_of") else (0, grp.trainable_numel)
+        n, dt = hi - lo, grp.dtypes.state
         self.step = torch.zeros((), dtype=torch.float32) if step is None else step
         self.exp_avg = torch.zeros(n, dtype=dt) if exp_avg is None else exp_avg
         self.exp_avg_sq = torch.zeros(n, dtype=dt) if exp_avg_sq is None else exp_avg_sq
@@ -310,10 +326,12 @@ class _State:
         self.working = None
         self.pgs: list[tuple[int, list[list[torch.Tensor]], list | None]] = []
         for k, pspans in layout if layout is not None else [(0, grp.trainable_spans())]:
+            if (lo, hi) != (0, grp.trainable_numel):
+                pspans = _clip(pspans, lo, hi)
             spans = _spans(pspans, merge, _boundaries(grp))
             if not spans:
                 continue
-            views = [[b[o : o + m] for o, m in spans] for b in bufs]
+            views = [[b[o - lo : o - lo + m] for o, m in spans] for b in bufs]
             for all_v, v in zip(self.views, views):
                 all_v.extend(v)
             # the group's working image over each view, None per view without one (fp32
@@ -367,6 +385,11 @@ class HostAdamW:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
             return st
 
+    def ensure(self, g: int, amsgrad: bool = False) -> _State:
+        """Group ``g``'s state, created (zeros, step 0) if it has none yet: for a load to write
+        into before the first update (data parallel's checkpoint pieces)."""
+        return self._state(g, amsgrad)
+
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Group ``g``'s ``(step, exp_avg, exp_avg_sq)``, dropped here (the group is updated on
         the device from now on); None when it has none."""
@@ -399,8 +422,8 @@ class HostAdamW:
         ``torch.optim.AdamW(fused=True)``: the gradients are divided by ``grad_scale`` in place;
         with ``found_inf`` 1 nothing changes (the step count included; the working copy is
         still rewritten from the unchanged master)."""
-        if self.store.master(g).numel() == 0:
-            return
+        if self.store.master(g).numel() == 0 and not getattr(self.store, "sharded", False):
+            return  # (data parallel: an empty shard still counts the step, as the other ranks do)
         first = _hp_of(hp, 0)
         st = self._state(g, first["amsgrad"])
         st.step += 1
@@ -430,6 +453,10 @@ class HostAdamW:
             return {"step": dev.step, "exp_avg": dev.m[off : off + n].view(shape), "exp_avg_sq": dev.v[off : off + n].view(shape)}
         if st is None:
             return {}
+        if getattr(self.store, "sharded", False):
+            # data parallel: each rank holds a range of the states (shfx.runtime.data_parallel's
+            # state_pieces, what checkpoints save); the step is every rank's
+            return {"step": st.step}
         out = {
             "step": st.step,
             "exp_avg": st.exp_avg[off : off + n].view(shape),
@@ -468,6 +495,24 @@ class HostAdamW:
             dst = {"exp_avg": dev.m, "exp_avg_sq": dev.v}
             step = dev.step
         step.fill_(steps.pop())
+        if getattr(self.store, "sharded", False):
+            # data parallel: whole per-parameter states (a checkpoint loaded before the first
+            # call), of which this rank keeps its shard's range
+            lo, hi = self.store.shard_of(g)
+            for (_, off, n, shape), e in entries:
+                a, b = max(off, lo), min(off + n, hi)
+                for name, buf in dst.items():
+                    if buf is None:
+                        continue
+                    src = e.get(name)
+                    if src is None or tuple(src.shape) != tuple(shape):
+                        raise ValueError(
+                            f"state {name!r} of a parameter of shape {tuple(shape)} is "
+                            f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                        )
+                    if a < b:
+                        buf[a - lo : b - lo].copy_(src.reshape(-1)[a - off : b - off])
+            return
         copy_state_entries(entries, dst)
 
     def time_update(self, g: int, hp: dict, repeats: int = 3) -> float:

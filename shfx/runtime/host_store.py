@@ -8,6 +8,16 @@ its image (16-bit parameters, buffers, constants: what a PREFETCH sends) and its
 and :meth:`HostStore.refresh_working` recasts the image after the master changed otherwise. Per group the store also keeps a flat fp32
 gradient buffer laid out like the group's trainable region, created on first use, and a
 per-group gradient state (none / valid) that mirrors ``p.grad is None``.
+
+Data parallel (``dp``, :class:`shfx.runtime.data_parallel.DataParallelRuntime`): every rank
+holds each group's image whole (what a PREFETCH sends; the model's parameters are views of it,
+fp32), but only its shard (:func:`shfx.runtime.sharding.shard_range`, ``[lo, hi)`` of the
+trainable region) of the fp32 master weights (a buffer of its own), of the gradient, and of the
+optimizer states: 16/N bytes per parameter besides the image. The first call broadcasts the
+image from rank 0 (parameters and buffers, as DDP's constructor does) and the master shards are
+read from it. :meth:`master`, :meth:`grad` and the optimizer states then cover the shard only;
+:meth:`working_view` still takes group element offsets (the host update writes the shard of
+the image); :meth:`shard_of` says which elements a buffer holds.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -51,6 +62,7 @@ class HostStore:
         tensors: dict[str, torch.Tensor],
         pin: bool = True,
         staging_buffers: int = 2,
+        dp: Any = None,
     ):
         self.backend = backend
         self.groups = list(groups)
@@ -77,6 +89,19 @@ class HostStore:
                 if not info.key.startswith("<constant>"):
                     src.data = view  # the model's tensor now lives in the store
                 self.tensors[info.key] = view
+        # data parallel: (lo, hi) per group, and the fp32 master shards (the image is the
+        # model's fp32 weights and what PF sends; each rank updates its shard of it)
+        self.shards: list[tuple[int, int]] | None = None
+        self.master_shards: list[torch.Tensor] = []
+        if dp is not None:
+            mixed = [g.index for g in self.groups if g.separate_master]
+            if mixed:  # pragma: no cover - refused by shfx.compile
+                raise ValueError(f"data parallel keeps fp32 groups only; groups {mixed} have a 16-bit image")
+            dp.broadcast(self.buffers)  # every rank starts from rank 0's weights and buffers
+            self.shards = [dp.shard(g) for g in self.groups]
+            for g, (lo, hi) in zip(self.groups, self.shards):
+                image = self.buffers[g.index][: g.trainable_bytes].view(g.dtypes.master)
+                self.master_shards.append(image[lo:hi].clone())
         self._grads: list[torch.Tensor | None] = [None] * len(self.groups)
         self.grad_state = [GRAD_NONE] * len(self.groups)
         self._staging_free: list[torch.Tensor] = []
@@ -90,9 +115,28 @@ class HostStore:
     def group_bytes(self, g: int) -> torch.Tensor:
         return self.buffers[g]
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the masters, gradients and optimizer states are this rank's shards (data parallel)."""
+        return self.shards is not None
+
+    def shard_of(self, g: int) -> tuple[int, int]:
+        """``[lo, hi)``: the elements of group ``g``'s trainable region that :meth:`master`,
+        :meth:`grad` and the optimizer states hold (all of them without data parallel)."""
+        if self.shards is None:
+            return 0, self.groups[g].trainable_numel
+        return self.shards[g]
+
+    def image_trainable(self, g: int) -> torch.Tensor:
+        """Group ``g``'s whole trainable region in the image (fp32; data parallel's working copy)."""
+        grp = self.groups[g]
+        return self.buffers[g][: grp.trainable_bytes].view(grp.dtypes.working)
+
     def master(self, g: int) -> torch.Tensor:
         """The trainable region of group ``g`` (the master weights, padding included), in the
-        master dtype."""
+        master dtype; under data parallel this rank's shard of it (:meth:`shard_of`)."""
+        if self.shards is not None:
+            return self.master_shards[g]
         grp = self.groups[g]
         if grp.separate_master:
             return self.masters[g][: grp.master_bytes].view(grp.dtypes.master)
@@ -103,6 +147,8 @@ class HostStore:
         region, in the device dtype of the part holding them), or None when the image is the
         master (fp32 training)."""
         grp = self.groups[g]
+        if self.shards is not None:  # data parallel: the image is the working copy (fp32)
+            return self.image_trainable(g)[elem : elem + numel]
         if not grp.separate_master:
             return None
         for p in grp.parts:
@@ -114,7 +160,16 @@ class HostStore:
 
     def refresh_working(self, g: int | None = None) -> None:
         """Recast the working copy of group ``g`` (every group: None) from its master: after the
-        master changed other than by the host update (load_state_dict, a rollback)."""
+        master changed other than by the host update (load_state_dict, a rollback).
+
+        Data parallel: the model's weights are the image, so whatever changed them wrote the
+        image: the master shards are read back from it instead."""
+        if self.shards is not None:
+            with torch.no_grad():
+                for gi in range(len(self.groups)) if g is None else (g,):
+                    lo, hi = self.shards[gi]
+                    self.master_shards[gi].copy_(self.image_trainable(gi)[lo:hi])
+            return
         with torch.no_grad():
             for gi in range(len(self.groups)) if g is None else (g,):
                 for view, mview in self._casts[gi]:
@@ -130,7 +185,9 @@ class HostStore:
                 t = self._grads[g]
                 if t is None:
                     grp = self.groups[g]
-                    t = self.backend.alloc_host(grp.grad_bytes, self.pin).view(grp.dtypes.grad)
+                    lo, hi = self.shard_of(g)
+                    nbytes = grp.grad_bytes if self.shards is None else (hi - lo) * grp.dtypes.grad.itemsize
+                    t = self.backend.alloc_host(nbytes, self.pin).view(grp.dtypes.grad)
                     self._grads[g] = t
         return t
 
@@ -138,6 +195,8 @@ class HostStore:
         return self.grad(g).view(torch.uint8)
 
     def param_grad_view(self, key: str, owner: int) -> torch.Tensor:
+        if self.shards is not None:  # pragma: no cover - .grad is not exposed under data parallel
+            raise RuntimeError(f"data parallel shards the gradients: {key!r} has no whole gradient on this rank")
         g = self.groups[owner]
         info = g.info(key)
         if g.separate_master:  # laid out as the master
@@ -147,6 +206,7 @@ class HostStore:
     @property
     def host_bytes(self) -> int:
         n = sum(b.numel() for b in self.buffers) + sum(b.numel() for b in self.masters if b is not None)
+        n += sum(t.numel() * t.element_size() for t in self.master_shards)
         n += sum(t.numel() * t.element_size() for t in self._grads if t is not None)
         return n
 

@@ -1,0 +1,180 @@
+"""Data parallel's runtime side: the process groups, the sharding of every group, and the two
+collectives of the step program (docs/usage.md, "Data parallel").
+
+Every rank runs the same program on its own device with its own batch. Two gloo process groups
+made from the user's group's ranks carry shfx's collectives, one per queue of the program, each
+queue a :class:`~shfx.runtime.streams.WorkerStream` running its collectives in program order (so
+they match across ranks by construction):
+
+- ``RS g`` (queue ``reduce``, every backward): the group's complete local gradient (the owner's
+  copy plus borrowed contributions, summed on the host in the device dtype) is multiplied by
+  ``1/N`` (as DDP does while copying a gradient into its bucket, before its SUM all-reduce),
+  zero-padded to ``N * chunk`` elements and reduce-scattered (SUM); this rank's chunk is copied
+  (first micro-step) or added (later ones, ``grad_accum_steps``) into its fp32 gradient shard.
+- ``AG g`` (queue ``gather``, after ``U g``): the updated working-copy shards are all-gathered
+  (padded) into every rank's image, so the next prefetch sends the new weights.
+
+A rank that dies makes the others' collectives fail (gloo: connection closed) or time out
+(:attr:`shfx.DataParallel.timeout_s`): the step then fails with :class:`RankLost`, saying which
+collective, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ShfxError
+from .sharding import shard_chunk, shard_range
+
+__all__ = ["DataParallelRuntime", "RankLost"]
+
+
+class RankLost(ShfxError, RuntimeError):
+    """A collective of data parallel failed: another rank died, failed its step, or stopped
+    answering for longer than ``DataParallel(timeout_s=...)``."""
+
+
+class DataParallelRuntime:
+    """The process groups and the sharding of one compiled model under data parallel.
+
+    Attributes:
+        group: the user's process group (``torch.distributed``'s default group when None was given).
+        rank, ranks: this process's rank in it, and its size N.
+        timeout_s: how long a collective waits for the other ranks.
+        reduce_group, gather_group: gloo groups over the same ranks, one per queue.
+    """
+
+    def __init__(self, process_group: Any, timeout_s: float):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.ranks = dist.get_world_size(self.group)
+        self.timeout_s = float(timeout_s)
+        members = dist.get_process_group_ranks(self.group)
+        self._src = members[0]  # global rank of the group's rank 0 (the broadcast's source)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # NOTE: created collectively by the group's ranks only (use_local_synchronization), in the
+        # same order on each: every rank compiles the same way
+        self.reduce_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        self.gather_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        self.store: Any = None
+        self.optimizer: Any = None
+
+    # ---- sharding ------------------------------------------------------------------------------
+    def shard(self, group: Any) -> tuple[int, int]:
+        """``[lo, hi)`` of ``group``'s trainable elements this rank owns."""
+        return shard_range(group.trainable_numel, self.rank, self.ranks)
+
+    def chunk(self, group: Any) -> int:
+        return shard_chunk(group.trainable_numel, self.ranks)
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def _run(self, what: str, fn: Callable[[], None]) -> None:
+        """Run a collective; its failure (a peer gone, a timeout) becomes :class:`RankLost`."""
+        try:
+            fn()
+        except RankLost:
+            raise
+        except Exception as e:  # gloo raises RuntimeError (connection closed, timed out)
+            raise RankLost(
+                f"data parallel lost a rank: {what} failed on rank {self.rank} of {self.ranks} ({type(e).__name__}: "
+                f"{str(e).strip()[:300]}). Another rank died, failed its step, or did not reach this collective within "
+                f"DataParallel(timeout_s={self.timeout_s:g}); see that rank's error. The step was not completed on this "
+                "rank: restart the job from the last checkpoint."
+            ) from e
+
+    def broadcast(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Every rank's host image from rank 0's (parameters, buffers, constants), at the first
+        call (as ``DistributedDataParallel``'s constructor broadcasts the module's state)."""
+        dist = self._dist
+
+        def run() -> None:
+            for b in buffers:
+                if b.numel():
+                    dist.broadcast(b, src=self._src, group=self.gather_group)
+
+        self._run("the broadcast of rank 0's weights at the first call", run)
+
+    def reduce_grads(self, label: str, g: int, local: torch.Tensor | None, first: bool) -> None:
+        """``RS g``: reduce-scatter group ``g``'s local gradient ``local`` (fp32, ``N * chunk``
+        elements, the trainable ones first; None: this rank has no gradient for it, zeros are
+        sent) and copy (``first``) or add this rank's chunk into its gradient shard."""
+        grp = self.store.groups[g]
+        chunk, t = self.chunk(grp), grp.trainable_numel
+        if local is None:
+            local = torch.zeros(self.ranks * chunk, dtype=grp.dtypes.grad)
+        else:
+            # as DDP: grad * (1 / world_size) into the bucket, then a SUM all-reduce
+            local[:t].mul_(1.0 / self.ranks)
+            local[t:].zero_()
+        out = torch.empty(chunk, dtype=local.dtype)
+        self._run(f"the gradient reduce-scatter {label}", lambda: self._dist.reduce_scatter_tensor(out, local, group=self.reduce_group))
+        lo, hi = self.shard(grp)
+        grad = self.store.grad(g)
+        if first:
+            grad.copy_(out[: hi - lo])
+        else:
+            grad.add_(out[: hi - lo])
+
+    def gather_params(self, label: str, g: int) -> None:
+        """``AG g``: all-gather the updated working-copy shards of group ``g`` into the image."""
+        store = self.store
+        grp = store.groups[g]
+        chunk, t = self.chunk(grp), grp.trainable_numel
+        lo, hi = self.shard(grp)
+        image = store.image_trainable(g)
+        send = torch.zeros(chunk, dtype=image.dtype)
+        send[: hi - lo] = image[lo:hi]
+        out = torch.empty(self.ranks * chunk, dtype=image.dtype)
+        self._run(f"the weights' all-gather {label}", lambda: self._dist.all_gather_into_tensor(out, send, group=self.gather_group))
+        image.copy_(out[:t])
+
+    def local_grad_buffer(self, g: int) -> torch.Tensor:
+        """A host buffer (uint8) for group ``g``'s local gradient, padded to ``N * chunk``
+        fp32 elements for :meth:`reduce_grads`."""
+        store = self.store
+        grp = store.groups[g]
+        # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
+        return store.backend.alloc_host(self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize, store.pin)
+
+    # ---- what checkpoints read and write (shfx.dp_checkpoint's protocol) ----------------------
+    def refresh_masters(self) -> None:
+        """After a load wrote the weights into the model's parameters (the image, whole on every
+        rank): this rank's fp32 master shards from them."""
+        self.store.refresh_working()
+
+    def state_pieces(self, create: bool = False) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
+        """Per trainable parameter (its name in the model) that has optimizer state on this rank:
+        ``{field: (global shape, lo, hi, view)}`` for ``exp_avg`` and ``exp_avg_sq``, where
+        ``[lo, hi)`` is the range of the parameter's flattened elements this rank holds and
+        ``view`` the 1-D view of the host state over it (writing into it changes the state).
+        ``step`` stays in ``cm.optimizer.state`` (every rank's is the same). Before the first
+        step there is no state; ``create`` makes it (zeros, step 0) for a load to fill."""
+        out: dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]] = {}
+        opt = self.optimizer
+        if opt is None or self.store is None:
+            return out
+        if create:
+            hp = opt.config.hyperparams()
+            amsgrad = bool((hp if isinstance(hp, dict) else hp[0])["amsgrad"])
+        for grp in self.store.groups:
+            if create and grp.trainable_numel and grp.index not in opt.state:
+                opt.ensure(grp.index, amsgrad)  # zeros, step 0
+            st = opt.state.get(grp.index)
+            if st is None:
+                continue
+            lo, hi = self.store.shard_of(grp.index)
+            infos = [i for i in grp.infos if i.kind == "param" and i.trainable]
+            for info, (o, n) in zip(infos, grp.trainable_spans()):
+                a, b = max(o, lo), min(o + n, hi)
+                if a >= b:
+                    continue
+                fields = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+                out[info.key] = {f: (tuple(info.shape), a - o, b - o, buf[a - lo : b - lo]) for f, buf in fields.items()}
+        return out

@@ -1,0 +1,530 @@
+"""Data parallel (docs/usage.md, "Data parallel"): spawned processes over gloo on the CPU, each
+rank its own emulated device, against eager ``DistributedDataParallel`` with the same seed and
+per-rank batches and ``torch.optim.AdamW(fused=True)`` (the reference of tests/equivalence.py).
+
+Every spawn runs under a hard timeout (:func:`_spawn`): a rank still running then is killed and
+the test fails, so a hang fails instead of hanging the suite. Each spawn runs several checks
+(starting processes and gloo groups costs seconds on two loaded cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import shfx
+from shfx.errors import UsageError
+from shfx.runtime.sharding import SHARD_ALIGN, shard_range
+
+LR, WD = 1e-2, 0.01
+
+
+# ---- spawning ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(rank: int, world: int, port: int, scenario: str, out: str, kw: dict) -> None:
+    """A spawned rank: run ``scenario``, save its result (or its traceback), exit without atexit
+    handlers (a group whose peer died must not hold the exit up)."""
+    try:
+        sys.path.insert(0, str(Path(__file__).parent))
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        result = SCENARIOS[scenario](rank, world, **kw)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def _spawn(tmp_path: Path, world: int, scenario: str, timeout_s: float, **kw) -> list:
+    """Run ``scenario`` on ``world`` spawned ranks; every rank must finish within ``timeout_s``
+    (else all are killed and the test fails: a hang) and exit cleanly; returns their results."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_main, args=(r, world, port, scenario, str(tmp_path), kw), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(world) if (tmp_path / f"rank{r}.err").exists()}
+    assert not hung, f"ranks {hung} still ran after {timeout_s} s (a hang) and were killed; errors: {errors}"
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
+    assert [p.exitcode for p in procs] == [0] * world
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# ---- models and the eager references ----------------------------------------------------------------
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 4))
+
+
+def _mlp_frozen() -> nn.Module:
+    """The MLP with its first layer frozen (a group whose image holds frozen parameters after
+    the trainable region)."""
+    m = _mlp()
+    m[0].requires_grad_(False)
+    return m
+
+
+def _mlp_batch(step: int, micro: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + 31 * step + micro)
+    return torch.randn(batch, 16, generator=g), torch.randn(batch, 4, generator=g)
+
+
+def _model(name: str) -> nn.Module:
+    import zoo
+
+    return {"gpt_tied": lambda: zoo.gpt(tie_weights=True), "gpt_mask": zoo.gpt_mask, "mlp": _mlp, "mlp_frozen": _mlp_frozen}[name]()
+
+
+def _batch(name: str, step: int, micro: int) -> tuple:
+    """Rank ``r``'s batch of micro-step ``micro``: ``micro = 10 * r + m`` (each rank its own)."""
+    import zoo
+
+    if name.startswith("mlp"):
+        return _mlp_batch(step, micro)
+    (x, y), _, _ = zoo.token_batch(step, micro)
+    return x, y
+
+
+def _loss(name: str, out: torch.Tensor, args: tuple) -> torch.Tensor:
+    return nn.functional.mse_loss(out, args[1]) if name.startswith("mlp") else out
+
+
+def _forward(name: str, model, args: tuple):
+    return model(args[0]) if name.startswith("mlp") else model(*args)
+
+
+def _compile(model: nn.Module, name: str, window: int | None, accum: int = 1, **kw):
+    extra = dict(blocks=False, num_stages=4) if name.startswith("mlp") else {}
+    return shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=window,
+        optimizer=shfx.optim.AdamW(lr=LR, weight_decay=WD), grad_accum_steps=accum, **extra, **kw,
+    )  # fmt: skip
+
+
+def _against_ddp(
+    rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, subgroup: list[int] | None = None,
+    resume: bool = False, **kw,
+) -> dict | None:  # fmt: skip
+    """Train ``name`` with shfx (data parallel) and with eager DDP side by side in this rank:
+    losses, final weights and this rank's optimizer-state ranges, each compared bitwise here
+    (the mismatches are returned); plus the store's host byte counts.
+
+    Gradient accumulation: shfx reduces every micro-step's gradient (RS runs in every backward,
+    overlapping the backward) and accumulates the reduced ones in the shard, so the eager side
+    does the same: DDP reduces each micro-step, and the reduced gradients are summed outside it
+    (DDP's own accumulation into ``.grad`` before the reduce rounds differently).
+
+    ``subgroup``: train over a process group of these ranks only (the others return None).
+    ``resume``: first 2 eager steps in one process (every rank alike), whose weights and
+    torch AdamW state dict shfx loads before its first call (each rank keeps its ranges)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(subgroup) if subgroup is not None else None
+    if subgroup is not None and rank not in subgroup:
+        dist.barrier()
+        return None
+    rank = dist.get_rank(group)  # (the batches are per rank of the group)
+    # different initial weights per rank: shfx and DDP both take rank 0's (a resumed state: the same)
+    torch.manual_seed(0 if resume else 1 + rank)
+    model = _model(name)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    if resume:
+        for step in range(2):
+            args = _batch(name, 100 + step, 0)
+            _loss(name, _forward(name, ref, args), args).backward()
+            opt.step()
+            opt.zero_grad()
+        model.load_state_dict(ref.state_dict())
+    cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
+    if resume:
+        cm.optimizer.load_state_dict(opt.state_dict())
+    ddp = nn.parallel.DistributedDataParallel(ref, process_group=group)
+    losses, ref_losses, mism = [], [], []
+    for step in range(steps):
+        summed: dict[nn.Parameter, torch.Tensor] = {}
+        for micro in range(accum):
+            args = _batch(name, step, 10 * rank + micro)
+            loss = _loss(name, _forward(name, cm, args), args) / accum
+            if step == 0 and micro == 0 and not resume:  # the states a checkpoint load fills before the first step
+                pieces = cm.engine.dp.state_pieces(create=True)
+                assert pieces and all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
+            loss.backward()
+            if any(p.grad is not None for p in model.parameters()):
+                mism.append(".grad exposed under data parallel")  # (sharded: never exposed)
+            losses.append(loss.detach())
+            ref_loss = _loss(name, _forward(name, ddp, args), args) / accum
+            ref_loss.backward()
+            ref_losses.append(ref_loss.detach())
+            for p in ref.parameters():
+                if p.grad is not None:
+                    summed[p] = p.grad if p not in summed else summed[p] + p.grad
+                    p.grad = None
+        for p, g in summed.items():
+            p.grad = g
+        cm.step()
+        cm.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    mism += [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
+    sd, rsd = model.state_dict(), ref.state_dict()
+    mism += [f"weight {k}: max diff {(sd[k] - rsd[k]).abs().max().item():.3g}" for k in sd if not torch.equal(sd[k], rsd[k])]
+    close = dict(losses=(torch.stack(losses), torch.stack(ref_losses)), state=(sd, rsd))
+    dp = cm.engine.dp
+    params = dict(ref.named_parameters())
+    ranges = {}
+    for key, fields in dp.state_pieces().items():
+        p = params[key]
+        for f, (shape, lo, hi, view) in fields.items():
+            assert tuple(shape) == tuple(p.shape)
+            if not torch.equal(view, opt.state[p][f].flatten()[lo:hi]):
+                mism.append(f"optimizer state {key}.{f}[{lo}:{hi}]")
+            ranges[key] = (lo, hi)
+    for p in model.parameters():
+        st = cm.optimizer.state.get(p, {})
+        if "step" in st and float(st["step"]) != float(next(iter(opt.state.values()))["step"]):
+            mism.append("optimizer step")
+    store = cm._store
+    counts = dict(
+        host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes,
+        image=sum(b.numel() for b in store.buffers),
+        trainable=sum(g.trainable_numel for g in store.groups),
+        shard=sum(hi - lo for lo, hi in store.shards),
+        groups=len(store.groups),
+        numel={k: p.numel() for k, p in params.items() if p.requires_grad},
+    )
+    cm.close()
+    dist.barrier()
+    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks, close=close)
+
+
+def _ddp_suite(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    return [_against_ddp(rank, world, **c) for c in configs]
+
+
+def _against_one_process(rank: int, world: int, steps: int = 3) -> dict:
+    """shfx on ``world`` ranks with batch B each, and (rank 0) eager one process with batch
+    ``world * B`` (every rank's batch, concatenated)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, "mlp", 2, data_parallel=True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x, y = _mlp_batch(step, 10 * rank)
+        loss = nn.functional.mse_loss(cm(x), y)
+        loss.backward()
+        cm.step()
+        cm.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t / world)
+        xs, ys = zip(*(_mlp_batch(step, 10 * r) for r in range(world)))
+        ref_loss = nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys))
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(ref_loss.detach())
+    out = dict(losses=losses, ref_losses=ref_losses, state=model.state_dict(), ref_state=ref.state_dict())
+    cm.close()
+    dist.barrier()
+    return out
+
+
+def _rank_dies(rank: int, world: int, how: str, timeout_s: float) -> dict:
+    """Rank 1 dies (``how="exit"``: ``os._exit(1)``) or stops answering (``"stall"``: sleeps past
+    the timeout) in the second step after its forward; rank 0 trains on and reports its error."""
+    torch.manual_seed(0)
+    model = _model("gpt_mask")
+    cm = _compile(model, "gpt_mask", 2, data_parallel=shfx.DataParallel(timeout_s=timeout_s))
+    for step in range(3):
+        args = _batch("gpt_mask", step, 10 * rank)
+        loss = cm(*args)
+        if rank == 1 and step == 1:
+            if how == "exit":
+                os._exit(1)
+            time.sleep(timeout_s + 5)
+            os._exit(0)
+        t0 = time.perf_counter()
+        try:
+            loss.backward()
+            cm.step()
+        except Exception as e:  # noqa: BLE001 - what the test checks
+            # (elapsed_s: reported, never asserted on)
+            return dict(step=step, error=f"{type(e).__name__}: {e}", cause=type(e.__cause__).__name__, elapsed_s=time.perf_counter() - t0)
+        cm.zero_grad()
+    return dict(step=None, error=None)
+
+
+SCENARIOS = {"ddp": _ddp_suite, "one_process": _against_one_process, "rank_dies": _rank_dies}
+
+
+# ---- the tests --------------------------------------------------------------------------------------
+def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: int, tol: dict | None = None) -> None:
+    """Each config's results: bitwise (``tol`` None: no mismatch at all) or, per model name,
+    within ``tol[name] = (rtol, atol)`` for the weights (the optimizer states are then not
+    compared: Adam's states follow the gradients' rounding)."""
+    for c, per_rank in zip(configs, zip(*results)):
+        for r, res in enumerate(per_rank):
+            assert res["ranks"] == world
+            if tol is None:
+                assert not res["mismatches"], f"{c} rank {r}: {res['mismatches'][:8]}"
+                continue
+            rtol, atol = tol[c["name"]]
+            torch.testing.assert_close(*res["close"]["losses"], rtol=1e-6, atol=1e-7)
+            sd, rsd = res["close"]["state"]
+            for k in sd:
+                torch.testing.assert_close(sd[k], rsd[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{c} {k}: {m}")
+        # the ranks' ranges of each parameter's optimizer state tile it exactly
+        numel = per_rank[0]["counts"]["numel"]
+        for key, n in numel.items():
+            spans = sorted(res["ranges"][key] for res in per_rank if key in res["ranges"])
+            assert spans and spans[0][0] == 0 and spans[-1][1] == n, (key, spans)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (key, spans)
+        # host memory per rank: the image + 16 B (fp32 master, gradient, m, v) per owned element;
+        # the shards are those of the sharding rule: 16/N B per trainable element, within
+        # SHARD_ALIGN elements of padding per group
+        for res in per_rank:
+            k = res["counts"]
+            assert k["host"] == k["image"] + 16 * k["shard"]
+        shards = [res["counts"]["shard"] for res in per_rank]
+        k = per_rank[0]["counts"]
+        assert sum(shards) == k["trainable"]
+        assert max(shards) <= k["trainable"] / world + SHARD_ALIGN * k["groups"]
+
+
+DDP_CONFIGS = [
+    dict(name="gpt_tied", window=1),
+    dict(name="gpt_tied", window=5, accum=2),  # W = all 5 stages
+    dict(name="gpt_mask", window=2, overlap_update=False),  # step() runs U and AG itself
+    dict(name="gpt_tied", window=2, resume=True),  # whole torch states loaded before the first call
+    dict(name="gpt_tied", window=None, policy=shfx.ZeroInfinity()),
+    dict(name="mlp_frozen", window=2, accum=2),  # frozen parameters in a group's image
+]
+
+
+def test_two_ranks_match_ddp_bitwise(tmp_path):
+    """2 ranks vs eager DDP + ``torch.optim.AdamW(fused=True)``: losses, final weights, each rank's
+    optimizer-state ranges and steps, all ``torch.equal``, for a tied-embedding GPT at W=1 and
+    W=all (with grad_accum_steps=2), the untied GPT with overlap_update=False, a resume from a
+    torch AdamW state dict loaded before the first call, ZeRO-Infinity's schedule, and an MLP
+    with a frozen layer. Each rank
+    initialises its model with its own seed: the first call's broadcast (DDP's constructor's)
+    makes rank 0's weights everyone's. Bitwise is
+    expected: shfx and DDP both multiply each local gradient by 1/2 (exact) and sum two
+    values, ``a/2 + b/2``, which is the same in either order; the sharded AdamW cuts
+    parameters only at multiples of 16 elements (shfx.runtime.sharding), where the fused
+    kernel's results do not change."""
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=240, configs=DDP_CONFIGS)
+    _check_ddp_results(results, DDP_CONFIGS, 2)
+
+
+@pytest.mark.slow
+def test_four_ranks_match_ddp(tmp_path):
+    """4 ranks vs eager DDP: not bitwise, within a stated tolerance. Both multiply by 1/4
+    (exact) and gloo sums with the same ring algorithm in its all-reduce (DDP) and its
+    reduce-scatter (shfx): the buffer is cut into N chunks and chunk q is summed in the rank
+    order q+1, q+2, ... (checked: on one buffer both collectives give the same bits). But
+    which chunk an element falls in, so where its sum starts, depends on its position in the
+    collective's buffer: DDP's bucket (all parameters, reverse order) vs shfx's group buffer.
+    With 4 addends the order changes the rounding (an ulp or so in a gradient; with 2,
+    ``a + b == b + a``). The MLP's weights then stay within 1e-6 over 3 steps; the GPT's
+    attention key bias has a true gradient of zero (softmax ignores it), and Adam turns
+    rounding noise there into lr-sized steps of any sign, hence its loose atol."""
+    configs = [
+        dict(name="mlp", window=2), dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2),
+        dict(name="gpt_tied", window=None, policy=shfx.ZeroOffload()),
+    ]  # fmt: skip
+    results = _spawn(tmp_path, 4, "ddp", timeout_s=480, configs=configs)
+    _check_ddp_results(results, configs, 4, tol={"mlp": (1e-5, 1e-6), "gpt_tied": (1e-4, 1e-4), "gpt_mask": (1e-4, 1e-4)})
+
+
+@pytest.mark.slow
+def test_a_process_group_of_some_ranks(tmp_path):
+    """DataParallel(process_group=...) over ranks 1 and 2 of 3 (rank 0 stays out): shfx's own
+    gloo groups are made from those ranks only, the first call broadcasts from the group's
+    first rank (global rank 1), and training matches DDP over the same group bitwise."""
+    configs = [dict(name="gpt_mask", window=2, subgroup=[1, 2])]
+    results = _spawn(tmp_path, 3, "ddp", timeout_s=240, configs=configs)
+    assert results[0] == [None]
+    _check_ddp_results(results[1:], configs, 2)
+
+
+def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
+    """N ranks with batch B == one process with batch N*B, up to rounding: the one process's
+    loss is the mean over N*B samples, shfx's gradient the mean (over ranks) of per-rank means,
+    which rounds differently (a few ulp in the gradients); AdamW's update normalises by
+    sqrt(v), so a relative gradient difference becomes a relative update difference of the
+    same size. Measured (lr 1e-2, 3 steps): weights within 1.8e-6 absolute, 1.3e-5 relative;
+    the tolerance (rtol 1e-4, atol 1e-5) leaves a margin for other CPUs' kernels. An MLP on
+    dense data: every parameter has a real gradient (Adam would turn rounding noise in a zero
+    gradient, attention's key bias, into lr-sized steps of either sign)."""
+    r0, _ = _spawn(tmp_path, 2, "one_process", timeout_s=120)
+    torch.testing.assert_close(torch.stack(r0["losses"]), torch.stack(r0["ref_losses"]), rtol=1e-6, atol=1e-7)
+    for k, v in r0["state"].items():
+        torch.testing.assert_close(v, r0["ref_state"][k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_dead_rank_fails_the_others_with_a_clear_error(tmp_path):
+    """Rank 1 exits in the middle of training: rank 0's next collective fails at once (gloo: the
+    connection closed), and the step raises an error saying data parallel lost a rank; with the
+    default 10-minute timeout, only that (not the timeout) ends it within the spawn's limit."""
+    r0, _ = _spawn_allow_exit(tmp_path, how="exit", timeout_s=600.0, limit_s=120)
+    assert r0["step"] == 1, r0
+    assert "data parallel lost a rank" in r0["error"] and "RS" in r0["error"], r0["error"]
+    assert r0["cause"] == "RankLost"
+
+
+def test_a_stalled_rank_times_out_with_a_clear_error(tmp_path):
+    """Rank 1 stops answering (sleeps): rank 0's collective times out after timeout_s and the
+    step raises saying data parallel lost a rank."""
+    r0, _ = _spawn_allow_exit(tmp_path, how="stall", timeout_s=3.0, limit_s=120)
+    assert r0["step"] == 1, r0
+    assert "data parallel lost a rank" in r0["error"], r0["error"]
+
+
+def _spawn_allow_exit(tmp_path: Path, how: str, timeout_s: float, limit_s: float) -> tuple:
+    """:func:`_spawn` where rank 1 leaves on purpose (no result; exit code 1 for ``"exit"``)."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    kw = dict(how=how, timeout_s=timeout_s)
+    procs = [ctx.Process(target=_main, args=(r, 2, port, "rank_dies", str(tmp_path), kw), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert not hung, f"ranks {hung} still ran after {limit_s} s (a hang) and were killed"
+    err = tmp_path / "rank0.err"
+    assert not err.exists(), err.read_text()
+    assert procs[0].exitcode == 0
+    assert procs[1].exitcode == (1 if how == "exit" else 0)
+    return torch.load(tmp_path / "rank0.pt", weights_only=False), procs[1].exitcode
+
+
+# ---- refusals (in this process: a one-rank gloo group) ---------------------------------------------
+def _tiny() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+
+def test_needs_torch_distributed_initialised(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # (whatever other tests left behind)
+    with pytest.raises(UsageError, match="init_process_group"):
+        shfx.compile(_tiny(), optimizer=shfx.optim.AdamW(), data_parallel=True, device=shfx.EmulatedDevice())
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(optimizer=shfx.optim.SGD(lr=0.1)), "SGD as the optimizer"),
+        (dict(optimizer=None), "no optimizer"),
+        (dict(precision="bf16"), "mixed precision"),
+        (dict(max_grad_norm=1.0), "gradient clipping"),
+        (dict(skip_nonfinite=True), "skip_nonfinite"),
+        (dict(rollback=True), "rollback"),
+        (dict(window="auto"), "tuner"),
+        (dict(policy=shfx.Stronghold(window=2, resident_first=1)), "on the device"),
+        (dict(policy="resident"), "on the device"),
+        (dict(policy="l2l"), "on the device"),
+        (dict(policy=shfx.ZeroOffload(delayed_update=True)), "delayed_update"),
+        (dict(offload=shfx.Offload(optimizer="nvme", path="/tmp")), "NVMe"),
+    ],
+)
+def test_refusals(one_rank_group, kwargs, match):
+    kw = dict(optimizer=shfx.optim.AdamW(), device=shfx.EmulatedDevice(), data_parallel=True, blocks=False, num_stages=4)
+    kw.update(kwargs)
+    with pytest.raises(UsageError, match=match) as e:
+        shfx.compile(_tiny(), **kw)
+    assert "data_parallel does not support" in str(e.value)
+
+
+def test_one_rank_is_the_single_process_runtime(one_rank_group):
+    """A group of one rank: nothing to reduce or shard; the program is the plain one and the
+    model trains as without data_parallel (bitwise)."""
+    torch.manual_seed(0)
+    a = _tiny()
+    b = copy.deepcopy(a)
+    cms = [
+        shfx.compile(m, optimizer=shfx.optim.AdamW(lr=LR), device=shfx.EmulatedDevice(), blocks=False, num_stages=4, **kw)
+        for m, kw in ((a, dict(data_parallel=True)), (b, {}))
+    ]
+    for step in range(2):
+        x = torch.randn(2, 8)
+        for cm in cms:
+            cm(x).sum().backward()
+            cm.step()
+            cm.zero_grad()
+    assert cms[0].engine.dp is None and cms[0].program.ranks == 1
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    for cm in cms:
+        cm.close()
+
+
+def test_data_parallel_spec():
+    with pytest.raises(ValueError, match="timeout_s"):
+        shfx.DataParallel(timeout_s=0)
+    with pytest.raises(TypeError, match="data_parallel must be"):
+        shfx.compile(_tiny(), optimizer=shfx.optim.AdamW(), data_parallel="yes", device=shfx.EmulatedDevice())
+
+
+def test_shard_range_tiles_and_aligns():
+    for total in (0, 1, 15, 16, 17, 100, 1000, 4099):
+        for ranks in (1, 2, 3, 4, 7):
+            spans = [shard_range(total, r, ranks) for r in range(ranks)]
+            assert spans[0][0] == 0 and spans[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(lo % SHARD_ALIGN == 0 for lo, _ in spans if lo < total)
