@@ -55,6 +55,7 @@ from typing import Literal
 from .actions import B, F
 from .meta import get_meta
 from .program import Program
+from .sharding import SHARD_ALIGN, shard_chunk, shard_numel, shard_range  # noqa: F401 (re-exported: the one sharding rule)
 from .stages import StageSpec, Value, consumers_of
 
 __all__ = [
@@ -113,6 +114,7 @@ as the largest SSD group's read (its optimizer states, and its master weights wh
 the SSD), that a group's state is read into for its update and written back from."""
 
 STAGING_BUFFERS = 2
+"""Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
 DP_IMAGE = "parameter image (whole)"
 """Data parallel (``ranks > 1``): the host image every rank holds whole (what a PREFETCH sends,
 the model's parameters view it), beside the rank's fp32 master *shard*. In fp32 it is the whole
@@ -121,55 +123,6 @@ DP_COLLECTIVE = "collective buffers"
 """Data parallel: the receive buffers of the collectives, sized for the largest group: the
 all-gather's padded output (``ranks x chunk`` elements in the device dtype, the first ``T``
 copied into the image) and the reduce-scatter's output chunk (``chunk`` elements)."""
-
-
-SHARD_ALIGN = 16
-"""Elements a data-parallel shard's length is a multiple of (but the last one's)."""
-
-
-def shard_chunk(total: int, ranks: int) -> int:
-    """Elements per rank of a group of ``total`` trainable elements (padding included) over
-    ``ranks`` ranks: ``ceil(total / ranks)`` rounded up to :data:`SHARD_ALIGN` (the runtime's
-    rule, ``shfx.runtime.sharding.shard_chunk``: a shard boundary cuts every parameter at a
-    multiple of 16 elements from its start, so the sharded fused AdamW is bitwise the one over
-    whole parameters). The collectives move ``ranks x chunk`` elements (zero-padded).
-
-    >>> shard_chunk(100, 2), shard_chunk(20, 4), shard_chunk(0, 4)
-    (64, 16, 0)
-    """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
-    if total < 0:
-        raise ValueError(f"total must be >= 0, got {total}")
-    per = -(-total // ranks)
-    return -(-per // SHARD_ALIGN) * SHARD_ALIGN
-
-
-def shard_range(total: int, rank: int, ranks: int) -> tuple[int, int]:
-    """``[lo, hi)``: the elements of a group of ``total`` trainable elements that rank ``rank``
-    of ``ranks`` owns (its fp32 master, gradient and optimizer states): ``[r chunk, min(total,
-    (r + 1) chunk))``, possibly empty.
-
-    >>> [shard_range(20, r, 4) for r in range(4)]
-    [(0, 16), (16, 20), (20, 20), (20, 20)]
-    """
-    if not 0 <= rank < ranks:
-        raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
-    chunk = shard_chunk(total, ranks)
-    lo = min(total, rank * chunk)
-    return lo, min(total, lo + chunk)
-
-
-def shard_numel(total: int, ranks: int, rank: int = 0) -> int:
-    """Elements rank ``rank`` owns of a group of ``total`` (:func:`shard_range`); rank 0 owns
-    the most, ``min(total, chunk)``.
-
-    >>> shard_numel(100, 2), shard_numel(100, 2, rank=1), shard_numel(20, 4, rank=3)
-    (64, 36, 0)
-    """
-    lo, hi = shard_range(total, rank, ranks)
-    return hi - lo
-"""Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
 
 
 @dataclass(frozen=True)
@@ -455,6 +408,8 @@ def _dp_host_terms(
         out += [Change("host", "optimizer states (m, v)", f"optimizer state {i} shard of group {g}", 4 * own) for i in range(optimizer_states)]
         if rollback and numel:
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s shard", 4 * own * (1 + optimizer_states) + STEP_BYTES))
+    if group_bytes is not None:  # groups nothing updates (frozen parameters, buffers only): whole on every rank
+        out += [Change("host", DP_IMAGE, f"image of group {g}", b) for g, b in enumerate(whole) if g not in owners]
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
     if padded:
         out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", padded * elt) for i in range(STAGING_BUFFERS)]

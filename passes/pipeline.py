@@ -147,12 +147,14 @@ class Variant:
         """Bytes per slot that any of the variant's programs needs (:func:`shfx.passes.ledger.pool_sizes`)."""
         return list(pool_sizes(self.programs)[0])
 
-    def ledger(self, grad_accum_steps: int = 1, rollback: bool = False) -> Ledger:
+    def ledger(self, grad_accum_steps: int = 1, rollback: bool = False, rank: int = 0) -> Ledger:
         """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
-        for all three programs, then the train program."""
+        for all three programs, then the train program; under data parallel, of rank ``rank``
+        (its host shards)."""
         return replay(
             self.train, programs=self.programs, group_bytes=[g.host_master_bytes for g in self.graph.groups],
             grad_accum_steps=grad_accum_steps, rollback=rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
+            rank=rank,
         )  # fmt: skip
 
 

@@ -376,7 +376,10 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
         cm._settle()
         _ck._check_common(meta, path, scheduler)
         targets = _ck._model_targets(path, md, cm.module.state_dict(), strict)
-        pieces = dp.state_pieces()
+        # (a load after the first call but before the first step: the states are made, zeros at
+        # step 0, for the checkpoint's to be read into, when it has any)
+        has_state = any(k.startswith("optimizer.state.") for k in getattr(md, "state_dict_metadata", {}))
+        pieces = dp.state_pieces(create=True) if has_state else dp.state_pieces()
     except (UsageError, FileNotFoundError) as e:
         error = str(e)
     sharded = sharded_state(pieces, dp.group, error)

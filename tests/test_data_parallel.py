@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import shfx
 from shfx.errors import UsageError
-from shfx.runtime.sharding import SHARD_ALIGN, shard_range
+from shfx.passes.sharding import SHARD_ALIGN, shard_range
 
 LR, WD = 1e-2, 0.01
 
@@ -217,8 +217,13 @@ def _against_ddp(
         if "step" in st and float(st["step"]) != float(next(iter(opt.state.values()))["step"]):
             mism.append("optimizer step")
     store = cm._store
+    # the memory ledger's host terms of this rank (passes/ledger.py), held for the whole step
+    led = cm.variant.ledger(rank=rank).static("host")
     counts = dict(
-        host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes,
+        host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes - dp.buffer_bytes,
+        ledger=sum(led.get(t, 0) for t in ("parameter image (whole)", "master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)")),
+        buffers=dp.buffer_bytes,
+        ledger_buffers=sum(led.get(t, 0) for t in ("gradient staging (pinned)", "collective buffers")),
         image=sum(b.numel() for b in store.buffers),
         trainable=sum(g.trainable_numel for g in store.groups),
         shard=sum(hi - lo for lo, hi in store.shards),
@@ -291,7 +296,34 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float) -> dict:
     return dict(step=None, error=None)
 
 
-SCENARIOS = {"ddp": _ddp_suite, "one_process": _against_one_process, "rank_dies": _rank_dies}
+def _checkpoint_resume(rank: int, world: int, ckpt: str) -> dict:
+    """Train 2 steps, save a checkpoint (every rank), train 2 more; then a model with other
+    initial weights loads the checkpoint before its first call and trains the same 2 steps."""
+    def run(seed: int, steps: range, save: bool = False, load: bool = False) -> tuple[dict, dict]:
+        torch.manual_seed(seed)
+        model = _model("gpt_mask")
+        cm = _compile(model, "gpt_mask", 2, data_parallel=shfx.DataParallel(timeout_s=60))
+        if load:
+            cm.load_checkpoint(ckpt)
+        saved: dict = {}
+        for step in steps:
+            if save and step == 2:
+                cm.save_checkpoint(ckpt)
+                saved = {k: {f: (lo, hi, v.clone()) for f, (_, lo, hi, v) in fs.items()} for k, fs in cm.engine.dp.state_pieces().items()}
+            args = _batch("gpt_mask", step, 10 * rank)
+            cm(*args).backward()
+            cm.step()
+            cm.zero_grad()
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        cm.close()
+        return state, saved
+
+    whole, saved = run(0, range(4), save=True)
+    resumed, _ = run(1, range(2, 4), load=True)
+    return dict(whole=whole, resumed=resumed, saved=saved)
+
+
+SCENARIOS = {"ddp": _ddp_suite, "one_process": _against_one_process, "rank_dies": _rank_dies, "checkpoint": _checkpoint_resume}
 
 
 # ---- the tests --------------------------------------------------------------------------------------
@@ -321,7 +353,9 @@ def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: in
         # SHARD_ALIGN elements of padding per group
         for res in per_rank:
             k = res["counts"]
-            assert k["host"] == k["image"] + 16 * k["shard"]
+            assert k["host"] == k["image"] + 16 * k["shard"] == k["ledger"], k
+            # the reused local-gradient and collective buffers: within the ledger's constant terms
+            assert 0 < k["buffers"] <= k["ledger_buffers"], k
         shards = [res["counts"]["shard"] for res in per_rank]
         k = per_rank[0]["counts"]
         assert sum(shards) == k["trainable"]
@@ -348,7 +382,7 @@ def test_two_ranks_match_ddp_bitwise(tmp_path):
     makes rank 0's weights everyone's. Bitwise is
     expected: shfx and DDP both multiply each local gradient by 1/2 (exact) and sum two
     values, ``a/2 + b/2``, which is the same in either order; the sharded AdamW cuts
-    parameters only at multiples of 16 elements (shfx.runtime.sharding), where the fused
+    parameters only at multiples of 16 elements (shfx.passes.sharding), where the fused
     kernel's results do not change."""
     results = _spawn(tmp_path, 2, "ddp", timeout_s=240, configs=DDP_CONFIGS)
     _check_ddp_results(results, DDP_CONFIGS, 2)
@@ -398,6 +432,34 @@ def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
     torch.testing.assert_close(torch.stack(r0["losses"]), torch.stack(r0["ref_losses"]), rtol=1e-6, atol=1e-7)
     for k, v in r0["state"].items():
         torch.testing.assert_close(v, r0["ref_state"][k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
+    """A checkpoint saved by 2 ranks (shfx.dp_checkpoint: each rank writes its ranges of every
+    parameter's AdamW state, one checkpoint as a single process's) resumes on 2 ranks bitwise
+    the run that never stopped, and loads into one process (no data parallel): its AdamW
+    state is every rank's ranges put together, element for element."""
+    ckpt = str(tmp_path / "ckpt")
+    results = _spawn(tmp_path, 2, "checkpoint", timeout_s=240, ckpt=ckpt)
+    for r, res in enumerate(results):
+        for k, v in res["whole"].items():
+            assert torch.equal(v, res["resumed"][k]), (r, k)
+    torch.manual_seed(5)
+    model = _model("gpt_mask")
+    cm = _compile(model, "gpt_mask", 2)
+    cm.load_checkpoint(ckpt)
+    args = _batch("gpt_mask", 0, 0)
+    with torch.no_grad():
+        cm(*args)  # (the first call binds the optimizer and applies the loaded state)
+    params = dict(model.named_parameters())
+    seen = 0
+    for res in results:
+        for key, fields in res["saved"].items():
+            for f, (lo, hi, v) in fields.items():
+                assert torch.equal(cm.optimizer.state[params[key]][f].flatten()[lo:hi], v), (key, f)
+                seen += 1
+    assert seen >= 2 * len([p for p in params.values() if p.requires_grad])
+    cm.close()
 
 
 def test_a_dead_rank_fails_the_others_with_a_clear_error(tmp_path):

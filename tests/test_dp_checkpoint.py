@@ -173,7 +173,7 @@ class FakeDP:
         self.store, self.rank, self.ranks, self.group = store, rank, ranks, dist.group.WORLD
         self.refreshed = 0
 
-    def state_pieces(self):
+    def state_pieces(self, create=False):
         return self.store.pieces
 
     def refresh_masters(self):

@@ -22,13 +22,16 @@ collective, never a hang.
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import ShfxError
-from .sharding import shard_chunk, shard_range
+from shfx.passes.ledger import STAGING_BUFFERS as LOCAL_BUFFERS
+from shfx.passes.sharding import shard_chunk, shard_range
 
 __all__ = ["DataParallelRuntime", "RankLost"]
 
@@ -65,6 +68,17 @@ class DataParallelRuntime:
         self.gather_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
         self.store: Any = None
         self.optimizer: Any = None
+        # NOTE: reused, not allocated per step (pinned allocations are slow on CUDA, and the
+        # memory ledger counts them as a constant): local-gradient buffers sized for the largest
+        # group's padded length, returned after the reduce-scatter (one in flight per group
+        # between its owner's OG and its RS: the owner is a group's last contributor, so a few
+        # at most), and one scratch per collective queue (each runs its collectives in order)
+        self._local_free: list[torch.Tensor] = []
+        self._local_base: dict[int, torch.Tensor] = {}  # data_ptr of a handed-out view -> its buffer
+        self._local_count = 0  # buffers allocated (at most LOCAL_BUFFERS)
+        self._local_cv = threading.Condition()
+        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.buffer_bytes = 0  # host bytes of those buffers (Engine.host_bytes counts them)
 
     # ---- sharding ------------------------------------------------------------------------------
     def shard(self, group: Any) -> tuple[int, int]:
@@ -113,8 +127,11 @@ class DataParallelRuntime:
             # as DDP: grad * (1 / world_size) into the bucket, then a SUM all-reduce
             local[:t].mul_(1.0 / self.ranks)
             local[t:].zero_()
-        out = torch.empty(chunk, dtype=local.dtype)
-        self._run(f"the gradient reduce-scatter {label}", lambda: self._dist.reduce_scatter_tensor(out, local, group=self.reduce_group))
+        out = self._buffer("reduce out", chunk, local.dtype)
+        try:
+            self._run(f"the gradient reduce-scatter {label}", lambda: self._dist.reduce_scatter_tensor(out, local, group=self.reduce_group))
+        finally:
+            self.release_local(local)
         lo, hi = self.shard(grp)
         grad = self.store.grad(g)
         if first:
@@ -129,9 +146,10 @@ class DataParallelRuntime:
         chunk, t = self.chunk(grp), grp.trainable_numel
         lo, hi = self.shard(grp)
         image = store.image_trainable(g)
-        send = torch.zeros(chunk, dtype=image.dtype)
+        send = self._buffer("gather in", chunk, image.dtype)
         send[: hi - lo] = image[lo:hi]
-        out = torch.empty(self.ranks * chunk, dtype=image.dtype)
+        send[hi - lo :].zero_()
+        out = self._buffer("gather out", self.ranks * chunk, image.dtype)
         self._run(f"the weights' all-gather {label}", lambda: self._dist.all_gather_into_tensor(out, send, group=self.gather_group))
         image.copy_(out[:t])
 
@@ -140,8 +158,60 @@ class DataParallelRuntime:
         fp32 elements for :meth:`reduce_grads`."""
         store = self.store
         grp = store.groups[g]
-        # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
-        return store.backend.alloc_host(self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize, store.pin)
+        need = self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize
+        with self._local_cv:
+            # NOTE: at most LOCAL_BUFFERS in flight (the memory ledger's 'gradient staging'): an
+            # OG waits for an RS to give one back. No deadlock: a group's buffer is taken at its
+            # owner's OG, its last gradient contributor, so the RS it waits for (and every RS
+            # before it on the reduce queue) waits only for OGs already done; a reduction stuck on
+            # a lost rank would never give one back, hence the timeout
+            deadline = time.monotonic() + self.timeout_s
+            while not self._local_free and self._local_count >= LOCAL_BUFFERS:
+                if not self._local_cv.wait(max(0.0, deadline - time.monotonic())):
+                    raise RankLost(
+                        f"data parallel: no local gradient buffer came back within DataParallel(timeout_s="
+                        f"{self.timeout_s:g}) on rank {self.rank} of {self.ranks}: the gradient reductions (RS) are stuck; "
+                        "another rank died or failed its step (see its error). Restart the job from the last checkpoint."
+                    )
+            if self._local_free:
+                base = self._local_free.pop()
+            else:
+                size = max(self.ranks * self.chunk(gr) * gr.dtypes.grad.itemsize for gr in store.groups)
+                # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
+                base = store.backend.alloc_host(size, store.pin)
+                self._local_count += 1
+                self.buffer_bytes += base.numel()
+            view = base[:need]
+            self._local_base[view.data_ptr()] = base
+        return view
+
+    def release_local(self, local: torch.Tensor) -> None:
+        """Give back a buffer :meth:`local_grad_buffer` handed out (any view of it starting at
+        its first byte); other tensors are ignored."""
+        with self._local_cv:
+            base = self._local_base.pop(local.data_ptr(), None)
+            if base is not None:
+                self._local_free.append(base)
+                self._local_cv.notify()
+
+    def reclaim(self) -> None:
+        """Every handed-out local buffer back (a step was abandoned: its RS never ran)."""
+        with self._local_cv:
+            self._local_free += self._local_base.values()
+            self._local_base.clear()
+            self._local_cv.notify_all()
+
+    def _buffer(self, what: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The scratch tensor ``what`` of one collective queue, ``numel`` elements (grown when
+        a larger group needs more; each queue runs one collective at a time)."""
+        key = (what, dtype)
+        t = self._scratch.get(key)
+        if t is None or t.numel() < numel:
+            if t is not None:
+                self.buffer_bytes -= t.numel() * t.element_size()
+            t = self._scratch[key] = torch.empty(numel, dtype=dtype)
+            self.buffer_bytes += t.numel() * t.element_size()
+        return t[:numel]
 
     # ---- what checkpoints read and write (shfx.dp_checkpoint's protocol) ----------------------
     def refresh_masters(self) -> None:

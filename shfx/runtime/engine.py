@@ -253,7 +253,8 @@ class Engine:
 
     def host_bytes(self) -> int:
         """Host memory the runtime holds: the host store (weights, gradients), the host
-        optimizer's states, the staging buffers and the buffers borrowed gradients wait in."""
+        optimizer's states, the staging buffers, the buffers borrowed gradients wait in and, under
+        data parallel, the local-gradient and collective buffers."""
         states = 0
         if self.optimizer is not None:
             states = sum(
@@ -267,7 +268,7 @@ class Engine:
             states += self.ssd.host_bytes
         return (
             self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
-            + self.journal.host_bytes
+            + self.journal.host_bytes + (self.dp.buffer_bytes if self.dp is not None else 0)
         )  # fmt: skip
 
     # ---- issuing -----------------------------------------------------------------------------
@@ -855,6 +856,10 @@ class Engine:
         if self.holder is ctx:
             self.holder = None
         ctx.release_all()
+        if self.dp is not None:  # (after the quiesce: the local gradients whose RS never ran)
+            if ctx.accumulation is not None:
+                ctx.accumulation.local.clear()
+            self.dp.reclaim()
 
     def _undo_step(self) -> tuple[list[int], list[int]]:
         """Roll back the current step's updates (the journal's copies) when rollback is on;

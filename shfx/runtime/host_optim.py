@@ -97,7 +97,7 @@ def _spans(
 
 def _clip(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """``(offset, numel)`` spans cut to the elements in ``[lo, hi)`` (a data-parallel shard,
-    :func:`shfx.runtime.sharding.shard_range`: its bounds are multiples of 16 elements from
+    :func:`shfx.passes.sharding.shard_range`: its bounds are multiples of 16 elements from
     every parameter's start, so each piece keeps its elements' positions modulo 16 and the
     update stays bitwise the one over whole parameters)."""
     out = []

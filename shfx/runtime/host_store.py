@@ -11,7 +11,7 @@ per-group gradient state (none / valid) that mirrors ``p.grad is None``.
 
 Data parallel (``dp``, :class:`shfx.runtime.data_parallel.DataParallelRuntime`): every rank
 holds each group's image whole (what a PREFETCH sends; the model's parameters are views of it,
-fp32), but only its shard (:func:`shfx.runtime.sharding.shard_range`, ``[lo, hi)`` of the
+fp32), but only its shard (:func:`shfx.passes.sharding.shard_range`, ``[lo, hi)`` of the
 trainable region) of the fp32 master weights (a buffer of its own), of the gradient, and of the
 optimizer states: 16/N bytes per parameter besides the image. The first call broadcasts the
 image from rank 0 (parameters and buffers, as DDP's constructor does) and the master shards are

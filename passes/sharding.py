@@ -1,14 +1,14 @@
 """The data-parallel sharding rule: which elements of a group's flat buffers a rank owns.
 
-One function decides it for every user (the sharded host store and optimizer, the
-collectives, checkpoints): group ``g``'s trainable region has ``T`` elements (padding
+One function decides it for every user (the memory ledger and planner, the sharded host store
+and optimizer, the collectives, checkpoints): group ``g``'s trainable region has ``T`` elements (padding
 included); ``chunk = ceil(T / N)`` rounded up to a multiple of :data:`SHARD_ALIGN` elements;
 rank ``r`` owns ``[r * chunk, min(T, (r + 1) * chunk))`` (possibly empty: a small group on many
 ranks). The collectives run over ``N * chunk`` elements (the last shard zero-padded).
 
 NOTE: the design's rule is ``chunk = ceil(T / N)``; it is rounded up to 16 elements here because
 ``torch._fused_adamw_`` rounds an element differently in its vector body and its scalar tail
-(:mod:`shfx.runtime.host_optim`): a shard boundary must fall at a multiple of 16 elements from
+(``shfx.runtime.host_optim``): a shard boundary must fall at a multiple of 16 elements from
 the start of every parameter it cuts for the sharded update to be bitwise the one of
 ``torch.optim.AdamW(fused=True)`` over whole parameters. Parameters start 64-byte aligned in a
 group (:data:`shfx.passes.layout.ALIGN`, 16 fp32 elements), so a chunk of a multiple of 16
@@ -25,7 +25,7 @@ elements of padding per group and rank.)
 
 from __future__ import annotations
 
-__all__ = ["SHARD_ALIGN", "shard_chunk", "shard_range"]
+__all__ = ["SHARD_ALIGN", "shard_chunk", "shard_range", "shard_numel"]
 
 #: elements a shard's length is a multiple of (but the last one's): 16 fp32 = one 64-byte cache line
 SHARD_ALIGN = 16
@@ -34,8 +34,8 @@ SHARD_ALIGN = 16
 def shard_chunk(total: int, ranks: int) -> int:
     """Elements per rank of a group of ``total`` trainable elements over ``ranks`` ranks (the
     padded collectives move ``ranks * chunk``)."""
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     if total < 0:
         raise ValueError(f"total must be >= 0, got {total}")
     per = -(-total // ranks)
@@ -50,3 +50,14 @@ def shard_range(total: int, rank: int, ranks: int) -> tuple[int, int]:
     chunk = shard_chunk(total, ranks)
     lo = min(total, rank * chunk)
     return lo, min(total, lo + chunk)
+
+
+def shard_numel(total: int, ranks: int, rank: int = 0) -> int:
+    """Elements rank ``rank`` owns of a group of ``total`` (:func:`shard_range`); rank 0 owns
+    the most, ``min(total, chunk)``.
+
+    >>> shard_numel(100, 2), shard_numel(100, 2, rank=1), shard_numel(20, 4, rank=3)
+    (64, 36, 0)
+    """
+    lo, hi = shard_range(total, rank, ranks)
+    return hi - lo
