@@ -10,7 +10,7 @@ data_parallel=N > 1)`` on its own batches for ``--steps`` steps. Per rank it rep
   AdamW shards, staging and collective buffers), the memory ledger's prediction for one rank
   (``cm.variant.ledger().peak("host")``, the per-rank host terms), and the issue's formula
   ``image + 16 B/param / N`` (fp32: the whole fp32 image every rank holds, plus master,
-  gradient, m and v shards); and the process's RSS growth from before compile to the end;
+  gradient, m and v shards; one rank without data parallel: 16 B/param, the image is the master); and the process's RSS growth from before compile to the end;
 * **step time**: the median of the measured steps after ``--warmup`` (``cm.engine.step_times``:
   first forward of a step -> end of ``cm.step()``), and the samples/s of all ranks together;
 * **predicted step time**: the simulator on the rank's data-parallel program
@@ -154,7 +154,8 @@ def _worker(rank: int, ranks: int, port: int, args: argparse.Namespace, q: Any) 
     row = {
         "rank": rank, "ranks": ranks, "params": nparams,
         "host_bytes": host, "ledger_host_bytes": ledger,
-        "formula_bytes": 4 * nparams + 16 * nparams / ranks,
+        # (one rank: no data parallel, the fp32 image is the master: 16 B/param)
+        "formula_bytes": 16 * nparams if ranks == 1 else 4 * nparams + 16 * nparams / ranks,
         "rss_growth_bytes": rss1 - rss0,
         "step_s": measured[len(measured) // 2] if measured else None,
         "step_iqr_s": [measured[len(measured) // 4], measured[(3 * len(measured)) // 4]] if measured else None,
