@@ -307,6 +307,12 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
         shutil.rmtree(real, ignore_errors=True)
         raise
     # the previous checkpoint, and leftovers of saves that were killed: no longer reachable
+    _remove_leftovers(parent, prefix, real)
+
+
+def _remove_leftovers(parent: str, prefix: str, real: str) -> None:
+    """Remove every ``prefix*`` entry of ``parent`` but the checkpoint directory ``real`` (the
+    previous checkpoints and leftovers of saves that failed or were killed)."""
     for entry in os.listdir(parent):
         full = os.path.join(parent, entry)
         if entry.startswith(prefix) and entry != os.path.basename(real):

@@ -284,13 +284,7 @@ def _atomic_write_group(path: str, write: Callable[[str], None], finish: Callabl
     if box[0][0] != "ok":
         raise RuntimeError(f"rank 0 could not finish the checkpoint at {path!r}: {box[0][1]}; the last checkpoint there is kept")
     if rank == 0:  # the previous checkpoint, and leftovers of saves that failed: no longer reachable
-        for entry in os.listdir(parent):
-            full = os.path.join(parent, entry)
-            if entry.startswith(prefix) and entry != os.path.basename(real):
-                if os.path.islink(full) or not os.path.isdir(full):
-                    os.unlink(full)
-                else:
-                    shutil.rmtree(full, ignore_errors=True)
+        _ck._remove_leftovers(parent, prefix, real)
 
 
 # ---- save and load of a compiled model under data parallel ---------------------------------------------

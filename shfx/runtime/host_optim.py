@@ -128,10 +128,12 @@ def _kernel(
 
 
 
-def copy_state_entries(entries: list, dst: dict[str, torch.Tensor | None]) -> None:
+def copy_state_entries(entries: list, dst: dict[str, torch.Tensor | None], shard: tuple[int, int] | None = None) -> None:
     """Copy torch-format per-parameter states ``[((g, off, n, shape), {name: tensor})]`` into
     flat buffers ``dst`` (``{"exp_avg": m, "exp_avg_sq": v}``; a None buffer is skipped), each
-    parameter's at its offset; a missing or misshapen state raises ``ValueError`` naming it."""
+    parameter's at its offset; a missing or misshapen state raises ``ValueError`` naming it.
+    ``shard``: the buffers hold only elements ``[lo, hi)`` of the group (data parallel): each
+    parameter's part inside it is copied."""
     for (_, off, n, shape), e in entries:
         for name, buf in dst.items():
             if buf is None:
@@ -142,7 +144,13 @@ def copy_state_entries(entries: list, dst: dict[str, torch.Tensor | None]) -> No
                     f"state {name!r} of a parameter of shape {tuple(shape)} is "
                     f"{'missing' if src is None else tuple(src.shape)} in the state dict"
                 )
-            buf[off : off + n].view(shape).copy_(src)
+            if shard is None:
+                buf[off : off + n].view(shape).copy_(src)
+                continue
+            lo, hi = shard
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                buf[a - lo : b - lo].copy_(src.reshape(-1)[a - off : b - off])
 
 class _Batch:
     """One kernel call over pieces of views, then the cast of their masters into the working
@@ -498,20 +506,7 @@ class HostAdamW:
         if getattr(self.store, "sharded", False):
             # data parallel: whole per-parameter states (a checkpoint loaded before the first
             # call), of which this rank keeps its shard's range
-            lo, hi = self.store.shard_of(g)
-            for (_, off, n, shape), e in entries:
-                a, b = max(off, lo), min(off + n, hi)
-                for name, buf in dst.items():
-                    if buf is None:
-                        continue
-                    src = e.get(name)
-                    if src is None or tuple(src.shape) != tuple(shape):
-                        raise ValueError(
-                            f"state {name!r} of a parameter of shape {tuple(shape)} is "
-                            f"{'missing' if src is None else tuple(src.shape)} in the state dict"
-                        )
-                    if a < b:
-                        buf[a - lo : b - lo].copy_(src.reshape(-1)[a - off : b - off])
+            copy_state_entries(entries, dst, shard=self.store.shard_of(g))
             return
         copy_state_entries(entries, dst)
 
