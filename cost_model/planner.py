@@ -655,7 +655,9 @@ def _dp_host(fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | N
         "gradients (fp32)": shard,
         "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * shard,
         "working copy (16-bit)": host["working copy (16-bit)"],
-        "gradient staging (pinned)": _STAGING_BUFFERS * padded * elt,
+        # (+ the store's staging buffer a borrowed, tied, gradient is copied through)
+        "gradient staging (pinned)": _STAGING_BUFFERS * padded * elt
+        + (max(group32[k] for k in counts) if host["pending tied gradient"] else 0),
         DP_COLLECTIVE: padded * elt + 2 * max(chunk.values()) * elt,
         "pending tied gradient": host["pending tied gradient"],
         "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in counts.items()) if rollback else 0,

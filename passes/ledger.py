@@ -417,7 +417,11 @@ def _dp_host_terms(
         out.append(Change("host", DP_COLLECTIVE, "all-gather send chunk", largest_chunk * elt))
         out.append(Change("host", DP_COLLECTIVE, "reduce-scatter output chunk", largest_chunk * elt))
     hg = set(owners)
-    out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
+    pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
+    if pending:  # a borrowed (tied) contribution is copied through the store's staging buffer, then summed
+        largest = max((o.update_bytes for o in owners.values()), default=0)
+        out.append(Change("host", "gradient staging (pinned)", "staging buffer of borrowed gradients", largest))
+    out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for key, nb in pending]
     return [c for c in out if c.nbytes]
 
 
