@@ -55,6 +55,8 @@ class DataParallelRuntime:
         import torch.distributed as dist
 
         self._dist = dist
+        # (torch 2.13 names it all_gather_single and warns on the old name, still there in older ones)
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.ranks = dist.get_world_size(self.group)
@@ -150,7 +152,7 @@ class DataParallelRuntime:
         send[: hi - lo] = image[lo:hi]
         send[hi - lo :].zero_()
         out = self._buffer("gather out", self.ranks * chunk, image.dtype)
-        self._run(f"the weights' all-gather {label}", lambda: self._dist.all_gather_into_tensor(out, send, group=self.gather_group))
+        self._run(f"the weights' all-gather {label}", lambda: self._all_gather(out, send, group=self.gather_group))
         image.copy_(out[:t])
 
     def local_grad_buffer(self, g: int) -> torch.Tensor:
