@@ -129,13 +129,18 @@ class DataParallelRuntime:
             # as DDP: grad * (1 / world_size) into the bucket, then a SUM all-reduce
             local[:t].mul_(1.0 / self.ranks)
             local[t:].zero_()
-        out = self._buffer("reduce out", chunk, local.dtype)
+        lo, hi = self.shard(grp)
+        grad = self.store.grad(g)
+        # the first micro-step's chunk lands in the shard itself (a whole chunk: all ranks but
+        # the last when T does not divide); later ones are added from a scratch
+        direct = first and hi - lo == chunk
+        out = grad if direct else self._buffer("reduce out", chunk, local.dtype)
         try:
             self._run(f"the gradient reduce-scatter {label}", lambda: self._dist.reduce_scatter_tensor(out, local, group=self.reduce_group))
         finally:
             self.release_local(local)
-        lo, hi = self.shard(grp)
-        grad = self.store.grad(g)
+        if direct:
+            return
         if first:
             grad.copy_(out[: hi - lo])
         else:
@@ -148,9 +153,12 @@ class DataParallelRuntime:
         chunk, t = self.chunk(grp), grp.trainable_numel
         lo, hi = self.shard(grp)
         image = store.image_trainable(g)
-        send = self._buffer("gather in", chunk, image.dtype)
-        send[: hi - lo] = image[lo:hi]
-        send[hi - lo :].zero_()
+        if hi - lo == chunk:  # a whole chunk is sent from the image as it is
+            send = image[lo:hi]
+        else:  # (the last rank's short one, zero-padded)
+            send = self._buffer("gather in", chunk, image.dtype)
+            send[: hi - lo] = image[lo:hi]
+            send[hi - lo :].zero_()
         out = self._buffer("gather out", self.ranks * chunk, image.dtype)
         self._run(f"the weights' all-gather {label}", lambda: self._all_gather(out, send, group=self.gather_group))
         image.copy_(out[:t])
