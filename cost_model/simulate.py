@@ -365,6 +365,16 @@ class _Copy:
         self.remaining = nbytes
 
 
+def _check_duplex_latency(links: Links, prefix: str, full: str) -> None:
+    """``links.<prefix>duplex`` in (0, 1] (1.0: ``full``) and ``links.<prefix>latency_s >= 0``
+    (the host link's, the network's or the SSD's)."""
+    duplex, latency = getattr(links, f"{prefix}duplex"), getattr(links, f"{prefix}latency_s")
+    if not (0 < duplex <= 1):
+        raise SimulationError(f"links.{prefix}duplex must be in (0, 1] (1.0: {full}), got {duplex!r}")
+    if not (latency >= 0 and math.isfinite(latency)):
+        raise SimulationError(f"links.{prefix}latency_s must be >= 0, got {latency!r}")
+
+
 def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCost], Links, int]:
     if not isinstance(program, Program):
         raise SimulationError(f"simulate() needs a shfx.passes.program.Program, got {type(program).__name__}")
@@ -387,10 +397,7 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
         bw = getattr(links, name)
         if bw is not None and not (bw > 0 and math.isfinite(bw)):
             raise SimulationError(f"links.{name} must be > 0 bytes/s or None (instantaneous), got {bw!r}")
-    if not (0 < links.duplex <= 1):
-        raise SimulationError(f"links.duplex must be in (0, 1] (1.0: full duplex), got {links.duplex!r}")
-    if not (links.latency_s >= 0 and math.isfinite(links.latency_s)):
-        raise SimulationError(f"links.latency_s must be >= 0, got {links.latency_s!r}")
+    _check_duplex_latency(links, "", "full duplex")
     ranks = getattr(program, "ranks", 1)
     if ranks > 1:
         bw = getattr(links, "net_bps", None)
@@ -400,10 +407,7 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
                 f"{bw!r}: give the ring's slowest link, Links(..., net_bps=2.8e9, net_latency_s=25e-6) (a Hardware "
                 "through hardware.with_data_parallel and analytic.links_of)"
             )
-        if not (0 < links.net_duplex <= 1):
-            raise SimulationError(f"links.net_duplex must be in (0, 1] (1.0: the two collective queues do not slow each other), got {links.net_duplex!r}")
-        if not (links.net_latency_s >= 0 and math.isfinite(links.net_latency_s)):
-            raise SimulationError(f"links.net_latency_s must be >= 0, got {links.net_latency_s!r}")
+        _check_duplex_latency(links, "net_", "the two collective queues do not slow each other")
     ssd = getattr(program, "ssd_groups", None)
     if ssd:
         for name in ("ssd_read_bps", "ssd_write_bps"):
@@ -414,10 +418,7 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
                     f"links.{name} is {bw!r}: give the drive's bandwidth, Links(..., ssd_read_bps=3e9, ssd_write_bps=2e9) "
                     "(a Hardware profile's ssd_read_bps/ssd_write_bps through analytic.links_of)"
                 )
-        if not (0 < links.ssd_duplex <= 1):
-            raise SimulationError(f"links.ssd_duplex must be in (0, 1] (1.0: reads and writes do not slow each other), got {links.ssd_duplex!r}")
-        if not (links.ssd_latency_s >= 0 and math.isfinite(links.ssd_latency_s)):
-            raise SimulationError(f"links.ssd_latency_s must be >= 0, got {links.ssd_latency_s!r}")
+        _check_duplex_latency(links, "ssd_", "reads and writes do not slow each other")
     table: dict[int, StageCost] = {}
     for spec in program.stages:
         try:

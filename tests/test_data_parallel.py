@@ -60,15 +60,16 @@ def _main(rank: int, world: int, port: int, scenario: str, out: str, kw: dict) -
     os._exit(0)
 
 
-def _spawn(tmp_path: Path, world: int, scenario: str, timeout_s: float, **kw) -> list:
-    """Run ``scenario`` on ``world`` spawned ranks; every rank must finish within ``timeout_s``
-    (else all are killed and the test fails: a hang) and exit cleanly; returns their results."""
+def _start(tmp_path: Path, world: int, scenario: str, limit_s: float, kw: dict) -> tuple[list, dict]:
+    """Start ``scenario`` on ``world`` spawned ranks and wait at most ``limit_s`` for them all;
+    a rank still running then is killed and the test fails (a hang). Returns the processes and
+    the ranks' errors."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_main, args=(r, world, port, scenario, str(tmp_path), kw), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + limit_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -77,7 +78,14 @@ def _spawn(tmp_path: Path, world: int, scenario: str, timeout_s: float, **kw) ->
             p.kill()
             p.join(10)
     errors = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(world) if (tmp_path / f"rank{r}.err").exists()}
-    assert not hung, f"ranks {hung} still ran after {timeout_s} s (a hang) and were killed; errors: {errors}"
+    assert not hung, f"ranks {hung} still ran after {limit_s} s (a hang) and were killed; errors: {errors}"
+    return procs, errors
+
+
+def _spawn(tmp_path: Path, world: int, scenario: str, timeout_s: float, **kw) -> list:
+    """Run ``scenario`` on ``world`` spawned ranks; every rank must finish within ``timeout_s``
+    (else all are killed and the test fails: a hang) and exit cleanly; returns their results."""
+    procs, errors = _start(tmp_path, world, scenario, timeout_s, kw)
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
     assert [p.exitcode for p in procs] == [0] * world
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
@@ -482,23 +490,8 @@ def test_a_stalled_rank_times_out_with_a_clear_error(tmp_path):
 
 def _spawn_allow_exit(tmp_path: Path, how: str, timeout_s: float, limit_s: float) -> tuple:
     """:func:`_spawn` where rank 1 leaves on purpose (no result; exit code 1 for ``"exit"``)."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    kw = dict(how=how, timeout_s=timeout_s)
-    procs = [ctx.Process(target=_main, args=(r, 2, port, "rank_dies", str(tmp_path), kw), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + limit_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    assert not hung, f"ranks {hung} still ran after {limit_s} s (a hang) and were killed"
-    err = tmp_path / "rank0.err"
-    assert not err.exists(), err.read_text()
+    procs, errors = _start(tmp_path, 2, "rank_dies", limit_s, dict(how=how, timeout_s=timeout_s))
+    assert 0 not in errors, errors[0]
     assert procs[0].exitcode == 0
     assert procs[1].exitcode == (1 if how == "exit" else 0)
     return torch.load(tmp_path / "rank0.pt", weights_only=False), procs[1].exitcode

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 
 import pytest
+import zoo
 
 from shfx.cost_model.analytic import links_of, repeat_blocks
 from shfx.cost_model.costs import CostTable, Links, StageCost, ring_collective_s
@@ -298,8 +299,6 @@ import torch  # noqa: E402
 
 from shfx.cost_model.planner import Target, largest_trainable, memory_for_model, memory_model, plan  # noqa: E402
 from shfx.models import GPT, GPTShape  # noqa: E402
-from shfx.passes.capture import capture_model  # noqa: E402
-from shfx.passes.partition import partition_stages  # noqa: E402
 from shfx.passes.pipeline import build_programs  # noqa: E402
 from shfx.passes.policies import make_policy  # noqa: E402
 
@@ -312,16 +311,8 @@ SMALL = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64)
 @pytest.fixture(scope="module")
 def template():
     """A captured two-block GPT (meta device) whose block stage repeat_blocks copies to any depth."""
-
-    def capture(fam: GPTShape):
-        cfg = GPTShape(vocab=fam.vocab, seq=fam.seq, layers=2, heads=fam.heads, hidden=fam.hidden)
-        with torch.device("meta"):
-            model = GPT(cfg)
-            idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
-        return partition_stages(capture_model(model, (idx, idx)), model=model)
-
     # vocab 512: the tail's slot is larger than a block's; hidden 33: groups not multiples of N
-    return {fam: capture(fam) for fam in (SMALL, GPTShape(hidden=33, heads=3, seq=16, batch=2, vocab=512))}
+    return {fam: zoo.capture_gpt_template(fam) for fam in (SMALL, GPTShape(hidden=33, heads=3, seq=16, batch=2, vocab=512))}
 
 
 def test_closed_form_is_the_ledger_with_data_parallel(template):

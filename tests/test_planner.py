@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import zoo
 import torch
 import torch.nn.functional as F
 
@@ -24,8 +25,6 @@ from shfx.cost_model.planner import (
     plan,
     plan_for_model,
 )
-from shfx.passes.capture import capture_model
-from shfx.passes.partition import partition_stages
 from shfx.passes.schedule import cold_backward_program, eval_program
 from shfx.models import GPT, GPTShape
 
@@ -164,16 +163,8 @@ def test_zero_infinity_spills_to_ssd():
 @pytest.fixture(scope="module")
 def template():
     """A captured two-block GPT (meta device) whose block stage repeat_blocks copies to any depth."""
-
-    def capture(fam: GPTShape):
-        cfg = GPTShape(vocab=fam.vocab, seq=fam.seq, layers=2, heads=fam.heads, hidden=fam.hidden)
-        with torch.device("meta"):
-            model = GPT(cfg)
-            idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
-        return partition_stages(capture_model(model, (idx, idx)), model=model)
-
     # vocab 512 > 12h + 11: the tail's slot (with the tied embedding) is larger than a block's
-    return {fam: capture(fam) for fam in (SMALL, GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=512))}
+    return {fam: zoo.capture_gpt_template(fam) for fam in (SMALL, GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=512))}
 
 
 def _program_layout(policy, specs, window, k):

@@ -162,3 +162,17 @@ ZOO = {
     "bn_net": (BNNet, vector_batch),
     "hf_style": (HFStyleLM, hf_batch),
 }
+
+
+def capture_gpt_template(fam: GPTShape):
+    """A two-block GPT of ``fam``'s vocab, seq, heads and hidden, captured on the meta device and
+    partitioned: the template ``shfx.cost_model.analytic.repeat_blocks`` copies to any depth
+    (the planner's closed form is tested against it)."""
+    from shfx.passes.capture import capture_model
+    from shfx.passes.partition import partition_stages
+
+    cfg = GPTShape(vocab=fam.vocab, seq=fam.seq, layers=2, heads=fam.heads, hidden=fam.hidden)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    return partition_stages(capture_model(model, (idx, idx)), model=model)
