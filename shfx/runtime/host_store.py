@@ -99,9 +99,8 @@ class HostStore:
                 raise ValueError(f"data parallel keeps fp32 groups only; groups {mixed} have a 16-bit image")
             dp.broadcast(self.buffers)  # every rank starts from rank 0's weights and buffers
             self.shards = [dp.shard(g) for g in self.groups]
-            for g, (lo, hi) in zip(self.groups, self.shards):
-                image = self.buffers[g.index][: g.trainable_bytes].view(g.dtypes.master)
-                self.master_shards.append(image[lo:hi].clone())
+            self.master_shards = [torch.empty(hi - lo, dtype=g.dtypes.master) for g, (lo, hi) in zip(self.groups, self.shards)]
+            self.refresh_working()  # the master shards from the image
         self._grads: list[torch.Tensor | None] = [None] * len(self.groups)
         self.grad_state = [GRAD_NONE] * len(self.groups)
         self._staging_free: list[torch.Tensor] = []
