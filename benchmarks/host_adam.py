@@ -137,6 +137,8 @@ class Others:
 def wait_quiet(max_wait_s: float, share: float = QUIET_SHARE, window_s: float = 1.0) -> float | None:
     """Wait (up to ``max_wait_s``) for a ``window_s`` window in which other processes use less than
     ``share`` of the CPUs; return the share seen last."""
+    if max_wait_s <= 0:  # --wait-quiet 0: do not wait (and do not sample a second either)
+        return None
     deadline = time.perf_counter() + max_wait_s
     mon = Others()
     while True:
@@ -615,7 +617,10 @@ def measure_copy(n: int, args, bound: float) -> dict[str, Any]:
     for g in groups:  # creates the states (and the batches of the working copy's update)
         host.update(g, hp)
     sts = [host.state[g] for g in groups]
-    assert all(st.batches is not None for st in sts)
+    # the update's batches: per parameter group now (_State.pgs: (index, views, batches)); the
+    # model here has one parameter group, so one list of batches per group
+    batches = [[b for _, _, bs in st.pgs for b in (bs or [])] for st in sts]
+    assert all(st.pgs and all(bs is not None for _, _, bs in st.pgs) for st in sts)
     chunks = [c for c in (parse_elements(x) for x in args.copy_chunks.split(",") if x.strip()) if c != CHUNK]
     plans = {c: [_plan(st.views, [st.step] * len(st.views[0]), st.working, c) for st in sts] for c in chunks}
 
@@ -645,9 +650,9 @@ def measure_copy(n: int, args, bound: float) -> dict[str, Any]:
             host.update(g, hp)
 
     nocopy = []  # the update's batches without their casts: what cutting the kernel call costs
-    for st in sts:
+    for bs in batches:
         nocopy.append([])
-        for b in st.batches:
+        for b in bs:
             nb = _Batch(len(b.lists))
             nb.lists = b.lists
             nocopy[-1].append(nb)
@@ -682,7 +687,7 @@ def measure_copy(n: int, args, bound: float) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "chunk_default": CHUNK,
         "views_per_group": len(sts[0].views[0]),
-        "kernel_calls_per_group": {fused_name: len(sts[0].batches),
+        "kernel_calls_per_group": {fused_name: len(batches[0]),
                                    **{f"fused chunk={fmt_chunk(c)}": len(plans[c][0]) for c in chunks}},
         "bytes_per_param": nbytes,
         "rounds": len(others),
@@ -835,6 +840,8 @@ def main() -> None:
     ap.add_argument("--config-sizes", default="10M,100M", help="sizes for the config sweep")
     ap.add_argument("--skip-configs", action="store_true")
     ap.add_argument("--bw-elements", type=parse_size, default=1 << 26, help="elements per array for the bandwidth test (3 arrays)")
+    ap.add_argument("--bw-reps", type=int, default=5, help="quiet rounds wanted for the bandwidth and in-cache runs")
+    ap.add_argument("--bw-max-rounds", type=int, default=12, help="most rounds of the bandwidth and in-cache runs")
     ap.add_argument("--cache-params", type=parse_size, default=parse_size("1M"),
                     help="params for the in-cache AdamW run (16 B each; keep it inside the last-level cache)")
     ap.add_argument("--copy-sizes", default="10M,100M", help="sizes for section 5, AdamW with the bf16 working copy ('' to skip)")
@@ -860,12 +867,12 @@ def main() -> None:
           f"{cores} intra-op threads, load {info['loadavg_at_start']}")
 
     wait_quiet(args.wait_quiet)
-    bw = bandwidth(args.bw_elements, threads, reps=5, max_rounds=12)
+    bw = bandwidth(args.bw_elements, threads, reps=args.bw_reps, max_rounds=args.bw_max_rounds)
     bound = bw["best_gbs"]
     print(f"\nmemory bandwidth, {3 * 4 * args.bw_elements / 2**20:.0f} MiB working set, median GB/s, {quiet_note(bw)}:")
     for k, v in bw["kernels"].items():
         print(f"  {k:40s} " + "  ".join(f"{t} thr {v[f'threads={t}']['gbs_median']:6.1f}" for t in threads))
-    cache = adam_in_cache(args.cache_params, threads, reps=5, max_rounds=12)
+    cache = adam_in_cache(args.cache_params, threads, reps=args.bw_reps, max_rounds=args.bw_max_rounds)
     print(f"  bound for AdamW: best {bound:.1f} GB/s / {BYTES_PER_PARAM} B = {bound / BYTES_PER_PARAM * 1e3:.0f} Mparam/s "
           f"(STREAM triad alone: {bw['stream_triad_gbs'] / BYTES_PER_PARAM * 1e3:.0f} Mparam/s)")
     print(f"  AdamW in cache ({args.cache_params / 1e6:g}M params, {16 * args.cache_params / 2**20:.0f} MiB; compute ceiling; "
