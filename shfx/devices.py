@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from shfx.passes.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
@@ -20,6 +21,12 @@ class EmulatedDevice:
         h2d, d2h: link bandwidth per direction, e.g. ``"12GB/s"``; ``None``/``"inf"`` = unthrottled.
         duplex: fraction of its one-way bandwidth each direction keeps while the other direction
             is also copying (1.0: full duplex; 0.5: the link is shared equally).
+        cuda_like: run with CUDA's execution model (``shfx.runtime.emulated``): the issuing
+            thread only launches, each copy stream is a queue that moves the bytes later, events
+            are recorded and waited on per stream, and the host waits only where the program says
+            so; a host wait in the issuing path then shows as lost overlap, as on a GPU. Default:
+            the environment variable ``SHFX_CUDA_LIKE=1``, else off (copy tasks run whole on
+            their stream's thread).
 
     What it covers: the slot pool, stage-boundary activations and their gradients, user
     inputs, and the buffers the runtime allocates. It does not see temporaries inside one
@@ -33,8 +40,11 @@ class EmulatedDevice:
     h2d: float | str | None = "25GB/s"
     d2h: float | str | None = "25GB/s"
     duplex: float = 1.0
+    cuda_like: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.cuda_like is None:
+            object.__setattr__(self, "cuda_like", os.environ.get("SHFX_CUDA_LIKE", "") not in ("", "0"))
         parse_bytes(self.memory, what="EmulatedDevice memory", positive=True)
         parse_bandwidth(self.h2d, what="EmulatedDevice h2d bandwidth")
         parse_bandwidth(self.d2h, what="EmulatedDevice d2h bandwidth")
@@ -60,7 +70,8 @@ class EmulatedDevice:
     def __str__(self) -> str:
         return (
             f"emulated device ({format_bytes(self.memory_bytes)}, h2d {format_bandwidth(self.h2d_bps)}, "
-            f"d2h {format_bandwidth(self.d2h_bps)}" + (f", duplex {self.duplex}" if self.duplex != 1.0 else "") + ")"
+            f"d2h {format_bandwidth(self.d2h_bps)}" + (f", duplex {self.duplex}" if self.duplex != 1.0 else "")
+            + (", CUDA-like" if self.cuda_like else "") + ")"
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from shfx.passes.units import format_bytes
 
 from ..errors import OutOfDeviceMemory
-from .streams import PoolStream, WorkerStream, single_omp_thread
+from .streams import DeviceStream, PoolStream, WorkerStream, single_omp_thread
 
 __all__ = ["Backend", "MemoryEvent"]
 
@@ -202,6 +203,34 @@ class Backend:
 
     def synchronize(self) -> None:
         pass
+
+    # ---- CUDA's execution model (shfx.runtime.streams.DeviceStream) -----------------------------
+    def stamp(self) -> Any:
+        """A time stamp of the point the calling task has reached: a host clock reading in host
+        work and where device work runs as it is launched; on a device stream that queues its
+        work (CUDA, the emulated CUDA-like copies), a record the device takes when it gets there.
+        :meth:`stamp_times` turns stamps into host ``perf_counter`` seconds."""
+        return time.perf_counter()
+
+    def stamp_times(self, stamps: list[Any]) -> list[float]:
+        """Host ``perf_counter`` seconds of ``stamps`` (waits for the device to reach them)."""
+        return [float(s) for s in stamps]
+
+    def _device_streams(self) -> list[Any]:
+        return [s for s in (self.compute, self.h2d, self.d2h) if isinstance(s, DeviceStream)]
+
+    @property
+    def host_syncs(self) -> int:
+        """Host waits for device work from the issuing thread (the user's), over all streams
+        with CUDA's execution model (0 on the emulated device's default mode)."""
+        return sum(s.host_syncs for s in self._device_streams())
+
+    @property
+    def deferred_launches(self) -> int:
+        """Device tasks launched by a stream's launcher thread because a dependency was host work
+        not done yet (or device work not launched): what would have been a host wait in the
+        issuing path."""
+        return sum(s.deferred for s in self._device_streams())
 
     def unthrottled(self) -> contextlib.AbstractContextManager[None]:
         """Copies in the block run at the device's full speed (the emulated device's pacing is

@@ -1,83 +1,88 @@
 """The CUDA backend: torch.cuda streams and events, pinned host memory, async copies.
 
-Device streams are issued from the calling thread: an action's Python runs at issue time and
-enqueues GPU work on its stream, after making the stream wait (``wait_event``) for every
-dependency recorded on another stream; its completion is a CUDA event recorded right after.
-A dependency on host work (gradient accumulation, an optimizer update) is waited for on the
-host before the dependent is issued. Compute runs on the caller's current stream, so user
-code before and after the model call is ordered with it as in eager PyTorch; copies run on
-two dedicated streams.
+Device streams follow :class:`shfx.runtime.streams.DeviceStream`: an action's Python runs when it
+is launched and enqueues GPU work on its stream, after the stream waits on the device
+(``wait_event``) for every dependency recorded on another stream; its completion is a CUDA event
+recorded right after (blocking events: a host wait sleeps instead of spinning, so a waiting
+thread leaves the cores to the host optimizer). A dependency on host work not done yet (a
+gradient accumulation, an optimizer update) never blocks the issuing thread: the action and the
+later work of that stream are launched by the stream's launcher thread once it is done, so only
+that stream waits. Compute runs on the caller's current stream (taken when the action is
+issued), so user code before and after the model call is ordered with it as in eager PyTorch;
+copies run on two dedicated streams.
+
+Stage times come from CUDA events (:meth:`CudaBackend.stamp`), not from the host clock around a
+launch. Pinned host memory is allocated at its exact size (page-rounded): ordinary memory
+registered with ``cudaHostRegister`` (:mod:`shfx.runtime.pinned`), not the caching host
+allocator, which rounds each block up to a power of two.
 
 Steady state allocates nothing: slots and host buffers are allocated once; events are small
 host objects.
+
+NOTE: no ``record_stream`` is needed: a copy stream reads and writes on the device only slot
+and gradient-buffer memory the backend allocated once (:meth:`CudaBackend.alloc_device`) and
+whose reuse the program orders with RELEASE dependencies; no tensor the caching allocator could
+hand to another stream crosses streams (``tests/test_cuda_like.py`` checks this on the emulated
+device's CUDA-like mode).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..devices import CudaDevice
+from . import pinned
 from .backend import Backend
-from .streams import JoinToken, Token, skipped
+from .streams import DeviceStream, DeviceToken, current_device_stream
 
-__all__ = ["CudaBackend", "CudaToken", "CudaStream"]
-
-
-class CudaToken(Token):
-    """Completion of GPU work: a CUDA event recorded after it."""
-
-    __slots__ = ("event",)
-
-    def __init__(self, event: torch.cuda.Event, label: str = ""):
-        super().__init__(label)
-        self.event = event
-
-    def wait(self) -> None:
-        self.event.synchronize()
-
-    @property
-    def is_done(self) -> bool:
-        return bool(self.event.query())
+__all__ = ["CudaBackend", "CudaStream", "new_event"]
 
 
-def _stream_wait(stream: torch.cuda.Stream, tok: Token) -> None:
-    if isinstance(tok, CudaToken):
-        stream.wait_event(tok.event)
-    elif isinstance(tok, JoinToken):
-        for p in tok.parts:
-            _stream_wait(stream, p)
-    else:  # host work: wait on the host before issuing
-        tok.wait()
-        if tok.error is not None:
-            raise skipped(tok)
+def new_event(timing: bool = False) -> torch.cuda.Event:
+    """A CUDA event that a host wait sleeps on (``blocking=True``) rather than spins."""
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
 
 
-class CudaStream:
-    """A CUDA stream (``None``: the caller's current stream at issue time)."""
+class CudaStream(DeviceStream):
+    """A CUDA stream (``None``: the caller's current stream when the action is issued)."""
 
     def __init__(self, name: str, device: torch.device, stream: torch.cuda.Stream | None):
-        self.name = name
+        super().__init__(name)
         self.device = device
         self.stream = stream
 
     def current(self) -> torch.cuda.Stream:
         return self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
 
-    def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
-        s = self.current()
-        for d in deps:
-            _stream_wait(s, d)
-        with torch.cuda.stream(s):
-            fn()
-        ev = torch.cuda.Event()
-        ev.record(s)
-        return CudaToken(ev, label)
+    def _capture(self) -> torch.cuda.Stream:
+        return self.current()
 
-    def close(self) -> None:
-        pass
+    def _wait_on(self, dep: DeviceToken, ctx: torch.cuda.Stream) -> None:
+        ctx.wait_event(dep.marker)
+
+    def _run(self, fn: Callable[[], None], ctx: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(ctx):
+            fn()
+
+    def _record(self, ctx: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = new_event()
+        ev.record(ctx)
+        return ev
+
+    def stamp(self) -> torch.cuda.Event:
+        ev = new_event(timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait_marker(self, marker: torch.cuda.Event) -> None:
+        marker.synchronize()
+
+    def marker_done(self, marker: torch.cuda.Event) -> bool:
+        return bool(marker.query())
 
 
 class CudaBackend(Backend):
@@ -98,6 +103,7 @@ class CudaBackend(Backend):
         self.compute = CudaStream("compute", self.device, None)
         self.h2d = CudaStream("h2d", self.device, torch.cuda.Stream(self.device))
         self.d2h = CudaStream("d2h", self.device, torch.cuda.Stream(self.device))
+        self.pinned = pinned.PinnedAllocator()
 
     def describe(self) -> str:
         return f"{torch.cuda.get_device_name(self.device)} ({self.spec})"
@@ -111,9 +117,14 @@ class CudaBackend(Backend):
             raise
 
     def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        t.zero_()
-        return t
+        if pin:
+            return self.pinned.alloc(nbytes)  # zeroed, exact size (page-rounded)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this backend pinned (page-rounded sizes of live buffers)."""
+        return self.pinned.live_bytes
 
     def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.count_copy("h2d", src.numel() * src.element_size())
@@ -134,3 +145,24 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    # ---- time stamps: CUDA events, resolved to the host clock when read ----------------------
+    def stamp(self) -> Any:
+        s = current_device_stream()
+        return s.stamp() if s is not None else time.perf_counter()
+
+    def stamp_times(self, stamps: list[Any]) -> list[float]:
+        events = [s for s in stamps if isinstance(s, torch.cuda.Event)]
+        if not events:
+            return [float(s) for s in stamps]
+        for ev in events:
+            ev.synchronize()
+        now = new_event(timing=True)
+        now.record(torch.cuda.current_stream(self.device))
+        now.synchronize()
+        t_now = time.perf_counter()
+        return [t_now - s.elapsed_time(now) / 1e3 if isinstance(s, torch.cuda.Event) else float(s) for s in stamps]
+
+    def close(self) -> None:
+        super().close()
+        self.pinned.close()

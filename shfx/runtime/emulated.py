@@ -5,24 +5,111 @@ stream is a worker thread with a FIFO; events are host events. A copy takes
 ``max(real memcpy, bytes / bandwidth)``; while both directions copy, each keeps
 ``duplex`` of its bandwidth. It runs every schedule on a machine with no accelerator and
 gives the simulator a ground truth with known link speeds.
+
+In its CUDA-like mode (``EmulatedDevice(cuda_like=True)``) the streams follow CUDA's execution
+model through the same :class:`shfx.runtime.streams.DeviceStream` logic as the CUDA backend: a
+copy task's Python runs when it is launched, on the issuing thread, and each copy in it is
+enqueued on the stream's queue (a worker thread that moves the bytes later, after the waits the
+launch recorded); a token is launched at once and done when the queue reaches its record; time
+stamps are taken when the queue reaches them. Compute still runs where it is launched (the CPU
+is the device): a compute launch waits on the host for the copies it depends on, as the GPU
+would. So a host wait in the issuing path, a timing taken at launch or a per-step
+synchronization shows here as it would on a GPU: as lost overlap, wrong stage times, or a
+counted host sync (``backend.host_syncs``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..devices import EmulatedDevice
 from .backend import Backend
-from .streams import InlineStream, WorkerStream, single_omp_thread
+from .streams import DeviceStream, DeviceToken, InlineStream, Token, WorkerStream, current_device_stream, single_omp_thread
 
 __all__ = ["EmulatedBackend"]
 
 _CHUNK = 4 << 20  # bytes copied between pacing checks
+
+
+class _Stamp:
+    """A time stamp a stream's queue takes when it reaches it."""
+
+    __slots__ = ("t", "token")
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+        self.token: Token | None = None
+
+    def take(self) -> None:
+        self.t = time.perf_counter()
+
+
+class _CopyStream(DeviceStream):
+    """A copy stream in the CUDA-like mode: tasks are launched on the issuing thread (their
+    Python runs there); the backend's copies inside enqueue their bytes' movement on ``queue``,
+    a worker thread, after the device-side waits of the launch."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.queue = WorkerStream(name, setup=single_omp_thread)
+        self._waits = threading.local()
+
+    def _take_waits(self) -> list[Token]:
+        w = getattr(self._waits, "list", None) or []
+        self._waits.list = []
+        return w
+
+    def _wait_on(self, dep: DeviceToken, ctx: Any) -> None:
+        if not hasattr(self._waits, "list"):
+            self._waits.list = []
+        self._waits.list.append(dep)
+
+    def enqueue(self, op: Callable[[], None], label: str = "") -> Token:
+        return self.queue.submit(op, self._take_waits(), label)
+
+    def _record(self, ctx: Any) -> Token:
+        return self.enqueue(lambda: None, "record")
+
+    def stamp(self) -> _Stamp:
+        st = _Stamp()
+        st.token = self.enqueue(st.take, "stamp")
+        return st
+
+    def wait_marker(self, marker: Token) -> None:
+        marker.wait()
+
+    def marker_done(self, marker: Token) -> bool:
+        return marker.is_done
+
+    def close(self) -> None:
+        super().close()
+        self.queue.close()
+
+
+class _ComputeStream(DeviceStream):
+    """The compute stream in the CUDA-like mode: a task runs where it is launched (the CPU is
+    the device), after waiting for the device work it depends on."""
+
+    def _wait_on(self, dep: DeviceToken, ctx: Any) -> None:
+        dep.device_wait()
+
+    def _record(self, ctx: Any) -> None:
+        return None  # done when launched
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def wait_marker(self, marker: Any) -> None:
+        pass
+
+    def marker_done(self, marker: Any) -> bool:
+        return True
 
 
 class EmulatedBackend(Backend):
@@ -43,9 +130,15 @@ class EmulatedBackend(Backend):
         # NOTE: compute runs on the caller's thread and its OpenMP pool; copy threads get one
         # OpenMP thread each, so the process keeps a single multi-threaded pool (see
         # streams.single_omp_thread for why that matters).
-        self.compute = InlineStream("compute")
-        self.h2d = WorkerStream("h2d", setup=single_omp_thread)
-        self.d2h = WorkerStream("d2h", setup=single_omp_thread)
+        self.cuda_like = bool(self.spec.cuda_like)
+        if self.cuda_like:
+            self.compute = _ComputeStream("compute")
+            self.h2d = _CopyStream("h2d")
+            self.d2h = _CopyStream("d2h")
+        else:
+            self.compute = InlineStream("compute")
+            self.h2d = WorkerStream("h2d", setup=single_omp_thread)
+            self.d2h = WorkerStream("d2h", setup=single_omp_thread)
         torch.set_num_threads(cores)
 
     def describe(self) -> str:
@@ -68,9 +161,17 @@ class EmulatedBackend(Backend):
 
     def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         n = src.numel() * src.element_size()
-        bw = self._bw[direction]
         self.count_copy(direction, n)
-        if bw is None or not self.throttle:
+        s = current_device_stream()
+        if isinstance(s, _CopyStream):  # CUDA-like: the bytes move when the stream's queue gets there
+            throttle = self.throttle
+            s.enqueue(lambda: self._move(direction, dst, src, n, throttle), f"{direction} copy")
+        else:
+            self._move(direction, dst, src, n, self.throttle)
+
+    def _move(self, direction: str, dst: torch.Tensor, src: torch.Tensor, n: int, throttle: bool) -> None:
+        bw = self._bw[direction]
+        if bw is None or not throttle:
             dst.copy_(src)
             return
         other = "d2h" if direction == "h2d" else "h2d"
@@ -98,6 +199,19 @@ class EmulatedBackend(Backend):
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" else t.cpu()
+
+    def stamp(self) -> Any:
+        s = current_device_stream()
+        return s.stamp() if s is not None else time.perf_counter()
+
+    def stamp_times(self, stamps: list[Any]) -> list[float]:
+        out = []
+        for st in stamps:
+            if isinstance(st, _Stamp):
+                st.token.wait()
+                st = st.t
+            out.append(st)
+        return out
 
     def get_rng_state(self) -> Any:
         return torch.get_rng_state()

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shfx.cost_model.trace import Event
 from shfx.passes.actions import KINDS
 from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
@@ -47,7 +46,8 @@ from .host_store import GRAD_NONE, GRAD_VALID, HostStore
 from .journal import StepJournal
 from .slots import SlotPool
 from .ssd_window import SSDWindow
-from .streams import Cancelled, DependencyFailed, DoneToken, JoinToken, Token, root_cause
+from .streams import Cancelled, DependencyFailed, DeviceToken, DoneToken, JoinToken, Token, root_cause
+from .tracing import StepTrace
 
 __all__ = ["Engine", "StepContext", "MemoryEvent"]
 
@@ -164,7 +164,7 @@ class Engine:
         self.holder: StepContext | None = None  # context whose stages are resident
         self.backward_calls = 0
         self.pending_updates: list[tuple[str, Token]] = []
-        self.trace: list[Event] = []  # the last step's actions (shfx.cost_model.trace)
+        self.trace = StepTrace(backend)  # the last step's actions (shfx.cost_model.trace.Event), device-timed
         self.tracing = True
         # "early-stop": forward records the graph (checkpoint), backward recomputes only what it
         # needs; "full": backward recomputes the whole stage; "auto": early stop for stages whose
@@ -288,10 +288,12 @@ class Engine:
         def run() -> None:
             if cancel.is_set():
                 raise Cancelled(f"{label} was not run: the step is being abandoned")
-            t0 = time.perf_counter()
+            # NOTE: stamps, not host clock readings: on a device stream that queues its work
+            # (CUDA) they are events the device records when it gets there (shfx.runtime.tracing)
+            t0 = backend.stamp()
             with backend.during(label):
                 fn()
-            trace.append(Event(label, meta.phase, meta.stream, t0, time.perf_counter(), meta.bytes))
+            trace.record(label, meta.phase, meta.stream, t0, backend.stamp(), meta.bytes)
 
         return run
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["Token", "DoneToken", "JoinToken", "DependencyFailed", "Cancelled", "root_cause", "HostStream", "WorkerStream", "PoolStream", "InlineStream", "single_omp_thread"]
+__all__ = [
+    "Token", "DoneToken", "JoinToken", "DeviceToken", "DependencyFailed", "Cancelled", "root_cause", "HostStream",
+    "WorkerStream", "PoolStream", "InlineStream", "DeviceStream", "current_device_stream", "single_omp_thread",
+]  # fmt: skip
 
 
 class DependencyFailed(RuntimeError):
@@ -73,6 +77,15 @@ class Token:
     def is_done(self) -> bool:
         return self._event.is_set()
 
+    def wait_launched(self) -> None:
+        """Wait until the task's work is issued and its error (if any) known: for host work,
+        until it is done; a :class:`DeviceToken` is launched before its device work is done."""
+        self.wait()
+
+    @property
+    def is_launched(self) -> bool:
+        return self.is_done
+
     @property
     def reads_done(self) -> Token:
         """The token a slot RELEASE waits for: the task finished reading device memory."""
@@ -112,6 +125,14 @@ class JoinToken(Token):
     @property
     def is_done(self) -> bool:
         return self._event.is_set() or all(p.is_done for p in self.parts)
+
+    def wait_launched(self) -> None:
+        for p in self.parts:
+            p.wait_launched()
+
+    @property
+    def is_launched(self) -> bool:
+        return self._event.is_set() or all(p.is_launched for p in self.parts)
 
 
 def wait_deps(deps: Sequence[Token]) -> BaseException | None:
@@ -246,3 +267,204 @@ def single_omp_thread() -> None:
 class PoolStream(HostStream):
     """Tasks run on ``workers`` threads, each once its dependencies are complete; ``setup``
     runs once in every worker before its first task."""
+
+
+# ---- device streams: CUDA's execution model ------------------------------------------------------
+_current = threading.local()
+
+
+def current_device_stream() -> DeviceStream | None:
+    """The device stream whose task the calling thread is launching (None outside one)."""
+    return getattr(_current, "stream", None)
+
+
+def _is_issuer() -> bool:
+    """The calling thread is not one of shfx's stream threads (it is the user's, issuing)."""
+    return not threading.current_thread().name.startswith("shfx-")
+
+
+class DeviceToken(Token):
+    """Completion of device work, in two steps as on CUDA: *launched* once its task ran on the
+    issuing side (its work is enqueued on the stream, and an error in the task is known), and
+    *done* once the device finished the work (``marker``: the stream's completion record, a
+    CUDA event). ``wait()`` waits for both: on a device stream's token from the issuing thread
+    it is a host synchronization, counted in ``stream.host_syncs``."""
+
+    __slots__ = ("_launched", "marker", "stream")
+
+    def __init__(self, label: str, stream: DeviceStream):
+        super().__init__(label)
+        self._launched = threading.Event()
+        self.marker: object | None = None
+        self.stream = stream
+
+    def set_launched(self, error: BaseException | None = None, marker: object | None = None) -> None:
+        self.error = error
+        self.marker = marker if error is None else None
+        self._launched.set()
+        if self.marker is None:  # failed, or nothing left on the device
+            self._event.set()
+
+    def set(self, error: BaseException | None = None) -> None:  # (a failure before launch)
+        self.set_launched(error, None)
+
+    def wait_launched(self) -> None:
+        self._launched.wait()
+
+    @property
+    def is_launched(self) -> bool:
+        return self._launched.is_set()
+
+    def wait(self) -> None:
+        self._launched.wait()
+        if not self._event.is_set():
+            if not self.stream.marker_done(self.marker):
+                if _is_issuer():
+                    self.stream.host_syncs += 1
+                self.stream.wait_marker(self.marker)
+            self._event.set()
+
+    def device_wait(self) -> None:
+        """Wait for the device work from another stream's launch (the emulated device's compute,
+        which runs where it is launched): not counted as a host synchronization."""
+        self._launched.wait()
+        if not self._event.is_set():
+            self.stream.wait_marker(self.marker)
+            self._event.set()
+
+    @property
+    def is_done(self) -> bool:
+        if self._event.is_set():
+            return True
+        if self._launched.is_set() and self.stream.marker_done(self.marker):
+            self._event.set()
+            return True
+        return False
+
+
+def _ready(tok: Token) -> bool:
+    """A device task depending on ``tok`` can be launched: device work launched, host work done."""
+    if isinstance(tok, JoinToken):
+        return tok.is_done or all(_ready(p) for p in tok.parts)
+    return tok.is_launched if isinstance(tok, DeviceToken) else tok.is_done
+
+
+def _wait_ready(tok: Token) -> None:
+    if isinstance(tok, JoinToken):
+        for p in tok.parts:
+            _wait_ready(p)
+    elif isinstance(tok, DeviceToken):
+        tok.wait_launched()
+    else:
+        tok.wait()
+
+
+def _dep_error(tok: Token) -> BaseException | None:
+    if isinstance(tok, JoinToken) and not tok._event.is_set():
+        return next((skipped(p) for p in tok.parts if _dep_error(p) is not None), None)
+    return skipped(tok) if tok.error is not None else None
+
+
+def _device_parts(tok: Token) -> list[DeviceToken]:
+    if isinstance(tok, JoinToken):
+        return [d for p in tok.parts for d in _device_parts(p)]
+    return [tok] if isinstance(tok, DeviceToken) and tok.marker is not None else []
+
+
+class DeviceStream:
+    """A device stream with CUDA's execution model, shared by the CUDA backend and the emulated
+    device's CUDA-like mode: ``submit(fn, deps)`` *launches* ``fn`` (runs its Python, which
+    enqueues work on the stream), after making the stream wait on the device for every
+    dependency that is device work; the token's marker records the stream's completion.
+
+    A dependency that is host work not yet done (an update on the host optimizer, a gradient
+    accumulation), or device work not yet launched, never blocks the issuing thread: the task
+    and every later task of this stream go to the stream's own launcher thread, which waits for
+    them on the host and launches in order. So a host dependency holds up only this stream's
+    later work, as a stream wait would on the device, and the issuing thread goes on launching
+    the other streams' work. ``deferred`` counts such launches, ``host_syncs`` the host waits
+    for this stream's device work from the issuing thread.
+
+    Subclasses implement ``_capture`` (the launch context, taken on the issuing thread),
+    ``_wait_on``, ``_run``, ``_record``, ``stamp``, ``wait_marker`` and ``marker_done``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._backlog = 0
+        self._launcher: WorkerStream | None = None
+        self.deferred = 0
+        self.host_syncs = 0
+
+    def submit(self, fn: Callable[[], None], deps: Sequence[Token] = (), label: str = "") -> Token:
+        tok = DeviceToken(label, self)
+        ctx = self._capture()
+        deps = tuple(deps)
+        with self._lock:
+            inline = self._backlog == 0 and all(_ready(d) for d in deps)
+            if not inline:
+                self._backlog += 1
+                self.deferred += 1
+                if self._launcher is None:
+                    self._launcher = WorkerStream(f"{self.name}-launch", setup=single_omp_thread)
+        if inline:
+            self._launch(fn, deps, tok, ctx)
+        else:
+            self._launcher.submit(lambda: self._deferred_launch(fn, deps, tok, ctx), (), label)
+        return tok
+
+    def _deferred_launch(self, fn: Callable[[], None], deps: tuple[Token, ...], tok: DeviceToken, ctx: Any) -> None:
+        try:
+            for d in deps:
+                _wait_ready(d)
+            self._launch(fn, deps, tok, ctx)
+        finally:
+            with self._lock:
+                self._backlog -= 1
+
+    def _launch(self, fn: Callable[[], None], deps: tuple[Token, ...], tok: DeviceToken, ctx: Any) -> None:
+        err = next((e for d in deps if (e := _dep_error(d)) is not None), None)
+        marker = None
+        if err is None:
+            prev = getattr(_current, "stream", None)
+            _current.stream = self
+            try:
+                for d in deps:
+                    for p in _device_parts(d):
+                        if p.stream is not self:
+                            self._wait_on(p, ctx)
+                self._run(fn, ctx)
+                marker = self._record(ctx)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the token
+                err = e
+            finally:
+                _current.stream = prev
+        tok.set_launched(err, marker)
+
+    # ---- to implement ---------------------------------------------------------------------------
+    def _capture(self) -> Any:
+        return None
+
+    def _wait_on(self, dep: DeviceToken, ctx: Any) -> None:
+        raise NotImplementedError
+
+    def _run(self, fn: Callable[[], None], ctx: Any) -> None:
+        fn()
+
+    def _record(self, ctx: Any) -> object | None:
+        raise NotImplementedError
+
+    def stamp(self) -> Any:
+        """A time stamp recorded on the stream at this point of the launch (when the device
+        reaches it, not when the host launches it); resolved by :meth:`stamp_time`."""
+        raise NotImplementedError
+
+    def wait_marker(self, marker: Any) -> None:
+        raise NotImplementedError
+
+    def marker_done(self, marker: Any) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._launcher is not None:
+            self._launcher.close()
