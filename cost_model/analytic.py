@@ -113,19 +113,42 @@ class _BytesMode(TorchDispatchMode):
         return out
 
 
+_COUNT_DEVICE = torch.device("cpu")
+
+
+def _counting_graph(gm):
+    """``gm`` as the fake run executes it: every device its ops name (``arange(..., device=meta)``
+    of a model captured on the meta device for planning, ``cuda`` after the compile pipeline's
+    retarget) set to the CPU, where the fake inputs live. Fake tensors refuse an op whose inputs
+    sit on two devices (torch 2.11: "found two different devices cpu, meta"), and one device for
+    every capture makes the count the CPU trace's wherever the model was captured (a meta
+    ``scaled_dot_product_attention`` picks another kernel than the CPU's)."""
+    from shfx.passes.retarget import device_arguments, retarget_device
+
+    if device_arguments(gm) <= {_COUNT_DEVICE}:
+        return gm
+    return retarget_device(gm, _COUNT_DEVICE, source=None)
+
+
 def stage_work(graph: StageGraph) -> list[StageWork]:
-    """Count each stage's forward work on fake tensors (no memory, no real compute)."""
+    """Count each stage's forward work on fake tensors (no memory, no real compute), all on the
+    CPU (:func:`_counting_graph`)."""
     from torch._subclasses import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     out = []
     for st in graph.stages:
+        gm = _counting_graph(st.gm)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            args = [torch.empty(graph.tensors[k].shape, dtype=graph.tensors[k].dtype) for k in st.params + st.buffers]
-            args += [torch.empty(graph.values[v].shape, dtype=graph.values[v].dtype) for v in st.inputs]
+
+            def fake(shape, dtype):
+                return torch.empty(shape, dtype=dtype, device=_COUNT_DEVICE)
+
+            args = [fake(graph.tensors[k].shape, graph.tensors[k].dtype) for k in st.params + st.buffers]
+            args += [fake(graph.values[v].shape, graph.values[v].dtype) for v in st.inputs]
             counter = FlopCounterMode(display=False)
             with counter, torch.no_grad(), _BytesMode() as bm:
-                st.gm(*args)
+                gm(*args)
         out.append(StageWork(float(counter.get_total_flops() + bm.attention_flops), float(bm.bytes), float(bm.float_bytes)))
     return out
 

@@ -80,6 +80,49 @@ def test_parameter_counts_match_a_captured_gpt():
         assert float(st[kind].og) == pytest.approx(table.links.time_s("d2h", specs[i].grad_bytes), rel=1e-12)
 
 
+def test_stage_work_counts_every_capture_on_one_device(monkeypatch):
+    """The analytic model's fake run puts a stage's inputs and every tensor its ops create on
+    one device (the CPU), whether the model was captured on the CPU, on the meta device (the
+    planner's captures) or retargeted to CUDA by the compile pipeline, and counts the same work
+    for all three. Fake tensors on torch 2.11 refuse an op whose inputs mix cpu and meta (a meta
+    capture's ``arange(..., device=meta)`` into the position embedding); 2.13 runs it, so the
+    test records each op's devices instead of relying on the error."""
+    from torch.utils._pytree import tree_leaves
+
+    from shfx.cost_model import analytic
+    from shfx.models.gpt import GPT, GPTShape
+    from shfx.passes.capture import capture_model
+    from shfx.passes.partition import partition_stages
+    from shfx.passes.retarget import device_arguments, retarget_device
+
+    devices: list[set] = []
+
+    class Recording(analytic._BytesMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            devices.append({t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)})
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    monkeypatch.setattr(analytic, "_BytesMode", Recording)
+    h, a, s, b, V = (SMALL[k] for k in "hasbV")
+
+    def graph(device):
+        with torch.device(device):
+            model = GPT(GPTShape(vocab=V, seq=s, layers=2, heads=a, hidden=h))
+            idx = torch.zeros(b, s, dtype=torch.long)
+        return partition_stages(capture_model(model, (idx, idx)), model=model)
+
+    on_cpu, on_meta = graph("cpu"), graph("meta")
+    assert torch.device("meta") in set().union(*(device_arguments(st.gm) for st in on_meta.stages))
+    on_cuda = graph("cpu")
+    for st in on_cuda.stages:
+        st.gm = retarget_device(st.gm, "cuda")
+    want = analytic.stage_work(on_cpu)
+    for g in (on_meta, on_cuda):
+        devices.clear()
+        assert analytic.stage_work(g) == want
+        assert devices and all(d == {torch.device("cpu")} for d in devices if d)
+
+
 def test_device_memory_terms_evaluate_to_hand_numbers():
     h, a, s, b, V = 2048, 16, 1024, 4, 50304
     W, l = 4, 48
