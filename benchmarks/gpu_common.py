@@ -117,6 +117,9 @@ class Kit:
             ``trace_step.json`` and ``peers.json``).
         deadline: ``time.monotonic()`` by which the part must return.
         part: the part's number (for the log).
+        notes: lines :meth:`note` collected (they go into the part's entry).
+        partial: what :meth:`record` saved so far: the part's results if it fails or is killed
+            later (the runner reads them from ``result_path``).
     """
 
     emulated: bool
@@ -124,6 +127,8 @@ class Kit:
     deadline: float
     part: str = ""
     notes: list = field(default_factory=list)
+    partial: dict = field(default_factory=dict)
+    result_path: pathlib.Path | None = None
 
     def remaining(self) -> float:
         """Seconds left until the deadline (may be negative)."""
@@ -160,6 +165,21 @@ class Kit:
         """A line for the part's ``notes`` in the results (also logged)."""
         self.notes.append(msg)
         self.log(msg)
+
+    def record(self, key: str, value: Any) -> None:
+        """Keep ``value`` as ``partial[key]`` and write the partial results to ``result_path`` at
+        once, so a later crash, hang or timeout of the part still leaves them in the results."""
+        self.partial[key] = jsonable(value)
+        if self.result_path is None:
+            return
+        try:
+            import json
+
+            tmp = self.result_path.with_name(self.result_path.name + ".tmp")
+            tmp.write_text(json.dumps({"status": "partial", "results": self.partial, "notes": self.notes}))
+            os.replace(tmp, self.result_path)
+        except (OSError, TypeError, ValueError):
+            pass
 
     def sync(self) -> None:
         """``torch.cuda.synchronize()`` on CUDA, nothing emulated."""
