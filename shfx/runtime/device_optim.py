@@ -68,10 +68,12 @@ class DeviceAdamW:
                 if moved is not None:
                     self.put(g, *moved)
 
-    def update(self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict) -> None:
+    def update(self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict, found_inf: torch.Tensor | None = None) -> None:
         """Step ``group`` given views over its trainable region in the slot (``params``, the
         working dtype) and in the gradient buffer (``grads``, the device gradient dtype), both
-        laid out like the host group."""
+        laid out like the host group. ``found_inf``: a device flag (1.0: the gradient holds inf
+        or NaN) that makes the update a no-op on the device, step count included, without the
+        host reading it (as ``GradScaler`` steps fused AdamW)."""
         if _hp_of(hp, 0)["amsgrad"]:
             raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
         st = self.state.get(group.index)
@@ -79,7 +81,10 @@ class DeviceAdamW:
             st = self.state[group.index] = _DevState(self.backend, group, self.config)
         if not st.spans:
             return
-        st.step += 1
+        if found_inf is None:
+            st.step += 1
+        else:
+            st.step += 1 - found_inf
         for k, spans in st.spans:
             h = _hp_of(hp, k)
             views = [[t[o : o + n] for o, n in spans] for t in (params, grads, st.m, st.v)]
@@ -94,6 +99,7 @@ class DeviceAdamW:
                 eps=h["eps"],
                 amsgrad=False,
                 maximize=h["maximize"],
+                found_inf=found_inf,
             )
 
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -65,6 +65,21 @@ def _check_finite(grad: torch.Tensor, group: int, where: str) -> None:
         raise NonFiniteGradient(f"the gradient of {where} holds inf or NaN", group)
 
 
+def _settle(tok: Token) -> None:
+    """Wait at the end of a forward or backward phase until ``tok``'s outcome is known, without a
+    host synchronization on the device's compute and prefetch work: those are only waited for
+    until launched (their errors are known then; the caller's stream is the compute stream, so
+    what the user does next is ordered after them on the device). Copies to the host and host
+    work are waited for: the host reads what they write (``.grad``, buffers in the host store). A
+    RELEASE only orders later device work: launched is enough."""
+    if isinstance(tok, DeviceToken) and tok.stream.name in ("compute", "h2d"):
+        tok.wait_launched()
+    elif isinstance(tok, JoinToken):  # a RELEASE: what waits for it is device work, ordered by the stream
+        tok.wait_launched()
+    else:
+        tok.wait()
+
+
 def _state_note(phase: str, restored: list[int], applied: list[int], gradients: str) -> str:
     """What a failed or interrupted step left behind, and how to go on."""
     if applied:
@@ -189,6 +204,9 @@ class Engine:
         self.scaler = scaler
         self.prescaled = False  # the next backward's loss gradient was scaled by cm.scale_loss
         self.skipped_steps = 0  # steps skipped for a non-finite gradient
+        # device-updated groups' non-finite flags (device tensors, 1.0: inf or NaN; the update was
+        # a no-op), read by step() at once
+        self.nonfinite_flags: dict[int, torch.Tensor] = {}
         self.last_step_skipped = False
         # set while a failed or interrupted step is abandoned: tasks not started yet are skipped
         self.cancel = threading.Event()
@@ -639,10 +657,15 @@ class Engine:
             n = grp.trainable_bytes
             params = self.pool.region(slot, base, n).view(grp.dtypes.working)
             grads = self.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
+            flag = None
             if finite:
-                _check_finite(grads, group, self._whose(group, "device"))
+                # NOTE: the check stays on the device (a host read here would synchronize the
+                # issuing thread with the GPU once per group): a non-finite gradient makes the
+                # update a no-op there, and step() reads every group's flag at once
+                flag = torch.isfinite(grads.sum(dtype=torch.float32)).logical_not().to(torch.float32)
+                self.nonfinite_flags[group] = flag
             self.journal.before_device_update(group, params, (slot, base) if persistent else None)
-            self.device_optimizer.update(grp, params, grads, hp)
+            self.device_optimizer.update(grp, params, grads, hp, found_inf=flag)
             self.journal.done("device", group)
             self.dirty.add(group)
             self._refresh_borrowers(variant, group)
@@ -972,7 +995,7 @@ class Engine:
                         ctx.put(name, self.backend.to_device(t))
                 self._issue(ctx, program, nodes, cold=False, skip_updates=True, serial=serial, into=issued)
                 for _, tok in issued:
-                    tok.wait()
+                    _settle(tok)
             failure = KeyboardInterrupt() if self.interrupted else self._failure(program, issued)
         except BaseException as e:  # an interrupt while waiting, or a failure issuing
             self._quiesce([t for _, t in issued])
@@ -1023,6 +1046,7 @@ class Engine:
             # (its forward's prefetches waited for them already: nothing is left to wait for)
             self.await_deferred()
         self.unscaled.clear()  # new (scaled) gradients arrive
+        self.nonfinite_flags.clear()
         if not profile:
             self.backward_calls += 1
         final = (
@@ -1063,7 +1087,7 @@ class Engine:
                 self._issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
                 compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
                 for _, tok in compute:
-                    tok.wait()
+                    _settle(tok)
             failure = self._failure(program, compute)
             if self.interrupted:
                 failure = KeyboardInterrupt() if failure is None or not finish else failure
@@ -1163,6 +1187,7 @@ class Engine:
                                      "step is applied and the state is consistent.") from None
             interrupt = e
         causes = [(label, root_cause(tok.error)) for label, tok in pending if tok.error is not None]
+        causes += self._device_nonfinite()
         nonfinite = [(label, e) for label, e in causes if isinstance(e, NonFiniteGradient)]
         real = [(label, e) for label, e in causes if not isinstance(e, (NonFiniteGradient, Cancelled, DependencyFailed))]
         if interrupt is None:
@@ -1368,6 +1393,21 @@ class Engine:
         except NonFiniteGradient as e:
             return e
         return None
+
+    def _device_nonfinite(self) -> list[tuple[str, NonFiniteGradient]]:
+        """The device-updated groups whose gradient held inf or NaN this step (their update was
+        a no-op on the device, so it is not counted as applied): one host read for all flags."""
+        flags, self.nonfinite_flags = self.nonfinite_flags, {}
+        if not flags:
+            return []
+        groups = sorted(flags)
+        bad = torch.stack([flags[g] for g in groups]).cpu().tolist()
+        out = []
+        for g, b in zip(groups, bad):
+            if b:
+                self.journal.applied.discard(("device", g))
+                out.append((f"DU{g}", NonFiniteGradient(f"the gradient of {self._whose(g, 'device')} holds inf or NaN", g)))
+        return out
 
     def _whose(self, group: int, where: str) -> str:
         """``group``'s gradient, in words: the stage owning it (``"stage 'blocks.2' (parameter

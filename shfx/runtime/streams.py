@@ -287,8 +287,8 @@ class DeviceToken(Token):
     """Completion of device work, in two steps as on CUDA: *launched* once its task ran on the
     issuing side (its work is enqueued on the stream, and an error in the task is known), and
     *done* once the device finished the work (``marker``: the stream's completion record, a
-    CUDA event). ``wait()`` waits for both: on a device stream's token from the issuing thread
-    it is a host synchronization, counted in ``stream.host_syncs``."""
+    CUDA event). ``wait()`` waits for both: from the issuing thread (not one of shfx's stream
+    threads) it is a host synchronization, counted in ``stream.host_syncs``."""
 
     __slots__ = ("_launched", "marker", "stream")
 
@@ -316,12 +316,13 @@ class DeviceToken(Token):
         return self._launched.is_set()
 
     def wait(self) -> None:
+        if _is_issuer():
+            # NOTE: counted whether or not the work is done yet: on a GPU this is a host
+            # synchronization, and the emulated device's compute is done as soon as launched
+            self.stream.host_syncs += 1
         self._launched.wait()
         if not self._event.is_set():
-            if not self.stream.marker_done(self.marker):
-                if _is_issuer():
-                    self.stream.host_syncs += 1
-                self.stream.wait_marker(self.marker)
+            self.stream.wait_marker(self.marker)
             self._event.set()
 
     def device_wait(self) -> None:
