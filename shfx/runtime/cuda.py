@@ -65,7 +65,8 @@ class CudaStream(DeviceStream):
         ctx.wait_event(dep.marker)
 
     def _run(self, fn: Callable[[], None], ctx: torch.cuda.Stream) -> None:
-        with torch.cuda.stream(ctx):
+        # (the device too: a launcher thread starts on device 0, whatever the user's is)
+        with torch.cuda.device(self.device), torch.cuda.stream(ctx):
             fn()
 
     def _record(self, ctx: torch.cuda.Stream) -> torch.cuda.Event:
