@@ -61,12 +61,19 @@ from gpu_parts_speed import (  # noqa: E402
     build_model,
     count_params,
     flops_fields,
+    hf_checkpointing,
     model_shapes,
 )
 
 import shfx  # noqa: E402
 
-SYSTEMS = ("shfx", "fsdp2", "torchao", "deepspeed")
+# deepspeed first: its first run JIT-builds DeepSpeedCPUAdam (~1 min of ninja on the box), so it
+# gets the largest share of the call while the most time is left
+SYSTEMS = ("deepspeed", "shfx", "fsdp2", "torchao")
+# shares of the call's time (a (system, model) gets its weight over the weights still to run);
+# deepspeed's first run gets BUILD_WEIGHT more for the build
+WEIGHTS = {"deepspeed": 1.6, "shfx": 1.0, "fsdp2": 1.0, "torchao": 0.8}
+BUILD_WEIGHT = 1.5
 ARCHS = ("gpt", "llama")
 WHEEL_DIR = ROOT / ".whl"
 
@@ -122,7 +129,7 @@ def _checkpoint(model: torch.nn.Module, arch: str) -> None:
         for i, blk in enumerate(h):
             h[i] = _Checkpointed(blk)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing(model)
 
 
 def _cuda_peak_reset(kit: Kit) -> None:
@@ -181,6 +188,8 @@ class FSDP2Runner(_Runner):
         self.call = call
         self.kit = kit
         backend = "nccl" if kit.cuda else "gloo"
+        if kit.cuda:
+            torch.cuda.set_device(0)
         self._tmp = tempfile.mkdtemp(prefix="shfx_fsdp2_")
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"file://{self._tmp}/store", rank=0, world_size=1)
@@ -193,7 +202,8 @@ class FSDP2Runner(_Runner):
 
         mesh = init_device_mesh(dev_type, (1,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.info = {"backend": backend, "mixed_precision": "param bf16, reduce fp32", "offload": "CPUOffloadPolicy(pin_memory)"}
+        self.info = {"backend": backend, "mixed_precision": "param bf16, reduce fp32",
+                     "offload": f"CPUOffloadPolicy(pin_memory={kit.cuda})"}
 
         def shard(offload: bool) -> None:
             kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
@@ -461,9 +471,9 @@ def part_peers(kit: Kit) -> dict[str, Any]:
     if kit.cuda:
         res["gpu"] = torch.cuda.get_device_name(0)
     order = [(a, s) for a in ARCHS for s in SYSTEMS]
+    weights = [WEIGHTS[s] + (BUILD_WEIGHT if (a, s) == (ARCHS[0], "deepspeed") else 0.0) for a, s in order]
     path = kit.out / "peers.json"
     for i, (arch, system) in enumerate(order):
-        left = len(order) - i
         entry = res["models"].setdefault(arch, {})
         why = _unavailable(kit, system)  # the carried wheels are on sys.path here too
         if why is not None:
@@ -472,8 +482,8 @@ def part_peers(kit: Kit) -> dict[str, Any]:
         if kit.emulated:
             entry[system] = run_one(kit, system, arch)
         else:
-            # a fair share of what is left, at least 60 s (deepspeed's first build of its CPU Adam takes ~1 min)
-            share = max(60.0, (kit.remaining() - 10) / left * (1.6 if system == "deepspeed" else 1.0))
+            # its share of what is left (the weights of the runs still to come), at least 45 s
+            share = max(45.0, (kit.remaining() - 10) * weights[i] / sum(weights[i:]))
             limit = min(share, kit.remaining() - 10)
             if limit < 30:
                 entry[system] = {"status": "skipped", "reason": f"out of time ({kit.remaining():.0f} s left)"}

@@ -31,7 +31,7 @@ WHEELS=(
   pydantic==2.11.10
   pydantic-core==2.33.2
   annotated-types==0.7.0
-  typing-inspection==0.4.1
+  typing-inspection==0.4.5
   hjson==3.1.0
 )
 DEEPSPEED=deepspeed==0.19.8
