@@ -178,7 +178,7 @@ def part_environment(kit: Kit) -> dict:
     for dtype, n, iters in ((torch.bfloat16, 8192, 20), (torch.float32, 8192, 5)) if not kit.emulated else (
             (torch.bfloat16, 256, 3), (torch.float32, 256, 5)):  # fmt: skip
         if kit.remaining() < (5 if not kit.emulated else 1):
-            mm[str(dtype)] = "skipped: no time left"
+            mm[str(dtype).replace("torch.", "")] = "skipped: no time left"
             continue
         try:
             mm[str(dtype).replace("torch.", "")] = {"n": n, "flops": _matmul_flops(kit, n, dtype, iters)}
@@ -357,7 +357,7 @@ def part_equivalence(kit: Kit) -> dict:
         order = [("gpt", "fp32", 2), ("llama", "fp32", 1), ("gpt", "bf16", "all"), ("llama", "bf16", 2)]
     per_run = 0.0
     for arch, precision, window in order:
-        if kit.remaining() < max(1.0 if kit.emulated else 3.0, 1.5 * per_run):
+        if kit.remaining() < max(1.0 if kit.emulated else 3.0, 1.5 * per_run + 1.0):
             runs.append({"arch": arch, "precision": precision, "window": window, "skipped": "no time left"})
             continue
         t0 = time.perf_counter()
