@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime as _dt
 import gc
 import json
