@@ -95,7 +95,7 @@ def install_wheels(kit: Kit) -> dict[str, Any]:
     target = Path(tempfile.gettempdir()) / "shfx_peer_wheels"
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                        "--disable-pip-version-check", "--target", str(target), *map(str, wheels)],
+                        "--no-compile", "--disable-pip-version-check", "--target", str(target), *map(str, wheels)],
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     info["install_s"] = time.monotonic() - t0
     info["returncode"] = p.returncode
@@ -504,6 +504,9 @@ def part_peers(kit: Kit) -> dict[str, Any]:
                            "throughput_vs_shfx": (ref / e["step_s_median"]) if ref and e.get("step_s_median") else None}
                        for s, e in entry.items()}  # fmt: skip
     res["table"] = table
+    res["summary"] = "; ".join(
+        f"{arch}: " + ", ".join(f"{s} {t['step_s']:.2f} s" if t["step_s"] else f"{s} {t['status']}" for s, t in row.items())
+        for arch, row in table.items())  # fmt: skip
     out = jsonable(res)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

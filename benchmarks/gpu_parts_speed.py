@@ -468,6 +468,15 @@ def part_speed(kit: Kit) -> dict[str, Any]:
     ratios = {a: r.get("throughput_ratio_stronghold_over_resident") for a, r in out["models"].items()}
     out["throughput_ratio"] = ratios
     out["meets_target"] = {a: (v is not None and v >= 0.95) for a, v in ratios.items()}
+    bits = []
+    for a, r in out["models"].items():
+        if ratios.get(a) is None:
+            bits.append(f"{a}: {r.get('skipped') or (r.get('error') or '?')[:80]}")
+            continue
+        sh = r["stronghold"]
+        bits.append(f"{a} {r['params'] / 1e9:.2f}B: stronghold/resident {ratios[a]:.3f} (W={r.get('window')}), "
+                    f"{sh.get('model_tflops', float('nan')):.1f} model TFLOP/s, {sh.get('tokens_per_s', float('nan')):.0f} tok/s")  # fmt: skip
+    out["summary"] = "; ".join(bits)
     return out
 
 
@@ -560,6 +569,10 @@ def part_host_adam(kit: Kit) -> dict[str, Any]:
             return out
         out.update(summarize_host_adam(json.loads(js.read_text())))
         out["stdout_tail"] = buf.getvalue()[-2500:]
+        if "adamw_gbs" in out:
+            out["summary"] = (f"HostAdamW {out['adamw_gbs']:.1f} GB/s at {out['sizes'][-1]['params'] / 1e6:.0f}M params: "
+                              f"{out['adamw_fraction_of_stream_bound']:.0%} of STREAM ({out['stream_bound_gbs']:.0f} GB/s), "
+                              f"{out['adamw_fraction_of_probe_bound']:.0%} of the probe bound; check ok: {out['check_ok']}")  # fmt: skip
         return out
 
 
