@@ -320,6 +320,17 @@ def run_all(args: argparse.Namespace) -> int:
             data = {}
     data.setdefault("kit", {})
     data["kit"][("peers" if args.peers else "main") + "_call"] = {"budget_s": budget, "parts": numbers}
+    # what starting a part's process costs, roughly: importing torch and shfx (seconds; longer
+    # with a CUDA build, and on a loaded machine); every part gets it on top of its share
+    t_import = time.perf_counter()
+    try:
+        import torch  # noqa: F401
+
+        import shfx  # noqa: F401
+    except Exception:  # noqa: BLE001 - the part will say what is wrong
+        pass
+    startup = min(15.0, 1.0 + 1.2 * (time.perf_counter() - t_import))
+    data["kit"]["part_startup_estimate_s"] = round(startup, 2)
     data["environment"] = data.get("environment") or environment_summary(args.emulated)
     data.setdefault("parts", {})
     write_json(path, data)
@@ -330,10 +341,12 @@ def run_all(args: argparse.Namespace) -> int:
     for i, n in enumerate(numbers):
         part = PARTS[n]
         left = budget - (time.monotonic() - start) - reserve
-        shares = sum(PARTS[m].share for m in numbers[i:])
-        # its share of what is left: what earlier parts did not use flows to the later ones
-        timeout = max(0.0, left * part.share / shares)
-        minimum = 3.0 if args.emulated else part.minimum * scale
+        shares = sum(share(m) for m in numbers[i:])
+        # its process start, and its share of what is left after the starts of the parts still to
+        # run: what earlier parts did not use flows to the later ones
+        work_left = max(0.0, left - startup * (len(numbers) - i))
+        timeout = min(max(0.0, left), startup + work_left * share(n) / shares)
+        minimum = startup + (1.0 if args.emulated else part.minimum * scale)
         entry: dict
         if timeout < minimum:
             entry = {"status": "skipped", "seconds": 0.0, "results": {},

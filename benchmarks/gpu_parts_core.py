@@ -192,7 +192,8 @@ def part_environment(kit: Kit) -> dict:
     res.update(links=links, matmul=mm)
     res["summary"] = (f"{res.get('gpu', {}).get('name', 'CPU (emulated)')}: H2D pinned {_fmt_bps(links.get('h2d_pinned_bps'))}, "
                       f"D2H pinned {_fmt_bps(links.get('d2h_pinned_bps'))}, H2D pageable {_fmt_bps(links.get('h2d_pageable_bps'))}, "
-                      f"bf16 matmul {bf / 1e12 if bf else float('nan'):.1f} TFLOP/s")  # fmt: skip
+                      + (f"bf16 matmul {bf / 1e12 if bf else float('nan'):.1f} TFLOP/s" if kit.cuda else
+                         f"bf16 matmul {bf / 1e9 if bf else float('nan'):.1f} GFLOP/s (CPU)"))  # fmt: skip
     return res
 
 
@@ -214,34 +215,34 @@ def _run_pytest(kit: Kit, files: list[str], timeout: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--maxfail=5", "-rfE", *files]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # NOTE: in the part's own process group, so the runner's kill of a timed-out part takes
+    # pytest (and the GPU memory it holds) with it
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     timed_out = False
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except OSError:
-                break
-            try:
-                proc.wait(timeout=5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        proc.kill()
         try:
-            out, _ = proc.communicate(timeout=5)
+            out, _ = proc.communicate(timeout=10)
         except (subprocess.TimeoutExpired, ValueError):
             out = b""
     text = (out or b"").decode("utf-8", "replace")
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", text.splitlines()[-1] if text.strip() else "")}  # fmt: skip
-    if not counts:  # the summary line may not be the last one
-        for line in reversed(text.splitlines()):
-            found = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", line)
-            if found:
-                counts = {k: int(v) for v, k in found}
-                break
+    counts: dict = {}
+    for line in reversed(text.splitlines()):  # the summary line: "3 passed, 1 skipped in 2.1s"
+        found = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", line)
+        if found and (" in " in line or line.startswith("=")):
+            counts = {k: int(v) for v, k in found}
+            break
+    if not counts:  # killed before the summary: count the progress characters of -q
+        progress = "".join(m.group(2) for m in (re.fullmatch(r"(\S+\.py )?([.FEsxX]+)\s*(\[\s*\d+%\])?", line.strip())
+                                                for line in text.splitlines()) if m)  # fmt: skip
+        names = {".": "passed", "F": "failed", "E": "errors", "s": "skipped", "x": "xfailed", "X": "xpassed"}
+        for ch in progress:
+            counts[names[ch]] = counts.get(names[ch], 0) + 1
+        if counts:
+            counts["incomplete"] = True
     failed_lines = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
     return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "timed_out": timed_out, "counts": counts,
             "seconds": round(time.perf_counter() - t0, 1), "failed": failed_lines[:20], "tail": text[-2500:]}  # fmt: skip
@@ -494,7 +495,7 @@ def part_simulator(kit: Kit) -> dict:
         size = dict(layers=2, hidden=64, heads=2, seq=32, vocab=128, batch=2)
         warm, steps = 1, 3
     else:
-        size = dict(layers=6, hidden=2048, heads=16, seq=1024, vocab=8192, batch=4)
+        size = dict(layers=4, hidden=2048, heads=16, seq=1024, vocab=8192, batch=4)
         warm, steps = 2, 4
     base, make_batch = gpt_model(size["layers"], size["hidden"], size["heads"], size["seq"], size["vocab"],
                                  batch=size["batch"], device=kit.torch_device)  # fmt: skip
@@ -588,9 +589,10 @@ def part_capacity(kit: Kit) -> dict:
         free, total = torch.cuda.mem_get_info()
         device_bytes = int(free)
         family = GPTShape(layers=1, hidden=2048, heads=16, seq=1024, vocab=32000, batch=4, precision="bfloat16")
-        # the time and RAM the kit can spend on it: ~16 bytes of host per parameter, init and a few
-        # steps of a host AdamW in well under a minute -> at most ~24 GiB
-        host_cap = min(int(0.7 * avail), 24 * GiB)
+        # the time and RAM the kit can spend on it: ~16-18 bytes of host per parameter (fp32 master,
+        # gradient, m, v), the CPU init, pinning the store and 3 steps of a host AdamW within the
+        # part's share: at most 12 GiB (~0.7 B parameters), less when less time is left
+        host_cap = int(min(0.7 * avail, 12 * GiB, max(1 * GiB, (kit.remaining() - 10) * 0.35 * GiB)))
         res["device"] = {"free": int(free), "total": int(total)}
     policy = "stronghold"
     # 1) this machine: the whole free device memory and host RAM
