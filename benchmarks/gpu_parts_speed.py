@@ -590,9 +590,20 @@ def _profile_kernels(kit: Kit, fn: Callable[[], None]) -> dict[str, Any]:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kit.cuda and cuda_ok() else [])
     kit.sync()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         fn()
         kit.sync()
+    # the input shapes of the SDPA calls: a 4th input (an explicit attention mask) rules out the
+    # flash kernels on CUDA (the memory-efficient or math path takes it)
+    sdpa_shapes: dict[str, list] = {}
+    try:
+        for a in prof.key_averages(group_by_input_shape=True):
+            if a.key in ("aten::scaled_dot_product_attention",) or "scaled_dot_product" in a.key and "backward" not in a.key:
+                sdpa_shapes.setdefault(a.key, []).append({"shapes": [list(x) if isinstance(x, (list, tuple)) else x
+                                                                     for x in (a.input_shapes or [])][:5],
+                                                          "count": a.count})  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - only a diagnostic
+        sdpa_shapes["error"] = [f"{type(e).__name__}: {e}"]
     kernels: dict[str, int] = {}
     ops: dict[str, int] = {}
     cuda_type = getattr(torch.autograd.DeviceType, "CUDA", None)
@@ -622,6 +633,9 @@ def _profile_kernels(kit: Kit, fn: Callable[[], None]) -> dict[str, Any]:
         "math_attention_ops": math_ops,
         "softmax_ops": softmax_ops,
         "softmax_kernels": softmax_kernels[:20],
+        "sdpa_input_shapes": sdpa_shapes,
+        "sdpa_with_mask": any(len(d["shapes"]) > 3 and d["shapes"][3] not in ([], None)
+                              for k, v in sdpa_shapes.items() if k == "aten::scaled_dot_product_attention" for d in v),
         "verdict": verdict,
     }
 
@@ -666,7 +680,8 @@ def part_attention(kit: Kit) -> dict[str, Any]:
     out["same_verdict"] = out["shfx"]["verdict"] == out["eager"]["verdict"]
     out["both_fused"] = out["shfx"]["verdict"] == "fused" and out["eager"]["verdict"] == "fused"
     out["summary"] = (f"shfx: {out['shfx']['verdict']}, eager: {out['eager']['verdict']}"
-                      + ("" if out["same_verdict"] else " (shfx differs from eager: check the capture of SDPA)"))  # fmt: skip
+                      + ("" if out["same_verdict"] else " (shfx differs from eager: check the capture of SDPA)")
+                      + f"; SDPA attn_mask: shfx {out['shfx']['sdpa_with_mask']}, eager {out['eager']['sdpa_with_mask']}")  # fmt: skip
     return jsonable(out)
 
 

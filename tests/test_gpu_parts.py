@@ -76,6 +76,7 @@ def test_part_attention_emulated(kit):
         ops = r[who]["aten_ops"]
         assert any("scaled_dot_product" in k for k in ops), ops
         assert r[who]["verdict"] in ("fused", "math", "both")
+        assert isinstance(r[who]["sdpa_with_mask"], bool) and r[who]["sdpa_input_shapes"]
     assert r["shfx"]["cuda_kernels"] == {} and r["eager"]["cuda_kernels"] == {}
     # on the CPU both run torch's fused CPU flash kernel (shfx recomputes the forward: more calls)
     assert r["same_verdict"] and r["both_fused"], r["summary"]
