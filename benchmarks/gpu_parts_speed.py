@@ -172,6 +172,17 @@ def hf_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def bf16_working_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy with its floating-point parameters in bf16 and its buffers as they are (RoPE's
+    ``inv_freq`` stays fp32): what ``precision="bf16"`` keeps on the device
+    (``tests/mixed_reference.make_working_copy``). Tied parameters stay tied."""
+    work = copy.deepcopy(model)
+    for p in work.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    return work
+
+
 class EagerBF16:
     """The mixed-precision recipe of ``tests/mixed_reference.py`` on ``device``: fp32 masters and
     fused AdamW there, a bf16 working copy with every block checkpointed, ``p16.copy_(p32)``
@@ -180,7 +191,7 @@ class EagerBF16:
     def __init__(self, model: torch.nn.Module, arch: str, device: torch.device, call: Callable):
         self.call = call
         self.master = model.to(device)
-        self.work = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.work = bf16_working_copy(self.master)
         _checkpoint_blocks(self.work, arch)
         self.master.train()
         self.work.train()
@@ -304,12 +315,16 @@ def speed_pair(kit: Kit, arch: str, trace_path: Path | None, reserve_s: float) -
     resident, kind, refusal = _resident_runner(model, arch, kit, call)
     res["resident_kind"] = kind
     res["shfx_resident_bf16_refused"] = refusal
+    x, y = batch(0)
+    with kit.timer() as t:
+        first_loss = {"resident": resident.step(x, y)}  # as the stronghold run's first step below
+    res["resident_first_step_s"] = t.seconds
     res["resident_setup_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     strong = ShfxRun(twin, kit, shfx.Stronghold(window="auto"), call)
     x, y = batch(0)
     with kit.timer() as t:
-        strong.step(x, y)  # the capture, the tuner's profile and the first step
+        first_loss["stronghold"] = strong.step(x, y)  # the capture, the tuner's profile and the first step
     res["stronghold_first_step_s"] = t.seconds
     res["stronghold_setup_s"] = time.monotonic() - t0
     cm = strong.cm
@@ -332,7 +347,9 @@ def speed_pair(kit: Kit, arch: str, trace_path: Path | None, reserve_s: float) -
     res["notes"] = notes
     res["resident"] = _summary(times["resident"], pc["params"], tokens)
     res["stronghold"] = _summary(times["stronghold"], pc["params"], tokens)
-    res["losses"] = losses
+    res["losses"] = {k: [first_loss[k]] + v for k, v in losses.items()}
+    # the same weights and batches: the two bf16 runs should stay close (not bitwise: different kernels)
+    res["max_loss_diff"] = max(abs(a - b) for a, b in zip(res["losses"]["resident"], res["losses"]["stronghold"]))
     pair_ratios = [a / b for a, b in zip(times["resident"], times["stronghold"])]
     res["throughput_ratio_stronghold_over_resident"] = (
         median(times["resident"]) / median(times["stronghold"]) if times["stronghold"] else None)  # fmt: skip
@@ -648,7 +665,7 @@ def part_attention(kit: Kit) -> dict[str, Any]:
         s = {"layers": 4, "hidden": 1024, "heads": 8, "seq": 1024, "batch": 4, "vocab": 32000}
     model = hf_llama(s["layers"], s["hidden"], s["heads"], s["seq"], s["vocab"])
     attn_impl = getattr(model.config, "_attn_implementation", None)
-    eager = copy.deepcopy(model).to(device=kit.torch_device, dtype=torch.bfloat16)
+    eager = bf16_working_copy(model).to(kit.torch_device)
     make_batch = token_batches(s["vocab"], s["seq"], s["batch"], kit.torch_device)
     out: dict[str, Any] = {"shape": s, "attn_implementation": attn_impl, "dtype": "bfloat16"}
     cm = shfx.compile(model, device=kit.device(), precision="bf16", window=2, optimizer=shfx.optim.AdamW(lr=LR))
