@@ -198,7 +198,26 @@ def environment_summary(emulated: bool) -> dict:
         env["git_dirty"] = bool(dirty)
     except Exception:  # noqa: BLE001
         env["git_commit"] = None
+    # a lent machine gets a copy of the working tree without .git: the command can name the
+    # commit (SHFX_GIT_COMMIT=<hash>), and the digest of the sources identifies it in any case
+    env["git_commit_given"] = os.environ.get("SHFX_GIT_COMMIT")
+    env["source_digest"] = source_digest()
     return env
+
+
+def source_digest() -> str | None:
+    """sha256 over the package's and the benchmarks' ``.py`` files (paths and contents), the
+    same on any copy of one commit: ``python benchmarks/gpu.py --digest`` prints it here."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        for folder in ("shfx", "passes", "cost_model", "benchmarks"):
+            for p in sorted((ROOT / folder).rglob("*.py")):
+                h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
+        return h.hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def write_json(path: pathlib.Path, data: dict) -> None:
@@ -391,6 +410,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default=None, help="comma-separated part numbers (default 1-8; 9 with --peers)")
     p.add_argument("--peers", action="store_true", help="run part 9 (the peers: a second call)")
     p.add_argument("--emulated", action="store_true", help="run on the CPU with shfx.EmulatedDevice, tiny sizes")
+    p.add_argument("--digest", action="store_true", help="print the digest of the sources (results' source_digest) and exit")
     p.add_argument("--part", type=int, help=argparse.SUPPRESS)  # the child
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # time.time() by which to return
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -399,6 +419,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.digest:
+        print(source_digest())
+        return 0
     if not args.emulated and not cuda_ok():
         print("gpu.py: needs CUDA (torch.cuda.is_available() is False here); "
               "`python benchmarks/gpu.py --emulated` runs the same parts on the CPU", flush=True)  # fmt: skip

@@ -19,7 +19,6 @@ newer than torch 2.11 (the GPU image's torch).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os

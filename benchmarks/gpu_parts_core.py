@@ -14,7 +14,6 @@ import math
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from gpu_common import (
     median,
     rss_bytes,
     shfx_step,
+    token_batches,
 )
 
 import shfx
@@ -286,7 +286,7 @@ def _equivalence_one(kit: Kit, arch: str, precision: str, window, steps: int, si
     lr, wd = 1e-3, 0.01
     dev = kit.torch_device
     L, H, heads, S, V, B = size["layers"], size["hidden"], size["heads"], size["seq"], size["vocab"], size["batch"]
-    _, make_batch = gpt_model(1, 8, 1, S, V, batch=B, device=dev)  # batches only
+    make_batch = token_batches(V, S, B, dev)
     if arch == "gpt":
         def make_model():
             return gpt_model(L, H, heads, S, V)[0]
@@ -342,7 +342,7 @@ def part_equivalence(kit: Kit) -> dict:
     if kit.emulated:  # the same code path, a cheap selection (they skip without CUDA)
         files = files[:1]
     share = kit.remaining() * (0.25 if kit.emulated else 0.5)
-    if files and share > 5:
+    if files and share > (3 if kit.emulated else 5):
         res["pytest"] = _run_pytest(kit, files, share)
         c = res["pytest"]["counts"]
         kit.log(f"pytest -m cuda: {c} in {res['pytest']['seconds']} s{' (TIMED OUT)' if res['pytest']['timed_out'] else ''}")
@@ -353,9 +353,11 @@ def part_equivalence(kit: Kit) -> dict:
     size = (dict(layers=2, hidden=64, heads=2, seq=16, vocab=64, batch=2) if kit.emulated
             else dict(layers=3, hidden=256, heads=4, seq=128, vocab=512, batch=4))  # fmt: skip
     runs = []
-    order = [(a, p, w) for p in ("fp32", "bf16") for a in ("gpt", "llama") for w in (2, 1, "all")]
-    if kit.emulated:  # every model, precision and window once: the code paths, in seconds
-        order = [("gpt", "fp32", 2), ("llama", "fp32", 1), ("gpt", "bf16", "all"), ("llama", "bf16", 2)]
+    # first every model, precision and window once (what a short run must not miss), then the rest
+    first = [("gpt", "fp32", 2), ("llama", "bf16", 2), ("gpt", "bf16", 1), ("llama", "fp32", 1),
+             ("gpt", "fp32", "all"), ("llama", "bf16", "all")]  # fmt: skip
+    rest = [(a, p, w) for p in ("fp32", "bf16") for a in ("gpt", "llama") for w in (2, 1, "all") if (a, p, w) not in first]
+    order = first[:4] if kit.emulated else first + rest  # emulated: the code paths, in seconds
     per_run = 0.0
     for arch, precision, window in order:
         if kit.remaining() < max(1.0 if kit.emulated else 3.0, 1.5 * per_run + 1.0):
