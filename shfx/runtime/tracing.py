@@ -65,6 +65,12 @@ class StepTrace:
     def __getitem__(self, i: Any) -> Any:
         return self._resolved()[i]
 
+    def __setitem__(self, i: Any, value: Any) -> None:
+        events = self._resolved()
+        events[i] = value
+        with self._lock:
+            self._events = list(events)
+
     def __repr__(self) -> str:
         return f"StepTrace({self._resolved()!r})"
 
