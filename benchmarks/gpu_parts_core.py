@@ -488,6 +488,26 @@ def part_residency(kit: Kit) -> dict:
 # ---- part 5: simulator vs measured --------------------------------------------------------------
 
 
+def _costs_dict(costs) -> dict | str:
+    """The profiled cost table, JSON-able (stages and links; not the profile's raw samples)."""
+    import dataclasses
+
+    try:
+        out = {}
+        for f in dataclasses.fields(costs):
+            if f.name == "extra":
+                continue
+            v = getattr(costs, f.name)
+            if isinstance(v, (list, tuple)):
+                v = [dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x for x in v]
+            elif dataclasses.is_dataclass(v):
+                v = dataclasses.asdict(v)
+            out[f.name] = jsonable(v)
+        return out
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}; {str(costs)[:2000]}"
+
+
 def part_simulator(kit: Kit) -> dict:
     """Measured step time at every window W against the simulator's prediction from one profile."""
     from shfx.cost_model.simulate import simulate
@@ -523,6 +543,7 @@ def part_simulator(kit: Kit) -> dict:
                 res["profile_seconds"] = round(time.perf_counter() - tp, 2)
                 with_summary = getattr(costs, "extra", {}).get("profile") if hasattr(costs, "extra") else None
                 res["profile"] = str(with_summary.summary()) if with_summary is not None and hasattr(with_summary, "summary") else None
+                res["costs"] = _costs_dict(costs)
             walls = []
             for _ in range(steps):
                 with kit.timer() as t:
@@ -535,9 +556,9 @@ def part_simulator(kit: Kit) -> dict:
             row["ratio"] = row["measured_s"] / tl.step_s if tl.step_s else None
             row["predicted_peak_device"] = getattr(tl, "peak_device_bytes", None)
             row["backend_peak"] = cm.backend.peak_bytes
-            for attr in ("bottleneck",):
+            for attr in ("bottleneck", "by_resource", "busy_s"):
                 if hasattr(tl, attr):
-                    row[attr] = str(getattr(tl, attr))
+                    row[attr] = jsonable(getattr(tl, attr))
             if w == 2:
                 try:
                     res["report_w2"] = str(cm.report())[-3000:]
