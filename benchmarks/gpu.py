@@ -71,6 +71,24 @@ MAIN_PARTS = [1, 2, 3, 4, 5, 6, 7, 8]
 PLANNED_BUDGET = 420.0
 
 
+_IMPORT_S: float | None = None
+
+
+def _import_seconds() -> float:
+    """Seconds this process took to import torch and shfx (imports them the first time)."""
+    global _IMPORT_S
+    if _IMPORT_S is None:
+        t0 = time.perf_counter()
+        try:
+            import torch  # noqa: F401
+
+            import shfx  # noqa: F401
+        except Exception:  # noqa: BLE001 - the parts will say what is wrong
+            pass
+        _IMPORT_S = time.perf_counter() - t0
+    return _IMPORT_S
+
+
 def cuda_ok() -> bool:
     try:
         import torch
@@ -339,16 +357,10 @@ def run_all(args: argparse.Namespace) -> int:
             data = {}
     data.setdefault("kit", {})
     data["kit"][("peers" if args.peers else "main") + "_call"] = {"budget_s": budget, "parts": numbers}
-    # what starting a part's process costs, roughly: importing torch and shfx (seconds; longer
-    # with a CUDA build, and on a loaded machine); every part gets it on top of its share
-    t_import = time.perf_counter()
-    try:
-        import torch  # noqa: F401
-
-        import shfx  # noqa: F401
-    except Exception:  # noqa: BLE001 - the part will say what is wrong
-        pass
-    startup = min(15.0, 1.0 + 1.2 * (time.perf_counter() - t_import))
+    # what starting a part's process costs, roughly: importing torch and shfx, as this process
+    # did (seconds; longer with a CUDA build, and on a loaded machine); every part gets it on top
+    # of its share
+    startup = min(15.0, 1.0 + 1.2 * _import_seconds())
     data["kit"]["part_startup_estimate_s"] = round(startup, 2)
     data["environment"] = data.get("environment") or environment_summary(args.emulated)
     data.setdefault("parts", {})
@@ -422,6 +434,8 @@ def main(argv=None) -> int:
     if args.digest:
         print(source_digest())
         return 0
+    if args.part is None:
+        _import_seconds()  # before anything else imports torch: the runner's estimate of a part's start
     if not args.emulated and not cuda_ok():
         print("gpu.py: needs CUDA (torch.cuda.is_available() is False here); "
               "`python benchmarks/gpu.py --emulated` runs the same parts on the CPU", flush=True)  # fmt: skip
