@@ -624,6 +624,16 @@ def part_capacity(kit: Kit) -> dict:
     kit.record("largest_for_this_machine", res["largest_for_this_machine"])
     kit.log(f"planner: largest {family.hidden}-wide GPT for this machine: {full.layers} layers, {full.params / 1e9:.2f} B params "
             f"(limited by {full.binding})")  # fmt: skip
+    # the built-in profile of this card, if there is one, for comparison (its RAM is the profile's)
+    try:
+        from shfx.cost_model.hardware import PROFILES
+
+        gpu_name = "" if kit.emulated else torch.cuda.get_device_properties(0).name
+        prof = next((n for n in PROFILES if n.split("-")[0] and n.split("-")[0] in gpu_name), None)
+        if prof is not None:
+            res["largest_for_profile"] = {"profile": prof, **largest_trainable(policy, family, prof, window=2).to_dict()}
+    except Exception as e:  # noqa: BLE001
+        res["largest_for_profile"] = f"{type(e).__name__}: {e}"
     # 2) what the kit builds: within host_cap
     target = Target("kit", device_bytes, int(min(host_cap, avail)), emulated=kit.emulated)
     row = largest_trainable(policy, family, target, window=2)
