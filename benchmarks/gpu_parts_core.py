@@ -381,8 +381,10 @@ def part_equivalence(kit: Kit) -> dict:
     tol = {"fp32": 1e-4, "bf16": 5e-2}
     close = [r for r in done if r["max_loss_diff"] <= tol[r["precision"]] and r["finite"]]
     c = res["pytest"].get("counts", {})
-    res["summary"] = (f"pytest -m cuda {c or res['pytest'].get('skipped', '?')}; equivalence {len(close)}/{len(runs)} close "
-                      f"({sum(r['bitwise_weights'] for r in done)} bitwise), {len(errors)} errors, "
+    skipped = len(runs) - len(done) - len(errors)
+    res["summary"] = (f"pytest -m cuda {c or ('skipped: ' + str(res['pytest'].get('skipped', '?')))}; equivalence "
+                      f"{len(close)}/{len(done)} run close ({sum(r['bitwise_weights'] for r in done)} bitwise), "
+                      f"{len(errors)} errors, {skipped} not run (time), "
                       f"max fp32 loss diff {max([r['max_loss_diff'] for r in done if r['precision'] == 'fp32'] or [0]):.1e}")  # fmt: skip
     return res
 
