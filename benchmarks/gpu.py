@@ -2,7 +2,7 @@
 ONE command. README "``gpu.py``: the kit for a lent GPU" says what each part measures.
 
     python benchmarks/gpu.py --budget 420 --out DIR            # parts 1..8 on CUDA
-    python benchmarks/gpu.py --peers --budget 400 --out DIR    # part 9 (the peers), a second call
+    python benchmarks/gpu.py --peers --budget 240 --out DIR    # part 9 (the peers), a second call
     python benchmarks/gpu.py --emulated --budget 90 --out DIR  # the same code paths on the CPU
     python benchmarks/gpu.py --parts 1,3 ...                   # some parts only
 

@@ -70,10 +70,11 @@ def cuda_ok() -> bool:
 
 
 def emulated_device(memory: str | int | None = None) -> shfx.EmulatedDevice:
-    """THE emulated device of the kit (one place, so a later CUDA-like execution flag goes here):
-    ``shfx.EmulatedDevice(memory=memory or "4GiB")`` with unthrottled copies (the kit measures
-    shfx's own costs on the CPU, not a modelled link)."""
-    return shfx.EmulatedDevice(memory=memory if memory is not None else "4GiB", h2d=None, d2h=None)
+    """THE emulated device of the kit: ``shfx.EmulatedDevice(memory=memory or "4GiB")`` with
+    unthrottled copies (the kit measures shfx's own costs on the CPU, not a modelled link), in
+    its CUDA-like mode (``cuda_like=True``: the same launch/stream-wait logic as the CUDA
+    backend, so the emulated run walks the code path the GPU run will)."""
+    return shfx.EmulatedDevice(memory=memory if memory is not None else "4GiB", h2d=None, d2h=None, cuda_like=True)
 
 
 class _Timer:

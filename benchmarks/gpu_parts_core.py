@@ -444,6 +444,7 @@ def part_residency(kit: Kit) -> dict:
             kit.reset_peak()
             backend.reset_peak()
             h0, d0 = backend.bytes_h2d, backend.bytes_d2h
+            sync0, defer0 = getattr(backend, "host_syncs", 0), getattr(backend, "deferred_launches", 0)
             with kit.timer() as t:
                 loss = shfx_step(cm, make_batch(2))
             moved = {"h2d": backend.bytes_h2d - h0, "d2h": backend.bytes_d2h - d0}
@@ -457,6 +458,12 @@ def part_residency(kit: Kit) -> dict:
                 bytes_moved=moved, program_bytes_moved=program, bytes_equal=moved == dict(program),
                 host_bytes=cm.engine.host_bytes(), ledger_host_bytes=sum(host_static.values()), ledger_host_terms=host_static,
                 rss_before=rss0, rss_after=rss_bytes(),
+                # pinned host bytes (CUDA: page-rounded, cudaHostRegister'ed; the ledger counts exact bytes)
+                pinned_bytes=getattr(backend, "pinned_bytes", None),
+                # host waits for device work from the issuing thread in one step (forward, backward, step()):
+                # step()'s waits only, by construction; launches a host dependency sent to a launcher thread
+                host_syncs_per_step=getattr(backend, "host_syncs", 0) - sync0,
+                deferred_launches_per_step=getattr(backend, "deferred_launches", 0) - defer0,
             )  # fmt: skip
             r["backend_peak_equals_ledger"] = r["backend_peak"] == r["ledger_peak"]
             r["host_equals_ledger"] = r["host_bytes"] == r["ledger_host_bytes"]
