@@ -76,3 +76,87 @@ def test_cuda_budget_too_small():
     with pytest.raises(shfx.OutOfDeviceMemory, match="too small for one stage"):
         cm(x.cuda(), y.cuda())
     cm.close()
+
+
+# ---- CUDA's execution model (docs/design.md; the same checks as tests/test_cuda_like.py) ----------
+def _cuda_compiled(**kw):
+    torch.manual_seed(0)
+    return shfx.compile(gpt_tied(), device="cuda", window=2, optimizer=shfx.optim.AdamW(lr=1e-2), **kw)
+
+
+def _cuda_step(cm, i):
+    (x, y), _, _ = token_batch(i)
+    loss = cm(x.cuda(), y.cuda())
+    loss.backward()
+    cm.step()
+    cm.zero_grad()
+    return loss
+
+
+def test_cuda_no_host_sync_in_forward_and_backward():
+    cm = _cuda_compiled()
+    _cuda_step(cm, 0)
+    b = cm.backend
+    (x, y), _, _ = token_batch(1)
+    s0 = b.host_syncs
+    loss = cm(x.cuda(), y.cuda())
+    s1 = b.host_syncs
+    loss.backward()
+    s2 = b.host_syncs
+    cm.step()
+    assert (s1 - s0, s2 - s1) == (0, 0)
+    cm.close()
+
+
+def test_cuda_trace_is_device_time_and_ordered():
+    """Stage times are CUDA events: a forward starts on the device after its prefetch ended."""
+    from shfx.passes.meta import get_meta
+    from shfx.passes.program import ActionKind
+
+    cm = _cuda_compiled()
+    for i in range(2):
+        _cuda_step(cm, i)
+    ev = {(e.action, e.phase): e for e in cm.engine.trace}
+    checked = 0
+    for n in cm.program.nodes:
+        m = get_meta(n)
+        if m.kind == ActionKind.PREFETCH and m.phase == "forward" and (f"F{m.stage}", "forward") in ev:
+            pf, f = ev[(str(m.action), "forward")], ev[(f"F{m.stage}", "forward")]
+            assert pf.end >= pf.start and f.end >= f.start
+            assert f.start >= pf.end - 1e-4  # (the host clock mapping rounds to ~us)
+            checked += 1
+    assert checked
+    cm.close()
+
+
+def test_cuda_a_deferred_update_holds_only_its_prefetches():
+    from test_cuda_like import _forward_past_a_gated_deferred_update
+
+    cm = _cuda_compiled(max_grad_norm=0.5)
+    _cuda_step(cm, 0)
+
+    import test_cuda_like
+
+    orig = test_cuda_like.token_batch
+    test_cuda_like.token_batch = lambda i: tuple(
+        (tuple(a.cuda() for a in t) if isinstance(t, tuple) else t) for t in orig(i)
+    )
+    try:
+        through, *_ = _forward_past_a_gated_deferred_update(cm, timeout=60, step=1)
+    finally:
+        test_cuda_like.token_batch = orig
+    assert through and cm.backend.deferred_launches > 0
+    cm.close()
+
+
+def test_cuda_pinned_memory_is_exact_size():
+    from shfx.runtime.pinned import page_rounded
+
+    cm = _cuda_compiled()
+    _cuda_step(cm, 0)
+    bufs = cm.engine.store.buffers
+    assert all(b.is_pinned() for b in bufs)
+    assert cm.backend.pinned_bytes >= sum(page_rounded(b.numel() * b.element_size()) for b in bufs)
+    # every pinned buffer within a page of its size: nothing rounded up to a power of two
+    assert cm.backend.pinned_bytes <= cm.engine.host_bytes() + cm.backend.pinned.allocations * 4096 * 16
+    cm.close()
