@@ -33,6 +33,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .attention import restore_causal_attention_in_export
+
 __all__ = [
     "CaptureError",
     "Captured",
@@ -551,6 +553,7 @@ def capture_model(
     constants: dict[str, torch.Tensor] = {}
     placeholders: list[Placeholder] = []
     mutated: set[str] = set()
+    restore_causal_attention_in_export(ep)  # passes/attention.py: the SDPA call eager would make
     n_inputs = 0
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = ep.graph_signature.input_specs
