@@ -540,6 +540,7 @@ def capture_model(
 
     gm = ep.graph_module
     _drop_metadata_asserts(gm)
+    restore_causal_attention_in_export(ep)  # passes/attention.py: the SDPA call eager would make
     if _exported is not None:
         _exported.append(ep)
     canon_param = {id(p): n for n, p in model.named_parameters()}
@@ -553,7 +554,6 @@ def capture_model(
     constants: dict[str, torch.Tensor] = {}
     placeholders: list[Placeholder] = []
     mutated: set[str] = set()
-    restore_causal_attention_in_export(ep)  # passes/attention.py: the SDPA call eager would make
     n_inputs = 0
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     specs = ep.graph_signature.input_specs
