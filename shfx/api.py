@@ -761,13 +761,19 @@ class CompiledModel:
     ) -> WindowReport:
         """Profile ``variant``'s costs on the backend (``refresh``: again, replacing the cached
         profile), simulate every window of ``policy`` (its ``"auto"`` fields; all windows for a
-        fixed one, ``how="fixed"``), choose one."""
-        from .profiler import profile_costs
+        fixed one, ``how="fixed"``), choose one.
+
+        Every tuning (the first call's with ``"auto"`` fields, ``report()``'s, ``retune()``'s)
+        runs under forked random streams (:func:`shfx.profiler.forked_rng`): the profile's
+        dropout leaves the user's generators where they were, so ``"auto"`` trains exactly as
+        the fixed choice would."""
+        from .profiler import forked_rng, profile_costs
 
         graph = variant.graph
-        costs = profile_costs(self._engine, variant, tensors, refresh=refresh)
-        if getattr(policy, "nvme", False):  # the simulator needs the SSD's speed to choose the host window
-            read_bps, write_bps = self._ssd_rates()
+        with forked_rng(self._backend):
+            costs = profile_costs(self._engine, variant, tensors, refresh=refresh)
+            read_bps, write_bps = self._ssd_rates() if getattr(policy, "nvme", False) else (None, None)
+        if read_bps is not None:  # the simulator needs the SSD's speed to choose the host window
             costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
         if how == "fixed" and policy.windowed:
             policy = policy.replace(window="auto")

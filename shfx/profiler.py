@@ -26,7 +26,9 @@ far apart the rounds were and whether the fast half agreed; ``extra["rounds"]`` 
 sample and ``extra["estimates"]`` the statistic per action.
 
 The timing steps change nothing a user can see: no optimizer update runs, buffers the forward
-mutates (BatchNorm statistics), gradients and the RNG states are restored afterwards.
+mutates (BatchNorm statistics) and gradients are restored afterwards, and everything runs
+under :func:`forked_rng` (the profile's dropout and scratch buffers draw from forked random
+streams, so a model trains with the same dropout masks as without profiling).
 Results are cached per (input signature, device, model graph) in the process;
 ``refresh=True`` re-profiles and replaces the cached table (``cm.retune()`` does), and
 ``cache=False`` neither reads nor writes the cache.
@@ -53,7 +55,7 @@ from shfx.passes.program import ActionKind
 from .runtime.engine import Engine
 from .runtime.host_store import GRAD_NONE, GRAD_VALID
 
-__all__ = ["profile_costs", "measure_links", "clear_cache", "low_median", "spread", "run_rounds"]
+__all__ = ["profile_costs", "measure_links", "clear_cache", "low_median", "spread", "run_rounds", "forked_rng"]
 
 _CACHE: dict[tuple, CostTable] = {}
 
@@ -72,6 +74,39 @@ _MIN_SHARE = 0.05
 
 def clear_cache() -> None:
     _CACHE.clear()
+
+
+@contextmanager
+def forked_rng(backend: Any = None) -> Iterator[None]:
+    """Run with the user's random streams forked: the CPU generator, every initialized CUDA
+    device's generator and ``backend``'s (its device's, which may initialize CUDA) are saved
+    on entry and restored on exit, so whatever runs inside (the profiler's timing steps with
+    their dropout, scratch buffers filled with ``torch.randn``) leaves them where they were.
+    Python's ``random`` and numpy's global state are not touched by torch code and are left
+    alone. Used once per tuning or profile (every entry point: :func:`profile_costs`,
+    ``CompiledModel._tune``), never per step: saving costs a few kB of copies.
+
+    >>> import torch
+    >>> _ = torch.manual_seed(0); before = torch.get_rng_state()
+    >>> with forked_rng():
+    ...     _ = torch.randn(3)
+    >>> torch.equal(torch.get_rng_state(), before)
+    True
+    """
+    cpu = torch.get_rng_state()
+    dev = backend.get_rng_state() if backend is not None else None
+    # NOTE: only initialized CUDA: reading a generator would initialize CUDA on every device,
+    # and one never initialized has drawn nothing (its seed is applied lazily at initialization)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    gens = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if cuda else []
+    try:
+        yield
+    finally:
+        if dev is not None:
+            backend.set_rng_state(dev)
+        for i, state in enumerate(gens):
+            torch.cuda.set_rng_state(state, i)
+        torch.set_rng_state(cpu)
 
 
 def low_median(xs: Sequence[float]) -> float:
@@ -386,14 +421,13 @@ def _dispatch_sample(engine: Engine, hops: int = 40) -> float:
 
 
 class _Snapshot:
-    """What a timing step may change and must give back: RNG states, gradient buffers and
-    their state, buffers the forward mutates, and the engine's current variant."""
+    """What a timing step may change and must give back: gradient buffers and their state,
+    buffers the forward mutates, and the engine's current variant (the RNG states:
+    :func:`forked_rng`, around the whole profile)."""
 
     def __init__(self, engine: Engine, variant: Variant):
         self.engine = engine
         st = engine.store
-        self.cpu_rng = torch.get_rng_state()
-        self.dev_rng = engine.backend.get_rng_state()
         self.grad_state = list(st.grad_state)
         self.grads = {g: st.grad(g).clone() for g, s in enumerate(st.grad_state) if s == GRAD_VALID}
         self.current = engine.current
@@ -411,8 +445,6 @@ class _Snapshot:
 
     def restore(self) -> None:
         st = self.engine.store
-        torch.set_rng_state(self.cpu_rng)
-        self.engine.backend.set_rng_state(self.dev_rng)
         for region, saved in self.buffers:
             region.copy_(saved)
         for g, saved in self.grads.items():
@@ -483,6 +515,17 @@ def profile_costs(
         return _CACHE[key]
     if engine.pending_updates:
         raise RuntimeError("cannot profile while an optimizer update is pending; call cm.step() first")
+    with forked_rng(engine.backend):  # the timing steps' dropout, the host probe's scratch (torch.randn)
+        table = _profile(engine, variant, inputs, rounds, max_rounds, tolerance, budget)
+    if cache or refresh:
+        _CACHE[key] = table
+    return table
+
+
+def _profile(
+    engine: Engine, variant: Variant, inputs: list[torch.Tensor], rounds: int, max_rounds: int, tolerance: float, budget: float
+) -> CostTable:
+    """:func:`profile_costs`' measurement (run under :func:`forked_rng`)."""
     specs = variant.graph.specs
     probe = with_policy(variant, Stronghold(window=1))
     program = probe.train
@@ -545,7 +588,7 @@ def profile_costs(
         dev_upd = est.get(f"device update {g}", 0.0) if g is not None else 0.0
         kept = {"backward_s": b + f, "backward_kept_s": b} if st.index in keep else {"backward_s": b}
         costs.append(StageCost(forward_s=f, update_s=upd, accumulate_s=add, device_update_s=dev_upd, **kept))
-    table = CostTable(
+    return CostTable(
         costs,
         links.fit(est),
         optimizer_workers=_workers(engine),
@@ -554,9 +597,6 @@ def profile_costs(
         dispatch_s=est.get("dispatch", 0.0),
         phase_gap_s=est.get("gap", 0.0),
     )
-    if cache or refresh:
-        _CACHE[key] = table
-    return table
 
 
 def _workers(engine: Engine) -> int:
