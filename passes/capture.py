@@ -489,24 +489,37 @@ def capture_model(
         (torch.empty_like(t, device="meta") if on_meta else t.detach().to("cpu")).requires_grad_(t.requires_grad)
         for t in cast_inputs(tensors, working_dtype)
     )
+    from .exact import refuse_hooks, refuse_recorded, watch
+
+    if not on_meta:  # (a meta model is planned, never trained)
+        refuse_hooks(model)  # backward hooks shfx would never call: refused before anything is traced
     wrapper = _CaptureWrapper(model, rebuild)
     wrapper.train(model.training)
+    recorded: list = []
     with CAPTURE_GATE.capture():
         _import_export()
         try:
             with warnings.catch_warnings():
                 # torch.export's own pytree internals warn about a deprecated LeafSpec check
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-                with _params_cast(cast, working_dtype):
+                # NOTE: traced with grad enabled whatever the caller's mode: one capture serves
+                # both training and torch.no_grad() calls (the signature has no grad mode), and
+                # under no_grad the export drops the model's own no_grad regions (a first call
+                # under no_grad then trained gradients through them)
+                with _params_cast(cast, working_dtype), torch.enable_grad(), watch(model) as recorded:
                     ep = torch.export.export(wrapper, example, strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:  # noqa: BLE001 - re-raised with context
             _refuse_assignments(model, wrapper.refused)
             if _raised_by_model(e):
                 raise  # the model's own error, as eager PyTorch raises it
+            if not on_meta:
+                refuse_recorded(model, recorded)
             raise _capture_error(model, e) from e
         finally:
             wrapper.train(model.training)
         _refuse_assignments(model, wrapper.refused)
+        if not on_meta:
+            refuse_recorded(model, recorded)  # custom autograd.Functions, hooks in forward, reentrant checkpoints
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
