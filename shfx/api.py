@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from shfx.passes.capture import (
+    CaptureError,
     Captured,
     DynamicDim,
     DynamicShapes,
@@ -173,6 +174,66 @@ def _declared_dims(dynamic: dict, tensors: list[torch.Tensor]) -> list[DynamicDi
     return list(dims.values()) or None
 
 
+def _tensor_names(args: tuple, kwargs: dict) -> list[str]:
+    """Per tensor leaf of the call (``flatten_inputs`` order), where it was passed:
+    ``args[0]``, ``kwargs['input_ids']``, ``args[1][0]``."""
+    from torch.utils import _pytree as pytree
+
+    leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    names = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            head = "args" if getattr(path[0], "idx", 0) == 0 else "kwargs"
+            names.append(head + pytree.keystr(path[1:]))
+    return names
+
+
+def _shape_change_error(
+    model_name: str, args: tuple, kwargs: dict, tensors: list[torch.Tensor], seen: set, e: CaptureError
+) -> CaptureError | None:
+    """The error for a capture that failed at a new size of a dimension earlier calls had
+    another size (``seen``: their shapes, same structure): which input, which dimension,
+    expected and got, instead of :func:`~shfx.passes.capture._capture_error`'s generic advice.
+    None when ``e`` is not torch.export's failure of this call (a refusal) or nothing changed."""
+    from shfx.passes.capture import _first_line, _user_frame
+
+    cause = e.__cause__
+    now = tuple(tuple(t.shape) for t in tensors)
+    if cause is None or isinstance(cause, CaptureError) or not seen or now in seen:
+        return None
+
+    def changed(before: tuple) -> list[tuple[int, int, int, int]]:
+        return [
+            (i, d, a, b)
+            for i, (old, new) in enumerate(zip(before, now))
+            for d, (a, b) in enumerate(zip(old, new))
+            if a != b
+        ]
+
+    before = min(sorted(seen), key=lambda shapes: len(changed(shapes)))
+    diffs = changed(before)
+    if not diffs:
+        return None
+    names = _tensor_names(args, kwargs)
+    lines = []
+    for i, d, a, b in diffs:
+        where = f"tensor input {i}" + (f" ({names[i]})" if i < len(names) else "")
+        lines.append(
+            f"{where}: dimension {d} is {b}, earlier calls had {a} (shape {list(now[i])}, captured with {list(before[i])})"
+        )
+    frame = _user_frame(cause)
+    at = f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else ""
+    dims = ", ".join(f"dimension {d} of tensor input {i} = {a}" for i, d, a, _ in diffs)
+    return CaptureError(
+        f"shfx could not capture {model_name} for a new input shape: {'; '.join(lines)}. The forward fails at the "
+        f"new size: {_first_line(cause)}{at}\n"
+        f"  what to change: a size the model's weights fix (a feature or hidden dimension, channels, a vocabulary) "
+        f"must stay as it was: pass inputs with {dims}, as before (eager PyTorch fails at this size too). Sizes the "
+        "model allows to vary (batch, sequence length) are captured again or covered by a dynamic capture "
+        "(docs/usage.md, 'Variable shapes')."
+    )
+
+
 def _structure(sig: InputSignature) -> InputSignature:
     """The signature with every tensor's shape reduced to its number of dimensions."""
     leaves = tuple(("T", len(x[1]), *x[2:]) if x[0] == "T" else x for x in sig.leaves)
@@ -249,6 +310,19 @@ class _Prescaled(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         ctx.engine.prescaled = True
         return grad, None
+
+
+_NO_GENERATE = (
+    "CompiledModel has no generate(): shfx compiles the training step (forward, backward, the optimizer "
+    "update), not generation. To generate with the trained weights: call cm.sync() after cm.step() (it waits for "
+    "the updates and copies weights a policy updated on the device back into the model's own tensors, which "
+    "are views of shfx's host store), then call {model}'s own generate() eagerly on the CPU where those tensors "
+    "live (without cm.sync() it may read weights a few updates old); or load them into a separate copy of the "
+    "model on your accelerator: gen.load_state_dict(cm.state_dict()); gen.generate(...); or decode step by step "
+    "with the compiled model under torch.no_grad(): logits = cm(ids).logits; ids = torch.cat([ids, "
+    "logits[:, -1:].argmax(-1)], 1) (one dynamic capture covers the growing length: docs/usage.md, "
+    "'Variable shapes')"
+)
 
 
 class CompiledModel:
@@ -439,7 +513,14 @@ class CompiledModel:
             self._variants.move_to_end(key)
         else:
             dims = self._dynamic_dims(sig, tensors)
-            v = self._build(args, kwargs, tensors, dims)
+            try:
+                v = self._build(args, kwargs, tensors, dims)
+            except CaptureError as e:
+                seen = self._seen_shapes.get(_structure(sig), set())
+                shape_error = _shape_change_error(type(self.module).__name__, args, kwargs, tensors, seen, e)
+                if shape_error is not None:
+                    raise shape_error from e.__cause__
+                raise
             dyn = v.captured.dynamic
             if dyn is not None and dyn.mismatch(tensors) is not None:  # torch.export narrowed the range
                 self._cache_stats["captures"] += 1
@@ -535,22 +616,28 @@ class CompiledModel:
             self._reports[captured.signature] = report
             return report.tune.policy
 
+        dynamic_failed: tuple[list[DynamicDim], Exception] | None = None
         if dims:
             try:
                 variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose, dynamic=dims)
             except (KeyboardInterrupt, OutOfDeviceMemory):
                 raise
             except Exception as e:  # noqa: BLE001 - per-shape captures from now on, said once
-                self._dynamic_off = f"{type(e).__name__}: {e}"
-                warnings.warn(
-                    f"shfx could not capture {type(self.module).__name__} with dynamic dimensions "
-                    f"({', '.join(sorted({d.name for d in dims}))}), so every new input shape is captured again "
-                    f"(compile with dynamic=False to silence this). Why: {e}",
-                    stacklevel=4,
-                )
+                dynamic_failed = (dims, e)
                 dims = None
         if not dims:
+            # NOTE: when this shape cannot be captured at all (a feature size changed), the
+            # dynamic failure says nothing about dynamic capture: no warning, dynamic stays on
             variant = compile_variant(self.module, args, kwargs, self._options, groups=groups, choose=choose)
+        if dynamic_failed is not None:
+            failed_dims, e = dynamic_failed
+            self._dynamic_off = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"shfx could not capture {type(self.module).__name__} with dynamic dimensions "
+                f"({', '.join(sorted({d.name for d in failed_dims}))}), so every new input shape is captured again "
+                f"(compile with dynamic=False to silence this). Why: {e}",
+                stacklevel=4,
+            )
         asked = _clamped_window(variant)
         if asked is not None:
             n, k = len(variant.graph.stages), len(variant.train.persistent)
@@ -894,6 +981,12 @@ class CompiledModel:
         return variant.captured.structure.rebuild(list(outs))
 
     forward = __call__
+
+    def __getattr__(self, name: str) -> Any:
+        # (only for names CompiledModel does not have: a clear answer for generate())
+        if name == "generate":
+            raise AttributeError(_NO_GENERATE.format(model=type(self.__dict__.get("module")).__name__))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def step(self) -> None:
         """Apply the optimizer to every group (waits for updates started during backward).
