@@ -86,7 +86,7 @@ def restore_causal_attention(gm: fx.GraphModule, constants: Mapping[str, torch.T
     Returns the names of the rewritten nodes."""
     constants = dict(constants or {})
     g = gm.graph
-    verdicts: dict[fx.Node, bool] = {}
+    verdicts: dict[tuple, bool] = {}
     rewritten: list[str] = []
     dead: set[fx.Node] = set()
     for node in list(g.nodes):
@@ -95,9 +95,10 @@ def restore_causal_attention(gm: fx.GraphModule, constants: Mapping[str, torch.T
         q, k, v, mask, dropout_p, is_causal = _sdpa_args(node)
         if mask is None or is_causal or not isinstance(mask, fx.Node):
             continue
-        if mask not in verdicts:
-            verdicts[mask] = _is_causal_mask(mask, q, k, constants)
-        if not verdicts[mask]:
+        key = (mask, str(_shape(q)[-2:]), str(_shape(k)[-2:]))
+        if key not in verdicts:
+            verdicts[key] = _is_causal_mask(mask, q, k, constants)
+        if not verdicts[key]:
             continue
         dead.update(_ancestors(mask, constants) or ())
         q_len = _shape(q)[-2]

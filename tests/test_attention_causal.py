@@ -201,3 +201,18 @@ def test_non_square_mask_is_left():
     captured = capture_model(Cross(), (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)), {})
     (node,) = sdpa_nodes(captured.gm)
     assert mask_of(node) is not None and not causal_of(node)
+
+
+def causal_only_at_8(s, x):
+    # the causal pattern at S = 8, not at other sizes (columns >= 8 always visible)
+    return torch.ones(s, s, dtype=torch.bool).tril() | (torch.arange(s) >= 8)[None, :]
+
+
+@pytest.mark.parametrize("mask, rewritten", [(tril_bool, True), (causal_only_at_8, False)])
+def test_dynamic_masks_are_checked_at_a_second_size(mask, rewritten):
+    torch.manual_seed(0)
+    model = Attention(mask)
+    x = torch.randn(2, 8, 16)
+    captured = capture_model_dynamic(model, (x,), {}, [DynamicDim(0, 1, "seq", lo=2, hi=16)])
+    (node,) = sdpa_nodes(captured.gm)
+    assert (causal_of(node) and mask_of(node) is None) == rewritten
