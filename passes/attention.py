@@ -34,9 +34,12 @@ mask is *provably* the lower-triangular causal mask of its query/key length:
   unrepeated keys and values with ``enable_gqa=True``, as ``use_gqa_in_sdpa`` chooses without
   a mask. The mask's computation, left without users, is removed.
 
-A model that passes a hand-built causal mask eagerly (``torch.ones(S, S).tril()``) is rewritten
-too (bitwise the same on the CPU; on a GPU the flash kernel then runs where eager ran the
-masked one); its own manual key/value repetition is not undone.
+Only SDPA calls traced from the ``transformers`` package are rewritten (``sources``): there
+eager would have made the causal call itself. A model that passes a hand-built causal mask
+eagerly (``torch.ones(S, S).tril()``) runs the masked kernel eagerly, so shfx keeps its mask
+(on the CPU the two are bitwise the same; on a GPU they are different kernels, and the recipe
+is the user's). ``restore_causal_attention(gm, sources=None)`` rewrites any provably causal
+mask (what the tests use to check the mask analysis on hand-written masks).
 
 Not rewritten, by design: a mask that depends on a user input. That is the same recipe as eager
 when the input masks something, but when it is all ones eager Hugging Face drops the mask by
@@ -66,7 +69,7 @@ class _NotConstant(Exception):
     """The mask depends on something other than constants and sizes."""
 
 
-def restore_causal_attention_in_export(ep: Any) -> list[str]:
+def restore_causal_attention_in_export(ep: Any, sources: tuple[str, ...] | None = ("transformers",)) -> list[str]:
     """:func:`restore_causal_attention` on ``ep.graph_module`` (a ``torch.export.ExportedProgram``),
     with its lifted tensor constants as the only tensors a mask may read."""
     gm = ep.graph_module
@@ -75,14 +78,17 @@ def restore_causal_attention_in_export(ep: Any) -> list[str]:
     for node, spec in zip(phs, ep.graph_signature.input_specs):
         if spec.kind.name == "CONSTANT_TENSOR" and spec.target in ep.constants:
             constants[node.name] = ep.constants[spec.target]
-    return restore_causal_attention(gm, constants)
+    return restore_causal_attention(gm, constants, sources)
 
 
-def restore_causal_attention(gm: fx.GraphModule, constants: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+def restore_causal_attention(
+    gm: fx.GraphModule, constants: Mapping[str, torch.Tensor] | None = None, sources: tuple[str, ...] | None = ("transformers",)
+) -> list[str]:
     """Rewrite the SDPA nodes of ``gm`` whose mask is provably causal (module docstring).
 
     ``constants``: placeholder name -> its value, for placeholders that are constants (every
     other placeholder is a user input, parameter or buffer, whose values a mask must not read).
+    ``sources``: rewrite only SDPA calls traced from these packages (None: any).
     Returns the names of the rewritten nodes."""
     constants = dict(constants or {})
     g = gm.graph
@@ -95,6 +101,8 @@ def restore_causal_attention(gm: fx.GraphModule, constants: Mapping[str, torch.T
         q, k, v, mask, dropout_p, is_causal = _sdpa_args(node)
         if mask is None or is_causal or not isinstance(mask, fx.Node):
             continue
+        if sources is not None and not any(_traced_from(node, pkg) for pkg in sources):
+            continue  # the model's own masked call: eager runs it masked too
         key = (mask, str(_shape(q)[-2:]), str(_shape(k)[-2:]))
         if key not in verdicts:
             verdicts[key] = _is_causal_mask(mask, q, k, constants)
@@ -341,6 +349,13 @@ def _repeat_chain(x: fx.Node) -> list[fx.Node]:
     """The reshape, expand and unsqueeze of a ``repeat_kv`` (:func:`_repeat_source`)."""
     e = x.args[0]
     return [x, e, e.args[0]]
+
+
+def _traced_from(n: fx.Node, package: str) -> bool:
+    """Some frame of the node's trace is in ``package`` (an SDPA call is traced through torch's
+    own functional wrapper: the package's frame is not the innermost one)."""
+    trace = n.meta.get("stack_trace") or ""
+    return f"/{package}/" in trace or f"\\{package}\\" in trace
 
 
 def _from_transformers(n: fx.Node) -> bool:

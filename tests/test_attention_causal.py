@@ -1,8 +1,9 @@
 """The capture gives ``scaled_dot_product_attention`` back the call eager PyTorch makes
 (``passes/attention.py``): a Hugging Face Llama's export-only causal mask becomes
 ``is_causal=True`` (and its repeated keys/values ``enable_gqa=True``), so bf16 training is
-bitwise the eager recipe's; a mask that reads a user input stays; hand-written masks are
-rewritten only when they are exactly the causal pattern.
+bitwise the eager recipe's; a mask that reads a user input stays; a model's own hand-written
+mask stays (eager runs it masked); the mask analysis itself, run on any source
+(``sources=None``), rewrites hand-written masks only when they are exactly the causal pattern.
 
 The Llama tests skip without transformers (built from a config, nothing downloaded).
 """
@@ -172,11 +173,31 @@ def from_input(s, x):
     return torch.ones(s, s, dtype=torch.bool).tril() & (x[0, :, :1] > -100)  # reads x's values
 
 
+@pytest.fixture
+def any_source(monkeypatch):
+    """The capture's pass on SDPA calls from any source (by default only those traced from
+    transformers, where eager would have called SDPA causally itself)."""
+    from shfx.passes import attention
+
+    monkeypatch.setattr(
+        "shfx.passes.capture.restore_causal_attention_in_export",
+        lambda ep: attention.restore_causal_attention_in_export(ep, sources=None),
+    )
+
+
+def test_a_models_own_causal_mask_is_kept():
+    # eager runs the model's masked SDPA call: so does shfx (on a GPU another kernel than is_causal)
+    model = Attention(tril_bool)
+    captured = capture_model(model, (torch.randn(2, 8, 16),), {})
+    (node,) = sdpa_nodes(captured.gm)
+    assert mask_of(node) is not None and not causal_of(node)
+
+
 @pytest.mark.parametrize("mask, rewritten", [
     (tril_bool, True), (tril_additive, True), (tril_inf, True),
     (band, False), (upper, False), (from_input, False),
 ])  # fmt: skip
-def test_hand_written_masks(mask, rewritten):
+def test_hand_written_masks(mask, rewritten, any_source):
     torch.manual_seed(0)
     model = Attention(mask)
     x = torch.randn(2, 8, 16)
@@ -191,7 +212,7 @@ def test_hand_written_masks(mask, rewritten):
     assert torch.equal(out, model(x))
 
 
-def test_non_square_mask_is_left():
+def test_non_square_mask_is_left(any_source):
     # q_len != kv_len: is_causal is top-left aligned, a cache's mask bottom-right; not rewritten
     class Cross(nn.Module):
         def forward(self, q, kv):
@@ -209,7 +230,7 @@ def causal_only_at_8(s, x):
 
 
 @pytest.mark.parametrize("mask, rewritten", [(tril_bool, True), (causal_only_at_8, False)])
-def test_dynamic_masks_are_checked_at_a_second_size(mask, rewritten):
+def test_dynamic_masks_are_checked_at_a_second_size(mask, rewritten, any_source):
     torch.manual_seed(0)
     model = Attention(mask)
     x = torch.randn(2, 8, 16)
