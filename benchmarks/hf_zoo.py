@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 V = 96  # vocabulary
@@ -150,9 +151,9 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "swin": ("vision", "swin", dict(image_size=IMG, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
                                     window_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                     drop_path_rate=0.0)),
-    "convnext": ("vision", "convnext", dict(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], patch_size=4,
+    "convnext": ("vision", "convnext", dict(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], patch_size=4,
                                             image_size=IMG, drop_path_rate=0.0)),
-    "convnextv2": ("vision", "convnextv2", dict(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], patch_size=4,
+    "convnextv2": ("vision", "convnextv2", dict(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], patch_size=4,
                                                 image_size=IMG, drop_path_rate=0.0)),
     "resnet": ("vision", "resnet", dict(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1])),
     "regnet": ("vision", "regnet", dict(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
@@ -219,8 +220,30 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {s[0] if s else ''}"[:300]
 
 
-def run_one(name: str, windows=(1, 2)) -> dict:
-    """Train ``name`` at each window with shfx and eagerly; returns {'W=1': outcome, ...}."""
+def _report_hang(row: dict, w: int, hang_s: float) -> None:
+    row[f"W={w}"] = f"fails: hang: no progress in {hang_s:.0f} s ({_stuck_threads()})"
+    print("HFZOO " + json.dumps(row), flush=True)
+    os._exit(0)
+
+
+def _stuck_threads() -> str:
+    """The innermost shfx frame of each thread, to say where a hang is."""
+    import threading
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        fs = [f for f in traceback.extract_stack(frame) if "/shfx/" in f.filename]
+        if fs:
+            f = fs[-1]
+            out.append(f"{names.get(ident, ident)}: {f.filename.split('/shfx/')[-1]}:{f.lineno} {f.name}")
+    return "; ".join(out)
+
+
+def run_one(name: str, windows=(1, 2), hang_s: float = 0) -> dict:
+    """Train ``name`` at each window with shfx and eagerly; returns {'W=1': outcome, ...}.
+    With ``hang_s``, a window that takes longer is recorded as a hang and the process ends."""
     import torch
 
     import shfx
@@ -244,6 +267,10 @@ def run_one(name: str, windows=(1, 2)) -> dict:
         ref = copy.deepcopy(model)
         rng = torch.get_rng_state()
         stepped = False
+        if hang_s:  # a hang (a deadlock) ends this process with what it has: the parent runs the rest
+            watchdog = threading.Timer(hang_s, _report_hang, (row, w, hang_s))
+            watchdog.daemon = True
+            watchdog.start()
         try:
             cm = shfx.compile(
                 model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=w,
@@ -265,6 +292,9 @@ def run_one(name: str, windows=(1, 2)) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded
             row[f"W={w}"] = "fails: " + first_line(e)
             continue
+        finally:
+            if hang_s:
+                watchdog.cancel()
         torch.set_rng_state(rng)
         opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
         ref_losses = []
@@ -304,12 +334,21 @@ def run_one(name: str, windows=(1, 2)) -> dict:
 
 
 def run_isolated(name: str, timeout: float) -> dict:
+    row = _run_child(name, timeout, "1,2")
+    if row.get("W=1", "").startswith("fails: hang") and "W=2" not in row:  # its process ended at the hang
+        row2 = _run_child(name, timeout, "2")
+        row = row | {k: v for k, v in row2.items() if k.startswith("W=2") or k == "seconds"} | {
+            "seconds": row["seconds"] + row2["seconds"]}  # fmt: skip
+    return row
+
+
+def _run_child(name: str, timeout: float, windows: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                TRANSFORMERS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")  # fmt: skip
     t0 = time.perf_counter()
     try:
         p = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--one", name],
+            [sys.executable, os.path.abspath(__file__), "--one", name, "--timeout", str(timeout), "--windows", windows],
             capture_output=True, text=True, timeout=timeout, env=env,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -395,13 +434,15 @@ def main() -> None:
     ap.add_argument("--markdown", help="write the table as markdown here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per architecture")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--windows", default="1,2", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         import warnings
 
         warnings.filterwarnings("ignore")
-        print("HFZOO " + json.dumps(run_one(a.one)), flush=True)
-        return
+        windows = tuple(int(x) for x in a.windows.split(","))
+        print("HFZOO " + json.dumps(run_one(a.one, windows, hang_s=a.timeout / 3)), flush=True)
+        os._exit(0)  # threads of a hung run never finish
     names = a.archs.split(",") if a.archs else list(ARCHS)
     unknown = [n for n in names if n not in ARCHS]
     if unknown:
