@@ -226,7 +226,12 @@ def watch(model: nn.Module) -> Iterator[list[Recorded]]:
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() == me and _builds_graph(args, kwargs):
             qual = f"{cls.__module__}.{cls.__qualname__}"
-            if qual == "torch.utils.checkpoint.CheckpointFunction":
+            if cls.__module__ == "torch._library.autograd":
+                # the autograd of a torch.library custom op (register_autograd): the op stays one
+                # node of the captured graph, and shfx's backward runs its registered backward, as
+                # eager does (Mixtral's grouped_mm_fallback: bitwise, benchmarks/hf_zoo.py)
+                pass
+            elif qual == "torch.utils.checkpoint.CheckpointFunction":
                 record("checkpoint", qual)
             elif qual == "torch.utils.hooks.BackwardHookFunction":
                 record("module-hook", qual)
