@@ -382,3 +382,29 @@ def test_changed_feature_size_names_input_dimension_and_sizes():
     cm(batch(2)).sum().backward()  # the right size still trains
     cm.step()
     cm.close()
+
+
+# ---- a torch.library custom op with its own autograd: exact -----------------------------------------
+@torch.library.custom_op("shfx_test::reverse_grad", mutates_args=())
+def _reverse_grad_op(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_reverse_grad_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _reverse_grad_backward(ctx, g):
+    return -g  # not the derivative of the forward (identity): only running this backward gives it
+
+
+torch.library.register_autograd("shfx_test::reverse_grad", _reverse_grad_backward)
+
+
+def test_custom_op_with_registered_autograd_trains_like_eager():
+    """A torch.library custom op stays one node of the captured graph, and autograd runs its
+    registered backward in shfx's backward as eagerly (Mixtral's grouped_mm_fallback): accepted,
+    bitwise — with a backward that is not the forward's derivative, so a derivative of the
+    forward's operations could not pass."""
+    train_both(net(_reverse_grad_op), net(_reverse_grad_op))
