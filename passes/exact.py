@@ -231,6 +231,8 @@ def watch(model: nn.Module) -> Iterator[list[Recorded]]:
                 # node of the captured graph, and shfx's backward runs its registered backward, as
                 # eager does (Mixtral's grouped_mm_fallback: bitwise, benchmarks/hf_zoo.py)
                 pass
+            elif qual == "torch.utils.checkpoint._NoopSaveInputs":
+                pass  # non-reentrant checkpointing's own bookkeeping (torch 2.11 applies it under export): exact
             elif qual == "torch.utils.checkpoint.CheckpointFunction":
                 record("checkpoint", qual)
             elif qual == "torch.utils.hooks.BackwardHookFunction":

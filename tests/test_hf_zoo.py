@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -53,6 +54,13 @@ def test_t5_trains_bitwise():
     if "t5" in KNOWN_DIFFERS and any(row[f"W={w}"].startswith("differs") for w in (1, 2)):
         pytest.xfail(f"known defect: T5 differs from eager: {row['W=1']} in {row.get('W=1 where')}")
     assert row["W=1"] == row["W=2"] == "bitwise", row
+
+
+# torch 2.11's export (the GPU image's) cannot capture BART at these sizes (a data-dependent guard,
+# GuardOnDataDependentSymNode): a clear refusal there; 2.13 captures it and it trains bitwise
+_OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+if _OLD_TORCH:
+    SUBSET["bart"] = "refused: CaptureError: shfx could not capture BartForConditionalGeneration with torch.export"
 
 
 @pytest.mark.parametrize("arch", list(SUBSET))
