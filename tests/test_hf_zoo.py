@@ -59,8 +59,10 @@ def test_t5_trains_bitwise():
 # torch 2.11's export (the GPU image's) cannot capture BART at these sizes (a data-dependent guard,
 # GuardOnDataDependentSymNode): a clear refusal there; 2.13 captures it and it trains bitwise
 _OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+# what this torch gives (the recorded scan, benchmarks/results/hf_zoo.json, is torch 2.13's: SUBSET)
+HERE = dict(SUBSET)
 if _OLD_TORCH:
-    SUBSET["bart"] = "refused: CaptureError: shfx could not capture BartForConditionalGeneration with torch.export"
+    HERE["bart"] = "refused: CaptureError: shfx could not capture BartForConditionalGeneration with torch.export"
 
 
 @pytest.mark.parametrize("arch", list(SUBSET))
@@ -70,7 +72,7 @@ def test_subset_trains_bitwise_or_is_refused(arch):
     for w in (1, 2):
         got = row[f"W={w}"]
         assert not got.startswith("differs"), f"{arch} W={w}: {got} in {row.get(f'W={w} where')}"
-        assert outcome_matches(got, SUBSET[arch]), f"{arch} W={w}: {got}"
+        assert outcome_matches(got, HERE[arch]), f"{arch} W={w}: {got}"
 
 
 def recorded_rows() -> dict:
