@@ -25,7 +25,7 @@ import torch
 from shfx.passes.units import format_bytes
 
 from ..errors import OutOfDeviceMemory
-from .streams import DeviceStream, PoolStream, WorkerStream, single_omp_thread
+from .streams import DeviceStream, PoolStream, WorkerStream, current_device_stream, single_omp_thread
 
 __all__ = ["Backend", "MemoryEvent"]
 
@@ -210,7 +210,8 @@ class Backend:
         work and where device work runs as it is launched; on a device stream that queues its
         work (CUDA, the emulated CUDA-like copies), a record the device takes when it gets there.
         :meth:`stamp_times` turns stamps into host ``perf_counter`` seconds."""
-        return time.perf_counter()
+        s = current_device_stream()
+        return s.stamp() if s is not None else time.perf_counter()
 
     def stamp_times(self, stamps: list[Any]) -> list[float]:
         """Host ``perf_counter`` seconds of ``stamps`` (waits for the device to reach them)."""

@@ -37,7 +37,7 @@ import torch
 from ..devices import CudaDevice
 from . import pinned
 from .backend import Backend
-from .streams import DeviceStream, DeviceToken, current_device_stream
+from .streams import DeviceStream, DeviceToken
 
 __all__ = ["CudaBackend", "CudaStream", "new_event"]
 
@@ -148,10 +148,6 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(self.device)
 
     # ---- time stamps: CUDA events, resolved to the host clock when read ----------------------
-    def stamp(self) -> Any:
-        s = current_device_stream()
-        return s.stamp() if s is not None else time.perf_counter()
-
     def stamp_times(self, stamps: list[Any]) -> list[float]:
         events = [s for s in stamps if isinstance(s, torch.cuda.Event)]
         if not events:

@@ -200,10 +200,6 @@ class EmulatedBackend(Backend):
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" else t.cpu()
 
-    def stamp(self) -> Any:
-        s = current_device_stream()
-        return s.stamp() if s is not None else time.perf_counter()
-
     def stamp_times(self, stamps: list[Any]) -> list[float]:
         out = []
         for st in stamps:
