@@ -282,6 +282,17 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
     def sc(n: int) -> int:
         return n * e // captured_bytes
 
+    # mixed precision casts the gradient of every group no other stage borrows from on the
+    # device (shfx.passes.layout.device_cast_groups): its copy carries the fp32 bytes
+    borrowed = {g for st in specs for _, g, _ in st.borrowed_grads}
+    fp32_bytes = 4 // captured_bytes if captured_bytes <= 4 else 1
+
+    def wire(st: StageSpec) -> tuple[tuple[int, int], ...]:
+        if e >= 4:
+            return ()
+        pairs = st.grad_group_bytes or (((st.update_group, st.grad_bytes),) if st.update_group is not None else ())
+        return tuple((g, n * fp32_bytes) for g, n in pairs if g not in borrowed and g == st.update_group)
+
     def is_loss(v: Value) -> bool:
         return v.output and v.producer >= 0 and v.nbytes == captured_bytes
 
@@ -300,6 +311,7 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
             slot_bytes=sc(st.slot_bytes),
             activation_bytes=activations(st),
             grad_group_bytes=tuple((g, sc(n)) for g, n in st.grad_group_bytes),
+            grad_wire_bytes=wire(st),
             borrowed_grads=tuple((k, g, sc(n)) for k, g, n in st.borrowed_grads),
             inputs=tuple(value(v) for v in st.inputs),
             outputs=tuple(value(v) for v in st.outputs),
@@ -356,6 +368,7 @@ def repeat_blocks(
                 producers=prods,
                 grad_groups=frozenset(g for g in groups if g >= 0),
                 grad_group_bytes=tuple((block_group(g), b) for g, b in tpl.grad_group_bytes if block_group(g) >= 0),
+                grad_wire_bytes=tuple((block_group(g), b) for g, b in tpl.grad_wire_bytes if block_group(g) >= 0),
                 update_group=None if tpl.update_group is None else idx,
             )
         )
@@ -374,6 +387,7 @@ def repeat_blocks(
                 producers=prods,
                 grad_groups=groups,
                 grad_group_bytes=tuple((tail_group(g), b) for g, b in st.grad_group_bytes),
+                grad_wire_bytes=tuple((tail_group(g), b) for g, b in st.grad_wire_bytes),
                 update_group=None if st.update_group is None else st.update_group + shift,
             )
         )

@@ -31,14 +31,15 @@ a stage has no :attr:`StageCost.rollback_s` of its own."""
 
 def host_update_bytes(precision: str = "float32") -> int:
     """Host memory bytes one parameter's optimizer update moves: AdamW reads the fp32 weight,
-    gradient, m and v and writes the weight, m and v (28); in mixed precision the 16-bit
-    gradient is first cast to the fp32 gradient (read 2, write 4) and the 16-bit working copy
-    refreshed from the master after (read 4, write 2): 40.
+    gradient, m and v and writes the weight, m and v (28); in mixed precision also the 16-bit
+    working copy, written in the same pass while the fresh master is in the cache (2). The
+    16-bit gradient arrives cast to fp32 (on the device, ``Backend.d2h_copy_cast``): no host
+    pass of its own.
 
     >>> host_update_bytes(), host_update_bytes("bfloat16")
-    (28, 40)
+    (28, 30)
     """
-    return 28 if precision in ("float32", "fp32") else 40
+    return 28 if precision in ("float32", "fp32") else 30
 
 
 def host_accumulate_bytes(precision: str = "float32") -> int:

@@ -654,8 +654,9 @@ def gpt_stage_times(hw=None, h=h, s=s, b=b, V=V, *, dtype: str = "float32", atte
     ``dtype``: the compute dtype: ``"float32"`` (``e = 4`` bytes per element; ``"tf32"``: fp32
     storage at the TF32 matmul rate) or mixed precision, ``"bfloat16"``/``"float16"``: the
     16-bit matmul rate, ``e = 2`` for the copies and the other ops' bytes, and
-    ``t_u = 40 P_own / host_mem_bps`` (:func:`shfx.cost_model.costs.host_update_bytes`: the
-    gradient's cast to fp32 and the working copy's refresh on top of AdamW). ``rollback``: the
+    ``t_u = 30 P_own / host_mem_bps`` (:func:`shfx.cost_model.costs.host_update_bytes`: the
+    working copy's refresh on top of AdamW; the gradient arrives in fp32, cast on the device,
+    and ``t_og`` carries its fp32 bytes for a block). ``rollback``: the
     update also pays the step journal's copy of the group,
     :data:`shfx.cost_model.costs.ROLLBACK_COPY_RATIO` x the fp32 update (fp16's default).
 
@@ -681,6 +682,7 @@ def gpt_stage_times(hw=None, h=h, s=s, b=b, V=V, *, dtype: str = "float32", atte
     upd = 28 if e == 4 else host_update_bytes("bfloat16")
     if rollback:
         upd = upd + sp.Float(ROLLBACK_COPY_RATIO) * 28
+    cast = {k: 0 if (e == 4 or k == "head") else counts[k]["own"] for k in ("head", "block", "tail")}
     out = {}
     for kind in ("head", "block", "tail"):
         fl, by = work[kind]
@@ -690,7 +692,10 @@ def gpt_stage_times(hw=None, h=h, s=s, b=b, V=V, *, dtype: str = "float32", atte
             f=tf,
             b=3 * tf,
             pf=lat + e * pc["slot"] / h2d,
-            og=lat + e * pc["grad"] / d2h,
+            # a 16-bit gradient of a group nothing borrows (a block's, the tail's own) is cast on
+            # the device and travels in fp32; the tied head's and the tail's borrowed share
+            # travel in the device dtype
+            og=lat + (4 * cast[kind] + e * (pc["grad"] - cast[kind])) / d2h,
             u=upd * pc["own"] / host,
         )
     return out

@@ -372,11 +372,12 @@ def _staging_buffers(grad_accum_steps: int, borrowed_to_host: bool, host_trainab
     """Host staging buffers the runtime allocates (``HostStore.acquire_staging``, each as large as
     the largest group): a gradient copy that is added rather than copied in needs one - the tied
     embedding's gradient from the tail, or every copy after the first under gradient
-    accumulation, when up to two are in flight; in mixed precision every copy (the 16-bit
-    gradient is cast into the fp32 host gradient from there), up to two in flight."""
+    accumulation, when up to two are in flight; in mixed precision with a tied embedding on the
+    host, the owner's copy too (its 16-bit sum is cast on the host; every other group's gradient
+    is cast on the device and copied straight in: ``shfx.passes.layout.device_cast_groups``)."""
     if not host_trainable:
         return 0
-    return _STAGING_BUFFERS if grad_accum_steps > 1 or mixed else int(borrowed_to_host)
+    return _STAGING_BUFFERS if grad_accum_steps > 1 or (mixed and borrowed_to_host) else int(borrowed_to_host)
 
 
 def _resolve(target: Target, workspace_bytes: int | None, allocator_slack: float, working_set: bool | None):

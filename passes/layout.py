@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Part", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "align", "PRECISIONS", "precision_dtype"]
+__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Part", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "device_cast_groups", "align", "PRECISIONS", "precision_dtype"]
 
 ALIGN = 64
 
@@ -390,6 +390,37 @@ def _merge(copies: list[Copy]) -> tuple[Copy, ...]:
         else:
             out.append(c)
     return tuple(out)
+
+
+def device_cast_groups(groups: Sequence[Group], slots: Iterable[SlotPlan]) -> frozenset[int]:
+    """Groups whose gradient an OFFLOAD_GRAD casts to the host gradient's dtype on the device and
+    copies straight into the host gradient (or, under gradient accumulation, into an fp32
+    staging buffer that is added): mixed-precision groups whose whole trainable region one
+    copy of one stage sends. Exact: a 16-bit value widens to fp32 exactly, and
+    ``grad.add_(g16)`` adds the same widened value. The host does no per-element work for them
+    and holds no 16-bit staging buffer; the link carries the fp32 bytes
+    (``StageSpec.grad_wire_bytes``).
+
+    A group with more than one contribution (a tied weight another stage borrows) keeps the
+    16-bit path: autograd sums the contributions in the device dtype, which the host does the
+    same way before casting. Data parallel keeps it for every group (the reduce-scatter sums
+    16-bit gradients): the runtime and the lowering apply this in one process only."""
+    copies: dict[int, list[Copy]] = {}
+    for sp in slots:
+        for c in sp.grads:
+            copies.setdefault(c.group, []).append(c)
+    out = set()
+    for g, cs in copies.items():
+        grp = groups[g]
+        if (
+            grp.dtypes.mixed
+            and grp.trainable_bytes
+            and len(cs) == 1
+            and cs[0].host_offset == 0
+            and cs[0].nbytes == grp.trainable_bytes
+        ):
+            out.add(g)
+    return frozenset(out)
 
 
 def plan_slot(

@@ -349,9 +349,12 @@ def host_terms(
     hg = {o.update_group for o in host}
     pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     trainable = sum(o.update_bytes for o in host)
-    # gradients go through staging under accumulation, and in mixed precision always (the cast
-    # into the fp32 host gradient); else only a borrowed one does (the owner's copies go direct)
-    staging = 0 if not trainable else STAGING_BUFFERS if grad_accum_steps > 1 or any(working_bytes or ()) else int(bool(pending))
+    # gradients go through staging under accumulation, and in mixed precision those of a group
+    # not cast on the device (a tied weight's owner: its 16-bit sum is cast on the host); else
+    # only a borrowed one does (the owner's copies go direct, cast on the device or not)
+    cast = {g for s in stages for g, _ in s.grad_wire_bytes}
+    staged16 = any(working_bytes or ()) and any(o.update_group not in cast for o in host if o.update_bytes)
+    staging = 0 if not trainable else STAGING_BUFFERS if grad_accum_steps > 1 or staged16 else int(bool(pending))
     largest = max((o.update_bytes for o in owners.values()), default=0)
     out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", largest) for i in range(staging)]
     out += [Change("host", "pending tied gradient", f"pending gradient of {key!r}", nb) for key, nb in pending]

@@ -42,7 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import Captured, Placeholder
-from .layout import FP32, Group, SlotPlan, TensorInfo, copy_dtypes, plan_groups, plan_slot
+from .layout import FP32, Group, SlotPlan, TensorInfo, copy_dtypes, device_cast_groups, plan_groups, plan_slot
 from .stages import StageSpec, Value
 from .units import format_bytes
 
@@ -1080,7 +1080,16 @@ def build_stages(
     out_values = {o.name for o in captured.outputs}
     groups, owner, stage_keys = ownership.groups, ownership.owner, ownership.stage_keys
     stages: list[Stage] = []
-    for s, m in enumerate(labels.members()):
+    members = list(labels.members())
+    slots = []
+    for s in range(len(members)):
+        keys = stage_keys[s]
+        params = tuple(k for k in keys if ownership.tensors[k].kind == "param")
+        bufs = tuple(k for k in keys if ownership.tensors[k].kind != "param")
+        mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
+        slots.append(plan_slot(s, keys, mutated, tuple(k for k in params if k in captured.trainable), groups, owner))
+    cast = device_cast_groups(groups, slots)
+    for s, m in enumerate(members):
         name = labels.names[s]
         keys = stage_keys[s]
         params = tuple(k for k in keys if ownership.tensors[k].kind == "param")
@@ -1101,7 +1110,7 @@ def build_stages(
         outs = [n.name for n in m if n.name in values and (values[n.name].consumers or n.name in out_values)]
         mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
         trainable = tuple(k for k in params if k in captured.trainable)
-        slot = plan_slot(s, keys, mutated, trainable, groups, owner)
+        slot = slots[s]
         owns_update = s < len(groups) and groups[s].trainable_bytes > 0 and owner_stage_is(groups, s, owner, stage_keys)
         update_group = s if owns_update else None
         spec = StageSpec(
@@ -1117,6 +1126,7 @@ def build_stages(
             slot_bytes=slot.nbytes,
             update_bytes=groups[update_group].master_bytes if update_group is not None else 0,
             grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
+            grad_wire_bytes=tuple(sorted((c.group, groups[c.group].grad_bytes) for c in slot.grads if c.group in cast)),
         )
         stages.append(
             Stage(

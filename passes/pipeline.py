@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .capture import Captured, DynamicDim, InputSignature, capture_model, capture_model_dynamic
 from .layout import Group, dtype_name, precision_dtype
-from .ledger import Ledger, pool_sizes, replay
+from .ledger import Ledger, host_terms, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
@@ -156,6 +156,19 @@ class Variant:
             grad_accum_steps=grad_accum_steps, rollback=rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
             rank=rank,
         )  # fmt: skip
+
+    def staging_buffers(self, grad_accum_steps: int = 1) -> int:
+        """Host staging buffers the ledger counts for this variant in one process (the runtime
+        allocates them up front: ``HostStore.ensure_staging``); under data parallel the local
+        gradients' buffers are counted and allocated apart (0 here)."""
+        if self.train.ranks > 1:
+            return 0
+        terms = host_terms(
+            self.train.stages, set().union(*(p.device_groups() for p in self.programs)),
+            group_bytes=[g.host_master_bytes for g in self.graph.groups], grad_accum_steps=grad_accum_steps,
+            working_bytes=[g.working_bytes for g in self.graph.groups], **self.train.tier,
+        )  # fmt: skip
+        return sum(1 for c in terms if c.term == "gradient staging (pinned)")
 
 
 def build_programs(

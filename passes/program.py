@@ -616,7 +616,9 @@ def lower_actions(
                 host_groups = set(spec.grad_groups) - device_groups
                 if not host_groups:
                     raise fail(pos, act, f"every group stage {s} sends gradients to is updated on the device")
-                nbytes = spec.grad_bytes_to(host_groups)
+                # one process: a mixed-precision group's gradient is cast on the device and
+                # travels in fp32 (grad_wire_bytes); data parallel sends the device dtype
+                nbytes = spec.grad_wire_bytes_to(host_groups) if ranks == 1 else spec.grad_bytes_to(host_groups)
                 reader_of = s
             elif k == ActionKind.OFFLOAD_PARAMS:
                 slot, _, _ = need_resident(pos, act)

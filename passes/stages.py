@@ -70,6 +70,11 @@ class StageSpec:
             whose stage will be recomputed (the recompute must see them as the forward did).
         borrowed_grads: ``(key, group, bytes)`` of each trainable tensor it borrows from another
             group (a tied weight): its gradient waits for the owner's.
+        grad_wire_bytes: ``(group, bytes)`` for each group whose 16-bit gradient an OFFLOAD_GRAD
+            casts to the host gradient's dtype on the device before copying it (mixed
+            precision, one process: :func:`shfx.passes.layout.device_cast_groups`): the bytes it
+            moves over the link for that group (the fp32 gradient), instead of its entry in
+            ``grad_group_bytes``.
     """
 
     index: int
@@ -90,6 +95,7 @@ class StageSpec:
     model_inputs: tuple[Value, ...] = ()
     recompute_buffer_bytes: int = 0
     borrowed_grads: tuple[tuple[str, int, int], ...] = ()
+    grad_wire_bytes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.update_bytes and not self.state_bytes:  # a state as large as the parameters (fp32)
@@ -113,6 +119,17 @@ class StageSpec:
         if not self.grad_group_bytes:
             return self.grad_bytes if (self.grad_groups & set(groups)) else 0
         return sum(n for g, n in self.grad_group_bytes if g in groups)
+
+    def grad_wire_bytes_to(self, groups: frozenset[int] | set[int]) -> int:
+        """Bytes an OFFLOAD_GRAD of this stage moves over the link for ``groups`` in one process:
+        :meth:`grad_bytes_to`, with the fp32 size for groups cast on the device
+        (``grad_wire_bytes``). Under data parallel the device dtype travels (:meth:`grad_bytes_to`)."""
+        if not self.grad_wire_bytes:
+            return self.grad_bytes_to(groups)
+        wire = dict(self.grad_wire_bytes)
+        if not self.grad_group_bytes:
+            return sum(wire.values()) if (self.grad_groups & set(groups)) else 0
+        return sum(wire.get(g, n) for g, n in self.grad_group_bytes if g in groups)
 
 
 def chain(

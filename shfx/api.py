@@ -655,6 +655,7 @@ class CompiledModel:
                 )
             warnings.warn(what + ".", stacklevel=4)
         self._ensure_store(variant.captured, variant.graph)
+        self._store.ensure_staging(variant.staging_buffers(self._engine_kwargs["grad_accum_steps"]))
         self._ensure_ssd(variant)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)

@@ -121,14 +121,16 @@ REF = dict(layers=48, hidden=2048, heads=16, seq=1024, batch=4, vocab=50304)
 
 
 def test_hardware_path_in_16_bit():
-    """bf16 on an A100 profile: half the bytes on the link each way, faster matmuls; fp16 pays
+    """bf16 on an A100 profile: half the prefetch bytes; gradients cast to fp32 on the device
+    but the tied embedding's (16-bit: autograd sums it in the device dtype), so between half and
+    all of fp32's bytes back; faster matmuls; fp16 pays
     for the step journal's rollback copies in host time and memory (on by default), bf16 not."""
     res = {p: shfx.compare(shfx.GPTShape(**REF, precision=p), hardware="A100-80GB-PCIe4", policies=["stronghold"])
            for p in ("fp32", "bf16", "fp16")}  # fmt: skip
     sh = {p: r.row("stronghold").predicted for p, r in res.items()}
     for p in ("bf16", "fp16"):
         assert sh[p].h2d_bytes == pytest.approx(sh["fp32"].h2d_bytes / 2, rel=1e-3)
-        assert sh[p].d2h_bytes == pytest.approx(sh["fp32"].d2h_bytes / 2, rel=1e-3)
+        assert sh["fp32"].d2h_bytes / 2 < sh[p].d2h_bytes < sh["fp32"].d2h_bytes
         assert sh[p].step_s < sh["fp32"].step_s
         assert res[p].precision == {"bf16": "bfloat16", "fp16": "float16"}[p] and p in res[p].model
     assert sh["fp16"].step_s > sh["bf16"].step_s

@@ -103,28 +103,41 @@ def _tokens(step: int = 0):
     return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
 
 
-def test_bf16_moves_half_the_bytes_of_fp32():
-    """Parameters and gradients cross the link in 16 bits: exactly half of fp32's bytes (every
-    tensor of this GPT is a multiple of 32 elements, so no alignment padding differs), counted
-    by the backend and equal to the program's."""
-    moved = {}
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_prefetches_half_the_bytes_and_casts_gradients_on_the_device(tied):
+    """Parameters cross the link in 16 bits: exactly half of fp32's prefetch bytes (every tensor
+    of this GPT is a multiple of 32 elements, so no alignment padding differs). Gradients are
+    cast to fp32 on the device and copied straight into the host gradient
+    (``passes.layout.device_cast_groups``): an untied model sends fp32's gradient bytes and
+    needs no host staging buffer; with a tied embedding the owner's gradient and the tail's
+    borrowed share stay 16-bit (autograd sums them in bf16), so fewer bytes than fp32 but more
+    than half. Counted by the backend and equal to the program's."""
+    moved, staging = {}, {}
     for precision in ("fp32", "bf16"):
         torch.manual_seed(0)
-        cm = _compile(gpt(layers=3, tie_weights=False), precision, window=2)
+        cm = _compile(gpt(layers=3, tie_weights=tied), precision, window=2)
         x, y = _tokens()
         cm(x, y).backward()  # the first call captures and sets up
         cm.step()
+        cm.zero_grad()
         b = cm.backend
         h2d0, d2h0 = b.bytes_h2d, b.bytes_d2h
         cm(x, y).backward()
         cm.step()
+        cm.zero_grad()
         moved[precision] = (b.bytes_h2d - h2d0, b.bytes_d2h - d2h0)
         prog = cm.program.bytes_moved()
         assert moved[precision] == (prog["h2d"], prog["d2h"]), precision
+        staging[precision] = cm.engine.store.staging_bytes
         cm.close()
     assert moved["bf16"][0] * 2 == moved["fp32"][0]
-    assert moved["bf16"][1] * 2 == moved["fp32"][1]
     assert moved["bf16"][1] > 0
+    if tied:
+        assert moved["fp32"][1] // 2 < moved["bf16"][1] < moved["fp32"][1]
+        assert staging["bf16"] > 0
+    else:
+        assert moved["bf16"][1] == moved["fp32"][1]
+        assert staging["bf16"] == 0
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -288,3 +301,22 @@ def test_precision_arguments_are_checked():
     with pytest.raises(shfx.passes.program.ScheduleError, match="on the device"):
         cm(*_tokens())
     cm.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradient_accumulation_in_bf16_is_the_recipe(tied):
+    """Gradient accumulation with gradients cast on the device: the second micro-step's fp32
+    copy is added on the host (``add32``), bitwise ``grad += g16`` of the recipe; with a tied
+    embedding its 16-bit path beside it. Losses and masters bitwise, 3 steps of 2 micro-steps."""
+    make = lambda: gpt(layers=2, tie_weights=tied)  # noqa: E731
+    from zoo import token_batch
+
+    ref = train_mixed_eager(make, token_batch, "bf16", 3, grad_accum=2)
+    got = train_mixed_shfx(make, token_batch, "bf16", 3, window=2, grad_accum=2)
+    try:
+        assert got["loss_bits"] == ref["loss_bits"], (got["losses"], ref["losses"])
+        for k, v in ref["master"].items():
+            assert torch.equal(got["master"][k], v), k
+        assert bool(got["cm"].engine.store.staging_bytes)  # the accumulation went through staging
+    finally:
+        got["cm"].close()

@@ -176,3 +176,30 @@ def capture_gpt_template(fam: GPTShape):
         model = GPT(cfg)
         idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
     return partition_stages(capture_model(model, (idx, idx)), model=model)
+
+
+class SharedLayer(nn.Module):
+    """ALBERT's shape: one layer (several tensors) applied ``n`` times, each application a stage
+    of its own that borrows every tensor of the first one's group."""
+
+    def __init__(self, h: int = 32, n: int = 4, classes: int = 10):
+        super().__init__()
+        self.inp = nn.Linear(20, h)
+        self.layer = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h), nn.LayerNorm(h))
+        # the first application only: their tensors come between the layer's in its owner's
+        # group (first-use order), so the later applications borrow three separate ranges
+        self.first = nn.ModuleList([nn.Linear(h, h), nn.Linear(h, h)])
+        self.mix = nn.ModuleList(nn.Linear(h, h) for _ in range(n))  # its own after each application
+        self.out = nn.Linear(h, classes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for i, m in enumerate(self.mix):
+            h = torch.tanh(self.layer[0](x))
+            if i == 0:
+                h = self.first[0](h)
+            h = self.layer[2](h)
+            if i == 0:
+                h = self.first[1](h)
+            x = m(x + self.layer[3](h))
+        return F.cross_entropy(self.out(x), target)

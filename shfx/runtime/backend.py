@@ -192,6 +192,12 @@ class Backend:
         """Copy device -> host; called from inside a ``d2h`` stream task."""
         raise NotImplementedError
 
+    def d2h_copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy device ``src`` into host ``dst`` of another dtype (a 16-bit gradient into the fp32
+        host gradient: exact), the cast done on the device: the link carries ``dst``'s bytes
+        and the host does no per-element work. Called from inside a ``d2h`` stream task."""
+        raise NotImplementedError
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

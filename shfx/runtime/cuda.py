@@ -86,6 +86,12 @@ class CudaStream(DeviceStream):
         return bool(marker.query())
 
 
+#: device bytes of d2h_copy_cast's scratch: a gradient is cast to fp32 and copied out in
+#: chunks of this size (32 MiB: each copy long enough to run at the link's rate, the scratch
+#: small beside the planner's workspace reserve, which it is counted in)
+CAST_CHUNK_BYTES = 32 << 20
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
@@ -105,6 +111,7 @@ class CudaBackend(Backend):
         self.h2d = CudaStream("h2d", self.device, torch.cuda.Stream(self.device))
         self.d2h = CudaStream("d2h", self.device, torch.cuda.Stream(self.device))
         self.pinned = pinned.PinnedAllocator()
+        self._cast_scratch: torch.Tensor | None = None  # d2h_copy_cast's chunk (CAST_CHUNK_BYTES)
 
     def describe(self) -> str:
         return f"{torch.cuda.get_device_name(self.device)} ({self.spec})"
@@ -134,6 +141,29 @@ class CudaBackend(Backend):
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.count_copy("d2h", src.numel() * src.element_size())
         dst.copy_(src, non_blocking=True)
+
+    def d2h_copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # NOTE: torch's own CPU<->GPU copy between dtypes converts on the CPU; here each chunk is
+        # cast into a small device scratch (CAST_CHUNK_BYTES, the d2h stream's alone: its
+        # copies and casts run in stream order, so a chunk's cast waits for the previous
+        # chunk's copy out of it) and copied from there (pinned, asynchronous)
+        if dst.numel() != src.numel():
+            raise ValueError(f"d2h_copy_cast: {dst.numel()} host elements for {src.numel()} device elements")
+        self.count_copy("d2h", dst.numel() * dst.element_size())
+        if dst.dtype == src.dtype:
+            dst.copy_(src, non_blocking=True)
+            return
+        scratch = self._cast_scratch
+        if scratch is None:  # allocated inside the first d2h task: on the d2h stream, used only there
+            scratch = self._cast_scratch = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device=self.device)
+        step = CAST_CHUNK_BYTES // dst.element_size()
+        tmp_all = scratch.view(dst.dtype)
+        n = dst.numel()
+        for o in range(0, n, step):
+            m = min(step, n - o)
+            tmp = tmp_all[:m]
+            tmp.copy_(src[o : o + m])
+            dst[o : o + m].copy_(tmp, non_blocking=True)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)

@@ -159,8 +159,8 @@ class EmulatedBackend(Backend):
     def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
 
-    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-        n = src.numel() * src.element_size()
+    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> None:
+        n = src.numel() * src.element_size() if nbytes is None else nbytes
         self.count_copy(direction, n)
         s = current_device_stream()
         if isinstance(s, _CopyStream):  # CUDA-like: the bytes move when the stream's queue gets there
@@ -173,6 +173,9 @@ class EmulatedBackend(Backend):
         bw = self._bw[direction]
         if bw is None or not throttle:
             dst.copy_(src)
+            return
+        if dst.dtype != src.dtype:  # a cast on the way (d2h_copy_cast): chunks of dst's bytes
+            self._move_cast(direction, dst, src, bw)
             return
         other = "d2h" if direction == "h2d" else "h2d"
         d = dst.view(torch.uint8).reshape(-1)
@@ -191,11 +194,33 @@ class EmulatedBackend(Backend):
         finally:
             self._active[direction] -= 1
 
+    def _move_cast(self, direction: str, dst: torch.Tensor, src: torch.Tensor, bw: float) -> None:
+        other = "d2h" if direction == "h2d" else "h2d"
+        step = max(1, _CHUNK // dst.element_size())
+        self._active[direction] += 1
+        try:
+            due = time.perf_counter()
+            for o in range(0, dst.numel(), step):
+                m = min(step, dst.numel() - o)
+                dst[o : o + m].copy_(src[o : o + m])
+                rate = bw * (self.spec.duplex if self._active[other] > 0 else 1.0)
+                due += m * dst.element_size() / rate
+                now = time.perf_counter()
+                if due > now:
+                    time.sleep(due - now)
+        finally:
+            self._active[direction] -= 1
+
     def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copy("h2d", dst, src)
 
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copy("d2h", dst, src)
+
+    def d2h_copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.numel() != src.numel():
+            raise ValueError(f"d2h_copy_cast: {dst.numel()} host elements for {src.numel()} device elements")
+        self._copy("d2h", dst, src, nbytes=dst.numel() * dst.element_size())
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" else t.cpu()

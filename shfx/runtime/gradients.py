@@ -175,10 +175,35 @@ class GradientRouter:
         pool = self.engine.pool
         dp = self.engine.dp
 
+        # mixed precision, one process: groups whose 16-bit gradient is cast to fp32 on the
+        # device and copied into the host gradient (passes.layout.device_cast_groups)
+        cast = {g for g, _ in stage.spec.grad_wire_bytes} if dp is None else set()
+
+        def copy_cast(dst: torch.Tensor, src: torch.Tensor, g: int, nbytes: int) -> None:
+            """The group's device gradient (bytes ``src``) into ``dst`` (its fp32 elements), part by
+            part (a part's device dtype may be fp32 already: a BatchNorm weight)."""
+            for part, elem, n, off in store.groups[g].elements(0, nbytes):
+                backend.d2h_copy_cast(dst[elem : elem + n], src[off : off + n * part.dtype.itemsize].view(part.dtype))
+
+        held: list[torch.Tensor] = []  # the OG's staging buffers, released after accumulate
+
+        def staging(regions: dict[int, torch.Tensor], g: int) -> torch.Tensor:
+            """Group ``g``'s staging region for this OG: one buffer per group, its copies placed at
+            their offsets in the group (a stage may send many tensors of one group: ALBERT's
+            shared layer, one copy per tensor; a buffer per copy would wait forever for the
+            pool's two). A second group's buffer never waits for the pool (this OG would wait
+            for itself): it is allocated past the pool's size if need be."""
+            buf = regions.get(g)
+            if buf is None:
+                buf = regions[g] = store.acquire_staging(store.groups[g].grad_bytes, wait=not held)
+                held.append(buf)
+            return buf
+
         def copy_out() -> None:
             if stage.index in ctx.no_grads:
                 return
             from_buffer = ctx.grad_src.get(stage.index) == "buffer"
+            regions: dict[int, torch.Tensor] = {}
             for c in stage.slot.grads:
                 if c.group in dev:
                     continue  # updated on the device: the gradient stays there
@@ -186,6 +211,16 @@ class GradientRouter:
                     src = self.buffer(slot)[c.slot_offset : c.slot_offset + c.nbytes]
                 else:
                     src = pool.region(slot, c.slot_offset, c.nbytes)
+                if c.group in cast:
+                    if store.grad_state[c.group] == GRAD_NONE:
+                        copy_cast(store.grad(c.group), src, c.group, c.nbytes)
+                        store.grad_state[c.group] = GRAD_VALID
+                        plan.append(("direct", c, None))
+                    else:  # accumulating: fp32 into a staging buffer, added on the host
+                        buf = staging(regions, c.group)
+                        copy_cast(buf.view(store.groups[c.group].dtypes.grad), src, c.group, c.nbytes)
+                        plan.append(("add32", c, buf))
+                    continue
                 # the owner's copy of its whole group; borrowers' copies wait in pending
                 full = (
                     c.group == stage.spec.update_group
@@ -201,8 +236,9 @@ class GradientRouter:
                     store.grad_state[c.group] = GRAD_VALID
                     plan.append(("direct", c, None))
                 else:
-                    buf = store.acquire_staging(c.nbytes)
-                    backend.d2h_copy(buf[: c.nbytes], src)
+                    # at the copy's offset in the group: the staged copies of one group never overlap
+                    buf = staging(regions, c.group)[c.host_offset : c.host_offset + c.nbytes]
+                    backend.d2h_copy(buf, src)
                     plan.append(("add" if full else "shared", c, buf))
 
         def accumulate() -> None:
@@ -243,6 +279,10 @@ class GradientRouter:
                                 grad[elem : elem + n].add_(stg)
                         store.grad_state[g] = GRAD_VALID
                         acc.flushed.add(g)
+                    elif kind == "add32":  # cast on the device: fp32 + fp32, as grad += g16 widens g16
+                        grad = store.grad(g)
+                        grad.add_(buf.view(grad.dtype)[: grad.numel()])
+                        acc.flushed.add(g)
                     else:  # direct: the group's gradient was copied in whole
                         for pc in acc.pending.pop(g, []):
                             self._grad_slice(g, pc, zero_if_none=False).add_(self._pending(pc))
@@ -253,9 +293,9 @@ class GradientRouter:
                         self._target(acc, own, pc).add_(self._pending(pc))
                     acc.flushed.add(own)
             finally:
-                for kind, _, buf in plan:
-                    if buf is not None and kind != "dp":
-                        store.release_staging(buf)
+                for buf in held:
+                    store.release_staging(buf)
+                held.clear()
                 plan.clear()
 
         t_copy = backend.d2h.submit(timed(copy_out, m), deps, str(m.action))

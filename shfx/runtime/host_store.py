@@ -210,21 +210,32 @@ class HostStore:
         return n
 
     # ---- staging for accumulating gradients ----------------------------------------------------
-    def acquire_staging(self, nbytes: int) -> torch.Tensor:
+    def acquire_staging(self, nbytes: int, wait: bool = True) -> torch.Tensor:
         """A host buffer of at least ``nbytes`` for a gradient copy that must be added, not
-        copied, into the gradient buffer. Blocks while all are in use."""
+        copied, into the gradient buffer. Blocks while all are in use; with ``wait=False`` (the
+        caller holds one already and would wait for itself) allocates one more instead."""
         with self._staging_cv:
             while True:
                 for i, b in enumerate(self._staging_free):
                     if b.numel() >= nbytes:
                         return self._staging_free.pop(i)
-                if self._staging_count < self._staging_max:
+                if self._staging_count < self._staging_max or not wait:
                     self._staging_count += 1
                     return self._new_staging(nbytes)
                 if self._staging_free:  # free ones are all too small: replace one
                     self.staging_bytes -= self._staging_free.pop(0).numel()
                     return self._new_staging(nbytes)
                 self._staging_cv.wait()
+
+    def ensure_staging(self, n: int) -> None:
+        """Allocate staging buffers until ``n`` exist (the ledger's count for the program: its
+        host memory is then what the ledger says from the first step, whichever copies happen
+        to overlap), and allow at least ``n`` at once."""
+        with self._staging_cv:
+            self._staging_max = max(self._staging_max, n)
+            while self._staging_count < n:
+                self._staging_count += 1
+                self._staging_free.append(self._new_staging(0))
 
     def _new_staging(self, nbytes: int) -> torch.Tensor:
         size = max(nbytes, max((g.grad_bytes for g in self.groups), default=nbytes))
