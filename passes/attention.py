@@ -50,14 +50,19 @@ as above). Pass no ``attention_mask`` for unpadded batches.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-__all__ = ["restore_causal_attention", "restore_causal_attention_in_export", "causal_pattern_of"]
+__all__ = [
+    "restore_causal_attention", "restore_causal_attention_in_export", "causal_pattern_of", "pin_attention_grad_mode",
+    "sdpa_as_trained", "training_forward", "requires_grad_in_training",
+]  # fmt: skip
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SYM_SIZE = torch.ops.aten.sym_size.int
@@ -371,3 +376,109 @@ def _drop_unused(g: fx.Graph, candidates: set[fx.Node]) -> None:
     for n in reversed(list(g.nodes)):
         if n in candidates and n.op == "call_function" and not n.users:
             g.erase_node(n)
+
+
+# ---- attention in a forward without autograd: the kernel eager's training forward runs ----------
+
+_TRAINING = threading.local()
+_WRAP_GRAD = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_set_grad_enabled", None)
+
+#: ops whose outputs never require grad, whatever their inputs (factories reading only a
+#: tensor's shape, dtype and device; ``detach``)
+_NO_GRAD_OUTPUT = {
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_zeros", "new_ones", "new_empty", "new_full", "detach", "_to_copy_nograd",
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def training_forward() -> Iterator[None]:
+    """The calling thread runs a training step's forward without autograd (a checkpointed
+    stage, recomputed in its backward): :func:`sdpa_as_trained` then runs attention as eager's
+    forward, under autograd, would."""
+    prev = getattr(_TRAINING, "on", False)
+    _TRAINING.on = True
+    try:
+        yield
+    finally:
+        _TRAINING.on = prev
+
+
+def sdpa_as_trained(*args: Any, _shfx_grads: tuple[bool, ...] = (), **kwargs: Any) -> torch.Tensor:
+    """``aten.scaled_dot_product_attention`` as eager's training forward runs it.
+
+    The CPU's math kernel computes another way (other bits) when autograd records it: eagerly
+    in training, q, k, v (and a learned mask: T5's position bias) require grad. A stage's forward
+    without autograd (``torch.no_grad()``, recomputed in the backward) would run the other way
+    and its outputs, the loss, differ from eager's in the last bits. Inside
+    :func:`training_forward`, with grad off, the inputs that require grad in training
+    (``_shfx_grads``, from :func:`pin_attention_grad_mode`) are given ``requires_grad`` again
+    and the op runs under autograd; its graph is dropped with the ``detach``. Elsewhere (under
+    autograd, or an evaluation under ``no_grad``, as eager's) the op runs as it is."""
+    if torch.is_grad_enabled() or not getattr(_TRAINING, "on", False) or not any(_shfx_grads):
+        return _SDPA(*args, **kwargs)
+    with torch.enable_grad():
+        a = [
+            x.detach().requires_grad_(True) if (i < len(_shfx_grads) and _shfx_grads[i] and isinstance(x, torch.Tensor)) else x
+            for i, x in enumerate(args)
+        ]
+        if len(_shfx_grads) > 3 and _shfx_grads[3] and len(args) <= 3 and isinstance(kwargs.get("attn_mask"), torch.Tensor):
+            kwargs = {**kwargs, "attn_mask": kwargs["attn_mask"].detach().requires_grad_(True)}
+        return _SDPA(*a, **kwargs).detach()
+
+
+def requires_grad_in_training(gm: fx.GraphModule, trainable: set[str]) -> dict[fx.Node, bool]:
+    """Whether each node's value requires grad in eager's training forward: a trainable
+    parameter's placeholder (``trainable``: placeholder names) does, and a floating-point result
+    of an op reading one, unless the op never passes grad (:data:`_NO_GRAD_OUTPUT`) or a
+    ``torch.no_grad()`` region of the forward (``_set_grad_enabled(False)`` in the graph)
+    computes it."""
+    rg: dict[fx.Node, bool] = {}
+    grad_on = True
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            rg[n] = n.name in trainable
+            continue
+        if n.op != "call_function":
+            rg[n] = False
+            continue
+        if n.target is torch._C._set_grad_enabled:
+            grad_on = bool(n.args[0]) if n.args else grad_on
+            rg[n] = False
+            continue
+        if n.target is _WRAP_GRAD:  # a torch.no_grad() / enable_grad() region of the forward
+            rg[n] = bool(n.args[0]) and any(rg.get(a, False) for a in n.all_input_nodes)
+            continue
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        floating = any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals)
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", getattr(n.target, "__name__", ""))
+        if n.target is operator.getitem:
+            rg[n] = rg.get(n.args[0], False) and (val is None or (isinstance(val, torch.Tensor) and val.is_floating_point()))
+        elif name in _NO_GRAD_OUTPUT:
+            rg[n] = False
+        else:
+            rg[n] = grad_on and floating and any(rg.get(a, False) for a in n.all_input_nodes)
+    return rg
+
+
+def pin_attention_grad_mode(gm: fx.GraphModule, trainable: set[str]) -> list[str]:
+    """Make every ``aten.scaled_dot_product_attention`` node call :func:`sdpa_as_trained` with
+    which of its q, k, v and mask require grad in training (:func:`requires_grad_in_training`).
+    Returns the names of the nodes whose call changed (one input at least requires grad)."""
+    rg = requires_grad_in_training(gm, trainable)
+    pinned = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not _SDPA:
+            continue
+        args = list(n.args[:4])
+        if len(args) < 4:
+            args.append(n.kwargs.get("attn_mask"))
+        grads = tuple(bool(isinstance(a, fx.Node) and rg.get(a, False)) for a in args)
+        if any(grads):
+            n.target = sdpa_as_trained
+            n.kwargs = {**n.kwargs, "_shfx_grads": grads}
+            pinned.append(n.name)
+    if pinned:
+        gm.recompile()
+    return pinned

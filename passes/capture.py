@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .attention import restore_causal_attention_in_export
+from .attention import pin_attention_grad_mode, restore_causal_attention_in_export
 
 __all__ = [
     "CaptureError",
@@ -598,6 +598,8 @@ def capture_model(
                 f"{type(model).__name__} captured with an input of kind {kind} ({spec.target}); shfx "
                 "supports parameters, buffers, tensor constants and tensor inputs"
             )
+    # attention in a checkpointed forward (no autograd) runs as in eager's training forward
+    pin_attention_grad_mode(gm, {p.name for p in placeholders if p.kind == "param" and params[p.key].requires_grad})
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = list(out_node.args[0])
     for o in outputs:

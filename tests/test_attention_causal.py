@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mixed_reference import train_mixed_eager
 from mixed_shfx import train_mixed_shfx
 
-from shfx.passes.attention import restore_causal_attention
+from shfx.passes.attention import restore_causal_attention, sdpa_as_trained
 from shfx.passes.capture import DynamicDim, capture_model, capture_model_dynamic
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -25,7 +25,9 @@ VOCAB, SEQ = 64, 16
 
 
 def sdpa_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
+    """The attention nodes (a captured graph calls the op through ``sdpa_as_trained`` where its
+    inputs require grad in training: tests/test_attention_grad_mode.py)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (SDPA, sdpa_as_trained)]
 
 
 def mask_of(n: torch.fx.Node):

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from shfx.passes.actions import KINDS
+from shfx.passes.attention import training_forward
 from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
@@ -557,7 +558,14 @@ class Engine:
             ctx.checkpointed[stage.index] = (outs, pleaves, ileaves, holder)
         else:
             t0 = time.perf_counter()
-            with torch.no_grad():
+            if grad:
+                # a training forward without autograd (recomputed in the backward): run as eager's
+                # training forward would, where an op's kernel depends on it: the parameters
+                # flagged requires_grad (matmul's folding reads it), attention under autograd
+                # (passes/attention.py sdpa_as_trained)
+                trainable = set(stage.trainable)
+                params = [p.detach().requires_grad_(k in trainable) for k, p in zip(stage.params, params)]
+            with torch.no_grad(), (training_forward() if grad else contextlib.nullcontext()):
                 outs = stage.gm(*params, *bufs, *ins)
             self._forward_s[id(stage)] = time.perf_counter() - t0
         for v, o in zip(stage.outputs, outs):
