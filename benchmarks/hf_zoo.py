@@ -162,10 +162,13 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                                                     classifier_dropout_prob=0.0)),
     "efficientnet": ("vision", "efficientnet", dict(num_channels=3, image_size=IMG, width_coefficient=0.25,
                                                     depth_coefficient=0.25, dropout_rate=0.0,
-                                                    drop_connect_rate=0.0, hidden_dim=64)),
-    "poolformer": ("vision", "poolformer", dict(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1],
+                                                    drop_connect_rate=0.0, hidden_dim=320)),  # = the top conv's 1280 x 0.25
+    "poolformer": ("vision", "poolformer", dict(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2,
+                                                patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1],
                                                 drop_path_rate=0.0, hidden_dropout_prob=0.0)),
 }  # fmt: skip
+
+CLASS = {"deit": "DeiTForImageClassification"}  # (and DeiTForImageClassificationWithTeacher)
 
 AUTO = {
     "causal": "AutoModelForCausalLM",
@@ -185,6 +188,8 @@ def build(name: str):
     else:
         kw.setdefault("use_cache", False)
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    if name in CLASS:  # the auto class maps this type to several classes and cannot choose
+        return getattr(transformers, CLASS[name])(cfg).train()
     return getattr(transformers, AUTO[family]).from_config(cfg).train()
 
 
