@@ -213,7 +213,8 @@ def _cuda_test_files() -> list[str]:
 
 def _run_pytest(kit: Kit, files: list[str], timeout: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--maxfail=5", "-rfE", *files]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+    # (COLUMNS: pytest's short summary cuts each failure's message to the terminal's width)
+    env = dict(os.environ, COLUMNS="400", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
     t0 = time.perf_counter()
     # NOTE: in the part's own process group, so the runner's kill of a timed-out part takes
     # pytest (and the GPU memory it holds) with it
@@ -243,24 +244,37 @@ def _run_pytest(kit: Kit, files: list[str], timeout: float) -> dict:
             counts[names[ch]] = counts.get(names[ch], 0) + 1
         if counts:
             counts["incomplete"] = True
-    failed_lines = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    failed_lines = [line[:400] for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    # each failure's assertion ("E   ..." lines), the first few of each
+    errors: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("E ") and len(errors) < 60:
+            errors.append(line[:300])
     return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "timed_out": timed_out, "counts": counts,
-            "seconds": round(time.perf_counter() - t0, 1), "failed": failed_lines[:20], "tail": text[-2500:]}  # fmt: skip
+            "seconds": round(time.perf_counter() - t0, 1), "failed": failed_lines[:20], "errors": errors,
+            "tail": text[-2500:]}  # fmt: skip
 
 
 def _mixed_eager(make_model, make_batch, loss_fn, steps: int, dtype: torch.dtype, device: torch.device,
-                 lr: float, wd: float) -> tuple[list[float], dict]:  # fmt: skip
+                 lr: float, wd: float, host_optimizer: bool = False) -> tuple[list[float], dict]:  # fmt: skip
     """The eager recipe (tests/mixed_reference.py) on ``device``: fp32 masters with fused AdamW,
-    a ``dtype`` working copy; fp32 when ``dtype`` is fp32. Returns (losses, master weights)."""
+    a ``dtype`` working copy; fp32 when ``dtype`` is fp32. Returns (losses, master weights).
+
+    ``host_optimizer``: the masters and the fused AdamW on the CPU (gradients copied there in
+    fp32, the updated weights copied back): the recipe shfx runs. Without it the update runs
+    on ``device`` (CUDA's fused AdamW: other arithmetic than the CPU's, a few fp32 ulps)."""
     torch.manual_seed(0)
-    master_model = make_model().to(device)
-    work = master_model if dtype == torch.float32 else copy.deepcopy(master_model)
+    master_model = make_model()
+    if not host_optimizer:
+        master_model = master_model.to(device)
+    work = master_model if (dtype == torch.float32 and not host_optimizer) else copy.deepcopy(master_model).to(device)
     if dtype != torch.float32:
         for p in work.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
     master = dict(master_model.named_parameters())
     working = dict(work.named_parameters())
+    separate = work is not master_model
     opt = make_eager_optimizer(master_model, lr=lr, weight_decay=wd)
     losses = []
     for step in range(steps):
@@ -268,14 +282,14 @@ def _mixed_eager(make_model, make_batch, loss_fn, steps: int, dtype: torch.dtype
         loss = loss_fn(work, make_batch(step))
         loss.backward()
         losses.append(float(loss.detach().float()))
-        if dtype != torch.float32:
+        if separate:
             for n, p16 in working.items():
                 if p16.grad is not None:
-                    master[n].grad = p16.grad.float()
+                    master[n].grad = p16.grad.float().to(master[n].device)
                     p16.grad = None
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if dtype != torch.float32:
+        if separate:
             with torch.no_grad():
                 for n, p16 in working.items():
                     p16.copy_(master[n])
@@ -321,18 +335,34 @@ def _equivalence_one(kit: Kit, arch: str, precision: str, window, steps: int, si
         got = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
     finally:
         cm.close()
-    ref_losses, ref = _mixed_eager(make_model, make_batch, loss_fn, steps, dtype, dev, lr, wd)
+    # the reference: eager forward/backward on the device, the update on the host as shfx does
+    # it (bitwise expected where the kernels are deterministic); and, for the record, against
+    # the update on the device (CUDA's fused AdamW)
+    ref_losses, ref = _mixed_eager(make_model, make_batch, loss_fn, steps, dtype, dev, lr, wd,
+                                   host_optimizer=not kit.emulated)  # fmt: skip
     dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    dw, bitwise_w = 0.0, True
-    for n, t in ref.items():
-        g = got[n]
-        if not torch.equal(g, t):
-            bitwise_w = False
-            dw = max(dw, float((g - t).abs().max()))
-    return {"arch": arch, "precision": precision, "window": window, "stages": n_stages, "steps": steps,
-            "losses": losses, "eager_losses": ref_losses, "max_loss_diff": dl, "max_weight_diff": dw,
-            "bitwise_losses": losses == ref_losses, "bitwise_weights": bitwise_w,
-            "finite": all(math.isfinite(x) for x in losses), "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+
+    def weight_diff(ref: dict) -> tuple[float, bool]:
+        dw, bitwise = 0.0, True
+        for n, t in ref.items():
+            if not torch.equal(got[n], t):
+                bitwise = False
+                dw = max(dw, float((got[n] - t).abs().max()))
+        return dw, bitwise
+
+    dw, bitwise_w = weight_diff(ref)
+    out = {"arch": arch, "precision": precision, "window": window, "stages": n_stages, "steps": steps,
+           "reference": "eager on the device, AdamW on the host" if not kit.emulated else "eager",
+           "losses": losses, "eager_losses": ref_losses, "max_loss_diff": dl, "max_weight_diff": dw,
+           "bitwise_losses": losses == ref_losses, "bitwise_weights": bitwise_w,
+           "finite": all(math.isfinite(x) for x in losses)}  # fmt: skip
+    if not kit.emulated:
+        dev_losses, dev_ref = _mixed_eager(make_model, make_batch, loss_fn, steps, dtype, dev, lr, wd)
+        dwd, bwd = weight_diff(dev_ref)
+        out["vs_device_adamw"] = {"max_loss_diff": max(abs(a - b) for a, b in zip(losses, dev_losses)),
+                                  "max_weight_diff": dwd, "bitwise_weights": bwd}  # fmt: skip
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
 
 
 def part_equivalence(kit: Kit) -> dict:

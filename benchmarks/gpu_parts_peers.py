@@ -355,7 +355,7 @@ def run_one(kit: Kit, system: str, arch: str) -> dict[str, Any]:
     why = _unavailable(kit, system)
     if why is not None:
         return {"status": "unavailable", "reason": why}
-    s = model_shapes(kit, arch)
+    s = model_shapes(kit, arch, "peers")
     model, make_batch, call = build_model(arch, s)
     pc = count_params(model)
     tokens = s["batch"] * s["seq"]

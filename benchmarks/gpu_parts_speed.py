@@ -77,30 +77,34 @@ def _env_float(name: str) -> float | None:
         return None
 
 
-def model_shapes(kit: Kit, arch: str) -> dict[str, Any]:
-    """The size rule of parts 4 and 9: ``{"layers", "hidden", "heads", "seq", "batch", "vocab",
-    "target_params", "why"}`` for ``arch`` ("gpt" or "llama").
+def model_shapes(kit: Kit, arch: str, purpose: str = "speed") -> dict[str, Any]:
+    """The size rule of parts 4 (``purpose="speed"``) and 9 (``"peers"``): ``{"layers", "hidden",
+    "heads", "seq", "batch", "vocab", "target_params", "why"}`` for ``arch`` ("gpt" or "llama").
 
-    GPU: hidden 2048 (16 heads of 128), seq 2048, as many layers as make the parameter target:
-    0.35 of the free GPU memory at :data:`RESIDENT_BYTES_PER_PARAM` (the resident baseline
-    must fit beside the stronghold run and both runs' activations), between 0.5B and 2B
-    (about 1.4B on an 80 GiB H100, 2B on an H200); 32K tokens a step (batch 16), so a step's
-    compute (~1 s) is not much shorter than the host AdamW over every parameter. Emulated: a
+    GPU: hidden 2048 (16 heads of 128), seq 2048, as many layers as make the parameter target.
+    Speed: 0.35 of the free GPU memory at :data:`RESIDENT_BYTES_PER_PARAM`, between 0.5B and
+    1B, 16K tokens a step (batch 8). The first GPU run (H200, benchmarks/README.md) ran out of
+    memory at 2B and 32K tokens (129.7 GiB allocated: the eager baseline, which keeps its
+    logits and its fp32 masters, AdamW states and gradients on the device, beside the
+    stronghold run) and peaked at 83 GiB for both at 1B and 16K. Peers: 0.35B and 8K tokens
+    (each system builds, warms up and measures in its own ~45 s). ``SHFX_GPU_PARAMS``,
+    ``SHFX_GPU_TOKENS``, ``SHFX_GPU_SEQ`` override (speed and peers alike). Emulated: a
     2-layer model with hidden 64, seq 32, batch 2."""
     vocab = {"gpt": 50304, "llama": 32000}[arch]
     if kit.emulated:
         return {"layers": 2, "hidden": 64, "heads": 2, "seq": 32, "batch": 2, "vocab": 256,
                 "target_params": None, "why": "emulated: tiny"}  # fmt: skip
     free, total = torch.cuda.mem_get_info()
-    target = _env_float("SHFX_GPU_PARAMS") or min(2.0e9, max(0.5e9, 0.35 * free / RESIDENT_BYTES_PER_PARAM))
+    cap, default_tokens = (1.0e9, 16384) if purpose == "speed" else (0.35e9, 8192)
+    target = _env_float("SHFX_GPU_PARAMS") or min(cap, max(min(0.5e9, cap), 0.35 * free / RESIDENT_BYTES_PER_PARAM))
     hidden, heads = 2048, 16
     seq = int(_env_float("SHFX_GPU_SEQ") or 2048)
     per_layer = (12 if arch == "gpt" else 10) * hidden * hidden  # llama: gpu_common.hf_llama's MLP is 2h wide, 3 matrices
     embed = vocab * hidden * (1 if arch == "gpt" else 2)  # GPT ties its head to the embedding
     layers = max(2, round((target - embed) / per_layer))
-    tokens = int(_env_float("SHFX_GPU_TOKENS") or 32768)
+    tokens = int(_env_float("SHFX_GPU_TOKENS") or default_tokens)
     batch = max(1, tokens // seq)
-    why = (f"0.35 x {free / 2**30:.1f} GiB free / {RESIDENT_BYTES_PER_PARAM} B/param, clamped to [0.5B, 2B]"
+    why = (f"{purpose}: 0.35 x {free / 2**30:.1f} GiB free / {RESIDENT_BYTES_PER_PARAM} B/param, at most {cap / 1e9:g}B"
            if _env_float("SHFX_GPU_PARAMS") is None else "SHFX_GPU_PARAMS")  # fmt: skip
     return {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch, "vocab": vocab,
             "target_params": target, "why": why, "gpu_free_bytes": free, "gpu_total_bytes": total}  # fmt: skip
@@ -292,6 +296,14 @@ def _summary(times: list[float], params: int, tokens: int) -> dict[str, Any]:
     return out
 
 
+def _cuda_memory(kit: Kit) -> dict[str, int] | None:
+    """``{"allocated", "peak_allocated", "reserved"}`` bytes of the CUDA caching allocator now."""
+    if not kit.cuda:
+        return None
+    return {"allocated": torch.cuda.memory_allocated(), "peak_allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.memory_reserved()}  # fmt: skip
+
+
 def speed_pair(kit: Kit, arch: str, trace_path: Path | None, reserve_s: float) -> dict[str, Any]:
     """Part 4 for one model: resident vs stronghold (window auto), interleaved."""
     s = model_shapes(kit, arch)
@@ -319,6 +331,8 @@ def speed_pair(kit: Kit, arch: str, trace_path: Path | None, reserve_s: float) -
     with kit.timer() as t:
         first_loss = {"resident": resident.step(x, y)}  # as the stronghold run's first step below
     res["resident_first_step_s"] = t.seconds
+    res["gpu_memory_after_resident_first_step"] = _cuda_memory(kit)  # what the baseline holds, and its peak
+    kit.reset_peak()
     res["resident_setup_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     strong = ShfxRun(twin, kit, shfx.Stronghold(window="auto"), call)
@@ -326,6 +340,8 @@ def speed_pair(kit: Kit, arch: str, trace_path: Path | None, reserve_s: float) -
     with kit.timer() as t:
         first_loss["stronghold"] = strong.step(x, y)  # the capture, the tuner's profile and the first step
     res["stronghold_first_step_s"] = t.seconds
+    res["gpu_memory_after_stronghold_first_step"] = _cuda_memory(kit)  # both held; the peak: capture, profile, step
+    kit.reset_peak()
     res["stronghold_setup_s"] = time.monotonic() - t0
     cm = strong.cm
     rep = None
@@ -395,6 +411,21 @@ def _runtime_events(events: list, t0: float, pid: int) -> list[dict]:
     return out
 
 
+def action_summary(events: list) -> dict[str, Any]:
+    """From one step's ``cm.engine.trace``: busy milliseconds per stream, and per action kind
+    (PF, F, B, OG, U, ...) the count and median milliseconds (the first GPU run's trace showed
+    OG at ~28 ms and U at ~31 ms per 100 MB stage: what to look at first)."""
+    busy: dict[str, float] = {}
+    kinds: dict[str, list[float]] = {}
+    for e in events:
+        ms = max(0.0, e.end - e.start) * 1e3
+        busy[e.stream] = busy.get(e.stream, 0.0) + ms
+        kind = "".join(ch for ch in str(e.action) if not ch.isdigit())
+        kinds.setdefault(kind, []).append(ms)
+    return {"busy_ms_by_stream": {k: round(v, 2) for k, v in busy.items()},
+            "actions_ms": {k: {"count": len(v), "median_ms": round(median(v), 3)} for k, v in sorted(kinds.items())}}  # fmt: skip
+
+
 def write_step_trace(kit: Kit, run: ShfxRun, xy: tuple, path: Path, rep: Any) -> dict[str, Any]:
     """One stronghold step under ``torch.profiler``; writes ``path`` (Chrome trace JSON) with the
     runtime's measured actions (pid 1), the simulator's prediction of the step at the window in
@@ -414,7 +445,7 @@ def write_step_trace(kit: Kit, run: ShfxRun, xy: tuple, path: Path, rep: Any) ->
     events = list(run.cm.engine.trace)
     t0 = min([t_start] + [e.start for e in events])
     out = _runtime_events(events, t0, 1)
-    info: dict[str, Any] = {"step_s": t.seconds, "runtime_events": len(events)}
+    info: dict[str, Any] = {"step_s": t.seconds, "runtime_events": len(events), **action_summary(events)}
     if rep is not None:
         try:
             sim = rep.tune.row(rep.window).timeline.to_chrome_trace()["traceEvents"]

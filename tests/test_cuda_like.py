@@ -327,6 +327,8 @@ def test_pinned_memory_is_exact_size():
     assert [n for _, _, n in regs] == [page_rounded(n) for n in sizes]  # not a power of two: 3 MiB stays 3 MiB
     assert all(p % PAGE == 0 for _, p, _ in regs)
     assert a.live_bytes == sum(page_rounded(n) for n in sizes) and a.allocations == len(sizes)
+    assert all(a.owns(b) for b in bufs) and a.owns(bufs[3][5:100])
+    assert not a.owns(torch.zeros(16, dtype=torch.uint8))
     del bufs[0]
     import gc
 
@@ -368,4 +370,25 @@ def test_cuda_like_trains_like_the_default_mode():
         assert str(a.engine.backend.spec).endswith("CUDA-like)")
     finally:
         a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("cuda_like", [False, True])
+def test_d2h_copy_cast_on_the_emulated_device(cuda_like):
+    """The emulated backend's cast copy (a 16-bit gradient into the fp32 host gradient): exact,
+    paced by the fp32 bytes on a throttled link, queued behind earlier copies in the CUDA-like
+    mode."""
+    from shfx.runtime.emulated import EmulatedBackend
+
+    b = EmulatedBackend(shfx.EmulatedDevice(memory="64MiB", h2d="2GB/s", d2h="2GB/s", cuda_like=cuda_like))
+    try:
+        src = torch.randn(300_001).to(torch.bfloat16)
+        dst = torch.zeros(300_001)
+        before = b.bytes_d2h
+        b.d2h.submit(lambda: b.d2h_copy_cast(dst, src)).wait()
+        assert torch.equal(dst, src.float())
+        assert b.bytes_d2h - before == 4 * src.numel()
+        with pytest.raises(ValueError, match="host elements"):
+            b.d2h_copy_cast(dst[:5], src[:6])
+    finally:
         b.close()

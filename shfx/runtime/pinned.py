@@ -83,6 +83,14 @@ class PinnedAllocator:
             self.peak_bytes = max(self.peak_bytes, sum(n for n, _ in self._live.values()))
         return span[:nbytes]
 
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes lie inside one live buffer of this allocator (pinned by it:
+        ``Tensor.is_pinned()`` does not report registered memory on every torch)."""
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        with self._lock:
+            return any(p <= lo and hi <= p + n for p, (n, _) in self._live.items())
+
     def _release(self, ptr: int) -> None:
         with self._lock:
             item = self._live.pop(ptr, None)
