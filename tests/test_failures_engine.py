@@ -4,9 +4,9 @@ checked bitwise against eager PyTorch, then training goes on to eager's numbers.
 
 from __future__ import annotations
 
-import _thread
 import copy
 import re
+import signal
 import threading
 import time
 
@@ -17,6 +17,7 @@ from zoo import gpt, token_batch
 
 import shfx
 from shfx.errors import ActionError
+from shfx.runtime import streams
 
 LR, WD = 1e-2, 0.01
 
@@ -137,15 +138,45 @@ def test_an_interrupt_in_any_action_comes_out_as_keyboard_interrupt(name):
 
 
 def _interrupt_main_while(p: Pair, kind: str, n: int, where) -> BaseException:
-    """Ctrl-C in the main thread while it waits for the n-th action of ``kind`` (which sleeps)."""
+    """Ctrl-C in the main thread while it waits, once the n-th action of ``kind`` has started
+    (and is still running).
+
+    Deterministic: the SIGINT handler in force (the engine's, which records the interrupt, or
+    Python's, which raises KeyboardInterrupt) runs in the main thread's next wait on a token
+    after the action started, as a real Ctrl-C does in a blocked wait (a timer racing the main
+    thread's progress landed it anywhere on a loaded machine: 5 of 5 failed in one full run).
+    The action runs until then, and a little longer, so the engine meets it still running."""
+    armed, delivered = threading.Event(), threading.Event()
+    originals = {cls: cls.__dict__["wait"] for cls in (streams.Token, streams.JoinToken, streams.DeviceToken)}
+
+    def patched(orig):
+        def wait(self, *a, **kw):
+            if armed.is_set() and not delivered.is_set() and threading.current_thread() is threading.main_thread():
+                delivered.set()
+                handler = signal.getsignal(signal.SIGINT)
+                if callable(handler):
+                    handler(signal.SIGINT, None)
+                else:  # pragma: no cover - SIG_IGN / SIG_DFL: what Python does without a handler
+                    raise KeyboardInterrupt
+            return orig(self, *a, **kw)
+
+        return wait
 
     def slow(event):
-        threading.Timer(0.05, _thread.interrupt_main).start()
-        time.sleep(0.5)
+        armed.set()
+        assert delivered.wait(30), "the main thread never waited while the action ran"
+        time.sleep(0.05)
 
-    with FaultInjector(p.cm.backend, kind, n, action=slow):
-        with pytest.raises(KeyboardInterrupt) as ei:
-            where()
+    for cls, orig in originals.items():
+        setattr(cls, "wait", patched(orig))
+    try:
+        with FaultInjector(p.cm.backend, kind, n, action=slow):
+            with pytest.raises(KeyboardInterrupt) as ei:
+                where()
+    finally:
+        for cls, orig in originals.items():
+            setattr(cls, "wait", orig)
+    assert delivered.is_set()
     return ei.value
 
 
