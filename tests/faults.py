@@ -73,3 +73,22 @@ def count_actions(backend, run) -> dict[str, int]:
     finally:
         del backend.during
     return counts
+
+
+def run_with_deadline(fn, seconds: float = 60, why: str = ""):
+    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it does not return."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"hung for {seconds}s" + (f": {why}" if why else "")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")

@@ -4,12 +4,13 @@ failures that surface in the caller with the action named (never a hang)."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 from equivalence import assert_same_state
 from zoo import BNNet, gpt_tied, token_batch, vector_batch
+
+from faults import run_with_deadline
 
 import shfx
 from shfx.passes.meta import get_meta
@@ -156,25 +157,6 @@ def test_buffers_updated_once_per_forward():
 
 
 # ---- failures ---------------------------------------------------------------------------------
-
-
-def run_with_deadline(fn, seconds=60):
-    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it does not return."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            result["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"hung for {seconds}s"
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
 
 
 def test_exception_in_compute_stream_names_the_action(monkeypatch):

@@ -4,34 +4,13 @@ staging buffer of the pool's two, and the third waited for the OG that held them
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from equivalence import assert_trains_like_eager
+from faults import run_with_deadline
 from mixed_reference import train_mixed_eager
 from mixed_shfx import train_mixed_shfx
 from zoo import SharedLayer, vector_batch
-
-
-def _within(seconds: float, fn):
-    """``fn()`` on a thread; a failure, not a hung suite, if it has not returned in ``seconds``
-    (the deadlock this file is about)."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"no result in {seconds} s: a gradient copy waits for a staging buffer it holds"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _borrowing(cm) -> list:
@@ -40,7 +19,10 @@ def _borrowing(cm) -> list:
 
 @pytest.mark.parametrize("window", [1, 2])
 def test_a_shared_layer_trains_like_eager(window):
-    _, _, cm, _, _ = _within(120, lambda: assert_trains_like_eager(lambda: SharedLayer(), vector_batch, window=window, blocks="mix"))
+    _, _, cm, _, _ = run_with_deadline(
+        lambda: assert_trains_like_eager(lambda: SharedLayer(), vector_batch, window=window, blocks="mix"), 120,
+        "a gradient copy waits for a staging buffer it holds",
+    )
     try:
         # the layer's later applications are stages of their own, each sending the layer's tensors back
         b = _borrowing(cm)
