@@ -125,7 +125,7 @@ def _worker(rank: int, ranks: int, port: int, args: argparse.Namespace, q: Any) 
         cm.step()
         end = time.perf_counter()
         if i >= args.warmup:
-            traces.append(StepTrace(end - cm.engine.step_times[-1], end, list(cm.engine.trace)))
+            traces.append(StepTrace(cm.engine.last_step_window[0], end, list(cm.engine.trace)))
         cm.zero_grad()
         losses.append(loss.item())
     measured = sorted(cm.engine.step_times[args.warmup :])

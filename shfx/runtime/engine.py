@@ -227,6 +227,7 @@ class Engine:
         self.loaded: Variant | None = None  # the variant whose persistent stages are on the device
         self.current: Variant | None = None  # the variant of the last forward
         self.step_times: list[float] = []  # measured: first train forward of a step -> step() end
+        self.last_step_window: tuple[float, float] | None = None  # (start, end) of the last one
         self._step_t0: float | None = None
         self._profiling = False  # steps run inside profiling() are not the user's
         # the interpreter's dispatch table: one handler per kind of action
@@ -1462,7 +1463,10 @@ class Engine:
 
     def _end_step_clock(self) -> None:
         if self._step_t0 is not None:
-            self.step_times.append(time.perf_counter() - self._step_t0)
+            t1 = time.perf_counter()
+            self.step_times.append(t1 - self._step_t0)
+            # (time.perf_counter(): the clock of the step's trace)
+            self.last_step_window = (self._step_t0, t1)
             self._step_t0 = None
 
     def _gradients_survive(self) -> bool:
