@@ -244,12 +244,9 @@ def _run_pytest(kit: Kit, files: list[str], timeout: float) -> dict:
             counts[names[ch]] = counts.get(names[ch], 0) + 1
         if counts:
             counts["incomplete"] = True
-    failed_lines = [line[:400] for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    # each failure's assertion ("E   ..." lines), the first few of each
-    errors: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("E ") and len(errors) < 60:
-            errors.append(line[:300])
+    lines = text.splitlines()
+    failed_lines = [line[:400] for line in lines if line.startswith(("FAILED", "ERROR"))]
+    errors = [line[:300] for line in lines if line.startswith("E ")][:60]  # the failures' assertions
     return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "timed_out": timed_out, "counts": counts,
             "seconds": round(time.perf_counter() - t0, 1), "failed": failed_lines[:20], "errors": errors,
             "tail": text[-2500:]}  # fmt: skip

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import Kit, cuda_ok, gpt_model, hf_llama, jsonable, median, token_batches  # noqa: E402
 
 import shfx  # noqa: E402
+from shfx.passes.actions import Action  # noqa: E402
 
 LR = 1e-4
 WEIGHT_DECAY = 0.01
@@ -420,8 +421,7 @@ def action_summary(events: list) -> dict[str, Any]:
     for e in events:
         ms = max(0.0, e.end - e.start) * 1e3
         busy[e.stream] = busy.get(e.stream, 0.0) + ms
-        kind = "".join(ch for ch in str(e.action) if not ch.isdigit())
-        kinds.setdefault(kind, []).append(ms)
+        kinds.setdefault(Action.from_str(e.action).kind.value, []).append(ms)
     return {"busy_ms_by_stream": {k: round(v, 2) for k, v in busy.items()},
             "actions_ms": {k: {"count": len(v), "median_ms": round(median(v), 3)} for k, v in sorted(kinds.items())}}  # fmt: skip
 

@@ -285,13 +285,12 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
     # mixed precision casts the gradient of every group no other stage borrows from on the
     # device (shfx.passes.layout.device_cast_groups): its copy carries the fp32 bytes
     borrowed = {g for st in specs for _, g, _ in st.borrowed_grads}
-    fp32_bytes = 4 // captured_bytes if captured_bytes <= 4 else 1
 
     def wire(st: StageSpec) -> tuple[tuple[int, int], ...]:
         if e >= 4:
             return ()
         pairs = st.grad_group_bytes or (((st.update_group, st.grad_bytes),) if st.update_group is not None else ())
-        return tuple((g, n * fp32_bytes) for g, n in pairs if g not in borrowed and g == st.update_group)
+        return tuple((g, n * 4 // captured_bytes) for g, n in pairs if g not in borrowed and g == st.update_group)
 
     def is_loss(v: Value) -> bool:
         return v.output and v.producer >= 0 and v.nbytes == captured_bytes

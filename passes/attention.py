@@ -387,7 +387,7 @@ _WRAP_GRAD = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_set_gr
 #: tensor's shape, dtype and device; ``detach``)
 _NO_GRAD_OUTPUT = {
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
-    "new_zeros", "new_ones", "new_empty", "new_full", "detach", "_to_copy_nograd",
+    "new_zeros", "new_ones", "new_empty", "new_full", "detach",
 }  # fmt: skip
 
 
@@ -417,14 +417,16 @@ def sdpa_as_trained(*args: Any, _shfx_grads: tuple[bool, ...] = (), **kwargs: An
     autograd, or an evaluation under ``no_grad``, as eager's) the op runs as it is."""
     if torch.is_grad_enabled() or not getattr(_TRAINING, "on", False) or not any(_shfx_grads):
         return _SDPA(*args, **kwargs)
+
+    def flagged(x: Any, g: bool) -> Any:
+        return x.detach().requires_grad_(True) if g and isinstance(x, torch.Tensor) else x
+
+    # (q, k, v and the mask in that order; the mask positional or the attn_mask keyword)
+    args = tuple(flagged(x, i < len(_shfx_grads) and _shfx_grads[i]) for i, x in enumerate(args))
+    if "attn_mask" in kwargs:
+        kwargs = {**kwargs, "attn_mask": flagged(kwargs["attn_mask"], _shfx_grads[3])}
     with torch.enable_grad():
-        a = [
-            x.detach().requires_grad_(True) if (i < len(_shfx_grads) and _shfx_grads[i] and isinstance(x, torch.Tensor)) else x
-            for i, x in enumerate(args)
-        ]
-        if len(_shfx_grads) > 3 and _shfx_grads[3] and len(args) <= 3 and isinstance(kwargs.get("attn_mask"), torch.Tensor):
-            kwargs = {**kwargs, "attn_mask": kwargs["attn_mask"].detach().requires_grad_(True)}
-        return _SDPA(*a, **kwargs).detach()
+        return _SDPA(*args, **kwargs).detach()
 
 
 def requires_grad_in_training(gm: fx.GraphModule, trainable: set[str]) -> dict[fx.Node, bool]:

@@ -1081,19 +1081,19 @@ def build_stages(
     groups, owner, stage_keys = ownership.groups, ownership.owner, ownership.stage_keys
     stages: list[Stage] = []
     members = list(labels.members())
-    slots = []
-    for s in range(len(members)):
-        keys = stage_keys[s]
+    # every stage's tensors and slot first: which groups' gradients are cast on the device
+    # depends on every slot's copies
+    tensors = []  # per stage: (params, buffers, mutated buffers, trainable params)
+    for keys in stage_keys[: len(members)]:
         params = tuple(k for k in keys if ownership.tensors[k].kind == "param")
         bufs = tuple(k for k in keys if ownership.tensors[k].kind != "param")
-        mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
-        slots.append(plan_slot(s, keys, mutated, tuple(k for k in params if k in captured.trainable), groups, owner))
+        tensors.append((params, bufs, tuple(k for k in bufs if k in captured.mutated_buffers),
+                        tuple(k for k in params if k in captured.trainable)))  # fmt: skip
+    slots = [plan_slot(s, stage_keys[s], mut, tr, groups, owner) for s, (_, _, mut, tr) in enumerate(tensors)]
     cast = device_cast_groups(groups, slots)
     for s, m in enumerate(members):
         name = labels.names[s]
-        keys = stage_keys[s]
-        params = tuple(k for k in keys if ownership.tensors[k].kind == "param")
-        bufs = tuple(k for k in keys if ownership.tensors[k].kind != "param")
+        params, bufs, mutated, trainable = tensors[s]
         ins: list[str] = []
         for n in m:
             for a in _inputs_of(n):
@@ -1108,8 +1108,6 @@ def build_stages(
                     if a.name not in ins:
                         ins.append(a.name)
         outs = [n.name for n in m if n.name in values and (values[n.name].consumers or n.name in out_values)]
-        mutated = tuple(k for k in bufs if k in captured.mutated_buffers)
-        trainable = tuple(k for k in params if k in captured.trainable)
         slot = slots[s]
         owns_update = s < len(groups) and groups[s].trainable_bytes > 0 and owner_stage_is(groups, s, owner, stage_keys)
         update_group = s if owns_update else None

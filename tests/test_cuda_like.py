@@ -295,12 +295,12 @@ def test_copies_touch_only_backend_allocations(policy):
     bad: list[str] = []
     move = emu.EmulatedBackend._move
 
-    def checked_move(self, direction, dst, src, n, throttle):
+    def checked_move(self, direction, dst, src, throttle):
         dev_side = dst if direction == "h2d" else src
-        p = dev_side.data_ptr()
+        p, n = dev_side.data_ptr(), dev_side.numel() * dev_side.element_size()
         if not any(a <= p and p + n <= a + m for a, m in allocs):
             bad.append(direction)
-        return move(self, direction, dst, src, n, throttle)
+        return move(self, direction, dst, src, throttle)
 
     emu.EmulatedBackend.alloc_device, emu.EmulatedBackend._move = recording_alloc, checked_move
     try:

@@ -165,46 +165,29 @@ class EmulatedBackend(Backend):
         s = current_device_stream()
         if isinstance(s, _CopyStream):  # CUDA-like: the bytes move when the stream's queue gets there
             throttle = self.throttle
-            s.enqueue(lambda: self._move(direction, dst, src, n, throttle), f"{direction} copy")
+            s.enqueue(lambda: self._move(direction, dst, src, throttle), f"{direction} copy")
         else:
-            self._move(direction, dst, src, n, self.throttle)
+            self._move(direction, dst, src, self.throttle)
 
-    def _move(self, direction: str, dst: torch.Tensor, src: torch.Tensor, n: int, throttle: bool) -> None:
+    def _move(self, direction: str, dst: torch.Tensor, src: torch.Tensor, throttle: bool) -> None:
+        """``dst.copy_(src)`` (a cast on the way where the dtypes differ: ``d2h_copy_cast``),
+        throttled in chunks of about :data:`_CHUNK` of ``dst``'s bytes: what crosses the link."""
         bw = self._bw[direction]
         if bw is None or not throttle:
             dst.copy_(src)
             return
-        if dst.dtype != src.dtype:  # a cast on the way (d2h_copy_cast): chunks of dst's bytes
-            self._move_cast(direction, dst, src, bw)
-            return
         other = "d2h" if direction == "h2d" else "h2d"
-        d = dst.view(torch.uint8).reshape(-1)
-        s = src.view(torch.uint8).reshape(-1)
+        d, s = dst.reshape(-1), src.reshape(-1)
+        size = d.element_size()
+        step = max(1, _CHUNK // size)
         self._active[direction] += 1
         try:
             due = time.perf_counter()
-            for off in range(0, n, _CHUNK):
-                m = min(_CHUNK, n - off)
+            for off in range(0, d.numel(), step):
+                m = min(step, d.numel() - off)
                 d[off : off + m].copy_(s[off : off + m])
                 rate = bw * (self.spec.duplex if self._active[other] > 0 else 1.0)
-                due += m / rate
-                now = time.perf_counter()
-                if due > now:
-                    time.sleep(due - now)
-        finally:
-            self._active[direction] -= 1
-
-    def _move_cast(self, direction: str, dst: torch.Tensor, src: torch.Tensor, bw: float) -> None:
-        other = "d2h" if direction == "h2d" else "h2d"
-        step = max(1, _CHUNK // dst.element_size())
-        self._active[direction] += 1
-        try:
-            due = time.perf_counter()
-            for o in range(0, dst.numel(), step):
-                m = min(step, dst.numel() - o)
-                dst[o : o + m].copy_(src[o : o + m])
-                rate = bw * (self.spec.duplex if self._active[other] > 0 else 1.0)
-                due += m * dst.element_size() / rate
+                due += m * size / rate
                 now = time.perf_counter()
                 if due > now:
                     time.sleep(due - now)
