@@ -17,6 +17,10 @@ give the same bits for unaligned cuts too: tests/test_data_parallel.py also pass
 ``SHARD_ALIGN = 1`` there, so it cannot show the alignment is needed; it costs at most 15
 elements of padding per group and rank.)
 
+In bf16 the same element ranges cut the 16-bit image and local gradient too (16 elements are 32
+bytes there): only the fp32 kernel's positions need the alignment; the reduce-scatter, the
+all-gather and the master's cast into the image are element by element.
+
 >>> shard_range(100, 0, 2), shard_range(100, 1, 2)
 ((0, 64), (64, 100))
 >>> [shard_range(20, r, 4) for r in range(4)]

@@ -1134,6 +1134,9 @@ class CompiledModel:
             self._engine.invalidate_device_weights()
             if self._dp is not None:  # the model's weights are the image: the master shards from it
                 self._store.refresh_working()
+                # (bf16: the model's trainable parameters are the 16-bit image; the fp32 values
+                # given set the master shards exactly)
+                self._store.set_master_shards({k: v for k, v in state_dict.items() if torch.is_tensor(v)})
         return result
 
     def save_checkpoint(self, path: str, extra: Any = None, async_save: bool = False, *, scheduler: Any = None) -> None:
@@ -1423,7 +1426,7 @@ def _data_parallel_spec(data_parallel: Any) -> DataParallel | None:
 
 def _check_data_parallel(
     *, policy: Any, window: Any, optimizer: Any, precision: str, offload: Any, max_grad_norm: Any,
-    skip_nonfinite: bool, rollback: bool | None,
+    skip_nonfinite: bool, rollback: bool | None, fp32_norms: bool = False,
 ) -> None:  # fmt: skip
     """Refuse, at compile time, what data parallel does not run (yet): each refusal says what
     was given and what to use instead (docs/usage.md, "Data parallel")."""
@@ -1435,13 +1438,27 @@ def _check_data_parallel(
     if not isinstance(optimizer, AdamW):
         got = "no optimizer" if optimizer is None else type(optimizer).__name__
         raise refuse(f"{got} as the optimizer (it shards AdamW's states across ranks)", "pass optimizer=shfx.optim.AdamW(...)")
-    if precision != "fp32":
-        raise refuse(f"precision={precision!r} (mixed precision) yet", "use precision='fp32'")
+    if precision == "fp16":
+        raise refuse(
+            "precision='fp16' yet: its loss scaling skips a step whose gradients overflow and changes the scale, which "
+            "every rank would have to agree on (an overflow shows in one rank's gradient shard)",
+            "use precision='bf16' (no loss scaling) or 'fp32'",
+        )
+    if precision not in ("fp32", "bf16"):
+        raise refuse(f"precision={precision!r}", "use precision='bf16' or 'fp32'")
+    if fp32_norms and precision != "fp32":
+        # (also refused at the first call, for any fp32 parameter in a stage's 16-bit trainable
+        # region: BatchNorm's affine parameters; shfx.runtime.host_store)
+        raise refuse(
+            "fp32_norms=True yet: it keeps LayerNorm/RMSNorm parameters fp32 in the 16-bit working copy, so a stage's "
+            "trainable region mixes dtypes, and data parallel reduces and gathers it as one tensor of one dtype",
+            "drop fp32_norms (precision='bf16' casts the norms too), or use precision='fp32'",
+        )
     if offload is not None:
         raise refuse("the NVMe tier (offload=...)", "drop offload= (the sharded host optimizer already divides its memory by the ranks)")
     if max_grad_norm is not None:
         raise refuse("gradient clipping (max_grad_norm=...) yet: the global norm would need a reduction across ranks", "drop max_grad_norm")
-    if skip_nonfinite or precision == "fp16":
+    if skip_nonfinite:
         raise refuse("skip_nonfinite=True yet: every rank would have to agree to skip", "drop skip_nonfinite")
     if rollback:
         raise refuse("rollback=True yet: undoing a step would have to be agreed across ranks", "drop rollback= (off by default)")

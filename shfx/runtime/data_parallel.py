@@ -9,10 +9,15 @@ they match across ranks by construction):
 - ``RS g`` (queue ``reduce``, every backward): the group's complete local gradient (the owner's
   copy plus borrowed contributions, summed on the host in the device dtype) is multiplied by
   ``1/N`` (as DDP does while copying a gradient into its bucket, before its SUM all-reduce),
-  zero-padded to ``N * chunk`` elements and reduce-scattered (SUM); this rank's chunk is copied
-  (first micro-step) or added (later ones, ``grad_accum_steps``) into its fp32 gradient shard.
-- ``AG g`` (queue ``gather``, after ``U g``): the updated working-copy shards are all-gathered
-  (padded) into every rank's image, so the next prefetch sends the new weights.
+  zero-padded to ``N * chunk`` elements and reduce-scattered (SUM), all in the device dtype
+  (bf16 in mixed precision, as DDP on a bf16 model reduces bf16 gradients); this rank's chunk is
+  copied (first micro-step) or added (later ones, ``grad_accum_steps``) into its fp32 gradient
+  shard. In bf16 the micro-steps' reduced chunks are summed in bf16 (the shard holds the bf16
+  running sum, widened), as summing a bf16 model's reduced ``.grad`` does, then used as fp32
+  (``master.grad = p16.grad.float()``).
+- ``AG g`` (queue ``gather``, after ``U g``): the updated working-copy shards (fp32, or the
+  16-bit cast of the fp32 master shard in mixed precision) are all-gathered (padded) into
+  every rank's image, so the next prefetch sends the new weights.
 
 A rank that dies makes the others' collectives fail (gloo: connection closed) or time out
 (:attr:`shfx.DataParallel.timeout_s`): the step then fails with :class:`RankLost`, saying which
@@ -118,13 +123,15 @@ class DataParallelRuntime:
         self._run("the broadcast of rank 0's weights at the first call", run)
 
     def reduce_grads(self, label: str, g: int, local: torch.Tensor | None, first: bool) -> None:
-        """``RS g``: reduce-scatter group ``g``'s local gradient ``local`` (fp32, ``N * chunk``
-        elements, the trainable ones first; None: this rank has no gradient for it, zeros are
-        sent) and copy (``first``) or add this rank's chunk into its gradient shard."""
+        """``RS g``: reduce-scatter group ``g``'s local gradient ``local`` (the device dtype,
+        ``N * chunk`` elements, the trainable ones first; None: this rank has no gradient for
+        it, zeros are sent) and copy (``first``) or add this rank's chunk into its fp32
+        gradient shard (in mixed precision the addition is in the device dtype: the shard holds
+        the 16-bit running sum, widened)."""
         grp = self.store.groups[g]
         chunk, t = self.chunk(grp), grp.trainable_numel
         if local is None:
-            local = torch.zeros(self.ranks * chunk, dtype=grp.dtypes.grad)
+            local = torch.zeros(self.ranks * chunk, dtype=grp.dtypes.device_grad)
         else:
             # as DDP: grad * (1 / world_size) into the bucket, then a SUM all-reduce
             local[:t].mul_(1.0 / self.ranks)
@@ -133,7 +140,7 @@ class DataParallelRuntime:
         grad = self.store.grad(g)
         # the first micro-step's chunk lands in the shard itself (a whole chunk: all ranks but
         # the last when T does not divide); later ones are added from a scratch
-        direct = first and hi - lo == chunk
+        direct = first and hi - lo == chunk and grad.dtype == local.dtype
         out = grad if direct else self._buffer("reduce out", chunk, local.dtype)
         try:
             self._run(f"the gradient reduce-scatter {label}", lambda: self._dist.reduce_scatter_tensor(out, local, group=self.reduce_group))
@@ -141,10 +148,17 @@ class DataParallelRuntime:
             self.release_local(local)
         if direct:
             return
+        mine = out[: hi - lo]
         if first:
-            grad.copy_(out[: hi - lo])
+            grad.copy_(mine)  # (16-bit: widened exactly)
+        elif mine.dtype == grad.dtype:
+            grad.add_(mine)
         else:
-            grad.add_(out[: hi - lo])
+            # mixed precision: the sum in the device dtype, as eager sums a bf16 model's reduced
+            # gradients (bf16 + bf16: the float sum rounded to bf16; the shard holds a bf16 value,
+            # so adding it as fp32 into the bf16 chunk rounds alike), then widened back
+            mine.add_(grad)
+            grad.copy_(mine)
 
     def gather_params(self, label: str, g: int) -> None:
         """``AG g``: all-gather the updated working-copy shards of group ``g`` into the image."""
@@ -165,10 +179,10 @@ class DataParallelRuntime:
 
     def local_grad_buffer(self, g: int) -> torch.Tensor:
         """A host buffer (uint8) for group ``g``'s local gradient, padded to ``N * chunk``
-        fp32 elements for :meth:`reduce_grads`."""
+        elements of the device dtype (fp32, or 16-bit in mixed precision) for :meth:`reduce_grads`."""
         store = self.store
         grp = store.groups[g]
-        need = self.ranks * self.chunk(grp) * grp.dtypes.grad.itemsize
+        need = self.ranks * self.chunk(grp) * grp.dtypes.device_grad.itemsize
         with self._local_cv:
             # NOTE: at most LOCAL_BUFFERS in flight (the memory ledger's 'gradient staging'): an
             # OG waits for an RS to give one back. No deadlock: a group's buffer is taken at its
@@ -186,7 +200,7 @@ class DataParallelRuntime:
             if self._local_free:
                 base = self._local_free.pop()
             else:
-                size = max(self.ranks * self.chunk(gr) * gr.dtypes.grad.itemsize for gr in store.groups)
+                size = max(self.ranks * self.chunk(gr) * gr.dtypes.device_grad.itemsize for gr in store.groups)
                 # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
                 base = store.backend.alloc_host(size, store.pin)
                 self._local_count += 1
@@ -225,9 +239,19 @@ class DataParallelRuntime:
 
     # ---- what checkpoints read and write (shfx.dp_checkpoint's protocol) ----------------------
     def refresh_masters(self) -> None:
-        """After a load wrote the weights into the model's parameters (the image, whole on every
-        rank): this rank's fp32 master shards from them."""
-        self.store.refresh_working()
+        """After a load wrote the weights: in fp32 it wrote the model's parameters (the image,
+        whole on every rank), and this rank's fp32 master shards are read from them; in mixed
+        precision (bf16) it wrote the fp32 master shards (:meth:`master_pieces`) and frozen
+        parameters' masters, and the image is recast from them: each rank its shard, then an
+        all-gather per group (collective: every rank calls it, between steps)."""
+        store = self.store
+        if not any(g.separate_master for g in store.groups):
+            store.refresh_working()
+            return
+        for grp in store.groups:
+            store.working_from_master_shards(grp.index)
+            if grp.separate_master and grp.trainable_numel:
+                self.gather_params(f"the working copy's all-gather of group {grp.index} after a load", grp.index)
 
     def state_pieces(self, create: bool = False) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
         """Per trainable parameter (its name in the model) that has optimizer state on this rank:
@@ -257,4 +281,26 @@ class DataParallelRuntime:
                     continue
                 fields = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
                 out[info.key] = {f: (tuple(info.shape), a - o, b - o, buf[a - lo : b - lo]) for f, buf in fields.items()}
+        return out
+
+    def master_pieces(self) -> dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]:
+        """Mixed precision (bf16): per trainable parameter whose fp32 master this rank holds a
+        range of, ``(global shape, lo, hi, view)`` as in :meth:`state_pieces` (``view``: the 1-D
+        view of the master shard over the flattened elements ``[lo, hi)``; writing into it
+        changes the master; :meth:`refresh_masters` then recasts the image from it).
+        Empty in fp32, where the model's parameters (the image) are the weights, whole on every
+        rank."""
+        out: dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]] = {}
+        store = self.store
+        if store is None:
+            return out
+        for grp in store.groups:
+            if not grp.separate_master or not grp.trainable_numel:
+                continue
+            lo, hi = store.shard_of(grp.index)
+            infos = [i for i in grp.infos if i.kind == "param" and i.trainable]
+            for info, (o, n) in zip(infos, grp.trainable_spans()):
+                a, b = max(o, lo), min(o + n, hi)
+                if a < b:
+                    out[info.key] = (tuple(info.shape), a - o, b - o, store.master(grp.index)[a - lo : b - lo])
         return out

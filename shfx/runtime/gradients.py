@@ -47,7 +47,7 @@ class Accumulation:
         self.flushed: set[int] = set()
         self.pending: dict[int, list] = {}
         self.pending_keys: set[tuple[int, int]] = set()
-        # data parallel: group -> its complete local gradient (fp32, padded), waiting for RS
+        # data parallel: group -> its complete local gradient (device dtype, padded), waiting for RS
         self.local: dict[int, torch.Tensor] = {}
 
 
@@ -260,7 +260,7 @@ class GradientRouter:
                     elif kind == "dp":  # own + borrowed, in the device dtype, kept for RS g
                         for pc in acc.pending.pop(g, []):
                             buf[pc.host_offset : pc.host_offset + pc.nbytes].view(self._dtype(pc)).add_(self._pending(pc))
-                        acc.local[g] = buf.view(store.groups[g].dtypes.grad)
+                        acc.local[g] = buf.view(store.groups[g].dtypes.device_grad)
                         acc.flushed.add(g)
                     elif kind == "add":
                         # the sum of the stage's own gradient and the borrowed ones, in the device
@@ -313,7 +313,7 @@ class GradientRouter:
         local = acc.local.get(g)
         if local is None:
             grp = self.store.groups[g]
-            local = acc.local[g] = dp.local_grad_buffer(g).view(grp.dtypes.grad).zero_()
+            local = acc.local[g] = dp.local_grad_buffer(g).view(grp.dtypes.device_grad).zero_()
         ((_, elem, n, _),) = self.store.groups[g].elements(c.host_offset, c.nbytes)
         return local[elem : elem + n]
 

@@ -18,6 +18,15 @@ image from rank 0 (parameters and buffers, as DDP's constructor does) and the ma
 read from it. :meth:`master`, :meth:`grad` and the optimizer states then cover the shard only;
 :meth:`working_view` still takes group element offsets (the host update writes the shard of
 the image); :meth:`shard_of` says which elements a buffer holds.
+
+Data parallel in mixed precision (bf16): the image is the 16-bit working copy, whole on every
+rank, and the model's *trainable* parameters are views of it (there is no whole fp32 master on
+any rank: each holds its fp32 master shard, as DeepSpeed's ZeRO-2 does); frozen parameters keep
+their whole fp32 masters (a buffer of ``master_nbytes - master_bytes``: the master layout less
+its trainable region), which the model's frozen parameters view. The first call broadcasts
+rank 0's fp32 masters group by group (one group's trainable region at a time), each rank keeps
+its shard and casts the whole into its image, as ``p16.copy_(master)``. A group whose trainable
+region mixes dtypes (BatchNorm's fp32 affine parameters, ``fp32_norms=True``) is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import torch
 
 from shfx.passes.layout import Group, TensorInfo
 
+from ..errors import UsageError
 from .backend import Backend
 
 __all__ = ["HostStore", "GRAD_NONE", "GRAD_VALID"]
@@ -67,17 +77,31 @@ class HostStore:
         self.backend = backend
         self.groups = list(groups)
         self.pin = pin
+        if dp is not None:
+            _check_dp_parts(self.groups)
         self.buffers = [backend.alloc_host(g.nbytes, pin) for g in self.groups]
-        # mixed precision: the fp32 masters (never sent over the link: not pinned)
-        self.masters = [torch.zeros(g.master_nbytes, dtype=torch.uint8) if g.separate_master else None for g in self.groups]
+        # mixed precision: the fp32 masters (never sent over the link: not pinned); under data
+        # parallel only their frozen part (the trainable region is sharded: master_shards), at
+        # byte ``master_base[g]`` of the group's master layout
+        self.master_base = [g.master_bytes if dp is not None and g.separate_master else 0 for g in self.groups]
+        self.masters = [
+            torch.zeros(g.master_nbytes - base, dtype=torch.uint8) if g.separate_master and g.master_nbytes > base else None
+            for g, base in zip(self.groups, self.master_base)
+        ]
         self.tensors: dict[str, torch.Tensor] = {}
         self._casts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.groups]  # (image, master) views
+        sources: dict[str, torch.Tensor] = {}  # data parallel, mixed: the trainable parameters' fp32 values
         for g in self.groups:
             for info in g.infos:
                 view = typed_view(self.buffers[g.index], g.offsets[info.key], info)
                 src = tensors[info.key]
-                if info.key in g.master_offsets:
-                    mview = typed_view(self.masters[g.index], g.master_offsets[info.key], _host_info(info))
+                if dp is not None and info.key in g.master_offsets and info.kind == "param" and info.trainable:
+                    # its master is sharded (below): the model's parameter is its 16-bit working copy
+                    sources[info.key] = src.detach()
+                    with torch.no_grad():
+                        view.copy_(src.detach())
+                elif info.key in g.master_offsets:
+                    mview = typed_view(self.masters[g.index], g.master_offsets[info.key] - self.master_base[g.index], _host_info(info))
                     with torch.no_grad():
                         mview.copy_(src.detach())
                         view.copy_(mview)
@@ -94,13 +118,27 @@ class HostStore:
         self.shards: list[tuple[int, int]] | None = None
         self.master_shards: list[torch.Tensor] = []
         if dp is not None:
-            mixed = [g.index for g in self.groups if g.separate_master]
-            if mixed:  # pragma: no cover - refused by shfx.compile
-                raise ValueError(f"data parallel keeps fp32 groups only; groups {mixed} have a 16-bit image")
-            dp.broadcast(self.buffers)  # every rank starts from rank 0's weights and buffers
+            # every rank starts from rank 0's weights and buffers (and frozen fp32 masters)
+            dp.broadcast(self.buffers + [m for m in self.masters if m is not None])
             self.shards = [dp.shard(g) for g in self.groups]
             self.master_shards = [torch.empty(hi - lo, dtype=g.dtypes.master) for g, (lo, hi) in zip(self.groups, self.shards)]
-            self.refresh_working()  # the master shards from the image
+            for g in self.groups:
+                if g.separate_master and g.trainable_numel:
+                    # mixed precision: rank 0's fp32 trainable masters, one group at a time; this
+                    # rank keeps its shard, and the image is their cast (p16.copy_(master))
+                    whole = torch.zeros(g.trainable_numel, dtype=g.dtypes.master)
+                    for info in g.infos:
+                        if info.key in sources:
+                            e = g.master_offsets[info.key] // g.dtypes.master.itemsize
+                            whole[e : e + info.numel].copy_(sources[info.key].reshape(-1))
+                    dp.broadcast([whole])
+                    lo, hi = self.shards[g.index]
+                    self.master_shards[g.index].copy_(whole[lo:hi])
+                    with torch.no_grad():
+                        self.image_trainable(g.index).copy_(whole)
+                else:  # fp32: the image is the model's weights; the master shards are read from it
+                    self.refresh_working(g.index)
+            sources.clear()
         self._grads: list[torch.Tensor | None] = [None] * len(self.groups)
         self.grad_state = [GRAD_NONE] * len(self.groups)
         self._staging_free: list[torch.Tensor] = []
@@ -127,7 +165,8 @@ class HostStore:
         return self.shards[g]
 
     def image_trainable(self, g: int) -> torch.Tensor:
-        """Group ``g``'s whole trainable region in the image (fp32; data parallel's working copy)."""
+        """Group ``g``'s whole trainable region in the image, in the working dtype (data
+        parallel's working copy: fp32, or bf16 in mixed precision)."""
         grp = self.groups[g]
         return self.buffers[g][: grp.trainable_bytes].view(grp.dtypes.working)
 
@@ -146,7 +185,7 @@ class HostStore:
         region, in the device dtype of the part holding them), or None when the image is the
         master (fp32 training)."""
         grp = self.groups[g]
-        if self.shards is not None:  # data parallel: the image is the working copy (fp32)
+        if self.shards is not None:  # data parallel: the image is the working copy (fp32 or 16-bit)
             return self.image_trainable(g)[elem : elem + numel]
         if not grp.separate_master:
             return None
@@ -161,11 +200,15 @@ class HostStore:
         """Recast the working copy of group ``g`` (every group: None) from its master: after the
         master changed other than by the host update (load_state_dict, a rollback).
 
-        Data parallel: the model's weights are the image, so whatever changed them wrote the
-        image: the master shards are read back from it instead."""
+        Data parallel: the model's trainable weights are the image, so whatever changed them
+        wrote the image: the master shards are read back from it instead (in mixed precision
+        the 16-bit values widened: :meth:`set_master_shards` keeps fp32 values' bits); a
+        frozen parameter's image is recast from its fp32 master."""
         if self.shards is not None:
             with torch.no_grad():
                 for gi in range(len(self.groups)) if g is None else (g,):
+                    for view, mview in self._casts[gi]:  # (mixed precision: frozen parameters)
+                        view.copy_(mview)
                     lo, hi = self.shards[gi]
                     self.master_shards[gi].copy_(self.image_trainable(gi)[lo:hi])
             return
@@ -173,6 +216,44 @@ class HostStore:
             for gi in range(len(self.groups)) if g is None else (g,):
                 for view, mview in self._casts[gi]:
                     view.copy_(mview)
+
+    def working_from_master_shards(self, g: int) -> None:
+        """Data parallel, the other direction of :meth:`refresh_working`: this rank's shard of
+        group ``g``'s image recast from its master shard (and frozen parameters' images from
+        their masters), after a load wrote the masters; the other ranks' shards come with an
+        all-gather (:meth:`shfx.runtime.data_parallel.DataParallelRuntime.refresh_masters`)."""
+        if self.shards is None:
+            raise RuntimeError("working_from_master_shards is for data parallel's sharded masters")
+        lo, hi = self.shards[g]
+        with torch.no_grad():
+            for view, mview in self._casts[g]:
+                view.copy_(mview)
+            self.image_trainable(g)[lo:hi].copy_(self.master_shards[g])
+
+    def set_master_shards(self, values: dict[str, torch.Tensor]) -> list[str]:
+        """Data parallel in mixed precision: this rank's fp32 master shards from whole fp32
+        ``values`` of trainable parameters (``{key: tensor}``; a state dict's), the range of
+        each that the shard holds, exactly (:meth:`refresh_working` reads them from the 16-bit
+        image). Returns the keys set; other keys are ignored."""
+        if self.shards is None:
+            raise RuntimeError("set_master_shards is for data parallel's sharded masters")
+        done = []
+        with torch.no_grad():
+            for grp in self.groups:
+                if not grp.separate_master:
+                    continue
+                lo, hi = self.shards[grp.index]
+                size = grp.dtypes.master.itemsize
+                for info in grp.infos:
+                    t = values.get(info.key)
+                    if t is None or not (info.kind == "param" and info.trainable):
+                        continue
+                    e = grp.master_offsets[info.key] // size
+                    a, b = max(e, lo), min(e + info.numel, hi)
+                    if a < b:
+                        self.master_shards[grp.index][a - lo : b - lo].copy_(t.detach().reshape(-1)[a - e : b - e])
+                    done.append(info.key)
+        return done
 
     def grad(self, g: int) -> torch.Tensor:
         """Group ``g``'s flat gradient buffer in the host gradient dtype (created zeroed on first use)."""
@@ -246,3 +327,21 @@ class HostStore:
         with self._staging_cv:
             self._staging_free.append(buf)
             self._staging_cv.notify()
+
+
+def _check_dp_parts(groups: Sequence[Group]) -> None:
+    """Data parallel reduces and gathers a group's trainable region in one dtype: refuse a
+    group whose region mixes dtypes (mixed precision keeping some parameters fp32)."""
+    for g in groups:
+        dts = sorted({str(p.dtype).removeprefix("torch.") for p in g.parts if p.numel})
+        if len(dts) > 1:
+            fp32 = [i.key for i in g.infos if i.kind == "param" and i.trainable and i.dtype == torch.float32]
+            raise UsageError(
+                f"data_parallel does not support a stage whose trainable parameters have different dtypes on the "
+                f"device: stage {g.index} holds {' and '.join(dts)} parameters ({', '.join(map(repr, fp32[:3]))}"
+                f"{' ...' if len(fp32) > 3 else ''} kept fp32: BatchNorm's affine parameters, or LayerNorm/RMSNorm with "
+                "fp32_norms=True). Data parallel reduce-scatters and all-gathers a stage's trainable region as one "
+                "tensor of one dtype, and the ranks' shards cut it by elements; reducing each dtype's part apart is "
+                "not built yet. Use precision='fp32' with data_parallel, or a model without fp32-kept parameters "
+                "(fp32_norms=False)."
+            )
