@@ -41,6 +41,12 @@ compiled model ``cm`` whose ``cm._engine.dp`` is set has
 - ``dp.group`` (the gloo ProcessGroup), ``dp.rank`` (this rank in it), ``dp.ranks`` (its size);
 - ``dp.refresh_masters()``: called after a load has written the weights into the model's
   parameters (the whole image on every rank), so the runtime sets its master shards from them;
+- optionally ``dp.master_pieces() -> {param name: (global_shape, lo, hi, local_1d)}``: mixed
+  precision (bf16), where the model's trainable parameters are the 16-bit working copy and the
+  fp32 master weights are sharded like the states: they are saved as ``model.<name>`` (fp32,
+  boxes of the global tensor, as the states; every name the parameter has in the state dict,
+  a tied one's too), so the checkpoint is a one-process bf16 checkpoint's (fp32 weights), and a
+  load reads them into the shards, after which ``dp.refresh_masters()`` recasts the image;
 - every other optimizer field (``step``: the same on every rank) is in ``cm.optimizer.state``
   as without data parallel, as views that a load writes into in place.
 
@@ -226,6 +232,48 @@ def _check_tiling(key: tuple[str, str], shape: tuple[int, ...], dtype: torch.dty
         )
 
 
+# ---- the fp32 masters of mixed precision -------------------------------------------------------------
+MASTER = "<fp32 master>"
+"""The field the fp32 master weights' pieces travel under through :func:`sharded_state` (saved
+as ``model.<name>``, never as an optimizer field)."""
+
+
+def _with_masters(dp: Any, pieces: Pieces) -> Pieces:
+    """``pieces`` plus, where the runtime shards the fp32 masters (``dp.master_pieces()``, bf16),
+    each parameter's master range under :data:`MASTER`."""
+    get = getattr(dp, "master_pieces", None)
+    masters = get() if get is not None else {}
+    if not masters:
+        return pieces
+    out = {k: dict(v) for k, v in pieces.items()}
+    for name, piece in masters.items():
+        out.setdefault(name, {})[MASTER] = piece
+    return out
+
+
+def _master_targets(cm: Any, sharded: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Take the :data:`MASTER` fields out of ``sharded`` (in place) and return them by every
+    state-dict name of their parameter (a tied parameter has several): what ``model.<name>``
+    is saved from and loaded into."""
+    by_key = {}
+    for name in list(sharded):
+        st = sharded[name].pop(MASTER, None)
+        if st is not None:
+            by_key[name] = st
+        if not sharded[name]:
+            del sharded[name]
+    if not by_key:
+        return {}
+    store = cm._store
+    at = {store.tensors[k].data_ptr(): k for k in by_key}
+    out = {}
+    for n, p in cm.module.named_parameters(remove_duplicate=False):
+        k = at.get(p.data_ptr()) if p.numel() else None
+        if k is not None:
+            out[n] = by_key[k]
+    return out
+
+
 # ---- atomic save with a process group ------------------------------------------------------------------
 def _root(group: Any) -> int:
     import torch.distributed as dist
@@ -325,15 +373,17 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
     error, pieces = None, {}
     try:
         model_sd = cm.state_dict()  # settles the step
-        pieces = dp.state_pieces()
+        pieces = _with_masters(dp, dp.state_pieces())
         state, groups = _ck._optimizer_state(cm.module.named_parameters(), cm.optimizer)
     except UsageError as e:
         error = str(e)
     sharded = sharded_state(pieces, dp.group, error)
+    masters = _master_targets(cm, sharded)
     for name, fields in sharded.items():  # the ranges replace what cm.optimizer.state may show of them
         state.setdefault(name, {}).update(fields)
     steps = max((int(e["step"]) for e in state.values() if "step" in e and torch.is_tensor(e["step"]) and e["step"].dim() == 0), default=0)
-    tensors: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in model_sd.items()}}
+    # (bf16: the sharded fp32 masters, not the 16-bit working copy the model's parameters are)
+    tensors: dict[str, Any] = {"model": {k: masters.get(k, v.detach().cpu()) for k, v in model_sd.items()}}
     if state:
         tensors["optimizer"] = {"state": state}
     meta = _ck._meta(steps, groups, scheduler, cm.scaler, extra, cm.skipped_steps)
@@ -373,10 +423,13 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
         # (a load after the first call but before the first step: the states are made, zeros at
         # step 0, for the checkpoint's to be read into, when it has any)
         has_state = any(k.startswith("optimizer.state.") for k in getattr(md, "state_dict_metadata", {}))
-        pieces = dp.state_pieces(create=True) if has_state else dp.state_pieces()
+        pieces = _with_masters(dp, dp.state_pieces(create=True) if has_state else dp.state_pieces())
     except (UsageError, FileNotFoundError) as e:
         error = str(e)
     sharded = sharded_state(pieces, dp.group, error)
+    for name, t in _master_targets(cm, sharded).items():  # bf16: the fp32 weights into the master shards
+        if name in targets:
+            targets[name] = t
     named = dict(cm.module.named_parameters())
     pre = "optimizer.state."
     saved: dict[str, dict[str, Any]] = {}
