@@ -156,7 +156,15 @@ def _against_ddp(
 
     ``subgroup``: train over a process group of these ranks only (the others return None).
     ``resume``: first 2 eager steps in one process (every rank alike), whose weights and
-    torch AdamW state dict shfx loads before its first call (each rank keeps its ranges)."""
+    torch AdamW state dict shfx loads before its first call (each rank keeps its ranges).
+
+    ``precision="bf16"`` (in ``kw``): the eager side is the mixed-precision recipe under DDP:
+    DDP on a bf16 copy of the model (it reduces bf16 gradients: ``grad * (1/N)`` in bf16, a SUM
+    all-reduce in bf16), the micro-steps' reduced bf16 gradients summed in bf16, fp32 masters
+    (rank 0's on every rank) with ``master.grad = p16.grad.float()``, fused AdamW on the masters,
+    ``p16.copy_(master)``. shfx's model then shows the bf16 working copy (its trainable
+    parameters), compared with the bf16 copy's; each rank's master shard is compared with the
+    eager masters' ranges (``dp.master_pieces()``)."""
     import torch.distributed as dist
 
     group = dist.new_group(subgroup) if subgroup is not None else None
@@ -168,6 +176,15 @@ def _against_ddp(
     torch.manual_seed(0 if resume else 1 + rank)
     model = _model(name)
     ref = copy.deepcopy(model)
+    bf16 = kw.get("precision") == "bf16"
+    work = ref  # what DDP trains: the model, or in bf16 its 16-bit working copy (ref: the fp32 masters)
+    if bf16:
+        from mixed_reference import make_working_copy
+
+        for t in ref.state_dict().values():  # the eager masters start as rank 0's too, as shfx's do
+            dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        work = make_working_copy(ref, torch.bfloat16)
+    master_of = dict(zip(work.parameters(), ref.parameters()))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     if resume:
         for step in range(2):
@@ -179,7 +196,7 @@ def _against_ddp(
     cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
     if resume:
         cm.optimizer.load_state_dict(opt.state_dict())
-    ddp = nn.parallel.DistributedDataParallel(ref, process_group=group)
+    ddp = nn.parallel.DistributedDataParallel(work, process_group=group)
     losses, ref_losses, mism = [], [], []
     for step in range(steps):
         summed: dict[nn.Parameter, torch.Tensor] = {}
@@ -193,25 +210,40 @@ def _against_ddp(
             if any(p.grad is not None for p in model.parameters()):
                 mism.append(".grad exposed under data parallel")  # (sharded: never exposed)
             losses.append(loss.detach())
-            ref_loss = _loss(name, _forward(name, ddp, args), args) / accum
+            eargs = tuple(a.bfloat16() if bf16 and a.is_floating_point() else a for a in args)  # (as shfx casts them)
+            ref_loss = _loss(name, _forward(name, ddp, eargs), args) / accum
             ref_loss.backward()
             ref_losses.append(ref_loss.detach())
-            for p in ref.parameters():
-                if p.grad is not None:
+            for p in work.parameters():
+                if p.grad is not None:  # (bf16: summed in bf16)
                     summed[p] = p.grad if p not in summed else summed[p] + p.grad
                     p.grad = None
         for p, g in summed.items():
-            p.grad = g
+            master_of[p].grad = g.float()  # (fp32: g itself)
         cm.step()
         cm.zero_grad()
         opt.step()
         opt.zero_grad()
+        if bf16:
+            with torch.no_grad():
+                for p16, p in master_of.items():
+                    p16.copy_(p)
     mism += [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
-    sd, rsd = model.state_dict(), ref.state_dict()
+    # (bf16: shfx's trainable parameters are the bf16 working copy, its frozen ones fp32 masters)
+    sd, wsd, msd = model.state_dict(), work.state_dict(), ref.state_dict()
+    rsd = {k: wsd[k] if sd[k].dtype == wsd[k].dtype else msd[k] for k in sd}
+    if bf16 and not any(v.dtype == torch.bfloat16 for v in sd.values()):
+        mism.append("no bf16 weights in the bf16 model")
     mism += [f"weight {k}: max diff {(sd[k] - rsd[k]).abs().max().item():.3g}" for k in sd if not torch.equal(sd[k], rsd[k])]
     close = dict(losses=(torch.stack(losses), torch.stack(ref_losses)), state=(sd, rsd))
     dp = cm.engine.dp
     params = dict(ref.named_parameters())
+    masters = dp.master_pieces()
+    if bf16 != bool(masters):
+        mism.append(f"master pieces {sorted(masters)[:3]} under precision {kw.get('precision', 'fp32')}")
+    for key, (shape, lo, hi, view) in masters.items():  # this rank's fp32 master shard
+        if tuple(shape) != tuple(params[key].shape) or not torch.equal(view, params[key].detach().flatten()[lo:hi]):
+            mism.append(f"master {key}[{lo}:{hi}]")
     ranges = {}
     for key, fields in dp.state_pieces().items():
         p = params[key]
@@ -229,10 +261,14 @@ def _against_ddp(
     led = cm.variant.ledger(rank=rank).static("host")
     counts = dict(
         host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes - dp.buffer_bytes,
-        ledger=sum(led.get(t, 0) for t in ("parameter image (whole)", "master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)")),
+        ledger=sum(
+            led.get(t, 0)
+            for t in ("parameter image (whole)", "working copy (16-bit)", "master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)")
+        ),
         buffers=dp.buffer_bytes,
         ledger_buffers=sum(led.get(t, 0) for t in ("gradient staging (pinned)", "collective buffers")),
-        image=sum(b.numel() for b in store.buffers),
+        image=sum(b.numel() for b in store.buffers),  # (bf16: the 16-bit working copy, buffers, constants)
+        frozen_masters=sum(b.numel() for b in store.masters if b is not None),  # (bf16: frozen parameters' fp32)
         trainable=sum(g.trainable_numel for g in store.groups),
         shard=sum(hi - lo for lo, hi in store.shards),
         groups=len(store.groups),
@@ -304,49 +340,70 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float) -> dict:
     return dict(step=None, error=None)
 
 
-def _checkpoint_resume(rank: int, world: int, ckpt: str) -> dict:
+def _checkpoint_resumes(rank: int, world: int, ckpt: str, precisions: list[str]) -> dict:
+    """:func:`_checkpoint_resume` in each precision (one spawn), into ``<ckpt>-<precision>``."""
+    return {p: _checkpoint_resume(rank, world, f"{ckpt}-{p}", p) for p in precisions}
+
+
+def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32") -> dict:
     """Train 2 steps, save a checkpoint (every rank), train 2 more; then a model with other
-    initial weights loads the checkpoint before its first call and trains the same 2 steps."""
-    def run(seed: int, steps: range, save: bool = False, load: bool = False) -> tuple[dict, dict]:
+    initial weights loads the checkpoint before its first call and trains the same 2 steps.
+    ``precision="bf16"``: the checkpoint holds the sharded fp32 masters as the weights, and
+    the second model loads it after a step of its own (the data-parallel load path: the
+    masters read into the shards, the 16-bit image recast and all-gathered)."""
+    bf16 = precision == "bf16"
+
+    def masters(cm) -> dict:
+        return {k: (lo, hi, v.clone()) for k, (_, lo, hi, v) in cm.engine.dp.master_pieces().items()}
+
+    def run(seed: int, steps: range, save: bool = False, load: bool = False) -> tuple[dict, dict, dict]:
         torch.manual_seed(seed)
         model = _model("gpt_mask")
-        cm = _compile(model, "gpt_mask", 2, data_parallel=shfx.DataParallel(timeout_s=60))
+        cm = _compile(model, "gpt_mask", 2, data_parallel=shfx.DataParallel(timeout_s=60), precision=precision)
+        if load and bf16:  # a step of its own first, then the load
+            cm(*_batch("gpt_mask", 9, 10 * rank)).backward()
+            cm.step()
+            cm.zero_grad()
         if load:
             cm.load_checkpoint(ckpt)
         saved: dict = {}
+        saved_masters: dict = {}
         for step in steps:
             if save and step == 2:
                 cm.save_checkpoint(ckpt)
                 saved = {k: {f: (lo, hi, v.clone()) for f, (_, lo, hi, v) in fs.items()} for k, fs in cm.engine.dp.state_pieces().items()}
+                saved_masters = masters(cm)
             args = _batch("gpt_mask", step, 10 * rank)
             cm(*args).backward()
             cm.step()
             cm.zero_grad()
         state = {k: v.clone() for k, v in model.state_dict().items()}
+        state.update({f"master {k}": v for k, (_, _, v) in masters(cm).items()})
         cm.close()
-        return state, saved
+        return state, saved, saved_masters
 
-    whole, saved = run(0, range(4), save=True)
-    resumed, _ = run(1, range(2, 4), load=True)
-    return dict(whole=whole, resumed=resumed, saved=saved)
+    whole, saved, saved_masters = run(0, range(4), save=True)
+    resumed, _, _ = run(1, range(2, 4), load=True)
+    return dict(whole=whole, resumed=resumed, saved=saved, masters=saved_masters)
 
 
-SCENARIOS = {"ddp": _ddp_suite, "one_process": _against_one_process, "rank_dies": _rank_dies, "checkpoint": _checkpoint_resume}
+SCENARIOS = {"ddp": _ddp_suite, "one_process": _against_one_process, "rank_dies": _rank_dies, "checkpoint": _checkpoint_resumes}
 
 
 # ---- the tests --------------------------------------------------------------------------------------
 def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: int, tol: dict | None = None) -> None:
-    """Each config's results: bitwise (``tol`` None: no mismatch at all) or, per model name,
-    within ``tol[name] = (rtol, atol)`` for the weights (the optimizer states are then not
-    compared: Adam's states follow the gradients' rounding)."""
+    """Each config's results: bitwise (``tol`` None: no mismatch at all) or, per model name
+    (``"<name> bf16"`` for a bf16 config), within ``tol[name] = (rtol, atol[, loss rtol])`` for
+    the weights and losses (default loss rtol 1e-6; the optimizer states are then not compared:
+    Adam's states follow the gradients' rounding)."""
     for c, per_rank in zip(configs, zip(*results)):
         for r, res in enumerate(per_rank):
             assert res["ranks"] == world
             if tol is None:
                 assert not res["mismatches"], f"{c} rank {r}: {res['mismatches'][:8]}"
                 continue
-            rtol, atol = tol[c["name"]]
-            torch.testing.assert_close(*res["close"]["losses"], rtol=1e-6, atol=1e-7)
+            rtol, atol, *loss_rtol = tol[c["name"] + (f" {c['precision']}" if c.get("precision", "fp32") != "fp32" else "")]
+            torch.testing.assert_close(*res["close"]["losses"], rtol=loss_rtol[0] if loss_rtol else 1e-6, atol=1e-7)
             sd, rsd = res["close"]["state"]
             for k in sd:
                 torch.testing.assert_close(sd[k], rsd[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{c} {k}: {m}")
@@ -358,10 +415,11 @@ def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: in
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (key, spans)
         # host memory per rank: the image + 16 B (fp32 master, gradient, m, v) per owned element;
         # the shards are those of the sharding rule: 16/N B per trainable element, within
-        # SHARD_ALIGN elements of padding per group
+        # SHARD_ALIGN elements of padding per group. In bf16 the image is the 16-bit working copy
+        # (2 B per parameter) and frozen parameters keep whole fp32 masters beside it
         for res in per_rank:
             k = res["counts"]
-            assert k["host"] == k["image"] + 16 * k["shard"] == k["ledger"], k
+            assert k["host"] == k["image"] + k["frozen_masters"] + 16 * k["shard"] == k["ledger"], k
             # the reused local-gradient and collective buffers: within the ledger's constant terms
             assert 0 < k["buffers"] <= k["ledger_buffers"], k
         shards = [res["counts"]["shard"] for res in per_rank]
@@ -396,6 +454,31 @@ def test_two_ranks_match_ddp_bitwise(tmp_path):
     _check_ddp_results(results, DDP_CONFIGS, 2)
 
 
+BF16_CONFIGS = [
+    dict(name="gpt_tied", window=1, precision="bf16"),
+    dict(name="gpt_tied", window=2, accum=2, precision="bf16"),  # the micro-steps' reduced gradients summed in bf16
+    dict(name="mlp_frozen", window=2, accum=2, precision="bf16"),  # frozen parameters: whole fp32 masters
+]
+
+
+def test_two_ranks_in_bf16_match_ddp_bitwise(tmp_path):
+    """precision='bf16' on 2 ranks vs the eager mixed-precision recipe under DDP (DDP on a bf16
+    copy of the model, fp32 masters, ``master.grad = p16.grad.float()``, fused AdamW on the
+    masters, ``p16.copy_(master)``): losses, the bf16 weights (the model's trainable parameters
+    are the working copy), each rank's fp32 master shard and optimizer-state ranges, all
+    ``torch.equal``, for the tied-embedding GPT at W=1 and W=2 with grad_accum_steps=2 and the
+    MLP with a frozen layer (grad_accum_steps=2). Bitwise: both multiply the bf16 local
+    gradient by 1/2 (exact, computed in fp32 and rounded to bf16 alike) and sum two bf16 values
+    in gloo's bf16 SUM (one addition, the same in either order); under accumulation both sum
+    the reduced bf16 gradients in bf16 (``a + b`` rounded to bf16 once), then widen exactly to
+    fp32; the master update is the fp32 kernel of the fp32 test over 16-aligned shards, and
+    the working copy is its cast. Host bytes per rank equal the ledger's: the bf16 image (2 B
+    per parameter, buffers, constants) + frozen parameters' fp32 masters + 16 B per owned
+    element (fp32 master shard, gradient, m, v)."""
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=300, configs=BF16_CONFIGS)
+    _check_ddp_results(results, BF16_CONFIGS, 2)
+
+
 @pytest.mark.slow
 def test_four_ranks_match_ddp(tmp_path):
     """4 ranks vs eager DDP: not bitwise, within a stated tolerance. Both multiply by 1/4
@@ -407,13 +490,23 @@ def test_four_ranks_match_ddp(tmp_path):
     With 4 addends the order changes the rounding (an ulp or so in a gradient; with 2,
     ``a + b == b + a``). The MLP's weights then stay within 1e-6 over 3 steps; the GPT's
     attention key bias has a true gradient of zero (softmax ignores it), and Adam turns
-    rounding noise there into lr-sized steps of any sign, hence its loose atol."""
+    rounding noise there into lr-sized steps of any sign, hence its loose atol.
+
+    bf16 (the MLP): further apart, though every check of the 2-rank bf16 test's arithmetic holds
+    (host bytes == the ledger's with uneven shards, the ranges tile): gloo's ring sums the four
+    bf16 addends with a bf16 rounding after each addition (three roundings at 2**-8, in the
+    position-dependent order above), so a reduced gradient differs by an ulp of its addends,
+    which for an element whose addends cancel is a large part of it, even its sign; Adam's first
+    steps move each weight by about lr * sign(m / sqrt(v)), so such an element ends up to 2 lr
+    away. Measured (lr 1e-2, 3 steps): weights within 0.0107, losses within 1.1e-4 relative;
+    hence atol 2e-2 (2 lr) and loss rtol 1e-3."""
     configs = [
         dict(name="mlp", window=2), dict(name="gpt_tied", window=2), dict(name="gpt_mask", window=5, accum=2),
-        dict(name="gpt_tied", window=None, policy=shfx.ZeroOffload()),
+        dict(name="gpt_tied", window=None, policy=shfx.ZeroOffload()), dict(name="mlp", window=2, precision="bf16"),
     ]  # fmt: skip
-    results = _spawn(tmp_path, 4, "ddp", timeout_s=480, configs=configs)
-    _check_ddp_results(results, configs, 4, tol={"mlp": (1e-5, 1e-6), "gpt_tied": (1e-4, 1e-4), "gpt_mask": (1e-4, 1e-4)})
+    results = _spawn(tmp_path, 4, "ddp", timeout_s=540, configs=configs)
+    tol = {"mlp": (1e-5, 1e-6), "gpt_tied": (1e-4, 1e-4), "gpt_mask": (1e-4, 1e-4), "mlp bf16": (0.0, 2e-2, 1e-3)}
+    _check_ddp_results(results, configs, 4, tol=tol)
 
 
 @pytest.mark.slow
@@ -446,15 +539,27 @@ def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
     """A checkpoint saved by 2 ranks (shfx.dp_checkpoint: each rank writes its ranges of every
     parameter's AdamW state, one checkpoint as a single process's) resumes on 2 ranks bitwise
     the run that never stopped, and loads into one process (no data parallel): its AdamW
-    state is every rank's ranges put together, element for element."""
+    state is every rank's ranges put together, element for element.
+
+    The same in bf16 (same spawn): the checkpoint's weights are the fp32 masters (each rank
+    writes the ranges of its master shard, as of the states: a one-process bf16 checkpoint); a
+    model that took a step of its own loads it (the data-parallel path: the masters read into
+    the shards, the bf16 image recast and all-gathered) and resumes bitwise (bf16 weights, fp32
+    master shards); one process in bf16 loads every rank's master ranges and states."""
     ckpt = str(tmp_path / "ckpt")
-    results = _spawn(tmp_path, 2, "checkpoint", timeout_s=240, ckpt=ckpt)
+    by_rank = _spawn(tmp_path, 2, "checkpoint", timeout_s=360, ckpt=ckpt, precisions=["fp32", "bf16"])
+    for precision in ("fp32", "bf16"):
+        _checkpoint_check(f"{ckpt}-{precision}", [res[precision] for res in by_rank], precision)
+
+
+def _checkpoint_check(ckpt: str, results: list[dict], precision: str) -> None:
     for r, res in enumerate(results):
+        assert any(k.startswith("master ") for k in res["whole"]) == (precision == "bf16")
         for k, v in res["whole"].items():
             assert torch.equal(v, res["resumed"][k]), (r, k)
     torch.manual_seed(5)
     model = _model("gpt_mask")
-    cm = _compile(model, "gpt_mask", 2)
+    cm = _compile(model, "gpt_mask", 2, precision=precision)
     cm.load_checkpoint(ckpt)
     args = _batch("gpt_mask", 0, 0)
     with torch.no_grad():
@@ -466,7 +571,11 @@ def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
             for f, (lo, hi, v) in fields.items():
                 assert torch.equal(cm.optimizer.state[params[key]][f].flatten()[lo:hi], v), (key, f)
                 seen += 1
-    assert seen >= 2 * len([p for p in params.values() if p.requires_grad])
+        for key, (lo, hi, v) in res["masters"].items():  # (bf16) the fp32 weights: every rank's master ranges
+            assert torch.equal(params[key].detach().flatten()[lo:hi], v), key
+            seen += 1
+    trainable = len([p for p in params.values() if p.requires_grad])
+    assert seen >= (3 if precision == "bf16" else 2) * trainable
     cm.close()
 
 
@@ -526,7 +635,7 @@ def one_rank_group():
     [
         (dict(optimizer=shfx.optim.SGD(lr=0.1)), "SGD as the optimizer"),
         (dict(optimizer=None), "no optimizer"),
-        (dict(precision="bf16"), "mixed precision"),
+        (dict(precision="fp16"), "fp16.*loss scaling"),  # (bf16 runs: test_two_ranks_in_bf16_match_ddp_bitwise)
         (dict(max_grad_norm=1.0), "gradient clipping"),
         (dict(skip_nonfinite=True), "skip_nonfinite"),
         (dict(rollback=True), "rollback"),
@@ -544,6 +653,26 @@ def test_refusals(one_rank_group, kwargs, match):
     with pytest.raises(UsageError, match=match) as e:
         shfx.compile(_tiny(), **kw)
     assert "data_parallel does not support" in str(e.value)
+
+
+def test_refuses_fp32_parameters_in_a_bf16_stage():
+    """bf16 data parallel reduces and gathers a stage's trainable region as one bf16 tensor:
+    fp32_norms=True is refused when compiling, and any trainable fp32 part of a 16-bit stage
+    (BatchNorm's affine parameters, which precision='bf16' keeps fp32) at the first call, when
+    the host store lays the stages out."""
+    from shfx.api import _check_data_parallel
+    from shfx.passes.layout import TensorInfo, copy_dtypes, plan_groups
+    from shfx.runtime.host_store import _check_dp_parts
+
+    kw = dict(policy="stronghold", window=2, optimizer=shfx.optim.AdamW(), offload=None, max_grad_norm=None, skip_nonfinite=False, rollback=None)
+    with pytest.raises(UsageError, match="data_parallel does not support fp32_norms=True"):
+        _check_data_parallel(precision="bf16", fp32_norms=True, **kw)
+    _check_data_parallel(precision="bf16", **kw)  # (bf16 alone runs)
+    lin = TensorInfo("lin.weight", "param", (4, 4), torch.bfloat16, True, False, host_dtype=torch.float32)
+    bn = TensorInfo("bn.weight", "param", (4,), torch.float32, True, False)
+    _check_dp_parts(plan_groups([[lin]], copy_dtypes(torch.bfloat16)))
+    with pytest.raises(UsageError, match=r"stage 0 holds bfloat16 and float32 parameters \('bn.weight'"):
+        _check_dp_parts(plan_groups([[lin, bn]], copy_dtypes(torch.bfloat16)))
 
 
 def test_one_rank_is_the_single_process_runtime(one_rank_group):
