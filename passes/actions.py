@@ -159,9 +159,7 @@ class KindInfo:
 
     @property
     def op(self) -> Callable[..., object]:
-        from . import ops
-
-        return getattr(ops, self.name)
+        return _MARKERS[self.name]
 
 
 def _info(kind, name, stream, resource, *, slotted=True, reads=True, update=False, moves=None, cost=None, acc=False, doc=""):
@@ -205,6 +203,25 @@ KINDS: dict[ActionKind, KindInfo] = {
               doc="data parallel: all-gather one group's updated working-copy shards into every rank's host image"),
     )
 }  # fmt: skip
+
+
+def _marker(name: str, doc: str) -> Callable[..., object]:
+    def op(stage: int, *tokens: object) -> object:
+        raise RuntimeError(
+            f"shfx.passes.ops.{name} is a step-program marker; run a program with the shfx runtime "
+            "(shfx.compile) or simulate it with shfx.cost_model.simulate"
+        )
+
+    op.__name__ = op.__qualname__ = name
+    op.__module__ = "shfx.passes.ops"
+    op.__doc__ = doc
+    return op
+
+
+# NOTE: the markers are made here, with the table, and published as the attributes of
+# :mod:`shfx.passes.ops` (their ``__module__``: where FX's generated code and pickles name them);
+# ops imports this module, never the reverse
+_MARKERS: dict[str, Callable[..., object]] = {i.name: _marker(i.name, f"{i.kind.value}: {i.doc}.") for i in KINDS.values()}
 
 # Longest prefixes first so "PF3" is not read as "P" + "F3".
 _ACTION_RE = re.compile(r"^(%s)(\d+)$" % "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True)))
