@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 import threading
 import traceback
@@ -34,6 +33,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .attention import pin_attention_grad_mode, restore_causal_attention_in_export
+from .capture_errors import CaptureError, _is_user_file
+from .exact import refuse_hooks, refuse_recorded, watch
 
 __all__ = [
     "CaptureError",
@@ -155,10 +156,6 @@ def _import_export() -> None:
         parent = sys.modules.get(parent_name)
         if parent is not None and child not in vars(parent):
             setattr(parent, child, module)
-
-
-class CaptureError(RuntimeError):
-    """The model could not be captured as one graph; the message names the construct and a fix."""
 
 
 @dataclass(frozen=True)
@@ -489,8 +486,6 @@ def capture_model(
         (torch.empty_like(t, device="meta") if on_meta else t.detach().to("cpu")).requires_grad_(t.requires_grad)
         for t in cast_inputs(tensors, working_dtype)
     )
-    from .exact import refuse_hooks, refuse_recorded, watch
-
     if not on_meta:  # (a meta model is planned, never trained)
         refuse_hooks(model)  # backward hooks shfx would never call: refused before anything is traced
     wrapper = _CaptureWrapper(model, rebuild)
@@ -691,16 +686,6 @@ _HINTS: list[tuple[tuple[str, ...], str]] = [
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return f"{type(e).__name__}: {s[0] if s else ''}"
-
-
-def _is_user_file(filename: str) -> bool:
-    """True for the model's code: neither torch's, nor shfx's, nor generated code."""
-    return not (
-        filename.startswith(os.path.dirname(torch.__file__))
-        or filename.startswith(os.path.dirname(__file__))
-        or "site-packages/torch" in filename
-        or filename.startswith("<")
-    )
 
 
 def _user_frame(e: BaseException) -> traceback.FrameSummary | None:

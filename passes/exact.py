@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureError, _is_user_file
+from .capture_errors import CaptureError, _is_user_file
 
 __all__ = ["Recorded", "refuse_hooks", "refuse_recorded", "scan_hooks", "watch"]
 
