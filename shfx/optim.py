@@ -68,6 +68,9 @@ class HostOptimizer(torch.optim.Optimizer):
     torch_options: dict[str, Any] = {}
     #: whether :mod:`shfx.runtime.device_optim` can run it (policies that update on the device)
     on_device = False
+    #: which runner of :mod:`shfx.runtime.host_optim` runs it (``runner_for`` dispatches on
+    #: it, so a subclass runs as its base); None: none does
+    host_runner: str | None = None
 
     def __init__(self, params: Any = None, *, groups: GroupFn | None = None, **hyper: Any):
         self._validate(hyper)
@@ -426,6 +429,7 @@ class AdamW(HostOptimizer):
     torch_class = torch.optim.AdamW
     torch_options = {"fused": True}
     on_device = True
+    host_runner = "adamw"
 
     def __init__(
         self,
@@ -480,6 +484,7 @@ class SGD(HostOptimizer):
 
     torch_class = torch.optim.SGD
     torch_options = {"fused": True}
+    host_runner = "sgd"
 
     def __init__(
         self,
@@ -530,6 +535,7 @@ class Adafactor(HostOptimizer):
 
     torch_class = torch.optim.Adafactor
     torch_options = {"foreach": True}
+    host_runner = "adafactor"
 
     def __init__(
         self,
