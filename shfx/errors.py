@@ -17,6 +17,7 @@ __all__ = [
     "OutOfDeviceMemory",
     "ActionError",
     "UsageError",
+    "ConfigConflict",
     "NonFiniteGradient",
     "SSDSpaceError",
     "SSDIOError",
@@ -54,6 +55,16 @@ class ActionError(ShfxError):
 class UsageError(ShfxError):
     """The compiled model was used in an order shfx cannot honour (e.g. a forward while the
     previous step's update is still pending)."""
+
+
+class ConfigConflict(UsageError, ValueError):
+    """Two of ``shfx.compile``'s options that cannot hold together (a row of
+    :data:`shfx.config.CONFLICTS`); the message gives its reason and fix, ``.conflict`` is the
+    row. A ``ValueError`` too, as the argument errors these checks once were."""
+
+    def __init__(self, message: str, conflict: object = None):
+        super().__init__(message)
+        self.conflict = conflict
 
 
 class NonFiniteGradient(ShfxError):
