@@ -167,7 +167,15 @@ class Engine:
         scaler: Any = None,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
+        recompute: str = "auto",
+        dp: DataParallelRuntime | None = None,
+        param_keys_by_group: dict[int, list] | None = None,
+        clip_order: Sequence[tuple[int, str]] = (),
     ):
+        """Everything comes from ``shfx.compile``'s :class:`~shfx.config.Config` (the compiled
+        model passes its fields) and the host store: ``param_keys_by_group`` is group -> its
+        trainable ``(key, tensor)`` pairs, ``clip_order`` every trainable parameter's ``(group,
+        key)`` in the model's order (gradient clipping stacks the norms in it, as torch does)."""
         self.backend = backend
         self.store = store
         self.optimizer = optimizer
@@ -185,16 +193,17 @@ class Engine:
         # "early-stop": forward records the graph (checkpoint), backward recomputes only what it
         # needs; "full": backward recomputes the whole stage; "auto": early stop for stages whose
         # forward takes more than _EARLY_STOP_MIN_S (its bookkeeping costs ~0.5 ms a stage on a CPU)
-        self.recompute = "auto"
+        self.recompute = recompute
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
-        self.param_keys_by_group: dict[int, list[str]] = {}
+        self.param_keys_by_group: dict[int, list] = dict(param_keys_by_group or {})
         self.device_optimizer = DeviceAdamW(backend, optimizer.config) if optimizer is not None else None
         # what the updates of the current step changed, to undo a step that fails or is skipped
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
-        # the NVMe tier's host window (shfx.runtime.ssd_window), set by shfx.compile(offload=...)
+        # the NVMe tier's host window (shfx.runtime.ssd_window): attach_ssd() at the first program
+        # with SSD transfers (shfx.compile(offload=...))
         self.ssd: SSDWindow | None = None
-        # data parallel (shfx.runtime.data_parallel), set by shfx.compile(data_parallel=...)
-        self.dp: DataParallelRuntime | None = None
+        # data parallel (shfx.runtime.data_parallel; shfx.compile(data_parallel=...)), or None
+        self.dp: DataParallelRuntime | None = dp
         self.skip_nonfinite = skip_nonfinite
         # every update checks its gradient first (a sum over it): inf or NaN skips the step
         # (skip_nonfinite, fp16) or fails it with an error naming the stage
@@ -232,6 +241,7 @@ class Engine:
         self._profiling = False  # steps run inside profiling() are not the user's
         # the interpreter's dispatch table: one handler per kind of action
         self._handlers = {kind: getattr(self, f"_run_{info.name}") for kind, info in KINDS.items()}
+        self.clip_order = list(clip_order)  # (group, key) of each trainable parameter, in model order
 
     # ---- setup -----------------------------------------------------------------------------
     def ensure_pool(self, sizes: list[int], grad_sizes: Sequence[int] = ()) -> None:
@@ -246,6 +256,15 @@ class Engine:
                 self.loaded = None  # persistent stages reload into the new slots
             self.pool.resize(sizes)
         self.gradients.ensure_buffers(grad_sizes)
+
+    def attach_ssd(self, window: SSDWindow) -> None:
+        """Run the NVMe tier through ``window`` (made by the compiled model at the first program
+        with SSD transfers: the tier's groups are known from it)."""
+        self.ssd = window
+
+    def mark_prescaled(self) -> None:
+        """The loss gradient of the backward running now is scaled already (``cm.scale_loss``)."""
+        self.prescaled = True
 
     @contextlib.contextmanager
     def profiling(self) -> Iterator[None]:
