@@ -6,7 +6,7 @@ import dataclasses
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,11 +23,10 @@ from shfx.passes.capture import (
     check_real_inputs,
     flatten_inputs,
 )
-from shfx.passes.layout import dtype_name, precision_dtype
 from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
-from shfx.passes.pipeline import PipelineOptions, Variant, build_programs, compile_variant, with_policy
+from shfx.passes.pipeline import Variant, build_programs, compile_variant, with_policy
 from shfx.passes.policies import Policy, Stronghold, resolve_policy
 from shfx.passes.program import ActionKind, Program
 from shfx.passes.units import format_bytes
@@ -35,13 +34,10 @@ from shfx.passes.units import format_bytes
 from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import NoWindowFits, tune_window
 
-from .amp import LossScaler
+from .config import _DYNAMIC_NAMES, Config
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
-from .offload import Offload
-from .parallel import DataParallel
 from .runtime.data_parallel import DataParallelRuntime
-from .optim import HostOptimizer
 from .runtime.backend import Backend
 from .runtime.engine import Engine, StepContext
 from .runtime.host_store import HostStore
@@ -87,31 +83,15 @@ def _autocast_device_types() -> list[str]:
     return enabled
 
 
-def _make_backend(device: Any, optimizer_workers: int) -> Backend:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else EmulatedDevice()
+def _make_backend(device: EmulatedDevice | CudaDevice, optimizer_workers: int) -> Backend:
+    """The backend of a device spec (:attr:`shfx.config.Config.device`)."""
     if isinstance(device, EmulatedDevice):
         from .runtime.emulated import EmulatedBackend
 
         return EmulatedBackend(device, optimizer_workers)
-    if isinstance(device, str) and device == "emulated":
-        from .runtime.emulated import EmulatedBackend
+    from .runtime.cuda import CudaBackend
 
-        return EmulatedBackend(EmulatedDevice(), optimizer_workers)
-    if isinstance(device, (str, torch.device)):
-        d = torch.device(device)
-        if d.type == "cuda":
-            device = CudaDevice(index=d.index or 0)
-        else:
-            raise ValueError(
-                f"device={device!r} is not supported: use 'cuda', 'cuda:N', shfx.CudaDevice(...), "
-                "or shfx.EmulatedDevice(memory=..., h2d=..., d2h=...) to emulate an accelerator on the CPU"
-            )
-    if isinstance(device, CudaDevice):
-        from .runtime.cuda import CudaBackend
-
-        return CudaBackend(device, optimizer_workers)
-    raise TypeError(f"device must be 'cuda', a CudaDevice or an EmulatedDevice, got {device!r}")
+    return CudaBackend(device, optimizer_workers)
 
 
 def _clamped_window(variant: Variant) -> int | None:
@@ -121,35 +101,6 @@ def _clamped_window(variant: Variant) -> int | None:
     if not isinstance(asked, int) or isinstance(asked, bool):
         return None
     return asked if asked > variant.train.num_slots - len(variant.train.persistent) else None
-
-
-_DYNAMIC_NAMES = {"batch": 0, "seq": 1}  # dimension of every tensor input that a named range covers
-
-
-def _check_dynamic(dynamic: Any) -> str | bool | dict:
-    """Validate ``shfx.compile(dynamic=...)``: ``"auto"``/None, False, or a dict of ranges."""
-    if dynamic is None or dynamic is True:
-        return "auto"
-    if dynamic is False or dynamic == "auto":
-        return dynamic
-    if not isinstance(dynamic, dict) or not dynamic:
-        raise TypeError(
-            f"dynamic must be 'auto' (the default), False, or a dict of ranges such as "
-            f"{{'batch': (1, 64), 'seq': (1, 1024)}} or {{0: {{1: (1, 1024)}}}}; got {dynamic!r}"
-        )
-    for name, rng in dynamic.items():
-        ranges = rng.items() if isinstance(name, int) and isinstance(rng, dict) else [(None, rng)]
-        if isinstance(name, str) and name not in _DYNAMIC_NAMES or not isinstance(name, (str, int)) or isinstance(name, bool):
-            raise ValueError(
-                f"dynamic={{{name!r}: ...}}: a range is named 'batch' (dimension 0 of every tensor input) or 'seq' "
-                "(dimension 1 of every tensor input with two or more), or keyed by a tensor input's position with "
-                f"a dict {{dim: (lo, hi)}}, e.g. {{0: {{1: (1, 1024)}}}}"
-            )
-        for _, r in ranges:
-            ok = isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
-            if not ok or not 1 <= r[0] <= r[1]:
-                raise ValueError(f"dynamic={{{name!r}: {rng!r}}}: a range is a tuple (lo, hi) of ints with 1 <= lo <= hi")
-    return dict(dynamic)
 
 
 def _declared_dims(dynamic: dict, tensors: list[torch.Tensor]) -> list[DynamicDim] | None:
@@ -308,7 +259,7 @@ class _Prescaled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        ctx.engine.prescaled = True
+        ctx.engine.mark_prescaled()
         return grad, None
 
 
@@ -336,36 +287,7 @@ class CompiledModel:
             ``state``, ``state_dict()``; schedulers work on it; ``cm.optimizer.lr = x`` sets every group).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        device: Any = None,
-        window: int | str | None = None,
-        optimizer: HostOptimizer | None = None,
-        policy: str | Policy | Callable[..., Program] = "stronghold",
-        blocks: Any = None,
-        num_stages: int | None = None,
-        grad_accum_steps: int = 1,
-        overlap_update: bool = True,
-        pin_memory: bool = True,
-        optimizer_workers: int = 1,
-        verify: bool = True,
-        verify_each_pass: bool = False,
-        tune_tolerance: float = 0.02,
-        recompute: str = "auto",
-        rollback: bool | None = None,
-        skip_nonfinite: bool = False,
-        precision: str = "fp32",
-        fp32_norms: bool = False,
-        scaler: LossScaler | None = None,
-        dynamic: str | bool | dict | None = "auto",
-        max_captures: int = 8,
-        max_grad_norm: float | None = None,
-        norm_type: float = 2.0,
-        offload: Offload | None = None,
-        data_parallel: bool | DataParallel | None = None,
-    ):
+    def __init__(self, model: nn.Module, **options: Any):
         if not isinstance(model, nn.Module):
             raise TypeError(f"shfx.compile takes an nn.Module, got {type(model).__name__}")
         if _compiled_of(model) is not None:
@@ -380,90 +302,24 @@ class CompiledModel:
                 f"shfx.compile expects the model on the CPU (its weights live in host memory and stream to the "
                 f"device); {n!r} is on {d}. Build the model on the CPU or call model.cpu() first."
             )
-        if recompute not in ("auto", "early-stop", "full"):
-            raise ValueError(f"recompute must be 'auto', 'early-stop' or 'full', got {recompute!r}")
-        if not 0 <= tune_tolerance < 1:
-            raise ValueError(f"tune_tolerance must be in [0, 1), got {tune_tolerance}")
-        if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be an int >= 1, got {grad_accum_steps!r}")
-        if optimizer is not None and not isinstance(optimizer, HostOptimizer):
-            raise TypeError(
-                f"optimizer must be shfx.optim.AdamW(...), SGD(...) or Adafactor(...) (it runs on the host next to the "
-                f"master weights), got {type(optimizer).__name__}"
-            )
-        working = precision_dtype(precision)
-        if working == torch.float16:
-            if scaler is None:
-                scaler = LossScaler()
-            elif not isinstance(scaler, LossScaler):
-                raise TypeError(f"scaler must be a shfx.LossScaler, got {type(scaler).__name__}")
-            if overlap_update and rollback is False:
-                raise ValueError(
-                    "precision='fp16' skips a step whose scaled gradients overflow, and with overlap_update=True "
-                    "the updates of later stages run before that is known: they are rolled back, which needs "
-                    "rollback=True (the default for fp16). Keep it, or use overlap_update=False."
-                )
-            skip_nonfinite = True
-        elif scaler is not None:
-            raise ValueError(f"a loss scaler is for precision='fp16'; precision={precision!r} needs none")
-        if fp32_norms and working == torch.float32:
-            raise ValueError(
-                "fp32_norms=True keeps LayerNorm/RMSNorm parameters in fp32 in a 16-bit working copy; with "
-                f"precision={precision!r} every parameter is fp32 already: pass precision='bf16' or 'fp16', or drop it"
-            )
-        self.scaler = scaler
-        self.precision = dtype_name(working)
-        dp_spec = _data_parallel_spec(data_parallel)
+        # every option checked and normalised, its conflicts refused, the policy final: once
+        self._config = config = Config.from_args(**options)
         self._dp: DataParallelRuntime | None = None
-        if dp_spec is not None:
-            _check_data_parallel(
-                policy=policy, window=window, optimizer=optimizer, precision=self.precision, offload=offload,
-                max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, rollback=rollback,
-            )  # fmt: skip
-            device = _data_parallel_device(device)
-            self._dp = DataParallelRuntime(dp_spec.process_group, dp_spec.timeout_s)
+        if config.data_parallel is not None:
+            self._dp = DataParallelRuntime(config.data_parallel.process_group, config.data_parallel.timeout_s)
             if self._dp.ranks == 1:  # one rank: nothing to reduce or shard, the single-process runtime
                 self._dp = None
-        self._backend = _make_backend(device, optimizer_workers)
+        self._backend = _make_backend(config.device, config.optimizer_workers)
         if self._dp is not None:
             self._backend.add_collective_streams()
         # dropped without close() (or failing below): stop the worker threads and free the device
         # when the compiled model is garbage (the finalizer holds the backend, not self)
         self._finalizer = weakref.finalize(self, self._backend.close)
-        dev = str(self._backend.device) if self._backend.name == "cuda" else None
-        self._options = PipelineOptions(
-            policy=policy, window=window, blocks=blocks, num_stages=num_stages, verify=verify,
-            verify_each_pass=verify_each_pass, device=dev, precision=self.precision, fp32_norms=fp32_norms,
-            ranks=self._dp.ranks if self._dp is not None else 1,
-        )  # fmt: skip
+        self._options = config.pipeline_options(ranks=self._dp.ranks if self._dp is not None else 1)
         self.module = model
-        self.optimizer = optimizer
-        if optimizer is not None:
-            optimizer.attach(self, model)  # its param_groups now hold the model's parameters
-        self.tune_tolerance = tune_tolerance
-        self.pin_memory = pin_memory
-        if max_grad_norm is not None:
-            self._options = _clipping_options(self._options, max_grad_norm, norm_type, overlap_update, optimizer)
-        pol = self._options.policy
-        delayed = getattr(pol, "delayed_update", False)
-        if skip_nonfinite and delayed:
-            raise ValueError(
-                "skip_nonfinite=True cannot be combined with ZeroOffload(delayed_update=True): the delayed update of "
-                "a step runs after step() returned, so it cannot be skipped; use one or the other"
-            )
-        if skip_nonfinite and overlap_update and rollback is False:
-            raise ValueError(
-                "skip_nonfinite=True with overlap_update=True needs rollback=True: the updates of later stages run "
-                "during backward, before the first stages' gradients are checked, and are undone when one is not "
-                "finite. Keep rollback=True, or use overlap_update=False (updates start in step(), after the check)."
-            )
-        self._engine_kwargs = dict(
-            grad_accum_steps=grad_accum_steps, overlap_update=overlap_update, delayed_update=delayed,
-            rollback=bool(skip_nonfinite and overlap_update) if rollback is None else bool(rollback),
-            skip_nonfinite=bool(skip_nonfinite), scaler=scaler, max_grad_norm=max_grad_norm, norm_type=norm_type,
-        )  # fmt: skip
-        self._options, self.offload = _nvme_options(self._options, offload, optimizer, self._engine_kwargs["rollback"])
-        self.recompute = recompute
+        self.optimizer = config.optimizer
+        if self.optimizer is not None:
+            self.optimizer.attach(self, model)  # its param_groups now hold the model's parameters
         self._engine: Engine | None = None
         self._store: HostStore | None = None
         # per model tensor in the host store: (key, tensor, its data_ptr, owning module and name
@@ -472,10 +328,6 @@ class CompiledModel:
         # captures, least recently used first: keyed by the input signature, or for a dynamic
         # capture by ("dynamic", its signature with the dynamic sizes masked, its number)
         self._variants: OrderedDict[Any, Variant] = OrderedDict()
-        self._dynamic = _check_dynamic(dynamic)
-        if isinstance(max_captures, bool) or not isinstance(max_captures, int) or max_captures < 1:
-            raise ValueError(f"max_captures must be an int >= 1 (how many captures shfx keeps), got {max_captures!r}")
-        self.max_captures = max_captures
         self._cache_stats = {"captures": 0, "dynamic_captures": 0, "hits": 0, "evictions": 0}
         self._seen_shapes: dict[Any, set[tuple[tuple[int, ...], ...]]] = {}  # automatic mode: shapes per structure
         self._dynamic_off: str | None = None  # why dynamic capture failed (then per-shape captures)
@@ -489,15 +341,30 @@ class CompiledModel:
         _COMPILED[model] = weakref.ref(self)
 
     @property
+    def config(self) -> Config:
+        """The compile options, validated and normalised once (:class:`shfx.config.Config`,
+        frozen): what this compiled model runs with."""
+        return self._config
+
+    @property
     def policy(self) -> Policy:
         """The policy as given (``"auto"`` fields left to the tuner); each input signature's
         variant holds the one chosen for it (``cm.variant.policy``)."""
-        return self._options.policy
+        return self._config.policy
 
     @property
     def window(self) -> int | str | None:
         """The window asked for (``"auto"``: the tuner's), None for a policy without one."""
-        return getattr(self._options.policy, "window", None)
+        return self._config.window
+
+    # the options read most (cm.config has them all)
+    precision = property(lambda self: self._config.precision, doc="``'fp32'``, ``'bf16'`` or ``'fp16'``.")
+    scaler = property(lambda self: self._config.scaler, doc="fp16's loss scaler (:class:`shfx.LossScaler`), else None.")
+    offload = property(lambda self: self._config.offload, doc="The :class:`shfx.Offload` spec, or None.")
+    recompute = property(lambda self: self._config.recompute, doc="How a stage's backward recomputes its forward.")
+    tune_tolerance = property(lambda self: self._config.tune_tolerance, doc="The tuner's tolerance.")
+    pin_memory = property(lambda self: self._config.pin_memory, doc="Whether the host store is pinned (CUDA).")
+    max_captures = property(lambda self: self._config.max_captures, doc="How many captures are kept.")
 
     # ---- compilation -------------------------------------------------------------------------
     def _variant(self, args: tuple, kwargs: dict) -> tuple[Variant, list[torch.Tensor]]:
@@ -555,9 +422,9 @@ class CompiledModel:
             if why is None:
                 return key, v
             outside = outside or why
-        if outside is not None and isinstance(self._dynamic, dict):
+        if outside is not None and isinstance(self._config.dynamic, dict):
             raise UsageError(
-                f"{outside}: that is beyond the dynamic range declared with shfx.compile(dynamic={self._dynamic!r}), "
+                f"{outside}: that is beyond the dynamic range declared with shfx.compile(dynamic={self._config.dynamic!r}), "
                 "for which shfx captured the model once and sized the device memory (the largest shape in the "
                 "range). Declare a range that holds this size (dynamic={'seq': (1, n)}, ...), or pad or split the "
                 "input to fit the range."
@@ -567,10 +434,10 @@ class CompiledModel:
     def _dynamic_dims(self, sig: InputSignature, tensors: list[torch.Tensor]) -> list[DynamicDim] | None:
         """Which dimensions to capture dynamic for this call: the declared ones, or (automatic
         mode) every dimension whose size differs from an earlier call of the same structure."""
-        if self._dynamic_off is not None or self._dynamic is False or not tensors:
+        if self._dynamic_off is not None or self._config.dynamic is False or not tensors:
             return None
-        if isinstance(self._dynamic, dict):
-            return _declared_dims(self._dynamic, tensors)
+        if isinstance(self._config.dynamic, dict):
+            return _declared_dims(self._config.dynamic, tensors)
         seen = self._seen_shapes.get(_structure(sig), set())
         if not seen:
             return None  # the first shape: captured as it is
@@ -655,7 +522,7 @@ class CompiledModel:
                 )
             warnings.warn(what + ".", stacklevel=4)
         self._ensure_store(variant.captured, variant.graph)
-        self._store.ensure_staging(variant.staging_buffers(self._engine_kwargs["grad_accum_steps"]))
+        self._store.ensure_staging(variant.staging_buffers(self._config.grad_accum_steps))
         self._ensure_ssd(variant)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)
@@ -672,19 +539,21 @@ class CompiledModel:
                 self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda", dp=self._dp
             )  # (data parallel: broadcasts rank 0's weights, collectively)
             opt = self.optimizer.bind(self._store, captured.params) if self.optimizer is not None else None
-            self._engine = Engine(self._backend, self._store, opt, **self._engine_kwargs)
             if self._dp is not None:
                 self._dp.store, self._dp.optimizer = self._store, opt
-                self._engine.dp = self._dp
-            self._engine.recompute = self.recompute
             by_group: dict[int, list] = {}
             for key in sorted(graph.owner, key=lambda k: graph.owner[k]):
                 if key in captured.trainable:
                     by_group.setdefault(graph.owner[key], []).append((key, captured.params[key]))
-            self._engine.param_keys_by_group = by_group
             # gradient clipping reads the norms in the order of model.parameters(), as torch does
             where = {id(t): (g, key) for g, keys in by_group.items() for key, t in keys}
-            self._engine.clip_order = [where[id(p)] for p in self.module.parameters() if id(p) in where]
+            c = self._config
+            self._engine = Engine(
+                self._backend, self._store, opt, grad_accum_steps=c.grad_accum_steps, overlap_update=c.overlap_update,
+                delayed_update=c.delayed_update, rollback=c.rollback, skip_nonfinite=c.skip_nonfinite, scaler=c.scaler,
+                max_grad_norm=c.max_grad_norm, norm_type=c.norm_type, recompute=c.recompute, dp=self._dp,
+                param_keys_by_group=by_group, clip_order=[where[id(p)] for p in self.module.parameters() if id(p) in where],
+            )  # fmt: skip
             self._bound = self._bind_record(captured)
         elif captured.constants:
             for k, t in captured.constants.items():  # constants of this capture (values may differ)
@@ -731,7 +600,7 @@ class CompiledModel:
             extents = group_extents([self._store.groups[g] for g in groups])
             ssd = SSDStore.from_offload(self.offload, extents)
             try:
-                eng.ssd = SSDWindow(self._store, eng.optimizer, groups, prog.host_window, ssd)
+                eng.attach_ssd(SSDWindow(self._store, eng.optimizer, groups, prog.host_window, ssd))
             except BaseException:
                 ssd.close()
                 raise
@@ -832,8 +701,8 @@ class CompiledModel:
             if get_meta(n).kind == ActionKind.DEVICE_STEP
             and next(st.index for st in graph.stages if st.spec.update_group == get_meta(n).stage) not in train.persistent
         ]
-        eng = self._engine_kwargs
-        if transient_du and (eng["grad_accum_steps"] > 1 or not eng["overlap_update"]):
+        c = self._config
+        if transient_du and (c.grad_accum_steps > 1 or not c.overlap_update):
             raise UsageError(
                 f"policy {train.name!r} updates groups {transient_du} on the device while their stage is resident "
                 "during the backward, so it cannot defer updates: use grad_accum_steps=1 and overlap_update=True, "
@@ -868,7 +737,7 @@ class CompiledModel:
         try:
             tune = tune_window(
                 graph.specs, costs, capacity_bytes=self._capacity(),
-                tolerance=self.tune_tolerance, policy=policy, rollback=self._engine_kwargs["rollback"],
+                tolerance=self.tune_tolerance, policy=policy, rollback=self._config.rollback,
             )  # fmt: skip
         except NoWindowFits as e:
             raise OutOfDeviceMemory(
@@ -911,7 +780,7 @@ class CompiledModel:
         cap = self._backend.capacity_bytes
         if cap is None:
             return
-        ledger = variant.ledger(self._engine_kwargs["grad_accum_steps"])
+        ledger = variant.ledger(self._config.grad_accum_steps)
         static = ledger.static("device")
         need = sum(static.values())
         dyn = variant.captured.dynamic if variant.captured is not None else None
@@ -1306,7 +1175,7 @@ class CompiledModel:
                 "cm.retune() runs between steps, but a step is under way (a forward waiting for its backward, or a "
                 "backward whose optimizer update is pending): finish it with loss.backward() and cm.step() first"
             )
-        policy = self._options.policy
+        policy = self._config.policy
         if not policy.windowed:
             raise UsageError(
                 f"cm.retune() tunes a window, and policy {policy.name!r} has none; use a windowed policy "
@@ -1317,7 +1186,7 @@ class CompiledModel:
         tensors = self._last_tensors or []
         report = self._tune(v, tensors, policy if how == "auto" else v.policy, how, refresh=True)
         if how == "auto" and report.tune.policy != v.policy:
-            verify = self._options.verify or self._options.verify_each_pass
+            verify = self._config.verify or self._config.verify_each_pass
             new = dataclasses.replace(with_policy(v, report.tune.policy, verify=verify), passes=v.passes)
             self._check_capacity(new)
             self._check_deferrable(new)
@@ -1401,29 +1270,6 @@ class CompiledModel:
         return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
 
 
-def _data_parallel_spec(data_parallel: Any) -> DataParallel | None:
-    """``shfx.compile(data_parallel=...)`` as a :class:`DataParallel` (None: off), checking that
-    torch.distributed is initialised (as ``DistributedDataParallel`` needs)."""
-    if data_parallel is None or data_parallel is False:
-        return None
-    if data_parallel is True:
-        data_parallel = DataParallel()
-    if not isinstance(data_parallel, DataParallel):
-        raise TypeError(
-            f"data_parallel must be True, False or shfx.DataParallel(process_group=..., timeout_s=...), "
-            f"got {type(data_parallel).__name__}"
-        )
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise UsageError(
-            "data_parallel needs torch.distributed initialised, as DistributedDataParallel does, and it is not: call "
-            "torch.distributed.init_process_group('gloo') (or 'nccl') in every process first (torchrun sets "
-            "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it), then shfx.compile(..., data_parallel=True)"
-        )
-    return data_parallel
-
-
 def _check_data_parallel(
     *, policy: Any, window: Any, optimizer: Any, precision: str, offload: Any, max_grad_norm: Any,
     skip_nonfinite: bool, rollback: bool | None, fp32_norms: bool = False,
@@ -1486,115 +1332,13 @@ def _check_data_parallel(
         )
 
 
-def _data_parallel_device(device: Any) -> Any:
-    """Each rank its own device: ``cuda:<LOCAL_RANK>`` for ``None``/``"cuda"`` when CUDA is
-    available (torchrun sets ``LOCAL_RANK``), else the given device (an emulated device is
-    per process already)."""
-    import os
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None and torch.cuda.is_available():
-        return f"cuda:{local}"
-    if isinstance(device, str) and device == "cuda":
-        return f"cuda:{local}"
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
-        return f"cuda:{local}"
-    return device
-
-
-def _nvme_options(options: PipelineOptions, offload: Any, optimizer: Any, rollback: bool) -> tuple[PipelineOptions, Offload | None]:
-    """The pipeline options for ``shfx.compile(offload=...)``, and the spec kept.
-
-    One source of truth: the :class:`shfx.Offload` spec sets the policy's NVMe fields
-    (``nvme=True``, its ``host_window`` unless ``"auto"``); a policy asking for the tier itself
-    (``Stronghold(nvme=True)``) still needs the spec, which says where the store lives."""
-    pol = options.policy
-    if offload is not None and not isinstance(offload, Offload):
-        raise TypeError(f"offload must be a shfx.Offload(...), got {type(offload).__name__}")
-    asks = bool(getattr(pol, "nvme", False))
-    if offload is None or not offload.uses_nvme:
-        if asks:
-            raise UsageError(
-                f"{pol!r} keeps the optimizer states on an SSD, but shfx.compile got no offload=... saying where: pass "
-                "offload=shfx.Offload(optimizer='nvme', path='/mnt/nvme/shfx') (the policy's nvme fields then follow it)"
-            )
-        return options, offload
-    if offload.params == "nvme" or getattr(pol, "nvme_masters", False):
-        raise UsageError(
-            "Offload(params='nvme') / nvme_masters=True (the fp32 master weights on the SSD) is planned but not run: the "
-            "runtime keeps the masters in host RAM, where the model's parameters are views of them. Use params='host' "
-            "(optimizer='nvme' moves AdamW's m and v, 8 of the 12-16 host bytes per parameter, to the SSD)"
-        )
-    if offload.optimizer != "nvme":  # pragma: no cover - uses_nvme without params/optimizer nvme
-        return options, offload
-    if optimizer is None:
-        raise UsageError("Offload(optimizer='nvme') puts the optimizer states on the SSD, but there is no optimizer: pass optimizer=shfx.optim.AdamW(...)")
-    from .optim import AdamW
-
-    if not isinstance(optimizer, AdamW):
-        raise UsageError(
-            f"the NVMe tier holds AdamW's m and v; {type(optimizer).__name__} is not supported with it: use "
-            "optimizer=shfx.optim.AdamW(...), or offload=None"
-        )
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise UsageError("the NVMe tier holds AdamW's m and v, not amsgrad's third state: use amsgrad=False with it")
-    if rollback:
-        raise UsageError(
-            "the NVMe tier cannot roll a step back (rollback=True, the default with precision='fp16' or skip_nonfinite=True "
-            "and overlap_update=True): the undo copies would keep every group's optimizer states in host RAM, which is "
-            "what the tier avoids. Compile with overlap_update=False (the updates then start in step(), after every "
-            "gradient was checked, so nothing needs undoing), or rollback=False"
-        )
-    if not hasattr(pol, "nvme"):
-        raise UsageError(
-            f"policy {getattr(pol, 'name', pol)!r} has no NVMe tier (its updates are not host updates the tier can stage): "
-            "use policy='stronghold' or 'zero-infinity' with offload=shfx.Offload(optimizer='nvme', ...)"
-        )
-    hw = pol.host_window if pol.nvme else "auto"
-    if offload.host_window != "auto":
-        if hw != "auto" and hw != offload.host_window:
-            raise UsageError(
-                f"{pol!r} asks for host_window={hw} and offload=... for host_window={offload.host_window}: give it in one "
-                "place (the Offload spec sets the policy's)"
-            )
-        hw = offload.host_window
-    return dataclasses.replace(options, policy=pol.replace(nvme=True, host_window=hw)), offload
-
-
-def _clipping_options(options: PipelineOptions, max_grad_norm: Any, norm_type: Any, overlap_update: bool, optimizer: Any) -> PipelineOptions:
-    """The pipeline options for ``shfx.compile(max_grad_norm=...)``: the policy's deferred-update
-    mode (norms during the backward, updates in the next forward), or an error saying why not."""
-    for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v:
-            raise ValueError(f"{name} must be a number > 0 (norm_type may be float('inf')), got {v!r}")
-    if max_grad_norm == float("inf"):
-        raise ValueError("max_grad_norm must be finite (float('inf') never clips: leave max_grad_norm=None)")
-    if optimizer is None:
-        raise ValueError("max_grad_norm clips the gradients the optimizer applies: pass optimizer=shfx.optim.AdamW(...)")
-    pol = options.policy
-    if not overlap_update:
-        return options  # step() computes the norm and runs the updates
-    if "deferred_update" not in pol.options():
-        raise ValueError(
-            f"max_grad_norm with policy {pol.name!r}: its updates run during the backward, before every gradient's norm "
-            "is known. Use policy='stronghold', 'zero-offload' or 'zero-infinity' (their deferred-update schedule keeps "
-            "the update overlapped), or overlap_update=False (updates in step())."
-        )
-    if getattr(pol, "resident_first", 0) != 0:
-        raise ValueError(
-            f"max_grad_norm needs every gradient on the host, but {pol!r} keeps its first stages' gradients and updates on "
-            "the device (resident_first); use resident_first=0, or overlap_update=False"
-        )
-    if getattr(pol, "delayed_update", False):
-        raise ValueError(
-            "max_grad_norm cannot be combined with ZeroOffload(delayed_update=True) (one-step-stale updates); "
-            "use ZeroOffload() (max_grad_norm turns on its exact deferred update)"
-        )
-    return dataclasses.replace(options, policy=pol.replace(deferred_update=True))
-
-
 def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - mirrors torch.compile
     """Compile ``model`` for training with only a window of stages on the device.
+
+    The options are checked and normalised once into ``cm.config`` (:class:`shfx.config.Config`);
+    combinations that conflict are refused by one table, :data:`shfx.config.CONFLICTS`, with
+    their reason and fix (:class:`shfx.errors.ConfigConflict`; docs/usage.md, "Options: one
+    configuration").
 
     Args:
         model: any ``nn.Module`` on the CPU that ``torch.export`` can capture.

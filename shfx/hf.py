@@ -120,29 +120,29 @@ def _compiled_from(model: Any, args: Any, options: dict[str, Any]) -> CompiledMo
                 "uncompiled model with shfx_options, or compile it yourself with them"
             )
         cm = model
-        kw = cm._engine_kwargs
+        config = cm.config
         if cm.optimizer is None:
             raise UsageError(
                 "the compiled model has no optimizer (shfx.compile(optimizer=None)): compile it with "
                 "optimizer=shfx.optim.AdamW(...), or pass the uncompiled model, and shfx.hf.Trainer builds the optimizer "
                 "from the TrainingArguments as transformers.Trainer does"
             )
-        if kw["grad_accum_steps"] != accum:
+        if config.grad_accum_steps != accum:
             raise UsageError(
                 f"TrainingArguments(gradient_accumulation_steps={accum}) but the model was compiled with "
-                f"grad_accum_steps={kw['grad_accum_steps']} (backward() calls per step: the host updates start during "
+                f"grad_accum_steps={config.grad_accum_steps} (backward() calls per step: the host updates start during "
                 "the last one). Compile with the same number, or pass the uncompiled model."
             )
-        if clip is not None and kw["max_grad_norm"] is None and kw["overlap_update"]:
+        if clip is not None and config.max_grad_norm is None and config.overlap_update:
             raise UsageError(
                 f"TrainingArguments(max_grad_norm={args.max_grad_norm}) clips every step, but the model was compiled "
                 "without max_grad_norm, so its updates start during backward, before the norm is known. Compile with "
                 f"max_grad_norm={args.max_grad_norm} (exact clipping, update still overlapped), or set max_grad_norm=0 "
                 "in the TrainingArguments for no clipping."
             )
-        if clip is None and kw["max_grad_norm"] is not None:
+        if clip is None and config.max_grad_norm is not None:
             raise UsageError(
-                f"the model was compiled with max_grad_norm={kw['max_grad_norm']}, but TrainingArguments(max_grad_norm="
+                f"the model was compiled with max_grad_norm={config.max_grad_norm}, but TrainingArguments(max_grad_norm="
                 f"{args.max_grad_norm}) asks for no clipping; make them agree"
             )
         return cm
