@@ -1,5 +1,5 @@
-"""The examples in the docstrings of shfx.passes, shfx.cost_model, shfx.api (compile, retune)
-and shfx.profiler run and give what they say (the golden action strings of every policy among
+"""The examples in the docstrings of shfx.passes, shfx.cost_model, shfx.api (compile, retune),
+shfx.config and shfx.profiler run and give what they say (the golden action strings of every policy among
 them)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shfx.passes
 
 MODULES = sorted(
     m.name for pkg in (shfx.passes, shfx.cost_model) for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
-) + ["shfx.api", "shfx.profiler"]
+) + ["shfx.api", "shfx.config", "shfx.profiler"]
 
 
 @pytest.mark.parametrize("name", MODULES)
