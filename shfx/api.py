@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 import weakref
 from collections import OrderedDict
@@ -1268,6 +1269,16 @@ class CompiledModel:
     def __repr__(self) -> str:
         n = len(self._variants)
         return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
+
+
+# NOTE: the options have one signature, Config.from_args's (their defaults in one place);
+# CompiledModel(model, **options) shows it (inspect.signature, help(), an IDE)
+CompiledModel.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module"),
+     *inspect.signature(Config.from_args).parameters.values()],
+    return_annotation=None,
+)  # fmt: skip
 
 
 def _check_data_parallel(
