@@ -130,7 +130,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shfx.passes.meta import get_meta
-from shfx.passes.actions import KINDS, RESOURCES, STREAMS
+from shfx.passes.actions import CK, KINDS, NR, RESOURCES, STREAMS
 from shfx.passes.ledger import Ledger, replay
 from shfx.passes.program import B, F, GN, PF, R, ActionKind, ActionMeta, Program
 from shfx.passes.schedule import steady_state_program
@@ -481,8 +481,11 @@ class _Sim:
         last_forward: dict[int, _Node] = {}
         for nd in self.nodes:
             k, s = nd.kind, nd.meta.stage
+            if k == CK:  # the step's gate: a norm of one value per parameter, a comparison
+                nd.dur = self.dispatch_s
+                continue
             if KINDS[k].moves in _SSD or KINDS[k].moves in _NET:  # a copy: its bytes over the drive or the network
-                if s not in owner:
+                if k != NR and s not in owner:  # (NR0: one per step, not a group's)
                     raise SimulationError(
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )

@@ -45,6 +45,8 @@ __all__ = [
     "SW",
     "RS",
     "AG",
+    "NR",
+    "CK",
 ]
 
 
@@ -65,6 +67,8 @@ class ActionKind(str, enum.Enum):
     SSD_WRITE = "SW"  # write it back from the buffer to the SSD after the group's update
     REDUCE_GRADS = "RS"  # data parallel: reduce-scatter one group's local gradient across ranks
     GATHER_PARAMS = "AG"  # data parallel: all-gather one group's updated working-copy shards
+    NORM_REDUCE = "NR"  # data parallel: every rank's per-parameter gradient norms, combined across ranks
+    CHECK = "CK"  # the step's gate: total gradient norm, clip coefficient, finite check
 
     @property
     def info(self) -> KindInfo:
@@ -90,6 +94,8 @@ SR = ActionKind.SSD_READ
 SW = ActionKind.SSD_WRITE
 RS = ActionKind.REDUCE_GRADS
 AG = ActionKind.GATHER_PARAMS
+NR = ActionKind.NORM_REDUCE
+CK = ActionKind.CHECK
 
 STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write", "reduce", "gather")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
@@ -201,6 +207,15 @@ KINDS: dict[ActionKind, KindInfo] = {
               doc="data parallel: reduce-scatter one group's local gradient across ranks into this rank's host shard"),
         _info(AG, "gather_params", "gather", "network", slotted=False, reads=False, update=True, moves="gather",
               doc="data parallel: all-gather one group's updated working-copy shards into every rank's host image"),
+        # NOTE: the step phase (index 0: one per step). NR runs on the reduce queue, after every
+        # RS in program order (each GN it waits for waited for its RS), so it matches across
+        # ranks as the reductions do; CK is the gate every clipped update waits for
+        _info(NR, "norm_reduce", "reduce", "network", slotted=False, reads=False, update=True, moves="reduce",
+              doc="data parallel: the norms of the parameters every rank holds part of, and every rank's "
+              "per-parameter norms, combined across ranks"),
+        _info(CK, "check", "cpu", "host optimizer", slotted=False, reads=False, update=True,
+              doc="the step's gate: the total gradient norm from every GN (and NR), the clip coefficient "
+              "and the finite check, before the clipped updates"),
     )
 }  # fmt: skip
 

@@ -21,8 +21,9 @@ With exact gradient clipping (``updates="next-forward"``) steps 4, 7 and 8 are r
 
 4'. :func:`add_grad_norms` - ``GN g`` where ``U g`` would go: the norms of group ``g``'s
     gradients, as soon as they are on the host;
-7'. :func:`add_deferred_updates` - every ``U g`` at the end, in forward order (phase
-    ``"next-forward"``: they run during the next step's forward);
+7'. :func:`add_deferred_updates` - the step's gate ``CK0`` (phase ``"step"``: the total norm,
+    the clip coefficient, the finite check), then every ``U g`` at the end, in forward order
+    (phase ``"next-forward"``: they run during the next step's forward);
 8'. :func:`add_leading_refresh` - ``PF`` of every persistent stage reading a host-updated
     group before the first action (the next forward refreshes it after its update).
 
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .actions import AG, B, DU, F, GN, OB, OG, OP, PF, RS, R, SR, SW, U, Action, ActionKind
+from .actions import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SR, SW, U, Action, ActionKind
 from .program import ScheduleError
 from .stages import StageSpec, backward_stages
 
@@ -297,12 +298,20 @@ def add_grad_norms(acts: Sequence[Action], stages: Sequence[StageSpec], device_g
 
 
 def add_deferred_updates(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:
-    """Given an action order with ``GN`` actions, append ``U g`` for every host group in forward
-    order (the order of the stages owning them): ``step()`` starts them once the norms give the
-    clip coefficient and returns; the next forward prefetches stage ``s`` after the updates of
-    the groups it reads (:func:`shfx.passes.schedule.steady_state_program`)."""
+    """Given an action order with ``GN`` actions, append the step's gate ``CK0`` (phase
+    ``"step"``: the total norm from every ``GN``, the clip coefficient, the finite check) and
+    then ``U g`` for every host group in forward order (the order of the stages owning them):
+    ``step()`` runs the gate, then starts the updates and returns; the next forward prefetches
+    stage ``s`` after the updates of the groups it reads
+    (:func:`shfx.passes.schedule.steady_state_program`).
+
+    >>> from shfx.passes.stages import chain
+    >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 GN1 B0 OG0 GN0".split()]
+    >>> " ".join(map(str, add_deferred_updates(acts, chain(2))))
+    'F0 F1 B1 OG1 GN1 B0 OG0 GN0 CK0 U0 U1'
+    """
     owners = sorted((s.index, s.update_group) for s in stages if s.update_group is not None)
-    return list(acts) + [Action(U, g) for _, g in owners]
+    return list(acts) + [Action(CK, 0)] + [Action(U, g) for _, g in owners]
 
 
 def add_leading_refresh(acts: Sequence[Action], stages: Sequence[StageSpec], persistent: Sequence[int], device_groups: frozenset[int]) -> list[Action]:
@@ -383,8 +392,9 @@ def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list
     after the ``OG`` of group ``g``'s last gradient contributor in issue order (each rank's local
     gradient of ``g`` is then complete: the reduce-scatter runs while the backward of earlier
     stages does), and ``AG g`` right after each ``U g`` (the updated shards are gathered before
-    anything reads the group again). Device updates (``DU``) are refused: data parallel shards
-    the host optimizer.
+    anything reads the group again); with exact clipping, ``NR0`` right before the gate ``CK0``
+    (every rank's per-parameter norms combined across ranks). Device updates (``DU``) are
+    refused: data parallel shards the host optimizer.
 
     >>> from shfx.passes.stages import chain
     >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 OG0 U0".split()]
@@ -410,6 +420,8 @@ def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list
         after.setdefault(i, []).append(Action(RS, g))
     out: list[Action] = []
     for i, a in enumerate(acts):
+        if a.kind == CK:  # clipping: the per-parameter norms combined across ranks before the gate
+            out.append(Action(NR, 0))
         out.append(a)
         out += after.get(i, [])
         if a.kind == U:

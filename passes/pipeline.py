@@ -36,7 +36,8 @@ from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
 from .program import Program, ScheduleError
-from .schedule import cold_backward_program, data_parallel_program, eval_program
+from .features import feature_passes, run_passes
+from .schedule import cold_backward_program, eval_program
 from .stages import StageSpec
 from .verify import verify_program
 
@@ -177,7 +178,9 @@ def build_programs(
     """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
     :func:`~shfx.passes.schedule.data_parallel_program`) and its derived inference and
     cold-backward programs, each verified (``verify``)."""
-    train = data_parallel_program(policy.program(specs), ranks)
+    # the feature passes after the policy's lowering (shfx.passes.features): each checks what it
+    # requires and ensures (exact clipping is the policy's deferred update: the same pass)
+    train = run_passes(policy.program(specs), feature_passes(ranks=ranks), verify=verify_program if verify else None)
     if verify:
         verify_program(train, "train")
     ev, cold = eval_program(train), cold_backward_program(train)

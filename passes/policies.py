@@ -37,9 +37,7 @@ from typing import Any, ClassVar, Literal
 
 from .lowering import (
     add_buffer_offloads,
-    add_deferred_updates,
     add_grad_norms,
-    add_leading_refresh,
     add_grad_offloads,
     add_param_copyback,
     add_prefetch_release,
@@ -53,6 +51,8 @@ from .lowering import (
     compute_order,
 )
 from .actions import Action
+from .features import clip_program
+from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
 from .stages import StageSpec
 
@@ -511,21 +511,25 @@ def policy_actions(policy: Policy, stages: Sequence[StageSpec]) -> list[Action]:
     :mod:`shfx.passes.lowering` the policy's :class:`Placement` asks for."""
     stages = checked_stages(stages)
     pl = policy.placement(stages)
+    if pl.updates == "next-forward":
+        # exact clipping is a feature pass (shfx.passes.features.clip_program) over the program
+        # that updates during the backward: GN where each U was, the gate CK0, the U's deferred
+        if pl.device_groups:  # (raises: every gradient must reach the host)
+            add_grad_norms(add_grad_offloads(compute_order(stages), stages, pl.device_groups), stages, pl.device_groups)
+        return [get_meta(n).action for n in _clipped(policy, stages, pl).nodes]
+    return _placement_actions(policy, stages, pl)
+
+
+def _placement_actions(policy: Policy, stages: list[StageSpec], pl: Placement) -> list[Action]:
     acts = compute_order(stages)
     acts = add_buffer_offloads(acts, stages)
     acts = add_grad_offloads(acts, stages, pl.device_groups)
     if pl.updates == "backward":
         acts = add_updates_in_backward(acts, stages, pl.device_groups)
         acts = add_param_copyback(acts, stages, pl.device_groups, pl.persistent, policy.name)
-    elif pl.updates == "next-forward":
-        acts = add_grad_norms(acts, stages, pl.device_groups)
     acts = add_prefetch_release(acts, stages, streamed=pl.streamed, slots=pl.slots, keep=pl.keep)
     if pl.updates == "after-backward":
         acts = add_updates_after_backward(acts, stages, pl.device_groups)
-    if pl.updates == "next-forward":
-        acts = add_deferred_updates(acts, stages)
-        acts = add_leading_refresh(acts, stages, pl.persistent, pl.device_groups) if pl.refresh else acts
-        return _with_ssd(acts, pl)
     if pl.refresh:
         acts = add_refresh(acts, pl.persistent)
     return _with_ssd(acts, pl)
@@ -535,11 +539,29 @@ def _with_ssd(acts: list[Action], pl: Placement) -> list[Action]:
     return add_ssd_transfers(acts, pl.ssd_groups, pl.host_window) if pl.ssd_groups else acts
 
 
+def _clipped(policy: Policy, stages: list[StageSpec], pl: Placement) -> Program:
+    """The program of a placement whose updates run in the next forward: the same placement
+    updating during the backward, lowered, then the exact-clipping pass."""
+    base = dataclasses.replace(pl, updates="backward")
+    acts = _placement_actions(policy, stages, base)
+    prog = lower_actions(
+        acts, stages, base.num_slots, name=policy.program_name(base), persistent=base.persistent,
+        ssd_groups=base.ssd_groups, host_window=base.host_window, ssd_masters=base.ssd_masters,
+    )  # fmt: skip
+    return clip_program(prog, name=policy.program_name(pl))
+
+
 def lower_policy(policy: Policy, stages: Sequence[StageSpec]) -> Program:
     """Given a policy and the stages, the step program: :func:`policy_actions`, then
-    :func:`shfx.passes.program.lower_actions` (dependency edges and slots)."""
+    :func:`shfx.passes.program.lower_actions` (dependency edges and slots); a placement whose
+    updates run in the next forward (exact clipping) is the exact-clipping feature pass over
+    the placement updating during the backward (:func:`shfx.passes.features.clip_program`)."""
     stages = checked_stages(stages)
     pl = policy.placement(stages)
+    if pl.updates == "next-forward":
+        if pl.device_groups:
+            policy_actions(policy, stages)  # (its refusal)
+        return _clipped(policy, stages, pl)
     acts = policy_actions(policy, stages)
     prog = lower_actions(
         acts, stages, pl.num_slots, name=policy.program_name(pl), persistent=pl.persistent,

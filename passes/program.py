@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import AG, B, DU, F, GN, KINDS, OB, OG, OP, PF, RS, R, SR, STREAMS, SW, U, Action, ActionKind
+from .actions import AG, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PF, RS, R, SR, STREAMS, SW, U, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -81,9 +81,10 @@ class ActionMeta:
     Attributes:
         action: the action.
         phase: ``"forward"`` (runs inside the model call), ``"backward"`` (inside
-            ``loss.backward()``; ``U`` nodes may be deferred to ``step()``) or ``"next-forward"``
-            (updates after the ``GN`` norms: ``step()`` starts them, the next forward waits for
-            each where it prefetches the stage reading its group).
+            ``loss.backward()``; ``U`` nodes may be deferred to ``step()``), ``"step"`` (inside
+            ``step()``, which waits for them: the gate ``CK0`` and data parallel's ``NR0``) or
+            ``"next-forward"`` (updates after the gate: ``step()`` starts them, the next forward
+            waits for each where it prefetches the stage reading its group).
         slot: the device slot the action uses (PF/F/OB/R/B/OG), None for ``U``.
         bytes: bytes the action moves over the link (PF: h2d, OG/OB: d2h), else 0.
         keep_graph: FORWARD only: keep the stage's autograd graph so its BACKWARD does not
@@ -364,6 +365,9 @@ def lower_actions(
         the program has ``GN`` actions before it (exact gradient clipping), it waits for every
         one of them instead (the clip coefficient needs the norm of every gradient).
       - ``GN g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``.
+      - ``CK0``, the step's gate (phase ``"step"``), waits for every ``GN`` before it (and, with
+        data parallel, for ``NR0``, which waits for every ``GN`` too); an update after it waits
+        for it instead of for each norm.
       - ``DU g`` (on the device, in the slot of the stage that owns ``g``) waits for ``B j`` of
         every stage ``j`` that sends gradients to ``g``; ``OP s`` waits for ``DU`` of the group
         stage ``s`` owns.
@@ -425,6 +429,8 @@ def lower_actions(
     owner_of = {st.update_group: st.index for st in stages if st.update_group is not None}
     device_groups = {a.stage for a in seq if a.kind == ActionKind.DEVICE_STEP}
     norms: list[fx.Node] = []  # the GRAD_NORMs so far: an update after them waits for all
+    gate: fx.Node | None = None  # the step's CHECK: an update after it waits for it (and so for every norm)
+    reduced_norms: fx.Node | None = None  # data parallel: the NORM_REDUCE the CHECK waits for
     deferred = False  # an update after the GRAD_NORMs was seen: it runs in the next forward
 
     def fail(pos: int, act: Action, msg: str) -> ScheduleError:
@@ -466,12 +472,31 @@ def lower_actions(
             raise fail(pos, act, "a FORWARD cannot come after the first BACKWARD of a step")
 
         buffer: int | None = None
+        step_phase = False
         if deferred and not (k in (ActionKind.CPU_STEP, SR, SW, AG) and norms):
             raise fail(
                 pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they (and their SSD "
                 "reads and writes, their all-gathers) must end the program"
             )
-        if k in (RS, AG):
+        if k in (NR, CK):
+            step_phase = True
+            if s != 0:
+                raise fail(pos, act, f"{KINDS[k].name} is one action of the whole step: its index is 0 ({k.value}0)")
+            if not norms:
+                raise fail(pos, act, "it combines the gradient norms (GN) of the step; none comes before it")
+            if gate is not None:
+                raise fail(pos, act, "it comes after the step's gate (CK0): a step has one, after every gradient norm")
+            if k == NR:
+                if ranks < 2:
+                    raise fail(pos, act, "norm_reduce combines the norms of several data-parallel ranks, but the program runs on one (ranks=1)")
+                if reduced_norms is not None:
+                    raise fail(pos, act, "the norms are combined across ranks once a step (NR0)")
+            elif ranks > 1 and reduced_norms is None:
+                raise fail(pos, act, f"the gate needs every rank's norms: NR0 (norm_reduce across the {ranks} ranks) first")
+            deps.extend(norms)
+            if k == CK and reduced_norms is not None:
+                deps.append(reduced_norms)
+        elif k in (RS, AG):
             if ranks < 2:
                 raise fail(pos, act, f"{KINDS[k].name} is a data-parallel collective, but the program runs on one rank (ranks=1)")
             if s not in owner_of:
@@ -514,7 +539,7 @@ def lower_actions(
         elif k == ActionKind.CPU_STEP and norms:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
-            deps.extend(norms)
+            deps.extend([gate] if gate is not None else norms)
             if ranks > 1:
                 deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient reduced across the {ranks} ranks"))
             if s in ssd_groups:
@@ -637,7 +662,7 @@ def lower_actions(
 
         node = graph.create_node("call_function", KINDS[k].op, (s, *_dedupe(deps)), {}, name=str(act).lower())
         set_meta(node, ActionMeta(
-            action=act, phase="next-forward" if deferred else phase, slot=slot, bytes=nbytes, grads_to=grads_to,
+            action=act, phase="step" if step_phase else "next-forward" if deferred else phase, slot=slot, bytes=nbytes, grads_to=grads_to,
             refresh=refresh, buffer=buffer,
         ))  # fmt: skip
         last[act] = node
@@ -653,7 +678,13 @@ def lower_actions(
             buffers_free.append(buffer)
             buffers_free.sort()
         if k == ActionKind.GRAD_NORM:
+            if gate is not None:
+                raise fail(pos, act, "a gradient norm after the step's gate (CK0) is not part of the total it checks")
             norms.append(node)
+        elif k == CK:
+            gate = node
+        elif k == NR:
+            reduced_norms = node
         if k == ActionKind.PREFETCH:
             resident[s] = (slot, node, [])
         elif reader_of is not None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .lowering import add_collectives, check_window
+from .features import data_parallel_program
+from .lowering import check_window
 import torch.fx as fx
 
 from .meta import get_meta, set_meta
@@ -62,9 +63,9 @@ def cold_backward_program(program: Program) -> Program:
 
     Given a train program, prepend PF for each stage the forward leaves resident, in the order
     of the slots they held, so each lands in the same slot (slot sizes stay those of the train
-    program); updates deferred to the next forward stay at the end.
+    program); the step phase and the updates deferred to the next forward stay at the end.
     """
-    back = [get_meta(n).action for n in program.phase_nodes("backward") + deferred_updates(program)]
+    back = [get_meta(n).action for n in program.nodes if get_meta(n).phase in ("backward", "step", "next-forward")]
     acts = [Action(PF, s) for s in resident_after_forward(program) if s not in program.persistent] + back
     # The leading PFs belong to the backward phase: lowering starts in "forward" until the
     # first B, so mark them by lowering and then fixing the phase.
@@ -110,7 +111,7 @@ def steady_state_program(program: Program) -> Program:
     >>> from shfx.passes.policies import Stronghold
     >>> p = steady_state_program(Stronghold(window=2, deferred_update=True).program(chain(3)))
     >>> " ".join(p.actions())
-    'U0 U1 U2 PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0'
+    'U0 U1 U2 PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 CK0'
     >>> [d.name for d in p.deps(p.find("PF2"))]
     ['r0', 'u2_prev']
     """
@@ -143,31 +144,3 @@ def steady_state_program(program: Program) -> Program:
         env[n] = node
     graph.output(None)
     return Program(graph, program.stages, program.num_slots, f"{program.name}/steady", program.persistent, **program.tier)
-
-
-def data_parallel_program(program: Program, ranks: int) -> Program:
-    """The train program ``program`` run by ``ranks`` data-parallel processes: its actions with
-    :func:`~shfx.passes.lowering.add_collectives` (``RS g`` as soon as group ``g``'s local
-    gradient is complete, ``AG g`` after each ``U g``), lowered again with ``ranks`` (the waits
-    of :func:`~shfx.passes.program.lower_actions`). Any policy's program, a user's too; with
-    ``ranks == 1`` the program is returned as it is.
-
-    >>> from shfx.passes.stages import chain
-    >>> from shfx.passes.policies import Stronghold
-    >>> p = data_parallel_program(Stronghold(window=2).program(chain(2)), 2)
-    >>> " ".join(p.actions())
-    'PF0 PF1 F0 F1 B1 OG1 RS1 U1 AG1 R1 B0 OG0 RS0 U0 AG0 R0'
-    >>> [d.name for d in p.deps(p.find("U1"))]
-    ['og1', 'rs1']
-    """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {ranks!r}")
-    if ranks == 1:
-        return program
-    if program.ranks != 1:
-        raise ValueError(f"program {program.name!r} is already data parallel ({program.ranks} ranks)")
-    acts = add_collectives([get_meta(n).action for n in program.nodes], program.stages)
-    tier = program.tier | {"ranks": ranks}
-    prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **tier)
-    prog.updates_outside = program.updates_outside
-    return prog

@@ -59,7 +59,7 @@ import torch.fx as fx
 
 from .meta import get_meta
 from .actions import KINDS
-from .program import AG, B, DU, F, GN, OB, OG, OP, PF, RS, R, SR, SW, U, ActionKind, Program, ScheduleError
+from .program import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SR, SW, U, ActionKind, Program, ScheduleError
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -411,6 +411,13 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
 
     tail = [n for n in v.nodes if get_meta(n).phase == "next-forward"]
     norms = [n for n in v.nodes if get_meta(n).kind == GN]
+    gates = [n for n in v.nodes if get_meta(n).kind in (CK, NR)]
+    for n in gates:  # the step's gate (and data parallel's norm reduction): after every norm
+        for d in norms:
+            if not v.waits_done(n, d):
+                yield n, f"{v.act(n)} does not wait for {v.act(d)}: the total norm needs every gradient's norm"
+    if v.program.ranks > 1 and any(get_meta(n).kind == CK for n in gates) and not any(get_meta(n).kind == NR for n in gates):
+        yield None, "the step's gate CK0 of a data-parallel program needs NR0 first (every rank's norms combined)"
     if not tail:
         for n in norms:
             yield n, f"{v.act(n)} computes a gradient norm, but no update after it runs in the next forward"

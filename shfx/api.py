@@ -1283,7 +1283,7 @@ CompiledModel.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-d
 
 def _check_data_parallel(
     *, policy: Any, window: Any, optimizer: Any, precision: str, offload: Any, max_grad_norm: Any,
-    skip_nonfinite: bool, rollback: bool | None, fp32_norms: bool = False,
+    skip_nonfinite: bool, rollback: bool | None, overlap_update: bool = True, fp32_norms: bool = False,
 ) -> None:  # fmt: skip
     """Refuse, at compile time, what data parallel does not run (yet): each refusal says what
     was given and what to use instead (docs/usage.md, "Data parallel")."""
@@ -1313,8 +1313,12 @@ def _check_data_parallel(
         )
     if offload is not None:
         raise refuse("the NVMe tier (offload=...)", "drop offload= (the sharded host optimizer already divides its memory by the ranks)")
-    if max_grad_norm is not None:
-        raise refuse("gradient clipping (max_grad_norm=...) yet: the global norm would need a reduction across ranks", "drop max_grad_norm")
+    if max_grad_norm is not None and not overlap_update:
+        raise refuse(
+            "max_grad_norm with overlap_update=False yet: data parallel clips through the program's step phase (the "
+            "norms reduced across ranks by NR0, the gate CK0), which the deferred update runs",
+            "keep overlap_update=True (the default)",
+        )
     if skip_nonfinite:
         raise refuse("skip_nonfinite=True yet: every rank would have to agree to skip", "drop skip_nonfinite")
     if rollback:

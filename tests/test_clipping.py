@@ -19,7 +19,7 @@ from shfx.errors import UsageError
 from shfx.passes.meta import get_meta
 from shfx.passes.policies import Stronghold, ZeroInfinity, ZeroOffload
 from shfx.passes.program import lower_actions
-from shfx.passes.schedule import cold_backward_program, steady_state_program
+from shfx.passes.schedule import cold_backward_program, data_parallel_program, steady_state_program
 from shfx.passes.stages import chain
 from shfx.passes.verify import VerificationError, step_boundary, verify_program
 
@@ -261,22 +261,32 @@ def test_next_forward_prefetch_waits_for_the_update():
 
 def test_golden_deferred_programs():
     assert " ".join(Stronghold(window=2, deferred_update=True).program(chain(3)).actions()) == (
-        "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 U0 U1 U2"
+        "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 CK0 U0 U1 U2"
     )
     assert " ".join(ZeroOffload(deferred_update=True).program(chain(2)).actions()) == (
-        "PF0 PF1 F0 F1 B1 OG1 GN1 B0 OG0 GN0 U0 U1"
+        "PF0 PF1 F0 F1 B1 OG1 GN1 B0 OG0 GN0 CK0 U0 U1"
     )
     p = Stronghold(window=2, deferred_update=True).program(chain(3))
+    assert p.actions("step") == ["CK0"]  # the gate: total norm, clip coefficient, finite check
     assert p.actions("next-forward") == ["U0", "U1", "U2"]
-    assert all({d.name for d in p.deps(p.find(f"U{g}"))} == {"gn0", "gn1", "gn2"} for g in range(3))
+    assert {d.name for d in p.deps(p.find("CK0"))} == {"gn0", "gn1", "gn2"}
+    assert all({d.name for d in p.deps(p.find(f"U{g}"))} == {"ck0"} for g in range(3))
     cold = cold_backward_program(p)
+    assert cold.actions("step") == ["CK0"]
     assert cold.actions("next-forward") == ["U0", "U1", "U2"]
     verify_program(cold, "backward")
+    # data parallel: every rank's norms combined (NR0) before the gate, an all-gather after each update
+    dp = data_parallel_program(p, 2)
+    assert dp.actions("step") == ["NR0", "CK0"]
+    assert dp.actions("next-forward") == ["U0", "AG0", "U1", "AG1", "U2", "AG2"]
+    assert {d.name for d in dp.deps(dp.find("NR0"))} == {"gn0", "gn1", "gn2"}
+    assert "nr0" in {d.name for d in dp.deps(dp.find("CK0"))}
+    verify_program(dp)
 
 
 def test_steady_state_makes_prefetches_wait_for_the_previous_updates():
     p = steady_state_program(Stronghold(window=2, deferred_update=True).program(chain(3)))
-    assert " ".join(p.actions()) == "U0 U1 U2 PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0"
+    assert " ".join(p.actions()) == "U0 U1 U2 PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 CK0"
     for pf in [n for n in p.nodes if get_meta(n).kind.value == "PF"]:
         s = get_meta(pf).stage
         assert f"u{s}_prev" in {d.name for d in p.deps(pf)}
@@ -315,11 +325,17 @@ def test_verifier_refuses_a_norm_without_deferred_updates():
 
 
 def test_verifier_refuses_an_update_before_every_norm():
-    """A deferred update that does not wait for every GN (an edge removed by hand)."""
+    """A deferred update that does not wait for every GN (its edge to the gate removed by hand),
+    and a gate that does not."""
     prog = Stronghold(window=2, deferred_update=True).program(chain(3))
-    u0, gn0 = prog.find("U0"), prog.find("GN0")
-    u0.args = tuple(a for a in u0.args if a is not gn0)
+    u0, ck0 = prog.find("U0"), prog.find("CK0")
+    u0.args = tuple(a for a in u0.args if a is not ck0)
     with pytest.raises(VerificationError, match="U0 .* does not wait for GN0"):
+        verify_program(prog, rules=[step_boundary])
+    prog = Stronghold(window=2, deferred_update=True).program(chain(3))
+    ck0, gn1 = prog.find("CK0"), prog.find("GN1")
+    ck0.args = tuple(a for a in ck0.args if a is not gn1)
+    with pytest.raises(VerificationError, match="CK0 .* does not wait for GN1"):
         verify_program(prog, rules=[step_boundary])
 
 
@@ -451,7 +467,7 @@ def test_lowering_passes_golden():
     specs = chain(3)
     acts = add_grad_norms(compute_order(specs), specs, frozenset())
     assert " ".join(map(str, acts)) == "F0 F1 F2 B2 GN2 B1 GN1 B0 GN0"
-    assert " ".join(map(str, add_deferred_updates(acts, specs))).endswith("GN0 U0 U1 U2")
+    assert " ".join(map(str, add_deferred_updates(acts, specs))).endswith("GN0 CK0 U0 U1 U2")
     assert " ".join(map(str, add_leading_refresh(acts, specs, (0, 1), frozenset()))).startswith("PF0 PF1 F0")
     with pytest.raises(ScheduleError, match="groups \\[0\\] are updated on the device"):
         add_grad_norms(compute_order(specs), specs, frozenset({0}))

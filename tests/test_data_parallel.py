@@ -220,6 +220,8 @@ def _against_ddp(
                     p.grad = None
         for p, g in summed.items():
             master_of[p].grad = g.float()  # (fp32: g itself)
+        if kw.get("max_grad_norm") is not None:  # exact clipping: eager clips the reduced gradients
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["max_grad_norm"], kw.get("norm_type", 2.0))
         cm.step()
         cm.zero_grad()
         opt.step()
@@ -228,6 +230,7 @@ def _against_ddp(
             with torch.no_grad():
                 for p16, p in master_of.items():
                     p16.copy_(p)
+    cm.sync()  # (with clipping the last step's updates run on into the next forward: done before reading the weights)
     mism += [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
     # (bf16: shfx's trainable parameters are the bf16 working copy, its frozen ones fp32 masters)
     sd, wsd, msd = model.state_dict(), work.state_dict(), ref.state_dict()
@@ -435,6 +438,10 @@ DDP_CONFIGS = [
     dict(name="gpt_tied", window=2, resume=True),  # whole torch states loaded before the first call
     dict(name="gpt_tied", window=None, policy=shfx.ZeroInfinity()),
     dict(name="mlp_frozen", window=2, accum=2),  # frozen parameters in a group's image
+    # exact clipping through the step phase: GN per shard, NR0 across ranks (split parameters
+    # gathered whole), the gate CK0, clipped U and AG in the next forward
+    dict(name="gpt_tied", window=2, max_grad_norm=0.05),
+    dict(name="mlp", window=2, accum=2, max_grad_norm=0.05, norm_type=float("inf")),
 ]
 
 
@@ -458,6 +465,9 @@ BF16_CONFIGS = [
     dict(name="gpt_tied", window=1, precision="bf16"),
     dict(name="gpt_tied", window=2, accum=2, precision="bf16"),  # the micro-steps' reduced gradients summed in bf16
     dict(name="mlp_frozen", window=2, accum=2, precision="bf16"),  # frozen parameters: whole fp32 masters
+    # the composition of issue 24: bf16 + data parallel + exact clipping, made by passes (the
+    # exact-clipping pass, then data parallel's, which adds NR0 before the gate)
+    dict(name="gpt_tied", window=2, accum=2, precision="bf16", max_grad_norm=0.05),
 ]
 
 
@@ -467,7 +477,10 @@ def test_two_ranks_in_bf16_match_ddp_bitwise(tmp_path):
     masters, ``p16.copy_(master)``): losses, the bf16 weights (the model's trainable parameters
     are the working copy), each rank's fp32 master shard and optimizer-state ranges, all
     ``torch.equal``, for the tied-embedding GPT at W=1 and W=2 with grad_accum_steps=2 and the
-    MLP with a frozen layer (grad_accum_steps=2). Bitwise: both multiply the bf16 local
+    MLP with a frozen layer (grad_accum_steps=2), and bf16 + exact clipping (max_grad_norm, with
+    grad_accum_steps=2: eager clips the fp32 masters' gradients; shfx's GN norms the parameters
+    in each rank's shard, NR0 gathers the split ones whole and sums the per-parameter norms
+    across ranks, each from one rank, so the total is eager's bits). Bitwise: both multiply the bf16 local
     gradient by 1/2 (exact, computed in fp32 and rounded to bf16 alike) and sum two bf16 values
     in gloo's bf16 SUM (one addition, the same in either order); under accumulation both sum
     the reduced bf16 gradients in bf16 (``a + b`` rounded to bf16 once), then widen exactly to
@@ -636,7 +649,7 @@ def one_rank_group():
         (dict(optimizer=shfx.optim.SGD(lr=0.1)), "SGD as the optimizer"),
         (dict(optimizer=None), "no optimizer"),
         (dict(precision="fp16"), "fp16.*loss scaling"),  # (bf16 runs: test_two_ranks_in_bf16_match_ddp_bitwise)
-        (dict(max_grad_norm=1.0), "gradient clipping"),
+        (dict(max_grad_norm=1.0, overlap_update=False), "max_grad_norm with overlap_update=False"),
         (dict(skip_nonfinite=True), "skip_nonfinite"),
         (dict(rollback=True), "rollback"),
         (dict(window="auto"), "tuner"),

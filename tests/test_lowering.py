@@ -171,7 +171,7 @@ def test_ssd_programs_of_every_update_timing():
         shfx.Stronghold(window=2, resident_first=1, nvme=True, host_window=2):
             "PF1 PF2 F0 F1 F2 B2 SR2 SR1 OG2 U2 SW2 R2 B1 OG1 U1 SW1 R1 B0 DU0",
         shfx.Stronghold(window=2, deferred_update=True, nvme=True, host_window=2):
-            "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 SR0 SR1 U0 SW0 SR2 U1 SW1 U2 SW2",
+            "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 GN2 R2 PF0 B1 OG1 GN1 R1 B0 OG0 GN0 R0 CK0 SR0 SR1 U0 SW0 SR2 U1 SW1 U2 SW2",
         shfx.ZeroInfinity(nvme=True, host_window=1):
             "PF0 PF1 F0 R0 PF2 F1 R1 F2 R2 PF2 PF1 B2 SR0 OG2 R2 PF0 B1 OG1 R1 B0 OG0 R0 U0 SW0 SR1 U1 SW1 SR2 U2 SW2",
     }  # fmt: skip

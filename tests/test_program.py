@@ -39,6 +39,8 @@ def test_streams_of_kinds():
         ActionKind.SSD_WRITE: "ssd_write",
         ActionKind.REDUCE_GRADS: "reduce",
         ActionKind.GATHER_PARAMS: "gather",
+        ActionKind.NORM_REDUCE: "reduce",
+        ActionKind.CHECK: "cpu",
     }
 
 

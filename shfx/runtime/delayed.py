@@ -17,13 +17,17 @@ __all__ = ["DelayedUpdates"]
 
 
 class DelayedUpdates:
-    """The host updates of the last ``step()``, still running: group -> its token."""
+    """The host updates of the last ``step()``, still running: group -> its token (what a
+    prefetch of the group waits for: its update, or under data parallel the all-gather after
+    it); ``others``: the other actions started with them (SSD reads and write-backs), waited
+    for with them."""
 
     def __init__(self) -> None:
         self.running: dict[int, Token] = {}
+        self.others: list[Token] = []
 
     def __bool__(self) -> bool:
-        return bool(self.running)
+        return bool(self.running) or bool(self.others)
 
     def start(self, groups: Iterable[int], submit: Callable[[int], Token]) -> None:
         """Start the update of each group (``submit(group)`` issues it)."""
@@ -59,6 +63,7 @@ class DelayedUpdates:
 
     def clear(self) -> None:
         self.running.clear()
+        self.others.clear()
 
 
 def _failed(group: int, tok: Token) -> ActionError:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shfx.passes.actions import KINDS
+from shfx.passes.actions import KINDS, ActionKind
 from shfx.passes.attention import training_forward
 from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.meta import get_meta
@@ -37,6 +37,7 @@ from shfx.passes.units import format_bytes
 
 from ..errors import ActionError, NonFiniteGradient, OutOfDeviceMemory, UsageError
 from .backend import Backend, MemoryEvent
+from .clipping import Clipping
 from .context import StepContext, fork_rng
 from .data_parallel import DataParallelRuntime
 from .delayed import DelayedUpdates
@@ -150,6 +151,17 @@ def _oom_in(err: OutOfDeviceMemory, where: str) -> OutOfDeviceMemory:
     )
 
 
+class StepPhase:
+    """What the actions ``step()`` issues see of their step (the step and next-forward phases):
+    the variant, and each issued node's token (their dependencies on the backward's actions
+    are done: those are left out)."""
+
+    def __init__(self, variant: Variant) -> None:
+        self.variant = variant
+        self.env: dict[fx.Node, Token] = {}
+        self.accumulation = None
+
+
 class Engine:
     """Runs the programs of a compiled model on one backend, host store and slot pool."""
 
@@ -222,13 +234,10 @@ class Engine:
         self.cancel = threading.Event()
         self.interrupted = False  # Ctrl-C came while a phase ran (see _deferred_interrupt)
         self.gradients = GradientRouter(self)
-        # exact global-norm gradient clipping (docs/usage.md, "Gradient clipping"): (max_norm,
-        # norm_type) from shfx.compile(max_grad_norm=...), or None
-        self.clip: tuple[float, float] | None = None if max_grad_norm is None else (float(max_grad_norm), float(norm_type))
-        self.clip_order: list[tuple[int, str]] = []  # (group, key) of each trainable parameter, in model order
-        self.grad_norms: dict[int, tuple[float, dict[str, torch.Tensor]]] = {}  # group -> (norm_type, key -> norm)
-        self.clipped: tuple[float, torch.Tensor] | None = None  # clip_grad_norm_()'s (max_norm, total) this step
-        self.last_grad_norm: torch.Tensor | None = None  # the total norm the last clipped step() used
+        # exact global-norm gradient clipping (docs/usage.md, "Gradient clipping"): the GN, NR and
+        # CK actions' state (shfx.runtime.clipping)
+        self.clipping = Clipping(self, max_grad_norm, norm_type)
+        self.clip_coef: torch.Tensor | None = None  # the gate's clip coefficient, read by the clipped updates
         # the clipped updates step() started: they run during the next forward, whose prefetch
         # of a stage waits for the updates of the groups it reads
         self.deferred = DelayedUpdates()
@@ -441,15 +450,29 @@ class Engine:
         return self._submit(m, lambda: dp.gather_params(str(m.action), m.stage), deps)
 
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        return self._submit(m, self._update_task(m.stage), deps)
-
-    def _run_grad_norm(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        g = m.stage
+        if m.phase != "next-forward":
+            return self._submit(m, self._update_task(m.stage), deps)
+        # after the gate: scale the gradient by the clip coefficient, then update
+        g, coef, update = m.stage, self.clip_coef, self._update_task(m.stage, check=False, finite=False)
+        store = self.store
 
         def run() -> None:
-            self.grad_norms[g] = (self._norm_type, self._group_norms(g, self._norm_type))
+            store.grad(g).data.mul_(coef)  # as clip_grad_norm_'s _foreach_mul_ (through .data: no user edit)
+            update()
 
         return self._submit(m, run, deps)
+
+    def _run_grad_norm(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        return self._submit(m, lambda: self.clipping.record(m.stage), deps)
+
+    def _run_norm_reduce(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """NR0 (data parallel, the reduce queue): every parameter's norm on every rank."""
+        self._data_parallel(m)
+        return self._submit(m, self.clipping.reduce_across_ranks, deps)
+
+    def _run_check(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """CK0, the step's gate: the total norm and the clip coefficient, read by step()."""
+        return self._submit(m, lambda: self.clipping.check(self._clip_groups()), deps)
 
     def _run_device_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         return self._submit(m, self._device_step_task(ctx.variant, m.stage, m.slot), deps)
@@ -1153,7 +1176,7 @@ class Engine:
         if self.delayed_update:
             self._delayed_step()
             return True
-        if self.clip is not None or self.clipped is not None:
+        if self.clip is not None or self.clipping.clipped is not None:
             return self._clipped_step()
         if not self.pending_updates:
             self.last_step_skipped = False
@@ -1255,26 +1278,22 @@ class Engine:
             self.scaler.update(False)
         return True
 
-    # ---- exact global-norm gradient clipping -------------------------------------------------
+    # ---- exact global-norm gradient clipping (shfx.runtime.clipping) --------------------------
     @property
-    def _norm_type(self) -> float:
-        return self.clip[1] if self.clip is not None else 2.0
+    def clip(self) -> tuple[float, float] | None:
+        return self.clipping.clip
 
-    def _group_norms(self, group: int, norm_type: float) -> dict[str, torch.Tensor]:
-        """The norm of each trainable parameter's host gradient in ``group`` (fp16: unscaled
-        first, as ``GradScaler.unscale_`` before clipping); empty when the group holds none.
+    @property
+    def clip_order(self) -> list[tuple[int, str]]:
+        return self.clipping.clip_order
 
-        NOTE: ``torch._foreach_norm`` over per-parameter views of the flat host gradient, as
-        ``torch.nn.utils.clip_grad_norm_`` computes each parameter's norm: the same bits."""
-        store = self.store
-        if store.grad_state[group] != GRAD_VALID:
-            return {}
-        if self.scaler is not None and group not in self.unscaled:
-            store.grad(group).data.div_(self.scaler.scale_tensor())
-            self.unscaled.add(group)
-        keys = [k for k, _ in self.param_keys_by_group.get(group, [])]
-        views = [store.param_grad_view(k, group) for k in keys]
-        return dict(zip(keys, torch._foreach_norm(views, norm_type))) if views else {}
+    @clip_order.setter
+    def clip_order(self, order: list[tuple[int, str]]) -> None:
+        self.clipping.clip_order = order
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        return self.clipping.last_grad_norm
 
     def _clip_groups(self) -> list[int]:
         """The host groups a clipped step reads and updates (their gradient is valid), in
@@ -1298,7 +1317,7 @@ class Engine:
         failed = [(label, tok) for label, tok in self.pending_updates if tok.error is not None]
         if failed:
             self.pending_updates.clear()
-            self.grad_norms.clear()
+            self.clipping.grad_norms.clear()
             label, tok = failed[0]
             err = root_cause(tok.error)
             self._clear_grads()
@@ -1308,19 +1327,10 @@ class Engine:
 
     def total_grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of every host gradient of the step, as ``torch.nn.utils.clip_grad_norm_``
-        computes it over the model's parameters (per-parameter norms in the model's parameter
-        order, then the norm of those): waits for the GRAD_NORMs the backward started and
-        computes the others now."""
+        computes it over the model's parameters: waits for the GRAD_NORMs the backward started
+        and computes the others now."""
         self._wait_norms()
-        groups = self._clip_groups()
-        for gi in groups:
-            have = self.grad_norms.get(gi)
-            if have is None or have[0] != norm_type:
-                self.grad_norms[gi] = (norm_type, self._group_norms(gi, norm_type))
-        norms = [self.grad_norms[g][1][k] for g, k in self.clip_order if k in self.grad_norms.get(g, (0, {}))[1]]
-        if not norms:
-            return torch.tensor(0.0)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        return self.clipping.total(self._clip_groups(), norm_type)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``cm.clip_grad_norm_``: the total norm of the step's gradients; ``step()`` scales them by
@@ -1328,34 +1338,93 @@ class Engine:
         if self.optimizer is None:
             raise UsageError("clip_grad_norm_() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
         total = self.total_grad_norm(float(norm_type))
-        self.clipped = (float(max_norm), total)
+        self.clipping.clipped = (float(max_norm), total)
         return total
 
-    def _clipped_step(self) -> bool:
-        """step() with clipping: the total norm (from the GRAD_NORMs of the backward, or computed
-        now), then each group's update scales its gradient by the clip coefficient and applies
-        AdamW, in forward order. With a program deferring its updates (and ``overlap_update``)
-        they are started and step() returns: the next forward's prefetches wait for them;
-        otherwise step() waits for them."""
-        self.await_deferred()
-        if self.clipped is not None:
-            max_norm, total = self.clipped
-        else:
-            assert self.clip is not None
-            max_norm, total = self.clip[0], self.total_grad_norm(self.clip[1])
+    def _begin_clipped(self, total: torch.Tensor) -> bool | None:
+        """The common start of a clipped step once its total norm is known: the step's records
+        reset; a non-finite total skips the step (``skip_nonfinite``: returns False) or fails it."""
+        clipping = self.clipping
         self.pending_updates.clear()
-        self.clipped = None
-        self.grad_norms.clear()
-        self.last_grad_norm = total
+        clipping.clipped = None
+        clipping.grad_norms.clear()
+        clipping.last_grad_norm = total
         self.last_step_skipped = False
-        groups = self._clip_groups()
         if not bool(torch.isfinite(total)):
             if self.skip_nonfinite:
                 return self._skip_step()
             if self.check_finite:
+                groups = self._clip_groups()
                 err = NonFiniteGradient(f"the total gradient norm is {float(total)}", groups[0] if groups else -1)
                 raise self._nonfinite_error(err, [], [])
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return None
+
+    def _gated_step(self, v: Variant) -> bool:
+        """step() of a program with a step phase (exact clipping, updates overlapped): the
+        program's step phase (``NR0``, the gate ``CK0``) is issued and waited for; then its
+        next-forward phase (every clipped ``U``, with their ``SR``/``SW``/``AG``) is started and
+        step() returns: the next forward's prefetches wait for the updates of the groups they
+        read (``self.deferred``), and anything reading the weights first waits for them all."""
+        self.await_deferred()
+        self._wait_norms()
+        self.pending_updates.clear()
+        program = v.train
+        phase = StepPhase(v)
+        issued = self._issue(phase, program, program.phase_nodes("step"), cold=False, skip_updates=False)
+        self.pending_updates.clear()
+        for _, tok in issued:
+            tok.wait()
+        failed = [(str(get_meta(n).action), tok) for n, tok in issued if tok.error is not None]
+        if failed:
+            label, tok = failed[0]
+            err = root_cause(tok.error)
+            self.clipping.grad_norms.clear()
+            self._step_t0 = None
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise err
+            what = "gradient norms' reduction across ranks" if label.startswith("NR") else "gate (total gradient norm)"
+            e = ActionError(f"the step's {what} {label} failed: {type(err).__name__}: {err}", label)
+            raise _with_note(e, _state_note("step", [], [], gradients="kept")) from err
+        max_norm, total = self.clipping.gate
+        self.clipping.gate = None
+        skipped = self._begin_clipped(total)
+        if skipped is not None:
+            return skipped
+        self.clip_coef = Clipping.coefficient(max_norm, total)
+        self.backward_calls = 0
+        if self.scaler is not None:
+            self.scaler.update(False)
+        tail = self._issue(phase, program, program.phase_nodes("next-forward"), cold=False, skip_updates=False)
+        self.pending_updates.clear()
+        for n, tok in tail:
+            m = get_meta(n)
+            if m.kind in (ActionKind.CPU_STEP, ActionKind.GATHER_PARAMS):  # what a prefetch of the group waits for
+                self.deferred.running[m.stage] = tok
+            else:
+                self.deferred.others.append(tok)
+        self._end_step_clock()
+        return True
+
+    def _clipped_step(self) -> bool:
+        """step() with clipping when the updates are not overlapped (``overlap_update=False``,
+        or a program without a step phase): the total norm (from the GRAD_NORMs of the backward,
+        or computed now), then each group's update scales its gradient by the clip coefficient
+        and applies AdamW, in forward order; step() waits for them."""
+        v = self.current
+        if self.overlap_update and v is not None and v.train.phase_nodes("step"):
+            return self._gated_step(v)
+        self.await_deferred()
+        clipping = self.clipping
+        if clipping.clipped is not None:
+            max_norm, total = clipping.clipped
+        else:
+            assert clipping.clip is not None
+            max_norm, total = clipping.clip[0], self.total_grad_norm(clipping.clip[1])
+        skipped = self._begin_clipped(total)
+        if skipped is not None:
+            return skipped
+        groups = self._clip_groups()
+        coef = Clipping.coefficient(max_norm, total)
         store = self.store
 
         def task(gi: int) -> Callable[[], None]:
@@ -1367,17 +1436,10 @@ class Engine:
 
             return self._task(f"U{gi}", run)
 
-        v = self.current
-        overlap = self.overlap_update and v is not None and any(get_meta(n).phase == "next-forward" for n in v.train.nodes)
-        submit = lambda gi: self.backend.cpu.submit(task(gi), [], f"U{gi}")  # noqa: E731
         self.backward_calls = 0
         if self.scaler is not None:
             self.scaler.update(False)
-        if overlap:
-            self.deferred.start(groups, submit)
-            self._end_step_clock()
-            return True
-        self.deferred.start(groups, submit)
+        self.deferred.start(groups, lambda gi: self.backend.cpu.submit(task(gi), [], f"U{gi}"))
         self.await_deferred()
         self._end_step_clock()
         return True
@@ -1389,20 +1451,26 @@ class Engine:
         (they were scaled), and raises saying so."""
         if not self.deferred:
             return
-        pending, self.deferred.running = dict(self.deferred.running), {}
-        for tok in pending.values():
+        pending = [(f"U{g}", tok) for g, tok in self.deferred.running.items()]
+        pending += [(tok.label or "?", tok) for tok in self.deferred.others]
+        self.deferred.clear()
+        for _, tok in pending:
             tok.wait()
-        failed = [(g, tok) for g, tok in pending.items() if tok.error is not None]
+        failed = [(label, tok) for label, tok in pending if tok.error is not None]
         if not failed:
             self.journal.commit()
             return
-        g, tok = failed[0]
+        # the first failure that is not another's (an all-gather after a failed update)
+        label, tok = next(((lb, t) for lb, t in failed if not isinstance(t.error, DependencyFailed)), failed[0])
         err = root_cause(tok.error)
         restored, applied = self._undo_step()
         self._clear_grads()
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise err
-        e = ActionError(f"host optimizer update U{g} (clipped, started by step()) failed: {type(err).__name__}: {err}", f"U{g}")
+        label = tok.label or label
+        what = {"SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states",
+                "AG": "data-parallel all-gather of the updated weights"}.get(label[:2], "host optimizer update")  # fmt: skip
+        e = ActionError(f"{what} {label} (clipped, started by step()) failed: {type(err).__name__}: {err}", label)
         raise _with_note(e, _state_note("step", restored, applied, gradients="cleared")) from err
 
     def _first_nonfinite(
@@ -1557,8 +1625,8 @@ class Engine:
             )
         if not set_to_none:
             self.await_deferred()  # zeroing the host gradients: the clipped updates read them
-        self.clipped = None
-        self.grad_norms.clear()
+        self.clipping.clipped = None
+        self.clipping.grad_norms.clear()
         if not self.delayed and not self.deferred:
             self.journal.commit()  # a failed step's records: the user drops that step
         st = self.store

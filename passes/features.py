@@ -1,0 +1,255 @@
+"""Feature passes: program-to-program functions that add one feature to a step program, each
+stating what it requires of the program it is given and what it ensures of the one it returns
+(as torch.fx's ``PassBase.requires`` / ``ensures``). They compose: the pipeline runs them in
+order on a policy's program, checking each pass's conditions (and, when asked, the whole
+verifier after each), so a combination works when each pass's requirements hold, and a
+refusal names the pass that cannot run, the condition, and the fix.
+
+>>> from shfx.passes.stages import chain
+>>> from shfx.passes.policies import Stronghold
+>>> p = run_passes(Stronghold(window=2).program(chain(3)), [(EXACT_CLIPPING, {}), (DATA_PARALLEL, {"ranks": 2})])
+>>> " ".join(p.actions("step")), " ".join(p.actions("next-forward"))
+('NR0 CK0', 'U0 AG0 U1 AG1 U2 AG2')
+>>> EXACT_CLIPPING(Stronghold(window=2, resident_first=1).program(chain(3)))
+Traceback (most recent call last):
+  ...
+shfx.passes.features.PassRefused: exact-clipping cannot run on 'stronghold(W=2, k=1)': it requires every parameter group updated on the host, but groups [0] are updated on the device (DU). Fix: use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .actions import AG, GN, OG, PF, RS, SR, SW, U, Action
+from .lowering import add_collectives, add_deferred_updates, add_leading_refresh, add_ssd_transfers, last_contributors
+from .meta import get_meta
+from .program import Program, ScheduleError, lower_actions
+
+__all__ = [
+    "Condition", "FeaturePass", "PassRefused", "run_passes", "feature_passes", "EXACT_CLIPPING", "DATA_PARALLEL",
+    "clip_program", "data_parallel_program",
+]  # fmt: skip
+
+
+class PassRefused(ScheduleError):
+    """A feature pass whose requirement does not hold for the program it was given."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One requirement or guarantee of a pass: ``check(program)`` returns None when it holds,
+    else what is wrong (in words); ``fix`` says what to change when a requirement fails."""
+
+    what: str
+    check: Callable[[Program], str | None]
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class FeaturePass:
+    """A program-to-program pass with its pre- and postconditions.
+
+    Calling it checks ``requires`` on the input (a failure raises :class:`PassRefused` naming
+    the pass, the condition and its fix), runs ``transform(program, **options)``, then checks
+    ``ensures`` on the output (a failure is the pass's bug: :class:`ScheduleError`)."""
+
+    name: str
+    requires: tuple[Condition, ...]
+    ensures: tuple[Condition, ...]
+    transform: Callable[..., Program]
+    doc: str = ""
+
+    def __call__(self, program: Program, **options: Any) -> Program:
+        for c in self.requires:
+            why = c.check(program)
+            if why is not None:
+                fix = f" Fix: {c.fix}" if c.fix else ""
+                raise PassRefused(f"{self.name} cannot run on {program.name!r}: it requires {c.what}, but {why}.{fix}")
+        out = self.transform(program, **options)
+        for c in self.ensures:
+            why = c.check(out)
+            if why is not None:
+                raise ScheduleError(f"pass {self.name} broke its guarantee on {out.name!r}: {c.what}, but {why}")
+        return out
+
+
+def run_passes(
+    program: Program, passes: Iterable[tuple[FeaturePass, dict]], verify: Callable[[Program], None] | None = None
+) -> Program:
+    """Run ``(pass, options)`` in order; with ``verify`` (the verifier,
+    :func:`shfx.passes.verify.verify_program`) every program in between is checked, so a broken
+    invariant names the pass that broke it."""
+    for p, options in passes:
+        program = p(program, **options)
+        if verify is not None:
+            try:
+                verify(program)
+            except ScheduleError as e:
+                raise ScheduleError(f"after pass {p.name}: {e}") from e
+    return program
+
+
+# ---- conditions ---------------------------------------------------------------------------------
+
+
+def _host_updates_only(p: Program) -> str | None:
+    dev = sorted(p.device_groups())
+    return None if not dev else f"groups {dev} are updated on the device (DU)"
+
+
+def _updates_in_program(p: Program) -> str | None:
+    return "its updates run outside the program, one step stale (ZeRO-Offload's delayed update)" if p.updates_outside else None
+
+
+def _not_clipped(p: Program) -> str | None:
+    return "it clips already (it has gradient norms GN)" if any(get_meta(n).kind == GN for n in p.nodes) else None
+
+
+def _one_rank(p: Program) -> str | None:
+    return None if p.ranks == 1 else f"it is data parallel already ({p.ranks} ranks)"
+
+
+def _deferred_behind_gate(p: Program) -> str | None:
+    tail = [n for n in p.nodes if get_meta(n).phase == "next-forward"]
+    if not tail or any(get_meta(n).phase != "next-forward" for n in p.nodes[p.nodes.index(tail[0]):]):
+        return "the deferred updates do not end the program"
+    gate = p.find("CK0")
+    for n in tail:
+        if get_meta(n).kind == U and gate not in p.deps(n):
+            return f"{get_meta(n).action} does not wait for the gate CK0"
+    return None
+
+
+def _collectives(p: Program) -> str | None:
+    if p.ranks < 2:
+        return f"it runs on {p.ranks} rank"
+    host = {st.update_group for st in p.stages if st.update_group is not None} - p.device_groups()
+    reduced = sorted(get_meta(n).stage for n in p.nodes if get_meta(n).kind == RS)
+    if reduced != sorted(host):
+        return f"the host groups are {sorted(host)}, the reductions RS {reduced}"
+    nodes = p.nodes
+    for i, n in enumerate(nodes):
+        m = get_meta(n)
+        if m.kind == U and not (i + 1 < len(nodes) and get_meta(nodes[i + 1]).action == Action(AG, m.stage)):
+            return f"{m.action} is not followed by AG{m.stage}"
+    return None
+
+
+def _gated(p: Program) -> str | None:
+    host = {st.update_group for st in p.stages if st.update_group is not None} - p.device_groups()
+    norms = sorted(get_meta(n).stage for n in p.nodes if get_meta(n).kind == GN)
+    if norms != sorted(host):
+        return f"the host groups are {sorted(host)}, the gradient norms {norms}"
+    if p.actions("step")[-1:] != ["CK0"]:
+        return f"the step phase is {p.actions('step')}, not ending with the gate CK0"
+    return None
+
+
+_HOST_ONLY = Condition(
+    "every parameter group updated on the host", _host_updates_only,
+    "use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity",
+)  # fmt: skip
+
+
+# ---- exact gradient clipping --------------------------------------------------------------------
+
+
+def clip_program(program: Program, name: str | None = None) -> Program:
+    """Exact global-norm gradient clipping with the update overlapped: the program's updates
+    (``U g`` during or after the backward, with their SSD reads and write-backs and the refresh
+    of persistent stages after them) become ``GN g`` right after the ``OG`` of group ``g``'s last
+    gradient contributor (its norms, as soon as its gradient is on the host); then the step's
+    gate ``CK0`` (phase ``"step"``) and every ``U g`` in forward order (phase
+    ``"next-forward"``: ``step()`` starts them, the next forward's prefetches wait for them),
+    the persistent stages refreshed at the start of the program, and the SSD transfers placed
+    again around the deferred updates."""
+    stages = list(program.stages)
+    order = [get_meta(n).stage for n in program.nodes if get_meta(n).kind.value == "B"]
+    last = last_contributors(stages, order)
+    acts: list[Action] = []
+    for n in program.nodes:
+        m = get_meta(n)
+        if m.kind in (U, SR, SW) or (m.kind == PF and m.refresh):
+            continue
+        acts.append(m.action)
+        if m.kind == OG:
+            acts += [Action(GN, g) for g in last.get(m.stage, [])]
+    acts = add_deferred_updates(acts, stages)
+    acts = add_leading_refresh(acts, stages, program.persistent, frozenset())
+    if program.ssd_groups:
+        acts = add_ssd_transfers(acts, program.ssd_groups, program.host_window)
+    return lower_actions(
+        acts, stages, program.num_slots, name=name or f"{program.name}, deferred update", persistent=program.persistent,
+        **program.tier,
+    )  # fmt: skip
+
+
+EXACT_CLIPPING = FeaturePass(
+    "exact-clipping",
+    requires=(
+        _HOST_ONLY,
+        Condition("updates that finish within the step", _updates_in_program, "use ZeroOffload() (not delayed_update=True)"),
+        Condition("a program that does not clip yet", _not_clipped, "apply exact-clipping once"),
+        Condition("one rank (clip before the data-parallel pass: it adds the norms' reduction)", _one_rank,
+                  "run exact-clipping before data-parallel"),
+    ),
+    ensures=(
+        Condition("one GN per host group and the gate CK0 ending the step phase", _gated),
+        Condition("the deferred updates wait for the gate and end the program", _deferred_behind_gate),
+    ),
+    transform=clip_program,
+    doc="GN per group during the backward, the gate CK0 in step(), clipped U's in the next forward",
+)  # fmt: skip
+
+
+# ---- data parallel ------------------------------------------------------------------------------
+
+
+def data_parallel_program(program: Program, ranks: int) -> Program:
+    """The train program ``program`` run by ``ranks`` data-parallel processes: its actions with
+    :func:`~shfx.passes.lowering.add_collectives` (``RS g`` as soon as group ``g``'s local
+    gradient is complete, ``AG g`` after each ``U g``), lowered again with ``ranks`` (the waits
+    of :func:`~shfx.passes.program.lower_actions`). Any policy's program, a user's too; with
+    ``ranks == 1`` the program is returned as it is.
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import Stronghold
+    >>> p = data_parallel_program(Stronghold(window=2).program(chain(2)), 2)
+    >>> " ".join(p.actions())
+    'PF0 PF1 F0 F1 B1 OG1 RS1 U1 AG1 R1 B0 OG0 RS0 U0 AG0 R0'
+    >>> [d.name for d in p.deps(p.find("U1"))]
+    ['og1', 'rs1']
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {ranks!r}")
+    if ranks == 1:
+        return program
+    if program.ranks != 1:
+        raise ValueError(f"program {program.name!r} is already data parallel ({program.ranks} ranks)")
+    acts = add_collectives([get_meta(n).action for n in program.nodes], program.stages)
+    tier = program.tier | {"ranks": ranks}
+    prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **tier)
+    prog.updates_outside = program.updates_outside
+    return prog
+
+
+DATA_PARALLEL = FeaturePass(
+    "data-parallel",
+    requires=(_HOST_ONLY, Condition("one rank", _one_rank, "apply data-parallel once")),
+    ensures=(Condition("every host group's gradient reduced once, every update gathered right after it", _collectives),),
+    transform=data_parallel_program,
+    doc="RS g after a group's last OG, AG g after each U g, NR0 before the gate",
+)
+
+
+def feature_passes(*, clip: bool = False, ranks: int = 1) -> list[tuple[FeaturePass, dict]]:
+    """The feature passes a configuration asks for, in the order they compose."""
+    out: list[tuple[FeaturePass, dict]] = []
+    if clip:
+        out.append((EXACT_CLIPPING, {}))
+    if ranks > 1:
+        out.append((DATA_PARALLEL, {"ranks": ranks}))
+    return out
+
