@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .actions import AG, GN, OG, PF, RS, SR, SW, U, Action
+from .actions import AG, CK, DU, GN, NR, OG, OP, PF, RS, SR, SW, U, Action
 from .lowering import add_collectives, add_deferred_updates, add_leading_refresh, add_ssd_transfers, last_contributors
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
 
 __all__ = [
     "Condition", "FeaturePass", "PassRefused", "run_passes", "feature_passes", "EXACT_CLIPPING", "DATA_PARALLEL",
-    "clip_program", "data_parallel_program",
+    "UPDATES_IN_STEP", "clip_program", "updates_in_step", "data_parallel_program",
 ]  # fmt: skip
 
 
@@ -204,6 +204,83 @@ EXACT_CLIPPING = FeaturePass(
 )  # fmt: skip
 
 
+# ---- updates in step() ---------------------------------------------------------------------------
+
+
+def updates_in_step(program: Program, clip: bool = False) -> Program:
+    """The updates run in ``step()`` (``overlap_update=False``: PyTorch code may read and edit
+    ``p.grad`` between ``backward()`` and ``step()``): every update (``U``, ``DU``, with their SSD
+    reads and write-backs) and the refresh of the persistent stages after them leave the
+    backward; the step phase is the gate ``CK0`` (the clip coefficient when ``clip`` or when
+    ``cm.clip_grad_norm_()`` was called; with ``clip``, ``GN g`` after each group's last gradient
+    during the backward), then the updates in their order, then the refreshes, each waiting for
+    what it reads."""
+    if clip and program.device_groups():
+        raise PassRefused(
+            f"updates-in-step with clipping cannot run on {program.name!r}: it requires every parameter group updated on "
+            f"the host, but groups {sorted(program.device_groups())} are updated on the device (DU). Fix: "
+            f"{_HOST_ONLY.fix}"
+        )
+    stages = list(program.stages)
+    order = [get_meta(n).stage for n in program.nodes if get_meta(n).kind.value == "B"]
+    last = last_contributors(stages, order)
+    acts: list[Action] = []
+    updates: list[Action] = []
+    refresh: list[Action] = []
+    for n in program.nodes:
+        m = get_meta(n)
+        if m.kind in (U, DU):
+            updates.append(m.action)
+            continue
+        if m.kind in (SR, SW):
+            continue
+        if m.kind == PF and m.refresh:
+            refresh.append(m.action)
+            continue
+        acts.append(m.action)
+        if clip and m.kind == OG:
+            acts += [Action(GN, g) for g in last.get(m.stage, [])]
+    acts += [Action(CK, 0)] + updates + refresh
+    if program.ssd_groups:
+        acts = add_ssd_transfers(acts, program.ssd_groups, program.host_window, at_updates=True)
+    return lower_actions(
+        acts, stages, program.num_slots, name=program.name, persistent=program.persistent,
+        **(program.tier | {"updates_in_step": True}),
+    )  # fmt: skip
+
+
+def _no_copyback(p: Program) -> str | None:
+    ops = [str(get_meta(n).action) for n in p.nodes if get_meta(n).kind == OP]
+    return f"it copies device-updated stages back during the backward ({', '.join(ops)})" if ops else None
+
+
+def _in_step(p: Program) -> str | None:
+    if not p.updates_in_step:
+        return "the program is not marked updates_in_step"
+    for n in p.nodes:
+        m = get_meta(n)
+        if m.kind in (U, DU, SR, SW, AG, CK, NR) and m.phase != "step":
+            return f"{m.action} runs in phase {m.phase!r}"
+    return None
+
+
+UPDATES_IN_STEP = FeaturePass(
+    "updates-in-step",
+    requires=(
+        Condition("updates that finish within the step", _updates_in_program, "use ZeroOffload() (not delayed_update=True)"),
+        Condition("a program that does not clip yet", _not_clipped, "apply one clipping pass"),
+        Condition("one rank (run it before data-parallel)", _one_rank, "run updates-in-step before data-parallel"),
+        Condition(
+            "no device-updated stage copied back during the backward", _no_copyback,
+            "use grad_accum_steps=1 and overlap_update=True, or resident_first stages that stay resident",
+        ),
+    ),
+    ensures=(Condition("every update, SSD transfer and the gate in phase 'step'", _in_step),),
+    transform=updates_in_step,
+    doc="the gate CK0, then every update and refresh, in step() (overlap_update=False)",
+)  # fmt: skip
+
+
 # ---- data parallel ------------------------------------------------------------------------------
 
 
@@ -244,10 +321,14 @@ DATA_PARALLEL = FeaturePass(
 )
 
 
-def feature_passes(*, clip: bool = False, ranks: int = 1) -> list[tuple[FeaturePass, dict]]:
-    """The feature passes a configuration asks for, in the order they compose."""
+def feature_passes(*, clip: bool = False, ranks: int = 1, updates_in_step: bool = False) -> list[tuple[FeaturePass, dict]]:
+    """The feature passes a configuration asks for, in the order they compose: ``clip`` (exact
+    clipping), ``updates_in_step`` (``overlap_update=False``: the updates in ``step()``, clipped
+    there with ``clip``), ``ranks`` (data parallel)."""
     out: list[tuple[FeaturePass, dict]] = []
-    if clip:
+    if updates_in_step:
+        out.append((UPDATES_IN_STEP, {"clip": clip}))
+    elif clip:
         out.append((EXACT_CLIPPING, {}))
     if ranks > 1:
         out.append((DATA_PARALLEL, {"ranks": ranks}))

@@ -271,6 +271,7 @@ def host_terms(
     ssd_masters: bool = False,
     ranks: int = 1,
     rank: int = 0,
+    updates_in_step: bool = False,  # (Program.tier: where the updates run holds no host memory of its own)
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient

@@ -336,7 +336,9 @@ def check_host_window(host_window: object, num_groups: int) -> int:
     return max(1, min(host_window, num_groups))
 
 
-def add_ssd_transfers(acts: Sequence[Action], ssd_groups: frozenset[int] | set[int], host_window: int) -> list[Action]:
+def add_ssd_transfers(
+    acts: Sequence[Action], ssd_groups: frozenset[int] | set[int], host_window: int, at_updates: bool = False
+) -> list[Action]:
     """Given an action order with its host updates and the groups whose optimizer states live on
     the SSD, add ``SR g`` (read the state into a host-window buffer) ahead of each ``U g`` and
     ``SW g`` (write it back) right after it, with at most ``host_window`` states on the host.
@@ -348,7 +350,9 @@ def add_ssd_transfers(acts: Sequence[Action], ssd_groups: frozenset[int] | set[i
     SSD transfers, like updates, only in the backward that completes a step, so under gradient
     accumulation the other backwards read nothing), or, when the updates are deferred to the
     next forward (``GN`` actions: exact clipping), right before the first deferred ``U`` (the
-    previous step's deferred updates still hold the buffers during this step).
+    previous step's deferred updates still hold the buffers during this step), or, with
+    ``at_updates``, right before the first ``U`` too (the updates run in ``step()``: the reads
+    are issued with them).
 
     >>> from shfx.passes.stages import chain
     >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 OG0 U0".split()]
@@ -369,7 +373,7 @@ def add_ssd_transfers(acts: Sequence[Action], ssd_groups: frozenset[int] | set[i
         raise ScheduleError(f"groups {missing} are placed on the SSD but the program has no host update (U) for them")
     then_read = {order[i - host_window]: order[i] for i in range(host_window, len(order))}
     first = [Action(SR, g) for g in order[:host_window]]
-    deferred = any(a.kind == GN for a in acts)
+    deferred = at_updates or any(a.kind == GN for a in acts)
     first_u = next(i for i, a in enumerate(acts) if a.kind == U)
     first_b = next((i for i, a in enumerate(acts) if a.kind == B), None)
     start, before = (first_u, True) if deferred or first_b is None or first_b > first_u else (first_b, False)
@@ -420,7 +424,7 @@ def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list
         after.setdefault(i, []).append(Action(RS, g))
     out: list[Action] = []
     for i, a in enumerate(acts):
-        if a.kind == CK:  # clipping: the per-parameter norms combined across ranks before the gate
+        if a.kind == CK and any(b.kind == GN for b in acts):  # clipping: every rank's norms combined before the gate
             out.append(Action(NR, 0))
         out.append(a)
         out += after.get(i, [])

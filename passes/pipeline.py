@@ -71,6 +71,10 @@ class PipelineOptions:
             longer refused here; ``shfx.compile`` needs ``offload=shfx.Offload(...)`` for it.)
         ranks: data parallel: the processes running the programs, each with its own batch
             (:func:`~shfx.passes.schedule.data_parallel_program`); 1: none.
+        updates_in_step: the updates run in ``step()`` (``overlap_update=False``): the
+            updates-in-step feature pass (:data:`~shfx.passes.features.UPDATES_IN_STEP`).
+        clip_in_step: with it, exact clipping there (``max_grad_norm`` with
+            ``overlap_update=False``: ``GN`` during the backward, the gate in ``step()``).
     """
 
     policy: Any = "stronghold"
@@ -84,6 +88,8 @@ class PipelineOptions:
     fp32_norms: bool = False
     plan_only: bool = False
     ranks: int = 1
+    updates_in_step: bool = False
+    clip_in_step: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
@@ -96,7 +102,7 @@ class PipelineOptions:
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {self.ranks!r}")
-        for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only"):
+        for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only", "updates_in_step", "clip_in_step"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -173,14 +179,19 @@ class Variant:
 
 
 def build_programs(
-    specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1
-) -> tuple[Program, Program, Program]:
+    specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1, updates_in_step: bool = False,
+    clip_in_step: bool = False,
+) -> tuple[Program, Program, Program]:  # fmt: skip
     """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
     :func:`~shfx.passes.schedule.data_parallel_program`) and its derived inference and
     cold-backward programs, each verified (``verify``)."""
     # the feature passes after the policy's lowering (shfx.passes.features): each checks what it
     # requires and ensures (exact clipping is the policy's deferred update: the same pass)
-    train = run_passes(policy.program(specs), feature_passes(ranks=ranks), verify=verify_program if verify else None)
+    train = policy.program(specs)
+    # (ZeRO-Offload's delayed update runs its updates outside the program: nothing to move)
+    in_step = updates_in_step and not train.updates_outside
+    passes = feature_passes(ranks=ranks, updates_in_step=in_step, clip=clip_in_step and in_step)
+    train = run_passes(train, passes, verify=verify_program if verify else None)
     if verify:
         verify_program(train, "train")
     ev, cold = eval_program(train), cold_backward_program(train)
@@ -212,7 +223,11 @@ def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True, 
     variant's own)."""
     pol = resolve_policy(policy)
     ranks = variant.train.ranks if ranks is None else ranks
-    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify, ranks=ranks)
+    t = variant.train
+    clip = t.updates_in_step and any(n.name.startswith("gn") for n in t.nodes)
+    train, ev, cold = build_programs(
+        variant.graph.specs, pol, verify=verify, ranks=ranks, updates_in_step=t.updates_in_step, clip_in_step=clip
+    )  # fmt: skip
     done = tuple(p for p in variant.passes if p in ("capture", "capture-dynamic", "partition", "retarget"))
     return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
 
@@ -263,7 +278,10 @@ def compile_variant(
         policy = choose(captured, graph, policy)
         passes.append("choose")
     verify = options.verify or options.verify_each_pass
-    train, ev, cold = build_programs(graph.specs, policy, verify=verify, ranks=options.ranks)
+    train, ev, cold = build_programs(
+        graph.specs, policy, verify=verify, ranks=options.ranks, updates_in_step=options.updates_in_step,
+        clip_in_step=options.clip_in_step,
+    )  # fmt: skip
     if captured.working_dtype is not None and train.device_groups():
         groups_ = sorted(train.device_groups())
         raise ScheduleError(

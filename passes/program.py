@@ -139,6 +139,8 @@ class Program:
         host_window: how many of those groups' states may be on the host at once (the
             host-window buffers); 0 without the SSD tier.
         ssd_masters: the SSD holds those groups' fp32 master weights too.
+        updates_in_step: the updates run in ``step()`` (``overlap_update=False``): everything
+            from the gate ``CK0`` on is in phase ``"step"`` (:func:`shfx.passes.features.updates_in_step`).
         ranks: data parallel: the number of ranks running this program, each with its own
             batch (1: none). Each host-updated group's gradient is then reduced across them
             (REDUCE_GRADS) before its update, and each rank updates its shard and all-gathers
@@ -158,6 +160,7 @@ class Program:
         host_window: int = 0,
         ssd_masters: bool = False,
         ranks: int = 1,
+        updates_in_step: bool = False,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -170,6 +173,7 @@ class Program:
         self.host_window = host_window
         self.ssd_masters = ssd_masters
         self.ranks = ranks
+        self.updates_in_step = updates_in_step
 
     @property
     def tier(self) -> dict:
@@ -177,7 +181,7 @@ class Program:
         and :func:`lower_actions` (for derived programs)."""
         return {
             "ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters,
-            "ranks": self.ranks,
+            "ranks": self.ranks, "updates_in_step": self.updates_in_step,
         }  # fmt: skip
 
     # ---- reading -------------------------------------------------------------------------
@@ -348,6 +352,7 @@ def lower_actions(
     host_window: int = 0,
     ssd_masters: bool = False,
     ranks: int = 1,
+    updates_in_step: bool = False,
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
@@ -482,7 +487,7 @@ def lower_actions(
             step_phase = True
             if s != 0:
                 raise fail(pos, act, f"{KINDS[k].name} is one action of the whole step: its index is 0 ({k.value}0)")
-            if not norms:
+            if not norms and (k == NR or not updates_in_step):
                 raise fail(pos, act, "it combines the gradient norms (GN) of the step; none comes before it")
             if gate is not None:
                 raise fail(pos, act, "it comes after the step's gate (CK0): a step has one, after every gradient norm")
@@ -491,7 +496,7 @@ def lower_actions(
                     raise fail(pos, act, "norm_reduce combines the norms of several data-parallel ranks, but the program runs on one (ranks=1)")
                 if reduced_norms is not None:
                     raise fail(pos, act, "the norms are combined across ranks once a step (NR0)")
-            elif ranks > 1 and reduced_norms is None:
+            elif ranks > 1 and norms and reduced_norms is None:
                 raise fail(pos, act, f"the gate needs every rank's norms: NR0 (norm_reduce across the {ranks} ranks) first")
             deps.extend(norms)
             if k == CK and reduced_norms is not None:
@@ -509,7 +514,7 @@ def lower_actions(
                     deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
             else:
                 deps.append(need(pos, act, Action(ActionKind.CPU_STEP, s), "the update whose shard it gathers"))
-                if norms and not deferred:
+                if norms and not deferred and not updates_in_step:
                     deferred = True
         elif k in (SR, SW):
             if s not in owner_of:
@@ -534,19 +539,22 @@ def lower_actions(
                 deps.append(need(pos, act, Action(ActionKind.CPU_STEP, s), "the update whose state it writes back"))
                 if s not in updated:
                     raise fail(pos, act, f"it writes back group {s}'s state, but U{s} has not updated it since SR{s}")
-            if norms and not deferred:
+            if norms and not deferred and not updates_in_step:
                 deferred = True
         elif k == ActionKind.CPU_STEP and norms:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             deps.extend([gate] if gate is not None else norms)
+            if updates_in_step:  # (in step(), after the gate: not deferred)
+                for j in contributors(s):
+                    deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
             if ranks > 1:
                 deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient reduced across the {ranks} ranks"))
             if s in ssd_groups:
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
                 deps.append(on_host[s][1])
-            deferred = True
+            deferred = not updates_in_step
         elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM):
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
@@ -662,7 +670,8 @@ def lower_actions(
 
         node = graph.create_node("call_function", KINDS[k].op, (s, *_dedupe(deps)), {}, name=str(act).lower())
         set_meta(node, ActionMeta(
-            action=act, phase="step" if step_phase else "next-forward" if deferred else phase, slot=slot, bytes=nbytes, grads_to=grads_to,
+            action=act, phase="step" if step_phase or (updates_in_step and gate is not None) else "next-forward" if deferred else phase,
+            slot=slot, bytes=nbytes, grads_to=grads_to,
             refresh=refresh, buffer=buffer,
         ))  # fmt: skip
         last[act] = node
@@ -700,7 +709,7 @@ def lower_actions(
     graph.output(None)
     return Program(
         graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters,
-        ranks=ranks,
+        ranks=ranks, updates_in_step=updates_in_step,
     )  # fmt: skip
 
 

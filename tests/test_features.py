@@ -132,3 +132,90 @@ def test_the_worked_example_of_docs_design_runs():
     assert " ".join(p.actions()).endswith("B0 OG0 GN0 R0 CK0 U0 U1 U2")
     assert p.actions() == EXACT_CLIPPING(base).actions()
     verify_program(p)
+
+
+def _train_against_eager(policy, steps=3, **kw):
+    """shfx and eager AdamW(fused) side by side, one seed at the start only (no reseeding)."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import gpt_tied, token_batch
+
+    torch.manual_seed(0)
+    model = gpt_tied()
+    ref = copy.deepcopy(model)
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=policy,
+                      optimizer=shfx.optim.AdamW(lr=1e-2), **kw)  # fmt: skip
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    clip = kw.get("max_grad_norm")
+    for step in range(steps):
+        (x, y), _, _ = token_batch(step)
+        loss = cm(x, y)
+        loss.backward()
+        cm.step()
+        cm.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(loss.detach(), ref_loss.detach()), (step, loss.item(), ref_loss.item())
+    cm.sync()
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), k
+    return cm
+
+
+@pytest.mark.parametrize(
+    "policy, kw",
+    [
+        # the persistent stages are refreshed after the updates (before the step phase, they were
+        # refreshed in the backward, before step() updated: the second step trained on stale weights)
+        (ZeroOffload(), {}),
+        (ZeroOffload(), {"max_grad_norm": 0.05}),  # clipped in step(): GN in the backward, the gate, then U
+        (Stronghold(window=2, resident_first=1), {}),  # a device update (DU) in the step phase
+        (Stronghold(window=2), {"max_grad_norm": 0.05}),
+    ],
+    ids=["zero-offload", "zero-offload-clip", "stronghold-k1", "stronghold-clip"],
+)
+def test_updates_in_step_train_as_eager(policy, kw):
+    """overlap_update=False: the updates-in-step pass puts the gate, every update and the
+    refreshes in the step phase, and training equals eager bitwise."""
+    cm = _train_against_eager(policy, overlap_update=False, **kw)
+    prog = cm.variant.train
+    assert prog.updates_in_step and prog.actions("step")[0] == "CK0"
+    assert not [a for a in prog.actions("backward") if a[:1] == "U" or a[:2] == "DU"]
+    cm.close()
+
+
+def test_updates_in_step_golden():
+    from shfx.passes.features import UPDATES_IN_STEP
+
+    p = UPDATES_IN_STEP(ZeroOffload().program(chain(2)))
+    assert " ".join(p.actions()) == "F0 F1 B1 OG1 B0 OG0 CK0 U0 U1 PF0 PF1"
+    assert p.actions("step") == ["CK0", "U0", "U1", "PF0", "PF1"]
+    assert {d.name for d in p.deps(p.find("PF0", "step"))} >= {"u0"}  # the refresh reads the update
+    p = UPDATES_IN_STEP(Stronghold(window=2).program(chain(3)), clip=True)
+    assert " ".join(p.actions()).endswith("B0 OG0 GN0 R0 CK0 U2 U1 U0")
+    verify_program(p)
+    dp = DATA_PARALLEL(UPDATES_IN_STEP(Stronghold(window=2).program(chain(3))), ranks=2)
+    assert dp.actions("step") == ["CK0", "U2", "AG2", "U1", "AG1", "U0", "AG0"]  # (no norms: no NR0)
+    verify_program(dp)
+    with pytest.raises(PassRefused, match="updates-in-step with clipping .* updated on the device"):
+        UPDATES_IN_STEP(Stronghold(window=2, resident_first=1).program(chain(3)), clip=True)
+
+
+def test_clipping_in_step_with_device_updates_is_refused_before_the_first_step():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), blocks=False, num_stages=2,
+                      policy="resident", optimizer=shfx.optim.AdamW(lr=1e-2), max_grad_norm=0.1, overlap_update=False)  # fmt: skip
+    with pytest.raises(PassRefused, match="updates-in-step with clipping .* updated on the device .* Fix: use Stronghold"):
+        cm(torch.randn(3, 4))
+    cm.close()

@@ -238,6 +238,8 @@ class Engine:
         # CK actions' state (shfx.runtime.clipping)
         self.clipping = Clipping(self, max_grad_norm, norm_type)
         self.clip_coef: torch.Tensor | None = None  # the gate's clip coefficient, read by the clipped updates
+        # False while step() issues updates whose gradients it checked first (they skip their own check)
+        self.step_checked: bool | None = None
         # the clipped updates step() started: they run during the next forward, whose prefetch
         # of a stage waits for the updates of the groups it reads
         self.deferred = DelayedUpdates()
@@ -450,8 +452,8 @@ class Engine:
         return self._submit(m, lambda: dp.gather_params(str(m.action), m.stage), deps)
 
     def _run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        if m.phase != "next-forward":
-            return self._submit(m, self._update_task(m.stage), deps)
+        if self.clip_coef is None or m.phase not in ("step", "next-forward"):
+            return self._submit(m, self._update_task(m.stage, finite=self.step_checked), deps)
         # after the gate: scale the gradient by the clip coefficient, then update
         g, coef, update = m.stage, self.clip_coef, self._update_task(m.stage, check=False, finite=False)
         store = self.store
@@ -475,7 +477,7 @@ class Engine:
         return self._submit(m, lambda: self.clipping.check(self._clip_groups()), deps)
 
     def _run_device_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        return self._submit(m, self._device_step_task(ctx.variant, m.stage, m.slot), deps)
+        return self._submit(m, self._device_step_task(ctx.variant, m.stage, m.slot, finite=self.step_checked), deps)
 
     def _run_offload_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
@@ -1114,7 +1116,8 @@ class Engine:
         if cold:
             self._evict()
             program = variant.cold
-            nodes = program.nodes
+            # (its step and next-forward phases are step()'s)
+            nodes = [n for n in program.nodes if get_meta(n).phase in ("forward", "backward")]
         else:
             program = variant.train
             nodes = program.phase_nodes("backward")
@@ -1176,6 +1179,10 @@ class Engine:
         if self.delayed_update:
             self._delayed_step()
             return True
+        v = self.current
+        if v is not None and v.train.updates_in_step:
+            skipped = self._issue_step_phase(v)
+            return skipped if skipped is not None else self._finish_step()
         if self.clip is not None or self.clipping.clipped is not None:
             return self._clipped_step()
         if not self.pending_updates:
@@ -1216,6 +1223,91 @@ class Engine:
                 task = self._device_step_task(v, gi, slot, finite=False)
                 tok = self.backend.compute.submit(self._task(f"DU{gi}", task), [], f"DU{gi}")
                 self.pending_updates.append((f"DU{gi}", tok))
+        return self._finish_step()
+
+    def _issue_step_phase(self, v: Variant) -> bool | None:
+        """Issue the step phase of a program whose updates run in ``step()`` (``overlap_update=
+        False``: :data:`~shfx.passes.features.UPDATES_IN_STEP`): the gate ``CK0`` (waited for:
+        with clipping the total norm and coefficient), or the finite check of every gradient, then
+        the updates of the groups holding a gradient and not applied yet (a retried step), their SSD
+        transfers and all-gathers, and the refresh of the persistent stages. Their tokens go to
+        ``pending_updates`` for :meth:`_finish_step`; returns False for a skipped step, None
+        otherwise."""
+        program = v.train
+        clipping = self.clip is not None or self.clipping.clipped is not None
+        if clipping:
+            self._wait_norms()
+        self.pending_updates.clear()
+        self.last_step_skipped = False
+        done = self.journal.applied  # a retried step: the updates that ran before it failed
+        dev = v.device_groups
+        host = {gi for gi, g in enumerate(self.store.groups) if g.trainable_bytes and gi not in dev
+                and self.store.grad_state[gi] == GRAD_VALID and ("host", gi) not in done}  # fmt: skip
+        device = {gi for gi in dev if self.gradients.device_state.get(gi, GRAD_NONE) == GRAD_VALID and ("device", gi) not in done}
+        for gi in sorted(device):
+            if self.loaded is not v or v.owner_of[gi] not in program.persistent:
+                raise UsageError(
+                    f"group {gi} is updated on the device while its stage is resident, and it is not now: "
+                    "its gradient is gone with the slot. Run the step again from the forward."
+                )
+        phase = StepPhase(v)
+        nodes = program.phase_nodes("step")
+        gate = [n for n in nodes if get_meta(n).kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK)]
+        if clipping:
+            issued = self._issue(phase, program, gate, cold=False, skip_updates=False)
+            self.pending_updates.clear()
+            for _, tok in issued:
+                tok.wait()
+            self._raise_gate_failure(issued)
+            max_norm, total = self.clipping.gate
+            self.clipping.gate = None
+            skipped = self._begin_clipped(total)
+            if skipped is not None:
+                return skipped
+            self.clip_coef = Clipping.coefficient(max_norm, total)
+        elif self.check_finite:
+            dev_slots = [(gi, program.persistent.index(v.owner_of[gi])) for gi in sorted(device)]
+            bad = self._first_nonfinite(v, sorted(host), dev_slots)
+            if bad is not None:
+                if self.skip_nonfinite:
+                    return self._skip_step()  # every gradient is known: nothing has run
+                raise self._nonfinite_error(bad, [], [])
+        wanted = []
+        for n in nodes:
+            m = get_meta(n)
+            if m.kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK):
+                continue
+            if m.kind == ActionKind.DEVICE_STEP and m.stage not in device:
+                continue
+            if m.kind in (ActionKind.CPU_STEP, ActionKind.SSD_READ, ActionKind.SSD_WRITE, ActionKind.GATHER_PARAMS) and m.stage not in host:
+                continue
+            wanted.append(n)
+        self.step_checked = False
+        try:
+            issued = self._issue(phase, program, wanted, cold=False, skip_updates=False)
+        finally:
+            self.step_checked = None
+            self.clip_coef = None
+        self.pending_updates = [(str(get_meta(n).action), tok) for n, tok in issued]
+        return None
+
+    def _raise_gate_failure(self, issued: list[tuple[fx.Node, Token]]) -> None:
+        """A failed ``NR0``/``CK0``: nothing was applied, the gradients stay; raise naming it."""
+        failed = [(str(get_meta(n).action), tok) for n, tok in issued if tok.error is not None]
+        if not failed:
+            return
+        label, tok = failed[0]
+        err = root_cause(tok.error)
+        self.clipping.grad_norms.clear()
+        self._step_t0 = None
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise err
+        what = "gradient norms' reduction across ranks" if label.startswith("NR") else "gate (total gradient norm)"
+        e = ActionError(f"the step's {what} {label} failed: {type(err).__name__}: {err}", label)
+        raise _with_note(e, _state_note("step", [], [], gradients="kept")) from err
+
+    def _finish_step(self) -> bool:
+        """Wait for the step's updates (``pending_updates``), then commit, or undo and raise."""
         pending, self.pending_updates = self.pending_updates, []
         interrupt: BaseException | None = None
         try:
@@ -1259,6 +1351,7 @@ class Engine:
                 what = {
                     "DU": "device optimizer update", "SR": "SSD read of optimizer states",
                     "SW": "SSD write of optimizer states", "AG": "data-parallel all-gather of the updated weights",
+                    "PF": "refresh of a persistent stage's weights",
                 }  # fmt: skip
                 e = ActionError(f"{what.get(label[:2], 'host optimizer update')} {label} failed: {type(err).__name__}: {err}", label)
             raise _with_note(e, note) from err
@@ -1374,17 +1467,7 @@ class Engine:
         self.pending_updates.clear()
         for _, tok in issued:
             tok.wait()
-        failed = [(str(get_meta(n).action), tok) for n, tok in issued if tok.error is not None]
-        if failed:
-            label, tok = failed[0]
-            err = root_cause(tok.error)
-            self.clipping.grad_norms.clear()
-            self._step_t0 = None
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise err
-            what = "gradient norms' reduction across ranks" if label.startswith("NR") else "gate (total gradient norm)"
-            e = ActionError(f"the step's {what} {label} failed: {type(err).__name__}: {err}", label)
-            raise _with_note(e, _state_note("step", [], [], gradients="kept")) from err
+        self._raise_gate_failure(issued)
         max_norm, total = self.clipping.gate
         self.clipping.gate = None
         skipped = self._begin_clipped(total)
