@@ -28,7 +28,7 @@ from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import Variant, build_programs, compile_variant, with_policy
-from shfx.passes.policies import Policy, Stronghold, resolve_policy
+from shfx.passes.policies import Policy, Stronghold
 from shfx.passes.program import ActionKind, Program
 from shfx.passes.units import format_bytes
 
@@ -36,6 +36,8 @@ from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import NoWindowFits, tune_window
 
 from .config import _DYNAMIC_NAMES, Config
+# data parallel's refusals live in shfx.config (check_supported); the name stays importable here
+from .config import _check_data_parallel as _check_data_parallel  # noqa: F401
 from .devices import CudaDevice, EmulatedDevice
 from .errors import OutOfDeviceMemory, UsageError
 from .runtime.data_parallel import DataParallelRuntime
@@ -1279,72 +1281,6 @@ CompiledModel.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-d
      *inspect.signature(Config.from_args).parameters.values()],
     return_annotation=None,
 )  # fmt: skip
-
-
-def _check_data_parallel(
-    *, policy: Any, window: Any, optimizer: Any, precision: str, offload: Any, max_grad_norm: Any,
-    skip_nonfinite: bool, rollback: bool | None, overlap_update: bool = True, fp32_norms: bool = False,
-) -> None:  # fmt: skip
-    """Refuse, at compile time, what data parallel does not run (yet): each refusal says what
-    was given and what to use instead (docs/usage.md, "Data parallel")."""
-    from .optim import AdamW
-
-    def refuse(what: str, fix: str) -> UsageError:
-        return UsageError(f"data_parallel does not support {what}; {fix}")
-
-    if not isinstance(optimizer, AdamW):
-        got = "no optimizer" if optimizer is None else type(optimizer).__name__
-        raise refuse(f"{got} as the optimizer (it shards AdamW's states across ranks)", "pass optimizer=shfx.optim.AdamW(...)")
-    if precision == "fp16":
-        raise refuse(
-            "precision='fp16' yet: its loss scaling skips a step whose gradients overflow and changes the scale, which "
-            "every rank would have to agree on (an overflow shows in one rank's gradient shard)",
-            "use precision='bf16' (no loss scaling) or 'fp32'",
-        )
-    if precision not in ("fp32", "bf16"):
-        raise refuse(f"precision={precision!r}", "use precision='bf16' or 'fp32'")
-    if fp32_norms and precision != "fp32":
-        # (also refused at the first call, for any fp32 parameter in a stage's 16-bit trainable
-        # region: BatchNorm's affine parameters; shfx.runtime.host_store)
-        raise refuse(
-            "fp32_norms=True yet: it keeps LayerNorm/RMSNorm parameters fp32 in the 16-bit working copy, so a stage's "
-            "trainable region mixes dtypes, and data parallel reduces and gathers it as one tensor of one dtype",
-            "drop fp32_norms (precision='bf16' casts the norms too), or use precision='fp32'",
-        )
-    if offload is not None:
-        raise refuse("the NVMe tier (offload=...)", "drop offload= (the sharded host optimizer already divides its memory by the ranks)")
-    if max_grad_norm is not None and not overlap_update:
-        raise refuse(
-            "max_grad_norm with overlap_update=False yet: data parallel clips through the program's step phase (the "
-            "norms reduced across ranks by NR0, the gate CK0), which the deferred update runs",
-            "keep overlap_update=True (the default)",
-        )
-    if skip_nonfinite:
-        raise refuse("skip_nonfinite=True yet: every rank would have to agree to skip", "drop skip_nonfinite")
-    if rollback:
-        raise refuse("rollback=True yet: undoing a step would have to be agreed across ranks", "drop rollback= (off by default)")
-    pol = resolve_policy(policy, window)
-    if pol.auto:
-        raise refuse(
-            f"{pol!r}: its {', '.join(pol.auto)} {'is' if len(pol.auto) == 1 else 'are'} left to the tuner, which profiles "
-            "on each rank and could choose differently on each",
-            "give fixed values (the default Stronghold(window=2) for one)",
-        )
-    if getattr(pol, "delayed_update", False):
-        raise refuse("ZeroOffload(delayed_update=True)", "use ZeroOffload() or Stronghold()")
-    try:  # a probe: does the policy update some groups on the device (DU)?
-        from shfx.passes.stages import chain
-
-        probe = pol.program(chain(int(getattr(pol, "resident_first", 0) or 0) + 4))
-        dev = sorted(probe.device_groups())
-    except Exception:  # noqa: BLE001 - a user's function policy: checked when its program is built
-        dev = []
-    if dev:
-        raise refuse(
-            f"{pol!r}: it updates some parameter groups on the device (DU), and data parallel shards the optimizer on the host",
-            "use a policy that updates every group on the host: Stronghold(resident_first=0) (the default), ZeroOffload() or "
-            "ZeroInfinity()",
-        )
 
 
 def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - mirrors torch.compile
