@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as _ck
+from . import checkpoint_format as _fmt
 from .errors import UsageError
 
 __all__ = ["flat_range_boxes", "sharded_state", "save", "load"]
@@ -288,13 +288,13 @@ def _atomic_write_group(path: str, write: Callable[[str], None], finish: Callabl
     import torch.distributed as dist
 
     path = os.path.abspath(path)
-    parent, prefix = _ck._prefix(path)
+    parent, prefix = _fmt._prefix(path)
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == 0:
         try:
             os.makedirs(parent, exist_ok=True)
-            _ck._check_target(path)
+            _fmt._check_target(path)
             token = f"{time.time_ns():x}-{os.getpid()}-{threading.get_ident():x}"
             real = os.path.join(parent, prefix + token)
             os.mkdir(real)
@@ -316,12 +316,12 @@ def _atomic_write_group(path: str, write: Callable[[str], None], finish: Callabl
     if rank == 0:
         try:
             finish(real)
-            _ck._fsync_dir(real)
-            _ck._test_kill_point("switch")
+            _fmt._fsync_dir(real)
+            _fmt._test_kill_point("switch")
             link = os.path.join(parent, prefix + "link-" + os.path.basename(real)[len(prefix) :])
             os.symlink(os.path.basename(real), link)
             os.replace(link, path)
-            _ck._fsync_dir(parent)
+            _fmt._fsync_dir(parent)
             box[0] = ("ok", "")
         except BaseException as e:
             shutil.rmtree(real, ignore_errors=True)
@@ -332,7 +332,7 @@ def _atomic_write_group(path: str, write: Callable[[str], None], finish: Callabl
     if box[0][0] != "ok":
         raise RuntimeError(f"rank 0 could not finish the checkpoint at {path!r}: {box[0][1]}; the last checkpoint there is kept")
     if rank == 0:  # the previous checkpoint, and leftovers of saves that failed: no longer reachable
-        _ck._remove_leftovers(parent, prefix, real)
+        _fmt._remove_leftovers(parent, prefix, real)
 
 
 # ---- save and load of a compiled model under data parallel ---------------------------------------------
@@ -353,7 +353,7 @@ def _rng_by_rank(group: Any) -> list[Any]:
     import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, _ck.rng_state(), group=group)
+    dist.all_gather_object(out, _fmt.rng_state(), group=group)
     return out
 
 
@@ -374,7 +374,7 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
     try:
         model_sd = cm.state_dict()  # settles the step
         pieces = _with_masters(dp, dp.state_pieces())
-        state, groups = _ck._optimizer_state(cm.module.named_parameters(), cm.optimizer)
+        state, groups = _fmt._optimizer_state(cm.module.named_parameters(), cm.optimizer)
     except UsageError as e:
         error = str(e)
     sharded = sharded_state(pieces, dp.group, error)
@@ -386,16 +386,16 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
     tensors: dict[str, Any] = {"model": {k: masters.get(k, v.detach().cpu()) for k, v in model_sd.items()}}
     if state:
         tensors["optimizer"] = {"state": state}
-    meta = _ck._meta(steps, groups, scheduler, cm.scaler, extra, cm.skipped_steps)
+    meta = _fmt._meta(steps, groups, scheduler, cm.scaler, extra, cm.skipped_steps)
     meta["ranks"] = int(dp.ranks)
     meta["rng_by_rank"] = _rng_by_rank(dp.group)
 
     def write(d: str) -> None:
         with _failures_named(f"writing the checkpoint {os.path.abspath(path)!r}", "the last checkpoint there is kept"):
-            dcp.save(tensors, storage_writer=_ck._writer(d), process_group=dp.group)
+            dcp.save(tensors, storage_writer=_fmt._writer(d), process_group=dp.group)
 
     def finish(d: str) -> None:
-        with open(os.path.join(d, _ck.STATE_FILE), "wb") as f:
+        with open(os.path.join(d, _fmt.STATE_FILE), "wb") as f:
             torch.save(meta, f)
             f.flush()
             os.fsync(f.fileno())
@@ -416,10 +416,10 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     path = os.path.abspath(path)
     error, pieces = None, {}
     try:
-        md, meta = _ck._read_meta(path)
+        md, meta = _fmt._read_meta(path)
         cm._settle()
-        _ck._check_common(meta, path, scheduler)
-        targets = _ck._model_targets(path, md, cm.module.state_dict(), strict)
+        _fmt._check_common(meta, path, scheduler)
+        targets = _fmt._model_targets(path, md, cm.module.state_dict(), strict)
         # (a load after the first call but before the first step: the states are made, zeros at
         # step 0, for the checkpoint's to be read into, when it has any)
         has_state = any(k.startswith("optimizer.state.") for k in getattr(md, "state_dict_metadata", {}))
@@ -474,14 +474,14 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
             f"the checkpoint at {path!r} has no optimizer state {missing[0]} ({len(missing)} such) that this "
             "data-parallel model holds; load a checkpoint saved after the optimizer's first step, with the same optimizer"
         )
-    hps = _ck._group_hyperparams(path, meta, cm.module.named_parameters(), cm.optimizer) if cm.optimizer is not None else []
+    hps = _fmt._group_hyperparams(path, meta, cm.module.named_parameters(), cm.optimizer) if cm.optimizer is not None else []
     # every check is done: read
     want: dict[str, Any] = {k: v for k, v in sharded.items()}
     for name, fields in scalars.items():
         want.setdefault(name, {}).update(fields)
     if want:
         with _failures_named(f"reading the optimizer state of {path!r}", "the model's weights are unchanged"):
-            dcp.load({"optimizer": {"state": want}}, storage_reader=_ck._reader(path), process_group=dp.group)
+            dcp.load({"optimizer": {"state": want}}, storage_reader=_fmt._reader(path), process_group=dp.group)
     with torch.no_grad():
         for name, fields in scalars.items():
             for field, t in fields.items():
@@ -490,7 +490,7 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     if targets:
         with torch.no_grad():
             with _failures_named(f"reading the weights of {path!r}", "the optimizer state is loaded"):
-                dcp.load({"model": targets}, storage_reader=_ck._reader(path), process_group=dp.group)
+                dcp.load({"model": targets}, storage_reader=_fmt._reader(path), process_group=dp.group)
     for g, h in zip(cm.optimizer.param_groups if cm.optimizer is not None else [], hps):
         g.update({k: tuple(v) if isinstance(v, list) else v for k, v in h.items()})
     dp.refresh_masters()
@@ -499,5 +499,5 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     rng = meta.get("rng_by_rank")
     if restore_rng and rng is not None and len(rng) == int(dp.ranks):
         meta = {**meta, "rng": rng[int(dp.rank)]}
-    _ck._load_common(meta, path, scheduler, cm.scaler, restore_rng)
+    _fmt._load_common(meta, path, scheduler, cm.scaler, restore_rng)
     return meta["extra"]
