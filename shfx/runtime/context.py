@@ -25,7 +25,7 @@ from .backend import Backend
 from .streams import Token
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .protocols import ContextEngine
 
 __all__ = ["StepContext", "fork_rng"]
 
@@ -39,7 +39,7 @@ class StepContext:
 
     _ids = 0
 
-    def __init__(self, engine: Engine, variant: Variant, grad: bool):
+    def __init__(self, engine: ContextEngine, variant: Variant, grad: bool):
         StepContext._ids += 1
         self.id = StepContext._ids
         self.engine = engine

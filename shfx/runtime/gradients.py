@@ -32,7 +32,7 @@ from .streams import Token
 
 if TYPE_CHECKING:
     from .context import StepContext
-    from .engine import Engine
+    from .protocols import GradientEngine
 
 __all__ = ["GradientRouter", "Accumulation"]
 
@@ -56,7 +56,7 @@ class GradientRouter:
     the state of gradients kept on the device, the pending sums of shared parameters on the
     host, and the OFFLOAD_GRAD tasks."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: GradientEngine):
         self.engine = engine
         self.store = engine.store
         self.backend = engine.backend
