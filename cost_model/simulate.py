@@ -97,7 +97,10 @@ What it does NOT model:
   consumes frees its activations at the end of its own BACKWARD.)
 - Gradient accumulation decisions per micro-batch (whether an OG copies straight into the
   gradient buffer or through a staging buffer is not known here: ``accumulate`` is all or none),
-  and updates deferred to ``step()`` (``overlap_update=False``, ``grad_accum_steps > 1``).
+  and the micro-steps of ``grad_accum_steps > 1`` (one step is simulated). The step phase is:
+  its actions (``CK0``, and with ``overlap_update=False`` every update: the updates-in-step
+  pass) start once the backward's non-update actions are done (``step()`` is called after
+  ``loss.backward()`` returned).
 - Pinned vs pageable host memory, PCIe/NVLink topology, several copies per PREFETCH (one per
   host group region: modelled as one copy of ``meta.bytes``), and copy/compute interference on
   a real GPU's memory bandwidth.
@@ -322,7 +325,7 @@ class Timeline:
 # ---- simulation ------------------------------------------------------------------------------
 class _Node:
     __slots__ = (
-        "i", "name", "meta", "kind", "stream", "deps", "dur", "acc", "nbytes", "forward", "accumulates",
+        "i", "name", "meta", "kind", "stream", "deps", "dur", "acc", "nbytes", "forward", "step", "accumulates",
         "issued", "start", "end", "copy_end", "host_start", "worker", "stream_pred", "host_pred", "cold_dur", "cold",
     )  # fmt: skip
 
@@ -340,6 +343,7 @@ class _Node:
         self.acc = 0.0  # OG: accumulation on the host FIFO
         self.nbytes = int(meta.bytes)
         self.forward = meta.phase == "forward"
+        self.step = meta.phase == "step"  # issued by step(), once the backward's non-update actions are done
         self.issued = False
         self.start: float | None = None
         self.end: float | None = None  # done
@@ -568,11 +572,15 @@ class _Sim:
                 last_on["host"] = nd.i
 
         fwd_left = sum(1 for nd in nodes if nd.forward)
+        # step() runs after loss.backward() returned, which waits for the backward's actions but
+        # its updates: the step phase is issued then
+        bwd_left = sum(1 for nd in nodes if nd.meta.phase == "backward" and not KINDS[nd.kind].update)
+        step_issued = not self.phase_barrier
         self.barrier = 0.0
         self.last_forward: int | None = None
         backward_issued = False
         for nd in nodes:
-            nd.issued = nd.forward or not self.phase_barrier
+            nd.issued = (nd.forward or not self.phase_barrier) and not (nd.step and self.phase_barrier)
 
         busy: dict[str, bool] = {"compute": False, "host": False}
         copies: dict[str, _Copy | None] = dict.fromkeys(_COPY_STREAMS)
@@ -595,10 +603,12 @@ class _Sim:
                     ready_r.append(r)
 
         def finish(j: int) -> None:
-            nonlocal left, fwd_left
+            nonlocal left, fwd_left, bwd_left
             nd = nodes[j]
             nd.end = now
             left -= 1
+            if nd.meta.phase == "backward" and not KINDS[nd.kind].update:
+                bwd_left -= 1
             if not nd.accumulates:  # an OG's reads ended with its copy
                 reads_now(j)
             if nd.forward:
@@ -635,8 +645,13 @@ class _Sim:
                         backward_issued = True
                         self.barrier = now
                         for nd in nodes:
-                            nd.issued = True
+                            nd.issued = nd.issued or not nd.step
                         progress = True
+                if backward_issued and not step_issued and bwd_left == 0:
+                    step_issued = True
+                    for nd in nodes:
+                        nd.issued = True
+                    progress = True
                 # RELEASE: a join of its dependencies' reads
                 batch = ready_r[:]
                 ready_r.clear()
@@ -732,7 +747,7 @@ class _Sim:
                         backward_issued = True
                         self.barrier = now
                         for nd in nodes:
-                            nd.issued = True
+                            nd.issued = nd.issued or not nd.step
                     elif part == "compute":
                         busy["compute"] = False
                         quiet = 0.0

@@ -219,3 +219,19 @@ def test_clipping_in_step_with_device_updates_is_refused_before_the_first_step()
     with pytest.raises(PassRefused, match="updates-in-step with clipping .* updated on the device .* Fix: use Stronghold"):
         cm(torch.randn(3, 4))
     cm.close()
+
+
+def test_the_simulator_starts_the_step_phase_after_the_backward():
+    """step() runs after loss.backward() returned: the simulated step phase (the gate and, with
+    the updates in step(), every update) starts once the backward's other actions are done."""
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    from shfx.cost_model.simulate import simulate
+    from shfx.passes.features import UPDATES_IN_STEP
+
+    costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 4, Links(1e6, 1e6))
+    p = Stronghold(window=2).program(chain(4, prefetch_bytes=500_000))
+    q = UPDATES_IN_STEP(p)
+    over, in_step = simulate(p, costs), simulate(q, costs)
+    assert in_step.step_s > over.step_s  # the updates no longer overlap the backward
+    backward_end = max(e.end for e in in_step.events if e.phase == "backward")
+    assert all(e.start >= backward_end for e in in_step.events if e.phase == "step")
