@@ -9,10 +9,27 @@ import torch
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Every test starts from the same global RNG state and frees compiled models after."""
+    """Every test starts from the same global RNG state (and frees its garbage after: below)."""
     torch.manual_seed(0)
     yield
-    gc.collect()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test (its fixtures torn down and its arguments dropped), collect its garbage:
+    compiled models dropped without close() stop their threads and free their device.
+
+    What survives is then frozen (``gc.freeze``): torch, the modules imported, the module's
+    fixtures. The next test's collection walks only what that test made; a collection of the
+    whole heap after every test took 0.2-0.5 s on 2 cores, a fifth of the suite's time. The whole
+    heap is collected again at each module's end, where that module's fixtures are dropped."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or nextitem.path != item.path:
+            gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
