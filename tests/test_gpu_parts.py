@@ -1,6 +1,8 @@
-"""The GPU kit's parts 4 (speed), 7 (host AdamW), 8 (attention kernels) and 9 (peers) run their
-code paths on the CPU with an emulated Kit (benchmarks/gpu_common.py) at tiny sizes, and return
-what the kit reports: the keys a GPU run fills, with sane values."""
+"""The GPU kit's parts run their code paths on the CPU with an emulated Kit
+(benchmarks/gpu_common.py) at tiny sizes, in this process, and return what the kit reports: the
+keys a GPU run fills, with sane values. Parts 4 (speed), 7 (host AdamW), 8 (attention kernels) and
+9 (peers) one test each; the core parts 1, 2, 3, 5 and 6 in one test (the whole kit in its
+subprocesses, ``gpu.py --emulated``, is tests/test_gpu_kit.py's, its full run with SHFX_SLOW=1)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 gpu_common = pytest.importorskip("gpu_common")
+core = pytest.importorskip("gpu_parts_core")
 speed = pytest.importorskip("gpu_parts_speed")
 peers = pytest.importorskip("gpu_parts_peers")
 
@@ -35,6 +38,26 @@ def kit(tmp_path):
 
 def finite_pos(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_core_parts_emulated(kit):
+    """Parts 1, 2, 3, 5, 6 (the core of ``gpu.py``): what tests/test_gpu_kit.py's full emulated
+    run (slow) checks of them, each part with its own Kit as a part's subprocess gets."""
+    fns = {1: core.part_environment, 2: core.part_equivalence, 3: core.part_residency, 5: core.part_simulator, 6: core.part_capacity}
+    results = {}
+    for n, fn in fns.items():
+        part_kit = gpu_common.Kit(emulated=True, out=kit.out, deadline=time.monotonic() + 120, part=str(n))
+        results[n] = fn(part_kit)
+        json.dumps(results[n])  # JSON-able
+    assert results[1]["links"]["h2d_pinned_bps"] > 0
+    eq = [r for r in results[2]["equivalence"] if "max_loss_diff" in r]
+    assert eq and all(r["bitwise_weights"] for r in eq)  # on the CPU: bitwise
+    res = [r for r in results[3]["runs"] if "ledger_peak" in r]
+    assert res and all(r["backend_peak_equals_ledger"] and r["bytes_equal"] and r["host_equals_ledger"] for r in res)
+    assert any(r.get("ratio") for r in results[5]["rows"])
+    assert results[6].get("losses_finite") is True
+    # results go back through the return values: the parts write no files of their own
+    assert sorted(p.name for p in kit.out.iterdir()) == ["gpu_log.txt"]
 
 
 def test_part_speed_emulated(kit):
