@@ -318,9 +318,10 @@ def _against_one_process(rank: int, world: int, steps: int = 3) -> dict:
     return out
 
 
-def _rank_dies(rank: int, world: int, how: str, timeout_s: float) -> dict:
+def _rank_dies(rank: int, world: int, how: str, timeout_s: float, out: str = "") -> dict:
     """Rank 1 dies (``how="exit"``: ``os._exit(1)``) or stops answering (``"stall"``: sleeps past
-    the timeout) in the second step after its forward; rank 0 trains on and reports its error."""
+    the timeout, until rank 0 has saved its result in ``out`` or at most ``timeout_s + 5`` s) in
+    the second step after its forward; rank 0 trains on and reports its error."""
     torch.manual_seed(0)
     model = _model("gpt_mask")
     cm = _compile(model, "gpt_mask", 2, data_parallel=shfx.DataParallel(timeout_s=timeout_s))
@@ -330,7 +331,9 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float) -> dict:
         if rank == 1 and step == 1:
             if how == "exit":
                 os._exit(1)
-            time.sleep(timeout_s + 5)
+            deadline = time.monotonic() + timeout_s + 5
+            while time.monotonic() < deadline and not os.path.exists(os.path.join(out, "rank0.pt")):
+                time.sleep(0.05)  # (the whole timeout_s + 5 before: 5 s more than rank 0 needed)
             os._exit(0)
         t0 = time.perf_counter()
         try:
@@ -612,7 +615,7 @@ def test_a_stalled_rank_times_out_with_a_clear_error(tmp_path):
 
 def _spawn_allow_exit(tmp_path: Path, how: str, timeout_s: float, limit_s: float) -> tuple:
     """:func:`_spawn` where rank 1 leaves on purpose (no result; exit code 1 for ``"exit"``)."""
-    procs, errors = _start(tmp_path, 2, "rank_dies", limit_s, dict(how=how, timeout_s=timeout_s))
+    procs, errors = _start(tmp_path, 2, "rank_dies", limit_s, dict(how=how, timeout_s=timeout_s, out=str(tmp_path)))
     assert 0 not in errors, errors[0]
     assert procs[0].exitcode == 0
     assert procs[1].exitcode == (1 if how == "exit" else 0)
