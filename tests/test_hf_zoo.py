@@ -48,6 +48,10 @@ def outcome_matches(got: str, expected: str) -> bool:
     return got.startswith(expected)
 
 
+# slow: T5 trains bitwise at W=1 and W=2 by default in tests/test_t5.py
+# (test_t5_trains_bitwise_like_eager, with and without dropout), its learned-bias attention in
+# tests/test_attention_grad_mode.py
+@pytest.mark.slow
 def test_t5_trains_bitwise():
     """T5's learned position bias is its attention mask (the CPU kernel choice of the
     checkpointed forward: passes/attention.py sdpa_as_trained)."""
@@ -55,6 +59,10 @@ def test_t5_trains_bitwise():
     assert row["W=1"] == row["W=2"] == "bitwise", row
 
 
+# slow (~7-25 s: a subprocess importing torch and transformers): the shared layer that hung runs
+# by default in tests/test_shared_layer.py (a layer applied several times, W=1 and W=2, fp32 and
+# the bf16 recipe, under a deadline)
+@pytest.mark.slow
 def test_albert_trains_bitwise():
     """ALBERT's shared layer: every later application borrows all its tensors (it hung in the
     first backward: runtime/gradients.py, one staging buffer per group an OG sends). In a
