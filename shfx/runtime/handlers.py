@@ -1,0 +1,396 @@
+"""The interpreter's handlers: one per kind of action, and the task bodies they submit.
+
+:class:`ActionHandlers` maps each :data:`shfx.passes.actions.KINDS` entry to its handler
+``run_<KindInfo.name>(ctx, meta, deps, cold) -> Token``, which submits the action's task to its
+stream after ``deps``. The task bodies of the transfers (``prefetch``, ``offload_params``) and of
+the step-time updates (``update_task``: U on the host, ``device_step_task``: DU on the device)
+live here too: ``step()`` (:mod:`shfx.runtime.stepping`) issues the same tasks when it runs the
+updates itself. A stage's forward and backward stay the engine's (``Engine._forward`` and
+``Engine._backward``): the handlers call them through the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shfx.passes.actions import KINDS
+from shfx.passes.capture import CAPTURE_GATE
+from shfx.passes.partition import Stage
+from shfx.passes.pipeline import Variant
+from shfx.passes.program import ActionMeta, ScheduleError
+
+from ..errors import NonFiniteGradient, UsageError
+from .context import StepContext
+from .data_parallel import DataParallelRuntime
+from .host_store import GRAD_NONE, GRAD_VALID
+from .ssd_window import SSDWindow
+from .streams import Cancelled, JoinToken, Token
+
+__all__ = ["ActionHandlers", "require_finite"]
+
+
+def require_finite(grad: torch.Tensor, group: int, where: str) -> None:
+    """Raise :class:`NonFiniteGradient` when ``grad`` holds inf or NaN (a sum is inf or NaN
+    then, and reads the buffer once without allocating a mask). ``where``: whose gradient, in
+    words."""
+    total = float(grad.sum(dtype=torch.float32)) if grad.numel() else 0.0
+    if total != total or total in (float("inf"), float("-inf")):
+        raise NonFiniteGradient(f"the gradient of {where} holds inf or NaN", group)
+
+
+class ActionHandlers:
+    """The handlers of one engine's actions (``table``: kind -> handler) and their tasks.
+
+    What it uses of the engine (:class:`~shfx.runtime.engine.Engine`): ``backend``, ``store``,
+    ``pool``, ``ssd``, ``dp``, ``optimizer``, ``device_optimizer``, ``journal``, ``gradients``,
+    ``clipping``, ``current``, ``deferred``, ``delayed``, ``cancel``, ``tracing``, ``trace``, the
+    step's update flags (``check_finite``, ``step_checked``, ``clip_coef``, ``scaler``,
+    ``unscaled``, ``nonfinite_flags``, ``dirty``), and its stage compute ``_forward`` and
+    ``_backward`` (looked up on the engine each time: tests replace them)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        # the interpreter's dispatch table: one handler per kind of action
+        self.table: dict[Any, Callable[[StepContext, ActionMeta, list[Token], bool], Token]] = {
+            kind: getattr(self, f"run_{info.name}") for kind, info in KINDS.items()
+        }
+
+    # ---- submitting an action's task to its stream -----------------------------------------------
+    def _timed(self, fn: Callable[[], None], meta: ActionMeta) -> Callable[[], None]:
+        """The task of an action: its device reservations belong to it (a memory recording
+        names it), and, when tracing, its start and end are traced (an OFFLOAD_GRAD's copy
+        only: its event has no ``copy_end``, its ``end`` is when the slot's reads ended).
+
+        NOTE: tracing the accumulation too would make an OFFLOAD_GRAD's ``end`` the end of the
+        accumulation, as the simulator's; readers of ``trace`` (tests/test_runtime.py's
+        residency check) take an OFFLOAD_GRAD's ``end`` as the last read of its slot."""
+        eng = self.engine
+        label, backend, cancel = str(meta.action), eng.backend, eng.cancel
+        if not eng.tracing:
+            return self.task(label, fn)
+        trace = eng.trace
+
+        def run() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"{label} was not run: the step is being abandoned")
+            # NOTE: stamps, not host clock readings: on a device stream that queues its work
+            # (CUDA) they are events the device records when it gets there (shfx.runtime.tracing)
+            t0 = backend.stamp()
+            with backend.during(label):
+                fn()
+            trace.record(label, meta.phase, meta.stream, t0, backend.stamp(), meta.bytes)
+
+        return run
+
+    def task(self, label: str, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` as a task named ``label`` (an action not traced, an update started by step()):
+        skipped while a step is abandoned, its reservations named ``label``."""
+        eng = self.engine
+        backend, cancel = eng.backend, eng.cancel
+
+        def run() -> None:
+            if cancel.is_set():
+                raise Cancelled(f"{label} was not run: the step is being abandoned")
+            with backend.during(label):
+                fn()
+
+        return run
+
+    def _submit(self, m: ActionMeta, fn: Callable[[], None], deps: list[Token]) -> Token:
+        """Run ``fn`` on the action's stream (:data:`shfx.passes.actions.KINDS`) after ``deps``."""
+        eng = self.engine
+        stream = getattr(eng.backend, KINDS[m.kind].stream)
+        return stream.submit(self._timed(fn, m), deps, str(m.action))
+
+    # ---- one handler per action kind (run_<KINDS[kind].name>) ------------------------------------
+    def run_release(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        return JoinToken([d.reads_done for d in deps], str(m.action))
+
+    def _ssd_window(self, m: ActionMeta) -> SSDWindow:
+        eng = self.engine
+        if eng.ssd is None:
+            raise ScheduleError(
+                f"{m.action}: the program reads and writes optimizer states on the SSD, but this model has no SSD store; "
+                "compile with offload=shfx.Offload(optimizer='nvme', path=...)"
+            )
+        return eng.ssd
+
+    def run_ssd_read(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """SR g: the group's states into host-window buffer ``m.buffer``, on the window's read
+        stream; the token completes when the reads did (:meth:`SSDWindow.read`)."""
+        w = self._ssd_window(m)
+        return w.read_stream.submit(self._timed(lambda: w.read(m.stage, m.buffer), m), deps, str(m.action))
+
+    def run_ssd_write(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """SW g: the group's states back to the SSD; its buffer is free when the token completes."""
+        w = self._ssd_window(m)
+        return w.write_stream.submit(self._timed(lambda: w.write(m.stage), m), deps, str(m.action))
+
+    def _data_parallel(self, m: ActionMeta) -> DataParallelRuntime:
+        eng = self.engine
+        if eng.dp is None:
+            raise ScheduleError(
+                f"{m.action}: the program is data parallel, but this model was compiled without it; compile with "
+                "shfx.compile(..., data_parallel=True) under torch.distributed"
+            )
+        return eng.dp
+
+    def run_reduce_grads(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """RS g (queue ``reduce``, every backward): the group's local gradient, complete once the
+        OGs it waits for ran, reduce-scattered into this rank's gradient shard (copied at the
+        first micro-step, added at later ones)."""
+        eng = self.engine
+        dp, store, g = self._data_parallel(m), eng.store, m.stage
+
+        def run() -> None:
+            acc = ctx.accumulation
+            local = acc.local.pop(g, None) if acc is not None else None
+            dp.reduce_grads(str(m.action), g, local, first=store.grad_state[g] == GRAD_NONE)
+            store.grad_state[g] = GRAD_VALID
+
+        return self._submit(m, run, deps)
+
+    def run_gather_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """AG g (queue ``gather``, after U g): the updated shards of the group's working copy
+        from every rank into the host image."""
+        dp = self._data_parallel(m)
+        return self._submit(m, lambda: dp.gather_params(str(m.action), m.stage), deps)
+
+    def run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        if eng.clip_coef is None or m.phase not in ("step", "next-forward"):
+            return self._submit(m, self.update_task(m.stage, finite=eng.step_checked), deps)
+        # after the gate: scale the gradient by the clip coefficient, then update
+        g, coef, update = m.stage, eng.clip_coef, self.update_task(m.stage, check=False, finite=False)
+        store = eng.store
+
+        def run() -> None:
+            store.grad(g).data.mul_(coef)  # as clip_grad_norm_'s _foreach_mul_ (through .data: no user edit)
+            update()
+
+        return self._submit(m, run, deps)
+
+    def run_grad_norm(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        return self._submit(m, lambda: eng.clipping.record(m.stage), deps)
+
+    def run_norm_reduce(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """NR0 (data parallel, the reduce queue): every parameter's norm on every rank."""
+        eng = self.engine
+        self._data_parallel(m)
+        return self._submit(m, eng.clipping.reduce_across_ranks, deps)
+
+    def run_check(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """CK0, the step's gate: the total norm and the clip coefficient, read by step()."""
+        eng = self.engine
+        return self._submit(m, lambda: eng.clipping.check(self.clip_groups()), deps)
+
+    def run_device_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        return self._submit(m, self.device_step_task(ctx.variant, m.stage, m.slot, finite=eng.step_checked), deps)
+
+    def run_offload_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        return self._submit(m, lambda: self.offload_params(stage, m.slot), deps)
+
+    def run_prefetch(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        stage = ctx.variant.graph.stages[m.stage]
+        if eng.deferred:  # the clipped updates step() started: the weights this copies must be final
+            deps = deps + eng.deferred.deps_for({c.group for c in stage.slot.prefetch})
+        return self._submit(m, lambda: self.prefetch(stage, m.slot, ctx.variant), deps)
+
+    def run_forward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        stage = ctx.variant.graph.stages[m.stage]
+
+        def run() -> None:
+            with CAPTURE_GATE.stage():
+                eng._forward(ctx, stage, m.slot, m.keep_graph)
+
+        return self._submit(m, run, deps)
+
+    def run_offload_buffers(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        stage = ctx.variant.graph.stages[m.stage]
+        return self._submit(m, lambda: self._offload_buffers(stage, m.slot), deps)
+
+    def run_backward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        stage = ctx.variant.graph.stages[m.stage]
+        grads_to = m.grads_to or "slot"
+
+        def run() -> None:
+            with CAPTURE_GATE.stage():
+                eng._backward(ctx, stage, m.slot, cold, grads_to)
+
+        return self._submit(m, run, deps)
+
+    def run_offload_grad(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        eng = self.engine
+        stage = ctx.variant.graph.stages[m.stage]
+        if eng.delayed:  # the previous step's update still reads these host gradients
+            deps = deps + eng.delayed.deps_for(stage.spec.grad_groups)
+        return eng.gradients.offload(ctx, stage, m, deps, self._timed)
+
+    # ---- the transfers' tasks --------------------------------------------------------------------
+    def prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:
+        """Copy the stage's parameters and buffers into ``slot``: from the host, or, for copies of
+        a group updated on the device in a persistent owner's slot, from there (the host is stale)."""
+        eng = self.engine
+        for c in stage.slot.prefetch:
+            dst = eng.pool.region(slot, c.slot_offset, c.nbytes)
+            src = self._device_copy_source(variant, stage.index, c) if variant is not None else None
+            if src is not None:
+                dst.copy_(src)
+            else:
+                eng.backend.h2d_copy(dst, eng.store.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes])
+
+    def group_base(self, variant: Variant, group: int) -> tuple[int, int]:
+        """(owner stage, offset of the group's first byte in the owner's slot): a group is laid
+        out in its owner's slot as on the host."""
+        eng = self.engine
+        owner = variant.graph.stages[variant.owner_of[group]]
+        grp = eng.store.groups[group]
+        first = grp.infos[0].key
+        return owner.index, owner.slot.offsets[first] - grp.offsets[first]
+
+    def _device_copy_source(self, variant: Variant, stage: int, c: Any) -> torch.Tensor | None:
+        """Where a borrowed copy's current values are on the device, if the host's are stale."""
+        eng = self.engine
+        if c.group not in variant.device_groups:
+            return None
+        owner, base = self.group_base(variant, c.group)
+        if owner == stage or owner not in variant.train.persistent:
+            return None  # the owner itself, or a transient owner that copies its update back (OP)
+        return eng.pool.region(variant.train.persistent.index(owner), base + c.host_offset, c.nbytes)
+
+    def _offload_buffers(self, stage: Stage, slot: int) -> None:
+        eng = self.engine
+        for c in stage.slot.buffers_out:
+            dst = eng.store.group_bytes(c.group)[c.host_offset : c.host_offset + c.nbytes]
+            eng.backend.d2h_copy(dst, eng.pool.region(slot, c.slot_offset, c.nbytes))
+
+    # ---- the updates' tasks (DU on the device, U on the host) and what they read -----------------
+    def device_step_task(self, variant: Variant, group: int, slot: int, finite: bool | None = None) -> Callable[[], None]:
+        """DU: AdamW on the device for ``group``, in the slot of the stage owning it."""
+        eng = self.engine
+        if eng.device_optimizer is None:
+            return lambda: None
+        hp = eng.optimizer.config.hyperparams()
+        owner, base = self.group_base(variant, group)
+        grp = eng.store.groups[group]
+
+        persistent = owner in variant.train.persistent
+        finite = eng.check_finite if finite is None else finite
+
+        def run() -> None:
+            if eng.gradients.device_state.get(group, GRAD_NONE) != GRAD_VALID:
+                return
+            n = grp.trainable_bytes
+            params = eng.pool.region(slot, base, n).view(grp.dtypes.working)
+            grads = eng.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
+            flag = None
+            if finite:
+                # NOTE: the check stays on the device (a host read here would synchronize the
+                # issuing thread with the GPU once per group): a non-finite gradient makes the
+                # update a no-op there, and step() reads every group's flag at once
+                flag = torch.isfinite(grads.sum(dtype=torch.float32)).logical_not().to(torch.float32)
+                eng.nonfinite_flags[group] = flag
+            eng.journal.before_device_update(group, params, (slot, base) if persistent else None)
+            eng.device_optimizer.update(grp, params, grads, hp, found_inf=flag)
+            eng.journal.done("device", group)
+            eng.dirty.add(group)
+            self._refresh_borrowers(variant, group)
+
+        return run
+
+    def _refresh_borrowers(self, variant: Variant, group: int) -> None:
+        """Persistent borrowers (tied weights) of a device-updated group hold copies: refresh
+        them from the owner's slot (every contributor's backward, the last reader of those
+        copies this step, is done)."""
+        eng = self.engine
+        owner, base = self.group_base(variant, group)
+        if owner not in variant.train.persistent:
+            return
+        slot = variant.train.persistent.index(owner)
+        for k, s in enumerate(variant.train.persistent):
+            if s == owner:
+                continue
+            for c in variant.graph.stages[s].slot.prefetch:
+                if c.group == group:
+                    eng.pool.region(k, c.slot_offset, c.nbytes).copy_(eng.pool.region(slot, base + c.host_offset, c.nbytes))
+
+    def offload_params(self, stage: Stage, slot: int) -> None:
+        """OP: the stage's updated parameters (its own group's trainable region) back to the host."""
+        eng = self.engine
+        g = stage.spec.update_group
+        grp = eng.store.groups[g]
+        base = stage.slot.offsets[grp.infos[0].key] - grp.offsets[grp.infos[0].key]
+        eng.backend.d2h_copy(eng.store.group_bytes(g)[: grp.trainable_bytes], eng.pool.region(slot, base, grp.trainable_bytes))
+        eng.dirty.discard(g)
+
+    def update_task(self, group: int, check: bool = True, finite: bool | None = None) -> Callable[[], None]:
+        """The host update of ``group``; with ``check``, only if its gradient is valid when the
+        task runs (a delayed update was checked when issued: zero_grad() may run before it)."""
+        eng = self.engine
+        if eng.optimizer is None:
+            return lambda: None
+        hp = eng.optimizer.config.hyperparams()
+        opt, store, journal = eng.optimizer, eng.store, eng.journal
+        finite = eng.check_finite if finite is None else finite
+        scaler, unscaled, whose = eng.scaler, eng.unscaled, self.whose(group, "host")
+
+        ssd = eng.ssd if eng.ssd is not None and group in eng.ssd.groups else None
+
+        def run() -> None:
+            if not check or store.grad_state[group] == GRAD_VALID:
+                if ssd is not None and not ssd.is_staged(group):
+                    # an update outside the program's SR/SW (step() without overlap, clipping's
+                    # deferred updates): read, update and write back here
+                    with ssd.staged(group):
+                        body()
+                else:
+                    body()
+
+        def body() -> None:
+            if finite:
+                require_finite(store.grad(group), group, whose)
+            journal.before_host_update(group)
+            if scaler is not None and group not in unscaled:
+                # as the fused kernel's grad_scale divides (bitwise alike); through .data, so
+                # the exposed .grad views' version counters see no user edit
+                store.grad(group).data.div_(scaler.scale_tensor())
+                unscaled.add(group)
+            opt.update(group, hp)  # (mixed precision: also writes the 16-bit working copy, same pass)
+            journal.done("host", group)
+
+        return run
+
+    def whose(self, group: int, where: str) -> str:
+        """``group``'s gradient, in words: the stage owning it (``"stage 'blocks.2' (parameter
+        group 3, on the host)"``)."""
+        eng = self.engine
+        v = eng.current
+        name = ""
+        if v is not None and group in v.owner_of:
+            name = f"stage {v.graph.stages[v.owner_of[group]].name!r} "
+        return f"{name}(parameter group {group}, on the {where})"
+
+    def clip_groups(self) -> list[int]:
+        """The host groups a clipped step reads and updates (their gradient is valid), in
+        forward order (the order of the stages owning them)."""
+        eng = self.engine
+        v = eng.current
+        dev = v.device_groups if v is not None else frozenset()
+        if dev:
+            raise UsageError(
+                f"gradient clipping needs every gradient on the host, but {v.train.name!r} updates groups "
+                f"{sorted(dev)} on the device; use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity"
+            )
+        groups = [gi for gi, g in enumerate(eng.store.groups) if g.trainable_bytes and eng.store.grad_state[gi] == GRAD_VALID]
+        if v is not None:
+            groups.sort(key=lambda gi: v.owner_of.get(gi, gi))
+        return groups

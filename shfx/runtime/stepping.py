@@ -1,0 +1,599 @@
+"""``step()``: applying (or skipping) the optimizer step of one engine.
+
+:class:`StepRunner` is everything ``cm.step()`` does once the backward is done: it issues the
+program's step phase (``overlap_update=False``; :meth:`StepRunner._issue_step_phase`), or waits
+for the updates the backward started, or runs them itself; clipped steps (the gate ``CK0``,
+:meth:`StepRunner._gated_step`; :meth:`StepRunner._clipped_step`); ZeRO-Offload's delayed
+update (:meth:`StepRunner._delayed_step`); the non-finite checks that skip or fail a step; and
+:meth:`StepRunner._finish_step`, which commits the step or undoes it and raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shfx.passes.actions import ActionKind
+from shfx.passes.meta import get_meta
+from shfx.passes.pipeline import Variant
+from shfx.passes.program import Program
+
+from ..errors import ActionError, NonFiniteGradient, OutOfDeviceMemory, UsageError
+from .clipping import Clipping
+from .failures import StepFailures, oom_in, state_note, with_note
+from .handlers import ActionHandlers, require_finite
+from .host_store import GRAD_NONE, GRAD_VALID
+from .streams import Cancelled, DependencyFailed, Token, root_cause
+
+__all__ = ["StepPhase", "StepRunner"]
+
+
+class StepPhase:
+    """What the actions ``step()`` issues see of their step (the step and next-forward phases):
+    the variant, and each issued node's token (their dependencies on the backward's actions
+    are done: those are left out)."""
+
+    def __init__(self, variant: Variant) -> None:
+        self.variant = variant
+        self.env: dict[fx.Node, Token] = {}
+        self.accumulation = None
+
+
+class StepRunner:
+    """``step()``, ``zero_grad()``, clipping's norms and the delayed and deferred updates of one
+    engine; the tasks it issues are ``handlers``', a failure is undone through ``failures``.
+
+    What it uses of the engine (:class:`~shfx.runtime.engine.Engine`): ``backend``, ``store``,
+    ``optimizer``, ``journal``, ``gradients``, ``clipping``, ``dp``, ``current``, ``loaded``,
+    ``pending_updates``, ``deferred``, ``delayed``, ``delayed_update``, ``overlap_update``,
+    ``param_keys_by_group``, the step's flags and counters (``check_finite``, ``step_checked``,
+    ``clip_coef``, ``skip_nonfinite``, ``scaler``, ``nonfinite_flags``, ``backward_calls``,
+    ``skipped_steps``, ``last_step_skipped``), and its methods ``issue`` (a phase's nodes),
+    ``expose_grads``, ``end_step_clock`` and ``drop_step_clock``."""
+
+    def __init__(self, engine: Any, handlers: ActionHandlers, failures: StepFailures) -> None:
+        self.engine = engine
+        self.handlers = handlers
+        self.failures = failures
+
+    # ---- the step: issue or wait for the updates, then commit or undo ----------------------------
+    def step(self, program: Program | None = None) -> bool:
+        """Apply the optimizer: wait for updates started during backward, or run them now.
+
+        Returns False when the step was skipped (``skip_nonfinite`` and a gradient holds inf or
+        NaN): no group is updated, the gradients stay. A failed or interrupted step is rolled
+        back (``rollback=True``) and the gradients stay, so calling ``step()`` again applies
+        it; with ``rollback=False`` the error says which groups were updated, and calling
+        ``step()`` again applies only the others."""
+        eng = self.engine
+        if eng.optimizer is None:
+            raise UsageError("step() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
+        if eng.delayed_update:
+            self._delayed_step()
+            return True
+        v = eng.current
+        if v is not None and v.train.updates_in_step:
+            skipped = self._issue_step_phase(v)
+            return skipped if skipped is not None else self._finish_step()
+        if eng.clipping.clip is not None or eng.clipping.clipped is not None:
+            return self._clipped_step()
+        if not eng.pending_updates:
+            eng.last_step_skipped = False
+            done = eng.journal.applied  # a retried step: the updates that ran before it failed
+            v = eng.current
+            dev = v.device_groups if v is not None else frozenset()
+            groups = [
+                i
+                for i, g in enumerate(eng.store.groups)
+                if g.trainable_bytes and i not in dev and eng.store.grad_state[i] == GRAD_VALID and ("host", i) not in done
+            ]
+            dev_groups = []
+            for gi in sorted(dev):
+                if eng.gradients.device_state.get(gi, GRAD_NONE) != GRAD_VALID or ("device", gi) in done:
+                    continue
+                owner = v.owner_of[gi]
+                if eng.loaded is not v or owner not in v.train.persistent:
+                    raise UsageError(
+                        f"group {gi} is updated on the device while its stage is resident, and it is not now: "
+                        "its gradient is gone with the slot. Run the step again from the forward."
+                    )
+                dev_groups.append((gi, v.train.persistent.index(owner)))
+            bad = self._first_nonfinite(v, groups, dev_groups) if eng.check_finite else None
+            if bad is not None:
+                if eng.skip_nonfinite:
+                    return self._skip_step()  # every gradient is known: nothing has run
+                raise self._nonfinite_error(bad, [], [])
+            for gi in groups:
+                tok = eng.backend.cpu.submit(self.handlers.task(f"U{gi}", self.handlers.update_task(gi, finite=False)), [], f"U{gi}")
+                eng.pending_updates.append((f"U{gi}", tok))
+                if eng.dp is not None:  # the program's AG after each U: the updated shards to every rank
+                    ag = eng.backend.gather.submit(
+                        self.handlers.task(f"AG{gi}", lambda gi=gi: eng.dp.gather_params(f"AG{gi}", gi)), [tok], f"AG{gi}"
+                    )  # fmt: skip
+                    eng.pending_updates.append((f"AG{gi}", ag))
+            for gi, slot in dev_groups:
+                task = self.handlers.device_step_task(v, gi, slot, finite=False)
+                tok = eng.backend.compute.submit(self.handlers.task(f"DU{gi}", task), [], f"DU{gi}")
+                eng.pending_updates.append((f"DU{gi}", tok))
+        return self._finish_step()
+
+    def _issue_step_phase(self, v: Variant) -> bool | None:
+        """Issue the step phase of a program whose updates run in ``step()`` (``overlap_update=
+        False``: :data:`~shfx.passes.features.UPDATES_IN_STEP`): the gate ``CK0`` (waited for:
+        with clipping the total norm and coefficient), or the finite check of every gradient, then
+        the updates of the groups holding a gradient and not applied yet (a retried step), their SSD
+        transfers and all-gathers, and the refresh of the persistent stages. Their tokens go to
+        ``pending_updates`` for :meth:`_finish_step`; returns False for a skipped step, None
+        otherwise."""
+        eng = self.engine
+        program = v.train
+        clipping = eng.clipping.clip is not None or eng.clipping.clipped is not None
+        if clipping:
+            self._wait_norms()
+        eng.pending_updates.clear()
+        eng.last_step_skipped = False
+        done = eng.journal.applied  # a retried step: the updates that ran before it failed
+        dev = v.device_groups
+        host = {gi for gi, g in enumerate(eng.store.groups) if g.trainable_bytes and gi not in dev
+                and eng.store.grad_state[gi] == GRAD_VALID and ("host", gi) not in done}  # fmt: skip
+        device = {gi for gi in dev if eng.gradients.device_state.get(gi, GRAD_NONE) == GRAD_VALID and ("device", gi) not in done}
+        for gi in sorted(device):
+            if eng.loaded is not v or v.owner_of[gi] not in program.persistent:
+                raise UsageError(
+                    f"group {gi} is updated on the device while its stage is resident, and it is not now: "
+                    "its gradient is gone with the slot. Run the step again from the forward."
+                )
+        phase = StepPhase(v)
+        nodes = program.phase_nodes("step")
+        gate = [n for n in nodes if get_meta(n).kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK)]
+        if clipping:
+            issued = eng.issue(phase, program, gate, cold=False, skip_updates=False)
+            eng.pending_updates.clear()
+            for _, tok in issued:
+                tok.wait()
+            self._raise_gate_failure(issued)
+            max_norm, total = eng.clipping.gate
+            eng.clipping.gate = None
+            skipped = self._begin_clipped(total)
+            if skipped is not None:
+                return skipped
+            eng.clip_coef = Clipping.coefficient(max_norm, total)
+        elif eng.check_finite:
+            dev_slots = [(gi, program.persistent.index(v.owner_of[gi])) for gi in sorted(device)]
+            bad = self._first_nonfinite(v, sorted(host), dev_slots)
+            if bad is not None:
+                if eng.skip_nonfinite:
+                    return self._skip_step()  # every gradient is known: nothing has run
+                raise self._nonfinite_error(bad, [], [])
+        wanted = []
+        for n in nodes:
+            m = get_meta(n)
+            if m.kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK):
+                continue
+            if m.kind == ActionKind.DEVICE_STEP and m.stage not in device:
+                continue
+            if m.kind in (ActionKind.CPU_STEP, ActionKind.SSD_READ, ActionKind.SSD_WRITE, ActionKind.GATHER_PARAMS) and m.stage not in host:
+                continue
+            wanted.append(n)
+        eng.step_checked = False
+        try:
+            issued = eng.issue(phase, program, wanted, cold=False, skip_updates=False)
+        finally:
+            eng.step_checked = None
+            eng.clip_coef = None
+        eng.pending_updates = [(str(get_meta(n).action), tok) for n, tok in issued]
+        return None
+
+    def _raise_gate_failure(self, issued: list[tuple[fx.Node, Token]]) -> None:
+        """A failed ``NR0``/``CK0``: nothing was applied, the gradients stay; raise naming it."""
+        eng = self.engine
+        failed = [(str(get_meta(n).action), tok) for n, tok in issued if tok.error is not None]
+        if not failed:
+            return
+        label, tok = failed[0]
+        err = root_cause(tok.error)
+        eng.clipping.grad_norms.clear()
+        eng.drop_step_clock()
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise err
+        what = "gradient norms' reduction across ranks" if label.startswith("NR") else "gate (total gradient norm)"
+        e = ActionError(f"the step's {what} {label} failed: {type(err).__name__}: {err}", label)
+        raise with_note(e, state_note("step", [], [], gradients="kept")) from err
+
+    def _finish_step(self) -> bool:
+        """Wait for the step's updates (``pending_updates``), then commit, or undo and raise."""
+        eng = self.engine
+        pending, eng.pending_updates = eng.pending_updates, []
+        interrupt: BaseException | None = None
+        try:
+            with self.failures.deferred_interrupt(abandon=eng.journal.enabled):
+                for _, tok in pending:
+                    tok.wait()
+            if self.failures.interrupted:
+                raise KeyboardInterrupt
+        except BaseException as e:  # an interrupt while waiting
+            if eng.journal.enabled:  # skip what has not started, then undo the rest (below)
+                self.failures.quiesce([t for _, t in pending])
+            else:  # the updates cannot be undone: let them all finish, then raise
+                for _, tok in pending:
+                    tok.wait()
+                if all(tok.error is None for _, tok in pending):
+                    eng.journal.commit()
+                    eng.backward_calls = 0
+                    eng.end_step_clock()
+                    raise with_note(e, "The interrupt came during cm.step(); shfx finished its updates first: the "
+                                     "step is applied and the state is consistent.") from None
+            interrupt = e
+        causes = [(label, root_cause(tok.error)) for label, tok in pending if tok.error is not None]
+        causes += self._device_nonfinite()
+        nonfinite = [(label, e) for label, e in causes if isinstance(e, NonFiniteGradient)]
+        real = [(label, e) for label, e in causes if not isinstance(e, (NonFiniteGradient, Cancelled, DependencyFailed))]
+        if interrupt is None:
+            interrupt = next((e for _, e in real if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+        if interrupt is not None or real:
+            restored, applied = self.failures.undo_step()
+            retry = self._gradients_survive()
+            if not retry:
+                self.failures.clear_grads()
+            eng.drop_step_clock()
+            note = state_note("step", restored, applied, gradients="kept" if retry else "cleared")
+            if interrupt is not None:
+                raise with_note(interrupt, note)
+            label, err = real[0]
+            if isinstance(err, OutOfDeviceMemory):
+                e = oom_in(err, f"the optimizer update {label}")
+            else:
+                what = {
+                    "DU": "device optimizer update", "SR": "SSD read of optimizer states",
+                    "SW": "SSD write of optimizer states", "AG": "data-parallel all-gather of the updated weights",
+                    "PF": "refresh of a persistent stage's weights",
+                }  # fmt: skip
+                e = ActionError(f"{what.get(label[:2], 'host optimizer update')} {label} failed: {type(err).__name__}: {err}", label)
+            raise with_note(e, note) from err
+        if nonfinite:
+            if not eng.skip_nonfinite:
+                restored, applied = self.failures.undo_step()
+                raise self._nonfinite_error(nonfinite[0][1], restored, applied)
+            if eng.journal.enabled:
+                self.failures.undo_step()
+            elif eng.journal.applied:  # pragma: no cover - refused at compile (skip_nonfinite needs rollback)
+                raise AssertionError("a non-finite step was partly applied without rollback")
+            return self._skip_step()
+        eng.journal.commit()
+        eng.backward_calls = 0
+        eng.end_step_clock()
+        if eng.scaler is not None:
+            eng.scaler.update(False)
+        return True
+
+    # ---- ZeRO-Offload's delayed update (shfx.runtime.delayed) ------------------------------------
+    def _delayed_step(self) -> None:
+        """DPU: finish the previous step's updates, refresh the persistent slots with their
+        weights, start this step's updates and return while they run."""
+        eng = self.engine
+        self.finish_delayed(refresh=True)
+        eng.journal.commit()
+        v = eng.current
+        dev = v.device_groups if v is not None else frozenset()
+        groups = [
+            gi
+            for gi, g in enumerate(eng.store.groups)
+            if g.trainable_bytes and gi not in dev and eng.store.grad_state[gi] == GRAD_VALID
+        ]
+        eng.delayed.start(
+            groups, lambda gi: eng.backend.cpu.submit(self.handlers.task(f"U{gi}", self.handlers.update_task(gi, check=False)), [], f"U{gi} (delayed)")
+        )  # fmt: skip
+        eng.backward_calls = 0
+        eng.end_step_clock()
+
+    def wait_delayed(self) -> None:
+        """Wait for the delayed updates to reach the host weights (state_dict), leaving the
+        device on the weights before them until the next step() refreshes it."""
+        eng = self.engine
+        try:
+            eng.delayed.wait()
+        except ActionError as e:
+            eng.delayed.clear()
+            eng.loaded = None
+            restored, applied = self.failures.undo_step()
+            raise with_note(e, state_note("delayed update", restored, applied, gradients="kept")) from e.__cause__
+
+    def finish_delayed(self, refresh: bool = True) -> None:
+        """Wait for the delayed updates; with ``refresh``, copy the updated weights into the
+        persistent slots (otherwise they reload before the next step)."""
+        eng = self.engine
+        try:
+            if not eng.delayed.finish():
+                return
+        except ActionError as e:
+            eng.loaded = None
+            restored, applied = self.failures.undo_step()
+            raise with_note(e, state_note("delayed update", restored, applied, gradients="kept")) from e.__cause__
+        v = eng.loaded
+        if v is None:
+            return
+        if not refresh:
+            eng.loaded = None
+            return
+        toks = [eng.backend.h2d.submit(lambda st=v.graph.stages[s], k=k: self.handlers.prefetch(st, k)) for k, s in enumerate(v.train.persistent)]
+        for t in toks:
+            t.wait()
+        errors = [t.error for t in toks if t.error is not None]
+        if errors:
+            eng.loaded = None
+            raise errors[0]
+
+    # ---- exact global-norm gradient clipping (shfx.runtime.clipping) -----------------------------
+    def _gated_step(self, v: Variant) -> bool:
+        """step() of a program with a step phase (exact clipping, updates overlapped): the
+        program's step phase (``NR0``, the gate ``CK0``) is issued and waited for; then its
+        next-forward phase (every clipped ``U``, with their ``SR``/``SW``/``AG``) is started and
+        step() returns: the next forward's prefetches wait for the updates of the groups they
+        read (``eng.deferred``), and anything reading the weights first waits for them all."""
+        eng = self.engine
+        self.await_deferred()
+        self._wait_norms()
+        eng.pending_updates.clear()
+        program = v.train
+        phase = StepPhase(v)
+        issued = eng.issue(phase, program, program.phase_nodes("step"), cold=False, skip_updates=False)
+        eng.pending_updates.clear()
+        for _, tok in issued:
+            tok.wait()
+        self._raise_gate_failure(issued)
+        max_norm, total = eng.clipping.gate
+        eng.clipping.gate = None
+        skipped = self._begin_clipped(total)
+        if skipped is not None:
+            return skipped
+        eng.clip_coef = Clipping.coefficient(max_norm, total)
+        eng.backward_calls = 0
+        if eng.scaler is not None:
+            eng.scaler.update(False)
+        tail = eng.issue(phase, program, program.phase_nodes("next-forward"), cold=False, skip_updates=False)
+        eng.pending_updates.clear()
+        for n, tok in tail:
+            m = get_meta(n)
+            if m.kind in (ActionKind.CPU_STEP, ActionKind.GATHER_PARAMS):  # what a prefetch of the group waits for
+                eng.deferred.running[m.stage] = tok
+            else:
+                eng.deferred.others.append(tok)
+        eng.end_step_clock()
+        return True
+
+    def _clipped_step(self) -> bool:
+        """step() with clipping when the updates are not overlapped (``overlap_update=False``,
+        or a program without a step phase): the total norm (from the GRAD_NORMs of the backward,
+        or computed now), then each group's update scales its gradient by the clip coefficient
+        and applies AdamW, in forward order; step() waits for them."""
+        eng = self.engine
+        v = eng.current
+        if eng.overlap_update and v is not None and v.train.phase_nodes("step"):
+            return self._gated_step(v)
+        self.await_deferred()
+        clipping = eng.clipping
+        if clipping.clipped is not None:
+            max_norm, total = clipping.clipped
+        else:
+            assert clipping.clip is not None
+            max_norm, total = clipping.clip[0], self.total_grad_norm(clipping.clip[1])
+        skipped = self._begin_clipped(total)
+        if skipped is not None:
+            return skipped
+        groups = self.handlers.clip_groups()
+        coef = Clipping.coefficient(max_norm, total)
+        store = eng.store
+
+        def task(gi: int) -> Callable[[], None]:
+            update = self.handlers.update_task(gi, check=False, finite=False)
+
+            def run() -> None:
+                store.grad(gi).data.mul_(coef)  # as clip_grad_norm_'s _foreach_mul_ (through .data: no user edit)
+                update()
+
+            return self.handlers.task(f"U{gi}", run)
+
+        eng.backward_calls = 0
+        if eng.scaler is not None:
+            eng.scaler.update(False)
+        eng.deferred.start(groups, lambda gi: eng.backend.cpu.submit(task(gi), [], f"U{gi}"))
+        self.await_deferred()
+        eng.end_step_clock()
+        return True
+
+    def _begin_clipped(self, total: torch.Tensor) -> bool | None:
+        """The common start of a clipped step once its total norm is known: the step's records
+        reset; a non-finite total skips the step (``skip_nonfinite``: returns False) or fails it."""
+        eng = self.engine
+        clipping = eng.clipping
+        eng.pending_updates.clear()
+        clipping.clipped = None
+        clipping.grad_norms.clear()
+        clipping.last_grad_norm = total
+        eng.last_step_skipped = False
+        if not bool(torch.isfinite(total)):
+            if eng.skip_nonfinite:
+                return self._skip_step()
+            if eng.check_finite:
+                groups = self.handlers.clip_groups()
+                err = NonFiniteGradient(f"the total gradient norm is {float(total)}", groups[0] if groups else -1)
+                raise self._nonfinite_error(err, [], [])
+        return None
+
+    def await_deferred(self) -> None:
+        """Wait for the clipped updates the last ``step()`` started (anything reading the weights
+        between steps: ``state_dict``, ``sync``, an inference forward, ``close``, the next
+        backward). A failed one rolls the step back (``rollback=True``) and drops the gradients
+        (they were scaled), and raises saying so."""
+        eng = self.engine
+        if not eng.deferred:
+            return
+        pending = [(f"U{g}", tok) for g, tok in eng.deferred.running.items()]
+        pending += [(tok.label or "?", tok) for tok in eng.deferred.others]
+        eng.deferred.clear()
+        for _, tok in pending:
+            tok.wait()
+        failed = [(label, tok) for label, tok in pending if tok.error is not None]
+        if not failed:
+            eng.journal.commit()
+            return
+        # the first failure that is not another's (an all-gather after a failed update)
+        label, tok = next(((lb, t) for lb, t in failed if not isinstance(t.error, DependencyFailed)), failed[0])
+        err = root_cause(tok.error)
+        restored, applied = self.failures.undo_step()
+        self.failures.clear_grads()
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise err
+        label = tok.label or label
+        what = {"SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states",
+                "AG": "data-parallel all-gather of the updated weights"}.get(label[:2], "host optimizer update")  # fmt: skip
+        e = ActionError(f"{what} {label} (clipped, started by step()) failed: {type(err).__name__}: {err}", label)
+        raise with_note(e, state_note("step", restored, applied, gradients="cleared")) from err
+
+    def _wait_norms(self) -> None:
+        """Wait for the GRAD_NORMs the backward started; a failure drops the step's gradients."""
+        eng = self.engine
+        for _, tok in eng.pending_updates:
+            tok.wait()
+        failed = [(label, tok) for label, tok in eng.pending_updates if tok.error is not None]
+        if failed:
+            eng.pending_updates.clear()
+            eng.clipping.grad_norms.clear()
+            label, tok = failed[0]
+            err = root_cause(tok.error)
+            self.failures.clear_grads()
+            eng.drop_step_clock()
+            e = ActionError(f"gradient norm {label} failed: {type(err).__name__}: {err}", label)
+            raise with_note(e, state_note("step", [], [], gradients="cleared")) from err
+
+    def total_grad_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm of every host gradient of the step, as ``torch.nn.utils.clip_grad_norm_``
+        computes it over the model's parameters: waits for the GRAD_NORMs the backward started
+        and computes the others now."""
+        eng = self.engine
+        self._wait_norms()
+        return eng.clipping.total(self.handlers.clip_groups(), norm_type)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``cm.clip_grad_norm_``: the total norm of the step's gradients; ``step()`` scales them by
+        ``min(max_norm / (total + 1e-6), 1)`` before its updates (as eager's clip, then step)."""
+        eng = self.engine
+        if eng.optimizer is None:
+            raise UsageError("clip_grad_norm_() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
+        total = self.total_grad_norm(float(norm_type))
+        eng.clipping.clipped = (float(max_norm), total)
+        return total
+
+    # ---- non-finite gradients: skip (skip_nonfinite, fp16) or fail the step ----------------------
+    def _first_nonfinite(
+        self, v: Variant | None, groups: list[int], dev_groups: list[tuple[int, int]]
+    ) -> NonFiniteGradient | None:
+        """The error of the first gradient a step() would apply that holds inf or NaN, or None
+        (checked before any update)."""
+        eng = self.engine
+        try:
+            for gi in groups:
+                require_finite(eng.store.grad(gi), gi, self.handlers.whose(gi, "host"))
+            for gi, slot in dev_groups:
+                _, base = self.handlers.group_base(v, gi)
+                grp = eng.store.groups[gi]
+                dgrad = eng.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
+                require_finite(dgrad, gi, self.handlers.whose(gi, "device"))
+        except NonFiniteGradient as e:
+            return e
+        return None
+
+    def _device_nonfinite(self) -> list[tuple[str, NonFiniteGradient]]:
+        """The device-updated groups whose gradient held inf or NaN this step (their update was
+        a no-op on the device, so it is not counted as applied): one host read for all flags."""
+        eng = self.engine
+        flags, eng.nonfinite_flags = eng.nonfinite_flags, {}
+        if not flags:
+            return []
+        groups = sorted(flags)
+        bad = torch.stack([flags[g] for g in groups]).cpu().tolist()
+        out = []
+        for g, b in zip(groups, bad):
+            if b:
+                eng.journal.applied.discard(("device", g))
+                out.append((f"DU{g}", NonFiniteGradient(f"the gradient of {self.handlers.whose(g, 'device')} holds inf or NaN", g)))
+        return out
+
+    def _nonfinite_error(self, err: NonFiniteGradient, restored: list[int], applied: list[int]) -> NonFiniteGradient:
+        """The error of a step whose gradient holds inf or NaN (``skip_nonfinite`` off): the step
+        is dropped, the gradients stay for inspection."""
+        eng = self.engine
+        eng.journal.commit()
+        eng.backward_calls = 0
+        eng.drop_step_clock()
+        if applied:
+            state = (
+                f"The updates of parameter groups {applied} had already run during backward (rollback is off: "
+                "shfx.compile(rollback=True) makes a step all-or-nothing), so those groups are updated and the others "
+                "are not; reload the last checkpoint to go on exactly."
+            )
+        else:
+            state = "The step was not applied: " + (
+                f"the updates that had run (parameter groups {restored}) were rolled back, so " if restored else ""
+            ) + "the weights and optimizer states are exactly as before it."
+        msg = (
+            f"{err} after backward(): {state} The gradients are kept for inspection (.grad); call cm.zero_grad() "
+            "and go on with the next batch, or lower the learning rate. To skip such steps instead of raising, "
+            "compile with skip_nonfinite=True (or precision='fp16', which skips overflowing steps)."
+        )
+        return NonFiniteGradient(msg, err.group)
+
+    def _skip_step(self) -> bool:
+        """The step is not applied (a non-finite gradient); the gradients stay for the user."""
+        eng = self.engine
+        eng.journal.commit()
+        eng.skipped_steps += 1
+        eng.last_step_skipped = True
+        if eng.scaler is not None:  # an overflow: back the scale off
+            eng.scaler.update(True)
+        eng.backward_calls = 0
+        eng.end_step_clock()
+        return False
+
+    def _gradients_survive(self) -> bool:
+        """Whether the step's gradients are all still where step() reads them: not when a group
+        updated on the device lost its gradient with a transient slot."""
+        eng = self.engine
+        v = eng.current
+        if v is None:
+            return True
+        return all(v.owner_of[g] in v.train.persistent for g in v.device_groups)
+
+    # ---- between steps ---------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        eng = self.engine
+        if eng.pending_updates:
+            raise UsageError(
+                "zero_grad() was called between backward() and step() while the update started by backward() is "
+                "pending; call cm.step() first (or compile with overlap_update=False)"
+            )
+        if not set_to_none:
+            self.await_deferred()  # zeroing the host gradients: the clipped updates read them
+        eng.clipping.clipped = None
+        eng.clipping.grad_norms.clear()
+        if not eng.delayed and not eng.deferred:
+            eng.journal.commit()  # a failed step's records: the user drops that step
+        st = eng.store
+        if not set_to_none:
+            self.finish_delayed()  # zeroing the host gradients: the delayed updates read them
+        for g in range(len(st.groups)):
+            if set_to_none:
+                st.grad_state[g] = GRAD_NONE
+            elif st.grad_state[g] == GRAD_VALID or st.groups[g].trainable_bytes:
+                st.grad(g).zero_()
+                st.grad_state[g] = GRAD_VALID
+        for g, keys in eng.param_keys_by_group.items():
+            for _, p in keys:
+                if set_to_none:
+                    p.grad = None
+        eng.gradients.reset_device()
+        if not set_to_none:
+            eng.expose_grads()
