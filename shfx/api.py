@@ -14,28 +14,23 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
-from shfx.passes.capture import (
-    CaptureError,
-    Captured,
-    DynamicDim,
-    DynamicShapes,
-    InputSignature,
-    cast_inputs,
-    check_real_inputs,
-    flatten_inputs,
-)
+from shfx.passes.capture import CaptureError, Captured, DynamicDim, cast_inputs, check_real_inputs, flatten_inputs
 from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pipeline import Variant, build_programs, compile_variant, with_policy
 from shfx.passes.policies import Policy, Stronghold
 from shfx.passes.program import ActionKind, Program
-from shfx.passes.units import format_bytes
 
 from shfx.cost_model.report import WindowReport
-from shfx.cost_model.tune import NoWindowFits, tune_window
 
-from .config import _DYNAMIC_NAMES, Config
+from ._capacity import check_capacity, check_deferrable, check_one_stage
+from ._capture_cache import covering, dynamic_dims, masked, shape_change_error, structure
+from ._model_binding import Bound, bind_record, check_model
+from ._runtime_setup import ensure_ssd, start_engine
+from ._state_methods import StateMethods
+from ._tuning import measure_ssd_rates, tune_variant, warn_unused_window
+from .config import Config
 # data parallel's refusals live in shfx.config (check_supported); the name stays importable here
 from .config import _check_data_parallel as _check_data_parallel  # noqa: F401
 from .devices import CudaDevice, EmulatedDevice
@@ -57,6 +52,17 @@ _POLICY_OPTIONS = {
 # model -> its live compiled model. NOTE: the value is a weak reference: the compiled model holds
 # its model, so a strong value would keep both (and the backend's worker threads) alive forever.
 _COMPILED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[CompiledModel]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_policy_options(kwargs: dict[str, Any]) -> None:
+    """Refuse an option :data:`_POLICY_OPTIONS` moved onto its policy, saying how to pass it now."""
+    moved = [k for k in kwargs if k in _POLICY_OPTIONS]
+    if moved:
+        k = moved[0]
+        raise TypeError(
+            f"shfx.compile({k}=...) is an option of the policy now: pass {_POLICY_OPTIONS[k]} "
+            "(policy-specific options live on the policy object)"
+        )
 
 
 def _compiled_of(model: nn.Module) -> CompiledModel | None:
@@ -96,116 +102,6 @@ def _make_backend(device: EmulatedDevice | CudaDevice, optimizer_workers: int) -
 
     return CudaBackend(device, optimizer_workers)
 
-
-def _clamped_window(variant: Variant) -> int | None:
-    """The fixed window the user asked for when it is larger than the stages ``variant``
-    streams (the policy then keeps all of them on the device), else None."""
-    asked = getattr(variant.policy, "window", None) if variant.policy.windowed else None
-    if not isinstance(asked, int) or isinstance(asked, bool):
-        return None
-    return asked if asked > variant.train.num_slots - len(variant.train.persistent) else None
-
-
-def _declared_dims(dynamic: dict, tensors: list[torch.Tensor]) -> list[DynamicDim] | None:
-    dims: dict[tuple[int, int], DynamicDim] = {}
-    for name, rng in dynamic.items():
-        if isinstance(name, str):
-            d = _DYNAMIC_NAMES[name]
-            for i, t in enumerate(tensors):
-                if t.dim() > d:
-                    dims[(i, d)] = DynamicDim(i, d, name, rng[0], rng[1])
-        else:
-            for d, (lo, hi) in rng.items():
-                if name < len(tensors) and 0 <= d < tensors[name].dim():
-                    dims[(name, d)] = DynamicDim(name, d, f"input{name}_dim{d}", lo, hi)
-    for dd in dims.values():
-        n = int(tensors[dd.input].shape[dd.dim])
-        if not dd.lo <= n <= dd.hi:
-            raise UsageError(
-                f"dimension {dd.dim} of tensor input {dd.input} is {n}, outside the dynamic range {dd.name}="
-                f"{(dd.lo, dd.hi)} declared with shfx.compile(dynamic=...); declare a range that holds it"
-            )
-    return list(dims.values()) or None
-
-
-def _tensor_names(args: tuple, kwargs: dict) -> list[str]:
-    """Per tensor leaf of the call (``flatten_inputs`` order), where it was passed:
-    ``args[0]``, ``kwargs['input_ids']``, ``args[1][0]``."""
-    from torch.utils import _pytree as pytree
-
-    leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    names = []
-    for path, leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            head = "args" if getattr(path[0], "idx", 0) == 0 else "kwargs"
-            names.append(head + pytree.keystr(path[1:]))
-    return names
-
-
-def _shape_change_error(
-    model_name: str, args: tuple, kwargs: dict, tensors: list[torch.Tensor], seen: set, e: CaptureError
-) -> CaptureError | None:
-    """The error for a capture that failed at a new size of a dimension earlier calls had
-    another size (``seen``: their shapes, same structure): which input, which dimension,
-    expected and got, instead of :func:`~shfx.passes.capture._capture_error`'s generic advice.
-    None when ``e`` is not torch.export's failure of this call (a refusal) or nothing changed."""
-    from shfx.passes.capture import _first_line, _user_frame
-
-    cause = e.__cause__
-    now = tuple(tuple(t.shape) for t in tensors)
-    if cause is None or isinstance(cause, CaptureError) or not seen or now in seen:
-        return None
-
-    def changed(before: tuple) -> list[tuple[int, int, int, int]]:
-        return [
-            (i, d, a, b)
-            for i, (old, new) in enumerate(zip(before, now))
-            for d, (a, b) in enumerate(zip(old, new))
-            if a != b
-        ]
-
-    before = min(sorted(seen), key=lambda shapes: len(changed(shapes)))
-    diffs = changed(before)
-    if not diffs:
-        return None
-    names = _tensor_names(args, kwargs)
-    lines = []
-    for i, d, a, b in diffs:
-        where = f"tensor input {i}" + (f" ({names[i]})" if i < len(names) else "")
-        lines.append(
-            f"{where}: dimension {d} is {b}, earlier calls had {a} (shape {list(now[i])}, captured with {list(before[i])})"
-        )
-    frame = _user_frame(cause)
-    at = f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}" if frame else ""
-    dims = ", ".join(f"dimension {d} of tensor input {i} = {a}" for i, d, a, _ in diffs)
-    return CaptureError(
-        f"shfx could not capture {model_name} for a new input shape: {'; '.join(lines)}. The forward fails at the "
-        f"new size: {_first_line(cause)}{at}\n"
-        f"  what to change: a size the model's weights fix (a feature or hidden dimension, channels, a vocabulary) "
-        f"must stay as it was: pass inputs with {dims}, as before (eager PyTorch fails at this size too). Sizes the "
-        "model allows to vary (batch, sequence length) are captured again or covered by a dynamic capture "
-        "(docs/usage.md, 'Variable shapes')."
-    )
-
-
-def _structure(sig: InputSignature) -> InputSignature:
-    """The signature with every tensor's shape reduced to its number of dimensions."""
-    leaves = tuple(("T", len(x[1]), *x[2:]) if x[0] == "T" else x for x in sig.leaves)
-    return InputSignature(sig.training, sig.tree, leaves)
-
-
-def _masked(sig: InputSignature, dyn: DynamicShapes) -> InputSignature:
-    """The signature with the sizes of ``dyn``'s dynamic dimensions masked (None)."""
-    dynamic = {(i, d) for i, d, _ in dyn.dims}
-    leaves, i = [], 0
-    for x in sig.leaves:
-        if x[0] == "T":
-            shape = tuple(None if (i, d) in dynamic else n for d, n in enumerate(x[1]))
-            leaves.append(("T", shape, *x[2:]))
-            i += 1
-        else:
-            leaves.append(x)
-    return InputSignature(sig.training, sig.tree, tuple(leaves))
 
 
 class _OffloadFunction(torch.autograd.Function):
@@ -279,7 +175,7 @@ _NO_GENERATE = (
 )
 
 
-class CompiledModel:
+class CompiledModel(StateMethods):
     """A model compiled by :func:`shfx.compile`: call it like the model, then
     ``loss.backward()``, ``cm.step()``, ``cm.zero_grad()``.
 
@@ -289,6 +185,9 @@ class CompiledModel:
         optimizer: the optimizer, a ``torch.optim.Optimizer`` bound to the model (``param_groups``,
             ``state``, ``state_dict()``; schedulers work on it; ``cm.optimizer.lr = x`` sets every group).
     """
+
+    # NOTE: the state methods (state_dict, load_state_dict, save_checkpoint, wait_checkpoint,
+    # load_checkpoint, sync, _settle) are StateMethods' (shfx._state_methods)
 
     def __init__(self, model: nn.Module, **options: Any):
         if not isinstance(model, nn.Module):
@@ -327,7 +226,7 @@ class CompiledModel:
         self._store: HostStore | None = None
         # per model tensor in the host store: (key, tensor, its data_ptr, owning module and name
         # and requires_grad for a parameter): what __call__ checks the model against
-        self._bound: list[tuple[str, torch.Tensor, int, nn.Module | None, str, bool | None]] = []
+        self._bound: list[Bound] = []
         # captures, least recently used first: keyed by the input signature, or for a dynamic
         # capture by ("dynamic", its signature with the dynamic sizes masked, its number)
         self._variants: OrderedDict[Any, Variant] = OrderedDict()
@@ -377,17 +276,17 @@ class CompiledModel:
         check_real_inputs(tensors, type(self.module).__name__)
         key, v = sig, self._variants.get(sig)
         if v is None:
-            key, v = self._covering(sig, tensors)
+            key, v = covering(self._variants, sig, tensors, self._config.dynamic)
         if v is not None:
             self._cache_stats["hits"] += 1
             self._variants.move_to_end(key)
         else:
-            dims = self._dynamic_dims(sig, tensors)
+            dims = dynamic_dims(self._variants, self._seen_shapes, sig, tensors, self._config.dynamic, self._dynamic_off)
             try:
                 v = self._build(args, kwargs, tensors, dims)
             except CaptureError as e:
-                seen = self._seen_shapes.get(_structure(sig), set())
-                shape_error = _shape_change_error(type(self.module).__name__, args, kwargs, tensors, seen, e)
+                seen = self._seen_shapes.get(structure(sig), set())
+                shape_error = shape_change_error(type(self.module).__name__, args, kwargs, tensors, seen, e)
                 if shape_error is not None:
                     raise shape_error from e.__cause__
                 raise
@@ -395,66 +294,23 @@ class CompiledModel:
             if dyn is not None and dyn.mismatch(tensors) is not None:  # torch.export narrowed the range
                 self._cache_stats["captures"] += 1
                 self._cache_stats["dynamic_captures"] += 1
-                self._variants[("dynamic", _masked(sig, dyn), self._cache_stats["captures"])] = v
+                self._variants[("dynamic", masked(sig, dyn), self._cache_stats["captures"])] = v
                 v = self._build(args, kwargs, tensors, None)
                 dyn = None
             self._cache_stats["captures"] += 1
             if dyn is not None:
                 self._cache_stats["dynamic_captures"] += 1
-                key = ("dynamic", _masked(sig, dyn), self._cache_stats["captures"])
+                key = ("dynamic", masked(sig, dyn), self._cache_stats["captures"])
             else:
                 key = sig
             self._variants[key] = v
-        seen = self._seen_shapes.setdefault(_structure(sig), set())
+        seen = self._seen_shapes.setdefault(structure(sig), set())
         if len(seen) < 64:  # enough to tell which dimensions vary
             seen.add(tuple(tuple(t.shape) for t in tensors))
         self._last = v
         self._last_tensors = tensors
         self._evict()
         return v, tensors
-
-    def _covering(self, sig: InputSignature, tensors: list[torch.Tensor]) -> tuple[Any, Variant | None]:
-        """A dynamic capture for this call's structure whose ranges hold its sizes; a declared
-        range it falls outside of is an error (the device memory was sized for the range)."""
-        outside = None
-        for key, v in reversed(self._variants.items()):
-            dyn = v.captured.dynamic if v.captured is not None else None
-            if dyn is None or key[1] != _masked(sig, dyn):
-                continue
-            why = dyn.mismatch(tensors)
-            if why is None:
-                return key, v
-            outside = outside or why
-        if outside is not None and isinstance(self._config.dynamic, dict):
-            raise UsageError(
-                f"{outside}: that is beyond the dynamic range declared with shfx.compile(dynamic={self._config.dynamic!r}), "
-                "for which shfx captured the model once and sized the device memory (the largest shape in the "
-                "range). Declare a range that holds this size (dynamic={'seq': (1, n)}, ...), or pad or split the "
-                "input to fit the range."
-            )
-        return None, None
-
-    def _dynamic_dims(self, sig: InputSignature, tensors: list[torch.Tensor]) -> list[DynamicDim] | None:
-        """Which dimensions to capture dynamic for this call: the declared ones, or (automatic
-        mode) every dimension whose size differs from an earlier call of the same structure."""
-        if self._dynamic_off is not None or self._config.dynamic is False or not tensors:
-            return None
-        if isinstance(self._config.dynamic, dict):
-            return _declared_dims(self._config.dynamic, tensors)
-        seen = self._seen_shapes.get(_structure(sig), set())
-        if not seen:
-            return None  # the first shape: captured as it is
-        for key, v in self._variants.items():  # a dynamic capture of this family that cannot stretch to it
-            dyn = v.captured.dynamic if v.captured is not None else None
-            if dyn is not None and key[1] == _masked(sig, dyn) and not dyn.could_grow(tensors):
-                return None  # below its range or above the model's limit: this shape on its own
-        dims = []
-        for i, t in enumerate(tensors):
-            for d, n in enumerate(t.shape):
-                sizes = {shapes[i][d] for shapes in seen}
-                if sizes != {n}:
-                    dims.append(DynamicDim(i, d, f"d{i}_{d}", auto=True, seen_max=max(sizes | {n})))
-        return dims or None
 
     def _evict(self) -> None:
         """Drop the least recently used captures beyond ``max_captures`` (never one a step is
@@ -508,25 +364,10 @@ class CompiledModel:
                 f"(compile with dynamic=False to silence this). Why: {e}",
                 stacklevel=4,
             )
-        asked = _clamped_window(variant)
-        if asked is not None:
-            n, k = len(variant.graph.stages), len(variant.train.persistent)
-
-            def stages(m: int) -> str:
-                return f"{m} stage" + ("s" if m != 1 else "")
-
-            if k == n:
-                what = f"window={asked} is unused: every stage ({n}) is kept on the device (resident_first={k})"
-            else:
-                streamed = f"{stages(n - k)} to stream ({stages(n)}, {k} kept on the device)" if k else stages(n)
-                what = (
-                    f"window={asked} is more than the {streamed}: shfx keeps all of them on the device "
-                    f"(window {n - k}). Pass window={n - k} to say so, or a smaller window to stream"
-                )
-            warnings.warn(what + ".", stacklevel=4)
+        warn_unused_window(variant, stacklevel=4)
         self._ensure_store(variant.captured, variant.graph)
         self._store.ensure_staging(variant.staging_buffers(self._config.grad_accum_steps))
-        self._ensure_ssd(variant)
+        ensure_ssd(self._engine, self._store, self.offload, variant)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)
             self._check_capacity(variant)
@@ -541,23 +382,8 @@ class CompiledModel:
             self._store = HostStore(
                 self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda", dp=self._dp
             )  # (data parallel: broadcasts rank 0's weights, collectively)
-            opt = self.optimizer.bind(self._store, captured.params) if self.optimizer is not None else None
-            if self._dp is not None:
-                self._dp.store, self._dp.optimizer = self._store, opt
-            by_group: dict[int, list] = {}
-            for key in sorted(graph.owner, key=lambda k: graph.owner[k]):
-                if key in captured.trainable:
-                    by_group.setdefault(graph.owner[key], []).append((key, captured.params[key]))
-            # gradient clipping reads the norms in the order of model.parameters(), as torch does
-            where = {id(t): (g, key) for g, keys in by_group.items() for key, t in keys}
-            c = self._config
-            self._engine = Engine(
-                self._backend, self._store, opt, grad_accum_steps=c.grad_accum_steps, overlap_update=c.overlap_update,
-                delayed_update=c.delayed_update, rollback=c.rollback, skip_nonfinite=c.skip_nonfinite, scaler=c.scaler,
-                max_grad_norm=c.max_grad_norm, norm_type=c.norm_type, recompute=c.recompute, dp=self._dp,
-                param_keys_by_group=by_group, clip_order=[where[id(p)] for p in self.module.parameters() if id(p) in where],
-            )  # fmt: skip
-            self._bound = self._bind_record(captured)
+            self._engine = start_engine(self._backend, self._store, self.optimizer, self._config, self._dp, self.module, captured, graph)
+            self._bound = bind_record(self.module, captured)
         elif captured.constants:
             for k, t in captured.constants.items():  # constants of this capture (values may differ)
                 if k in self._store.tensors:
@@ -565,267 +391,31 @@ class CompiledModel:
 
     def _ssd_rates(self) -> tuple[float, float]:
         """The SSD's read and write bytes/s for the tuner: the emulated rates of the Offload spec,
-        else measured once on its path (32 MiB written and read through an SSDStore)."""
+        else measured once on its path (:func:`shfx._tuning.measure_ssd_rates`)."""
         off = self.offload
         if off.read_bps is not None and off.write_bps is not None:
             return off.read_bps, off.write_bps
         if getattr(self, "_ssd_measured", None) is None:
-            import time
-
-            from .runtime.ssd import SSDStore
-
-            n = 32 << 20
-            buf = torch.zeros(n // 4)
-            with SSDStore(off.path, {"probe": n}, read_bps=off.read_bps, write_bps=off.write_bps) as probe:
-                t0 = time.perf_counter()
-                probe.write_from("probe", buf).wait()
-                t1 = time.perf_counter()
-                probe.read_into("probe", buf).wait()
-                t2 = time.perf_counter()
-            # NOTE: a read right after the write may come from the page cache (buffered I/O): an
-            # optimistic figure; give nvme_read/nvme_write to tune for a known speed
-            self._ssd_measured = (n / max(t2 - t1, 1e-9), n / max(t1 - t0, 1e-9))
+            self._ssd_measured = measure_ssd_rates(off)
         return self._ssd_measured
 
-    def _ensure_ssd(self, variant: Variant) -> None:
-        """The NVMe tier: the first variant with SSD transfers makes the SSD store (its extents
-        from the host store's groups, the disk space checked by the store before anything is
-        allocated) and the engine's host window; a later one grows the window if it needs more."""
-        prog = variant.train
-        if not prog.ssd_groups:
-            return
-        eng = self._engine
-        if eng.ssd is None:
-            from .runtime.ssd import SSDStore, group_extents
-            from .runtime.ssd_window import SSDWindow
+    # the refusals of a variant the device cannot run (shfx._capacity) and its tuning (shfx._tuning)
+    def _check_one_stage(self, graph: StageGraph) -> None:
+        check_one_stage(graph, self._backend)
 
-            groups = sorted(g for g, grp in enumerate(self._store.groups) if grp.trainable_bytes and g not in variant.device_groups)
-            extents = group_extents([self._store.groups[g] for g in groups])
-            ssd = SSDStore.from_offload(self.offload, extents)
-            try:
-                eng.attach_ssd(SSDWindow(self._store, eng.optimizer, groups, prog.host_window, ssd))
-            except BaseException:
-                ssd.close()
-                raise
-            return
-        missing = sorted(prog.ssd_groups - eng.ssd.groups)
-        if missing:
-            raise UsageError(
-                f"program {prog.name!r} keeps groups {missing} on the SSD, which the SSD store made for the first "
-                f"capture does not hold (it holds {sorted(eng.ssd.groups)}); keep the same policy for every input shape"
-            )
-        eng.ssd.ensure(prog.host_window)
-
-    def _bind_record(self, captured: Captured) -> list[tuple[str, torch.Tensor, int, nn.Module | None, str, bool | None]]:
-        """What the model looks like once the store holds its tensors (see :meth:`_check_model`)."""
-        record = []
-        for key, t in [*captured.params.items(), *captured.buffers.items()]:
-            mod: nn.Module | None = None
-            prefix, _, attr = key.rpartition(".")
-            if key in captured.params:
-                try:
-                    mod = self.module.get_submodule(prefix)
-                except AttributeError:
-                    mod = None
-                if mod is not None and mod._parameters.get(attr) is not t:
-                    mod = None  # not reachable by its canonical name: no identity check
-            record.append((key, t, t.data_ptr(), mod, attr, t.requires_grad if key in captured.params else None))
-        return record
-
-    def _check_model(self) -> None:
-        """Before a call: take in what the user changed in the model since the last one, or
-        refuse it (nothing silently ignored).
-
-        ``p.data = t`` (any parameter or buffer) detaches the tensor from the host store: ``t``'s
-        values are copied into the store, the tensor is bound to it again and the device copies
-        are refreshed (as eager would train the new values) when shape and dtype match, else it
-        is refused. A parameter replaced by another object, or whose ``requires_grad`` changed
-        (while grad is enabled), is refused: the stages and gradient buffers were laid out for
-        the parameters and trainable set of the first call.
-
-        Cost: per tensor a ``data_ptr``, per parameter an identity and a flag check: measured
-        0.4 us a tensor on a loaded 2-core VM (a 1000-parameter model: 0.4 ms a call, against
-        90 ms for its step on the emulated device)."""
-        grad_on = torch.is_grad_enabled()
-        rebound = []
-        for key, t, ptr, mod, attr, rg in self._bound:
-            if t.data_ptr() != ptr:
-                rebound.append((key, t))
-            if mod is not None and mod._parameters.get(attr) is not t:
-                raise UsageError(
-                    f"parameter {key!r} was replaced by another object after the first call, but shfx trains the "
-                    f"parameters it captured (its host store holds them). Assign new values in place instead "
-                    f"(model.{key}.data = t, or cm.load_state_dict(...)), or compile the model again: cm.close(); "
-                    "cm = shfx.compile(model, ...) (the optimizer state starts fresh)."
-                )
-            if grad_on and rg is not None and t.requires_grad != rg:
-                now = "requires_grad=False (frozen)" if rg else "requires_grad=True (trainable)"
-                raise UsageError(
-                    f"parameter {key!r} has {now} now, but had requires_grad={rg} at the first call, when shfx laid "
-                    "out its stages and gradient buffers for the trainable parameters then. Set requires_grad before "
-                    f"the first call (or set it back: model.{key}.requires_grad_({rg})), or compile the model again: "
-                    "cm.close(); cm = shfx.compile(model, ...) (the optimizer state starts fresh)."
-                )
-        if rebound:
-            self._take_rebound(rebound)
-
-    def _take_rebound(self, rebound: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy the values of tensors the user rebound (``p.data = t``) into the host store and
-        bind the tensors to it again; the device copies reload before the next step."""
-        assert self._store is not None and self._engine is not None
-        for key, t in rebound:
-            view = self._store.tensors[key]
-            if t.device != view.device or t.shape != view.shape or t.dtype != view.dtype:
-                raise UsageError(
-                    f"{key!r} was given new data after the first call ({key}.data = a tensor of shape "
-                    f"{tuple(t.shape)}, {t.dtype} on {t.device}), but shfx's host store holds it as shape "
-                    f"{tuple(view.shape)}, {view.dtype} on the CPU. Assign a tensor of the same shape and dtype on the "
-                    "CPU (shfx moves it to the device itself), or compile the model again: cm.close(); "
-                    "cm = shfx.compile(model, ...)."
-                )
-        eng = self._engine
-        eng.await_deferred()  # a running clipped update writes the store
-        eng.wait_delayed()  # a running delayed update writes the store
-        eng.sync_to_host()  # weights updated on the device: the host copy first, then the new values
-        with torch.no_grad():
-            for key, t in rebound:
-                view = self._store.tensors[key]
-                view.copy_(t.detach())
-                t.data = view
-        eng.invalidate_device_weights()
+    def _check_capacity(self, variant: Variant) -> None:
+        check_capacity(variant, self._backend, self._config.grad_accum_steps)
 
     def _check_deferrable(self, variant: Variant) -> None:
-        """A group updated on the device while its stage is streamed must be updated during the
-        backward that has it resident: no gradient accumulation, no deferred updates."""
-        train, graph = variant.train, variant.graph
-        transient_du = [
-            get_meta(n).stage
-            for n in train.nodes
-            if get_meta(n).kind == ActionKind.DEVICE_STEP
-            and next(st.index for st in graph.stages if st.spec.update_group == get_meta(n).stage) not in train.persistent
-        ]
-        c = self._config
-        if transient_du and (c.grad_accum_steps > 1 or not c.overlap_update):
-            raise UsageError(
-                f"policy {train.name!r} updates groups {transient_du} on the device while their stage is resident "
-                "during the backward, so it cannot defer updates: use grad_accum_steps=1 and overlap_update=True, "
-                "or another policy"
-            )
-
-    def _capacity(self) -> int | None:
-        b = self._backend
-        return b.capacity_bytes if b.capacity_bytes is not None else getattr(b, "total_bytes", None)
+        check_deferrable(variant, self._config.grad_accum_steps, self._config.overlap_update)
 
     def _tune(
         self, variant: Variant, tensors: list[torch.Tensor], policy: Policy, how: str, refresh: bool = False
     ) -> WindowReport:
-        """Profile ``variant``'s costs on the backend (``refresh``: again, replacing the cached
-        profile), simulate every window of ``policy`` (its ``"auto"`` fields; all windows for a
-        fixed one, ``how="fixed"``), choose one.
-
-        Every tuning (the first call's with ``"auto"`` fields, ``report()``'s, ``retune()``'s)
-        runs under forked random streams (:func:`shfx.profiler.forked_rng`): the profile's
-        dropout leaves the user's generators where they were, so ``"auto"`` trains exactly as
-        the fixed choice would."""
-        from .profiler import forked_rng, profile_costs
-
-        graph = variant.graph
-        with forked_rng(self._backend):
-            costs = profile_costs(self._engine, variant, tensors, refresh=refresh)
-            read_bps, write_bps = self._ssd_rates() if getattr(policy, "nvme", False) else (None, None)
-        if read_bps is not None:  # the simulator needs the SSD's speed to choose the host window
-            costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
-        if how == "fixed" and policy.windowed:
-            policy = policy.replace(window="auto")
-        try:
-            tune = tune_window(
-                graph.specs, costs, capacity_bytes=self._capacity(),
-                tolerance=self.tune_tolerance, policy=policy, rollback=self._config.rollback,
-            )  # fmt: skip
-        except NoWindowFits as e:
-            raise OutOfDeviceMemory(
-                f"{e}. Device: {self._backend.describe()}. Use a smaller batch or sequence, more stages "
-                "(smaller blocks), or a device with more memory.",
-                needed_bytes=min(r.peak_device_bytes for r in e.rows),
-                capacity_bytes=self._capacity() or 0,
-                what="window 1",
-            ) from e
-        window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
-        steps = self._engine.step_times
-        asked = _clamped_window(variant) if how == "fixed" else None
-        return WindowReport(
-            tune, window, self._backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
-            profile=getattr(costs, "extra", {}).get("profile"), window_asked=asked,
+        return tune_variant(
+            self._engine, self._backend, variant, tensors, policy, how, tolerance=self.tune_tolerance,
+            rollback=self._config.rollback, ssd_rates=self._ssd_rates, refresh=refresh,
         )  # fmt: skip
-
-    def _check_one_stage(self, graph: StageGraph) -> None:
-        """Refuse a budget too small for the largest stage's slot, saying how to split."""
-        cap = self._backend.capacity_bytes
-        if cap is None:
-            return
-        largest = max(graph.stages, key=lambda s: s.slot.nbytes)
-        if largest.slot.nbytes > cap:
-            raise OutOfDeviceMemory(
-                f"the device budget is too small for one stage: stage {largest.index} ({largest.name!r}) needs "
-                f"{format_bytes(largest.slot.nbytes)} for its parameters and buffers, and the device has "
-                f"{format_bytes(cap)} ({self._backend.describe()}). Split the model into smaller stages "
-                "(blocks= naming smaller modules, or blocks=False with more num_stages) or use a device with more memory.",
-                needed_bytes=largest.slot.nbytes,
-                capacity_bytes=cap,
-                what=f"slot for stage {largest.index}",
-            )
-
-    def _check_capacity(self, variant: Variant) -> None:
-        """Refuse a variant whose steady state (the memory ledger's setup: slots, gradient
-        buffers, optimizer states on the device) does not fit the budget, saying what fits.
-        (Activations come on top; a step that overflows with them raises OutOfDeviceMemory
-        naming the action.)"""
-        cap = self._backend.capacity_bytes
-        if cap is None:
-            return
-        ledger = variant.ledger(self._config.grad_accum_steps)
-        static = ledger.static("device")
-        need = sum(static.values())
-        dyn = variant.captured.dynamic if variant.captured is not None else None
-        if need <= cap and dyn is not None and ledger.peak("device") > cap:
-            # a dynamic capture: the ledger's activations are those of the largest shape covered
-            peak = ledger.peak("device")
-            raise OutOfDeviceMemory(
-                f"one training step at the largest shape of the dynamic range ({dyn.describe()}) needs "
-                f"{format_bytes(peak)} on the device ({format_bytes(need)} of slots, gradient buffers and optimizer "
-                f"states, the rest activations), but the device has {format_bytes(cap)} ({self._backend.describe()}). "
-                "Declare a smaller range (shfx.compile(dynamic={'seq': (1, n)}, ...)), a smaller window, or use a "
-                "device with more memory.",
-                needed_bytes=peak,
-                capacity_bytes=cap,
-                what=f"a step at {dyn.describe()}",
-            )
-        if need <= cap:
-            return
-        policy, sizes = variant.policy, variant.slot_sizes
-        extra = need - static.get("parameters (slots)", 0)
-
-        def static_at(window: int) -> int:
-            return sum(with_policy(variant, policy.replace(window=window), verify=False).ledger().static("device").values())
-
-        w = variant.train.num_slots - len(variant.train.persistent)
-        fit = next((v for v in range(w - 1, 0, -1) if static_at(v) <= cap), None) if policy.windowed else None
-        what = f"{len(sizes)} slots of {', '.join(format_bytes(n) for n in sizes)}"
-        if extra:
-            what += (
-                f", plus {format_bytes(static.get('gradients', 0))} of gradient buffers and "
-                f"{format_bytes(static.get('optimizer states', 0))} of optimizer states on the device"
-            )
-        hint = f"Use window <= {fit}, or smaller stages." if fit else "Use a policy that keeps less on the device, smaller stages, or a device with more memory."
-        name = variant.train.name
-        raise OutOfDeviceMemory(
-            f"{'window=' + str(w) if name.startswith('stronghold') else 'policy ' + repr(name)} needs {what} = "
-            f"{format_bytes(need)}, but the device has {format_bytes(cap)} "
-            f"({self._backend.describe()}). {hint}",
-            needed_bytes=need,
-            capacity_bytes=cap,
-            what=f"{len(sizes)} slots",
-        )
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -839,7 +429,7 @@ class CompiledModel:
                 "weights on the host) and call the compiled model outside torch.autocast."
             )
         if self._engine is not None and not self._engine.pending_updates:  # (else engine.forward refuses)
-            self._check_model()
+            check_model(self._bound, self._store, self._engine)
         variant, tensors = self._variant(args, kwargs)
         assert self._engine is not None
         if self._pending_checkpoint is not None:  # a checkpoint loaded before the host store existed
@@ -988,100 +578,6 @@ class CompiledModel:
     def _require_engine(self, what: str) -> None:
         if self._engine is None:
             raise UsageError(f"{what}() before the first forward: call the model first (shfx captures it on the first call)")
-
-    # ---- state ---------------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The model's state dict (its own names); the weights are the current host master
-        (weights a policy updates on the device are copied back first)."""
-        self._settle()
-        if self._engine is not None:
-            self._engine.sync_to_host()
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
-        """Load weights into the host store (through the model's own tensors)."""
-        self._settle()
-        result = self.module.load_state_dict(state_dict, strict=strict)
-        if self._engine is not None:
-            self._engine.invalidate_device_weights()
-            if self._dp is not None:  # the model's weights are the image: the master shards from it
-                self._store.refresh_working()
-                # (bf16: the model's trainable parameters are the 16-bit image; the fp32 values
-                # given set the master shards exactly)
-                self._store.set_master_shards({k: v for k, v in state_dict.items() if torch.is_tensor(v)})
-        return result
-
-    def save_checkpoint(self, path: str, extra: Any = None, async_save: bool = False, *, scheduler: Any = None) -> None:
-        """Save the whole training state to the directory ``path``, atomically (a save that fails
-        or is killed half way leaves the previous checkpoint at ``path`` as it was).
-
-        Saved: the weights (fp32 masters, under the model's ``state_dict`` names), the
-        optimizer's state per parameter name (torch's fields: AdamW's step, exp_avg, exp_avg_sq;
-        SGD's momentum_buffer; Adafactor's) and each parameter group's hyperparameters, the step
-        count, ``scheduler``'s state (anything with ``state_dict``/``load_state_dict``), the fp16
-        loss scaler, the RNG states (torch CPU, CUDA, Python ``random``) and ``extra`` (plain
-        data: the data position, ...), as a ``torch.distributed.checkpoint`` directory that
-        :meth:`load_checkpoint`, ``shfx.checkpoint.load_into`` (eager PyTorch) and
-        ``torch.distributed.checkpoint.load`` read. Call it between steps (after ``cm.step()``).
-
-        ``async_save=True`` copies the state into host staging buffers (the weights and two
-        AdamW states: 12 bytes per fp32 parameter, kept for the next asynchronous save) and
-        writes it in a background thread while training goes on; :meth:`wait_checkpoint`, the
-        next save or load and :meth:`close` wait for it (and raise its error, if it failed).
-
-        >>> import tempfile, torch, shfx
-        >>> cm = shfx.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), blocks=False,
-        ...                   num_stages=2, device=shfx.EmulatedDevice(memory="1MiB"), optimizer=shfx.optim.AdamW())
-        >>> cm(torch.randn(2, 4)).sum().backward(); cm.step(); cm.zero_grad()
-        >>> d = tempfile.mkdtemp() + "/ckpt"
-        >>> cm.save_checkpoint(d, extra={"batch": 1})
-        >>> cm.load_checkpoint(d)
-        {'batch': 1}
-        """
-        from . import checkpoint
-
-        self.wait_checkpoint()
-        self._checkpoint_save = checkpoint.save(self, path, extra=extra, scheduler=scheduler, async_save=async_save)
-
-    def wait_checkpoint(self) -> None:
-        """Wait for the asynchronous save in flight (if any); raise its error if it failed."""
-        pending, self._checkpoint_save = self._checkpoint_save, None
-        if pending is not None:
-            pending.wait()
-
-    def load_checkpoint(
-        self, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True
-    ) -> Any:
-        """Load a checkpoint written by :meth:`save_checkpoint` (or ``shfx.checkpoint.save_from``)
-        and return its ``extra``: training then goes on exactly as the run that saved it.
-
-        Works before the first call too (in a fresh process: compile, load, train): the weights
-        load into the model at once, the optimizer state when the first call has laid out the
-        host store. ``scheduler``: loads its saved state. ``strict``: the checkpoint's weights
-        must have exactly the model's names. ``restore_rng``: set the RNG states saved (so
-        dropout draws the masks the saving run would have drawn next).
-
-        Raises:
-            UsageError: a checkpoint of another model, or between a backward and its ``cm.step()``.
-        """
-        from . import checkpoint
-
-        self.wait_checkpoint()
-        return checkpoint.load(self, path, scheduler=scheduler, strict=strict, restore_rng=restore_rng)
-
-    def sync(self) -> None:
-        """Make the model's own tensors current: copy weights a policy updates on the device (the
-        ``resident`` policy, stronghold's first stages) back to the host. ``state_dict`` does it."""
-        self._settle()
-        if self._engine is not None:
-            self._engine.sync_to_host()
-
-    def _settle(self) -> None:
-        if self._engine is not None and self._engine.pending_updates:
-            raise UsageError("the host update started by backward() is pending; call cm.step() first")
-        if self._engine is not None:
-            self._engine.await_deferred()  # max_grad_norm: the clipped updates step() started
-            self._engine.wait_delayed()  # delayed_update: the host weights include every step()
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
@@ -1273,6 +769,10 @@ class CompiledModel:
         return f"CompiledModel({type(self.module).__name__}, device={self._backend.describe()}, policy={self.policy!r}, captures={n})"
 
 
+# NOTE: doctest.testmod(shfx.api) collects the examples of what CompiledModel defines itself;
+# save_checkpoint's belongs to StateMethods, so it is named here to run with them
+__test__ = {"CompiledModel.save_checkpoint": StateMethods.save_checkpoint}
+
 # NOTE: the options have one signature, Config.from_args's (their defaults in one place);
 # CompiledModel(model, **options) shows it (inspect.signature, help(), an IDE)
 CompiledModel.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -1391,11 +891,5 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
     >>> cm.program.actions()[:4]
     ['PF0', 'PF1', 'F0', 'R0']
     """
-    moved = [k for k in kwargs if k in _POLICY_OPTIONS]
-    if moved:
-        k = moved[0]
-        raise TypeError(
-            f"shfx.compile({k}=...) is an option of the policy now: pass {_POLICY_OPTIONS[k]} "
-            "(policy-specific options live on the policy object)"
-        )
+    _refuse_policy_options(kwargs)
     return CompiledModel(model, **kwargs)

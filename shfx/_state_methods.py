@@ -1,0 +1,126 @@
+"""The state methods of :class:`shfx.api.CompiledModel`: the model's state dict, checkpoints
+(saved and loaded by :mod:`shfx.checkpoint`), and ``sync()``, with ``_settle()``, the wait for
+the updates a step left running that each of them (and ``report()``, ``retune()``) starts with."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from .runtime.data_parallel import DataParallelRuntime
+    from .runtime.engine import Engine
+    from .runtime.host_store import HostStore
+
+__all__ = ["StateMethods"]
+
+
+class StateMethods:
+    """Mixed into :class:`shfx.api.CompiledModel`. What it needs from the compiled model:
+    ``module`` (the model), ``_engine`` and ``_store`` (None before the first call), ``_dp``
+    (data parallel's runtime, or None) and ``_checkpoint_save`` (the asynchronous save in
+    flight, or None), which it sets."""
+
+    module: nn.Module
+    _engine: Engine | None
+    _store: HostStore | None
+    _dp: DataParallelRuntime | None
+    _checkpoint_save: Any
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The model's state dict (its own names); the weights are the current host master
+        (weights a policy updates on the device are copied back first)."""
+        self._settle()
+        if self._engine is not None:
+            self._engine.sync_to_host()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
+        """Load weights into the host store (through the model's own tensors)."""
+        self._settle()
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        if self._engine is not None:
+            self._engine.invalidate_device_weights()
+            if self._dp is not None:  # the model's weights are the image: the master shards from it
+                self._store.refresh_working()
+                # (bf16: the model's trainable parameters are the 16-bit image; the fp32 values
+                # given set the master shards exactly)
+                self._store.set_master_shards({k: v for k, v in state_dict.items() if torch.is_tensor(v)})
+        return result
+
+    def save_checkpoint(self, path: str, extra: Any = None, async_save: bool = False, *, scheduler: Any = None) -> None:
+        """Save the whole training state to the directory ``path``, atomically (a save that fails
+        or is killed half way leaves the previous checkpoint at ``path`` as it was).
+
+        Saved: the weights (fp32 masters, under the model's ``state_dict`` names), the
+        optimizer's state per parameter name (torch's fields: AdamW's step, exp_avg, exp_avg_sq;
+        SGD's momentum_buffer; Adafactor's) and each parameter group's hyperparameters, the step
+        count, ``scheduler``'s state (anything with ``state_dict``/``load_state_dict``), the fp16
+        loss scaler, the RNG states (torch CPU, CUDA, Python ``random``) and ``extra`` (plain
+        data: the data position, ...), as a ``torch.distributed.checkpoint`` directory that
+        :meth:`load_checkpoint`, ``shfx.checkpoint.load_into`` (eager PyTorch) and
+        ``torch.distributed.checkpoint.load`` read. Call it between steps (after ``cm.step()``).
+
+        ``async_save=True`` copies the state into host staging buffers (the weights and two
+        AdamW states: 12 bytes per fp32 parameter, kept for the next asynchronous save) and
+        writes it in a background thread while training goes on; :meth:`wait_checkpoint`, the
+        next save or load and :meth:`close` wait for it (and raise its error, if it failed).
+
+        >>> import tempfile, torch, shfx
+        >>> cm = shfx.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), blocks=False,
+        ...                   num_stages=2, device=shfx.EmulatedDevice(memory="1MiB"), optimizer=shfx.optim.AdamW())
+        >>> cm(torch.randn(2, 4)).sum().backward(); cm.step(); cm.zero_grad()
+        >>> d = tempfile.mkdtemp() + "/ckpt"
+        >>> cm.save_checkpoint(d, extra={"batch": 1})
+        >>> cm.load_checkpoint(d)
+        {'batch': 1}
+        """
+        from . import checkpoint
+
+        self.wait_checkpoint()
+        self._checkpoint_save = checkpoint.save(self, path, extra=extra, scheduler=scheduler, async_save=async_save)
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (if any); raise its error if it failed."""
+        pending, self._checkpoint_save = self._checkpoint_save, None
+        if pending is not None:
+            pending.wait()
+
+    def load_checkpoint(
+        self, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True
+    ) -> Any:
+        """Load a checkpoint written by :meth:`save_checkpoint` (or ``shfx.checkpoint.save_from``)
+        and return its ``extra``: training then goes on exactly as the run that saved it.
+
+        Works before the first call too (in a fresh process: compile, load, train): the weights
+        load into the model at once, the optimizer state when the first call has laid out the
+        host store. ``scheduler``: loads its saved state. ``strict``: the checkpoint's weights
+        must have exactly the model's names. ``restore_rng``: set the RNG states saved (so
+        dropout draws the masks the saving run would have drawn next).
+
+        Raises:
+            UsageError: a checkpoint of another model, or between a backward and its ``cm.step()``.
+        """
+        from . import checkpoint
+
+        self.wait_checkpoint()
+        return checkpoint.load(self, path, scheduler=scheduler, strict=strict, restore_rng=restore_rng)
+
+    def sync(self) -> None:
+        """Make the model's own tensors current: copy weights a policy updates on the device (the
+        ``resident`` policy, stronghold's first stages) back to the host. ``state_dict`` does it."""
+        self._settle()
+        if self._engine is not None:
+            self._engine.sync_to_host()
+
+    def _settle(self) -> None:
+        if self._engine is not None and self._engine.pending_updates:
+            raise UsageError("the host update started by backward() is pending; call cm.step() first")
+        if self._engine is not None:
+            self._engine.await_deferred()  # max_grad_norm: the clipped updates step() started
+            self._engine.wait_delayed()  # delayed_update: the host weights include every step()

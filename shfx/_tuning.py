@@ -1,0 +1,135 @@
+"""Tuning a variant's window on the backend: profile its costs, simulate every choice, choose
+one (:func:`tune_variant`); the SSD's speed the simulator needs for the NVMe tier
+(:func:`measure_ssd_rates`); and the fixed window asked for that is larger than the stages a
+variant streams (:func:`clamped_window`, :func:`warn_unused_window`).
+
+Functions of the variant, the engine and backend that run it, and the options they read
+(:class:`shfx.api.CompiledModel` calls them at the first call, ``report()`` and ``retune()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from shfx.passes.pipeline import Variant
+from shfx.passes.policies import Policy
+
+from shfx.cost_model.report import WindowReport
+from shfx.cost_model.tune import NoWindowFits, tune_window
+
+from ._capacity import capacity_bytes
+from .errors import OutOfDeviceMemory
+from .offload import Offload
+from .runtime.backend import Backend
+from .runtime.engine import Engine
+
+__all__ = ["clamped_window", "measure_ssd_rates", "tune_variant", "warn_unused_window"]
+
+
+def clamped_window(variant: Variant) -> int | None:
+    """The fixed window the user asked for when it is larger than the stages ``variant``
+    streams (the policy then keeps all of them on the device), else None."""
+    asked = getattr(variant.policy, "window", None) if variant.policy.windowed else None
+    if not isinstance(asked, int) or isinstance(asked, bool):
+        return None
+    return asked if asked > variant.train.num_slots - len(variant.train.persistent) else None
+
+
+def warn_unused_window(variant: Variant, stacklevel: int) -> None:
+    """Warn (at the caller ``stacklevel`` frames up) when the fixed window asked for is larger
+    than the stages ``variant`` streams: which window the policy runs instead."""
+    asked = clamped_window(variant)
+    if asked is None:
+        return
+    n, k = len(variant.graph.stages), len(variant.train.persistent)
+
+    def stages(m: int) -> str:
+        return f"{m} stage" + ("s" if m != 1 else "")
+
+    if k == n:
+        what = f"window={asked} is unused: every stage ({n}) is kept on the device (resident_first={k})"
+    else:
+        streamed = f"{stages(n - k)} to stream ({stages(n)}, {k} kept on the device)" if k else stages(n)
+        what = (
+            f"window={asked} is more than the {streamed}: shfx keeps all of them on the device "
+            f"(window {n - k}). Pass window={n - k} to say so, or a smaller window to stream"
+        )
+    warnings.warn(what + ".", stacklevel=stacklevel + 1)
+
+
+def measure_ssd_rates(offload: Offload) -> tuple[float, float]:
+    """The SSD's read and write bytes/s, measured on ``offload.path`` (32 MiB written and read
+    through an SSDStore)."""
+    import time
+
+    from .runtime.ssd import SSDStore
+
+    off = offload
+    n = 32 << 20
+    buf = torch.zeros(n // 4)
+    with SSDStore(off.path, {"probe": n}, read_bps=off.read_bps, write_bps=off.write_bps) as probe:
+        t0 = time.perf_counter()
+        probe.write_from("probe", buf).wait()
+        t1 = time.perf_counter()
+        probe.read_into("probe", buf).wait()
+        t2 = time.perf_counter()
+    # NOTE: a read right after the write may come from the page cache (buffered I/O): an
+    # optimistic figure; give nvme_read/nvme_write to tune for a known speed
+    return n / max(t2 - t1, 1e-9), n / max(t1 - t0, 1e-9)
+
+
+def tune_variant(
+    engine: Engine,
+    backend: Backend,
+    variant: Variant,
+    tensors: list[torch.Tensor],
+    policy: Policy,
+    how: str,
+    *,
+    tolerance: float,
+    rollback: bool,
+    ssd_rates: Callable[[], tuple[float, float]],
+    refresh: bool = False,
+) -> WindowReport:
+    """Profile ``variant``'s costs on the backend (``refresh``: again, replacing the cached
+    profile), simulate every window of ``policy`` (its ``"auto"`` fields; all windows for a
+    fixed one, ``how="fixed"``), choose one. ``tolerance`` and ``rollback`` are the compile
+    options; ``ssd_rates()`` gives the SSD's read and write bytes/s (asked only for an NVMe policy).
+
+    Every tuning (the first call's with ``"auto"`` fields, ``report()``'s, ``retune()``'s)
+    runs under forked random streams (:func:`shfx.profiler.forked_rng`): the profile's
+    dropout leaves the user's generators where they were, so ``"auto"`` trains exactly as
+    the fixed choice would."""
+    from .profiler import forked_rng, profile_costs
+
+    graph = variant.graph
+    with forked_rng(backend):
+        costs = profile_costs(engine, variant, tensors, refresh=refresh)
+        read_bps, write_bps = ssd_rates() if getattr(policy, "nvme", False) else (None, None)
+    if read_bps is not None:  # the simulator needs the SSD's speed to choose the host window
+        costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
+    if how == "fixed" and policy.windowed:
+        policy = policy.replace(window="auto")
+    try:
+        tune = tune_window(
+            graph.specs, costs, capacity_bytes=capacity_bytes(backend),
+            tolerance=tolerance, policy=policy, rollback=rollback,
+        )  # fmt: skip
+    except NoWindowFits as e:
+        raise OutOfDeviceMemory(
+            f"{e}. Device: {backend.describe()}. Use a smaller batch or sequence, more stages "
+            "(smaller blocks), or a device with more memory.",
+            needed_bytes=min(r.peak_device_bytes for r in e.rows),
+            capacity_bytes=capacity_bytes(backend) or 0,
+            what="window 1",
+        ) from e
+    window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
+    steps = engine.step_times
+    asked = clamped_window(variant) if how == "fixed" else None
+    return WindowReport(
+        tune, window, backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
+        profile=getattr(costs, "extra", {}).get("profile"), window_asked=asked,
+    )  # fmt: skip
