@@ -29,9 +29,9 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   no earlier than the end of the forward phase (``phase_barrier=True``, the default).
 - **Durations.** FORWARD: ``forward_s``. BACKWARD: ``backward_no_recompute_s`` when the stage's
   FORWARD before it in this program kept its graph (``meta.keep_graph``), else ``backward_s``.
-  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g`` (with
-  ``rollback``, plus the step journal's copy of the group before it, on the same worker:
-  :meth:`shfx.cost_model.costs.StageCost.rollback_copy_s`); DEVICE_STEP
+  CPU_STEP ``U g``: ``update_s`` of the stage whose ``update_group`` is ``g``; SNAPSHOT
+  ``SN g`` (rollback: the step journal's copy of the group before its update, on the same pool):
+  :meth:`shfx.cost_model.costs.StageCost.rollback_copy_s`; DEVICE_STEP
   ``DU g`` (on the compute stream): its ``device_update_s``. OFFLOAD_PARAMS (``OP``) is a d2h
   copy of the owner's updated parameters; a refreshing PREFETCH of a persistent stage is an
   h2d copy like any other (it does not count as a new resident stage). Copies move
@@ -133,7 +133,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shfx.passes.meta import get_meta
-from shfx.passes.actions import CK, KINDS, NR, RESOURCES, STREAMS
+from shfx.passes.actions import CK, KINDS, NR, RESOURCES, SN, STREAMS, US
 from shfx.passes.ledger import Ledger, replay
 from shfx.passes.program import B, F, GN, PF, R, ActionKind, ActionMeta, Program
 from shfx.passes.schedule import steady_state_program
@@ -500,12 +500,13 @@ class _Sim:
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )
                 info = KINDS[k]
-                if k == GN:
-                    nd.dur = GRAD_NORM_RATIO * owner[s].update_s + self.dispatch_s
+                if k in (GN, US):  # one pass over the fp32 gradient (US: read and written)
+                    nd.dur = GRAD_NORM_RATIO * (2 if k == US else 1) * owner[s].update_s + self.dispatch_s
+                    continue
+                if k == SN:  # the journal's copy of the group (part of its update's task before it was an action)
+                    nd.dur = owner[s].rollback_copy_s(ROLLBACK_COPY_RATIO if self.rollback is None else self.rollback)
                     continue
                 add = self.extra.get(nd.i, 0.0) if info.stream == "compute" else 0.0
-                if self.rollback is not None and info.stream == "cpu":  # the journal's copy, then the update
-                    add += owner[s].rollback_copy_s(self.rollback)
                 nd.dur = getattr(owner[s], info.cost, 0.0) + self.dispatch_s + add
                 continue
             if s not in self.table:
@@ -993,10 +994,13 @@ def simulate(
         phase_barrier: backward-phase actions wait until every forward-phase action is done,
             as the runtime issues the backward only after the forward returned.
         rollback: the step journal keeps a rollback copy of each group before its host update
-            (``shfx.compile(rollback=True)``, the default in fp16): each CPU_STEP also pays its
-            stage's ``rollback_s``, or, for a stage without one, a ratio of its ``update_s``:
-            :data:`shfx.cost_model.costs.ROLLBACK_COPY_RATIO` with ``True``, the number given
-            with a float (e.g. one measured by ``benchmarks/rollback.py``).
+            (``shfx.compile(rollback=True)``, the default in fp16): a program without the
+            copies gets them (:data:`shfx.passes.features.ROLLBACK`: ``SN g`` before each
+            ``U g``, on the same pool). Each SNAPSHOT takes its stage's ``rollback_s``, or, for a
+            stage without one, a ratio of its ``update_s``:
+            :data:`shfx.cost_model.costs.ROLLBACK_COPY_RATIO` with ``True`` (and for a program
+            that has SNAPSHOTs already, with ``False``), the number given with a float (e.g.
+            one measured by ``benchmarks/rollback.py``).
 
     Raises:
         SimulationError: the cost model lacks stages of the program, has negative or
@@ -1013,6 +1017,10 @@ def simulate(
     """
     ratio = _rollback_ratio(rollback)
     if isinstance(program, Program):  # (anything else: _Sim says what it needs)
+        if ratio is not None and not any(get_meta(n).kind == SN for n in program.nodes):
+            from shfx.passes.features import ROLLBACK  # (the pass: a program without the journal's copies gains them)
+
+            program = ROLLBACK(program)
         program = steady_state_program(program)  # updates deferred to the next forward: the steady state
     sim = _Sim(program, costs, accumulate, phase_barrier, rollback=ratio)
     sim.run()

@@ -47,6 +47,8 @@ __all__ = [
     "AG",
     "NR",
     "CK",
+    "SN",
+    "US",
 ]
 
 
@@ -69,6 +71,8 @@ class ActionKind(str, enum.Enum):
     GATHER_PARAMS = "AG"  # data parallel: all-gather one group's updated working-copy shards
     NORM_REDUCE = "NR"  # data parallel: every rank's per-parameter gradient norms, combined across ranks
     CHECK = "CK"  # the step's gate: total gradient norm, clip coefficient, finite check
+    SNAPSHOT = "SN"  # the step journal's copy of one host-updated group before its update (rollback)
+    UNSCALE = "US"  # fp16: one host group's gradient checked finite and divided by the loss scale
 
     @property
     def info(self) -> KindInfo:
@@ -96,6 +100,8 @@ RS = ActionKind.REDUCE_GRADS
 AG = ActionKind.GATHER_PARAMS
 NR = ActionKind.NORM_REDUCE
 CK = ActionKind.CHECK
+SN = ActionKind.SNAPSHOT
+US = ActionKind.UNSCALE
 
 STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write", "reduce", "gather")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
@@ -216,6 +222,16 @@ KINDS: dict[ActionKind, KindInfo] = {
         _info(CK, "check", "cpu", "host optimizer", slotted=False, reads=False, update=True,
               doc="the step's gate: the total gradient norm from every GN (and NR), the clip coefficient "
               "and the finite check, before the clipped updates"),
+        # NOTE: its duration is the journal's copy (StageCost.rollback_copy_s): the group's master,
+        # step counter and optimizer states, read once and written once, on the update's pool
+        _info(SN, "snapshot", "cpu", "host optimizer", slotted=False, reads=False, update=True,
+              doc="the step journal's copy of one host-updated group (master, optimizer states) before its update, "
+              "so a failed or skipped step can be undone (rollback)"),
+        # NOTE: a pass over the gradient like GRAD_NORM's (GRAD_NORM_RATIO in the simulator); in
+        # fp32/bf16 the finite check is part of the update (it reads the gradient anyway)
+        _info(US, "unscale", "cpu", "host optimizer", slotted=False, reads=False, update=True,
+              doc="fp16: one host group's scaled gradient checked finite, then divided by the loss scale, before "
+              "its norm, copy or update reads it"),
     )
 }  # fmt: skip
 

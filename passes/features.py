@@ -22,14 +22,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .actions import AG, CK, DU, GN, NR, OG, OP, PF, RS, SR, SW, U, Action
+from .actions import AG, CK, DU, GN, NR, OG, OP, PF, RS, SN, SR, SW, U, US, Action
 from .lowering import add_collectives, add_deferred_updates, add_leading_refresh, add_ssd_transfers, last_contributors
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
 
 __all__ = [
     "Condition", "FeaturePass", "PassRefused", "run_passes", "feature_passes", "EXACT_CLIPPING", "DATA_PARALLEL",
-    "UPDATES_IN_STEP", "clip_program", "updates_in_step", "data_parallel_program",
+    "UPDATES_IN_STEP", "ROLLBACK", "DELAYED_UPDATE", "clip_program", "updates_in_step", "data_parallel_program",
+    "rollback_program", "delayed_update", "LOSS_SCALING", "loss_scaling_program",
 ]  # fmt: skip
 
 
@@ -100,7 +101,9 @@ def _host_updates_only(p: Program) -> str | None:
 
 
 def _updates_in_program(p: Program) -> str | None:
-    return "its updates run outside the program, one step stale (ZeRO-Offload's delayed update)" if p.updates_outside else None
+    if p.updates_delayed or p.updates_outside:
+        return "its updates run during the next step, one step stale (ZeRO-Offload's delayed update)"
+    return None
 
 
 def _not_clipped(p: Program) -> str | None:
@@ -321,10 +324,202 @@ DATA_PARALLEL = FeaturePass(
 )
 
 
-def feature_passes(*, clip: bool = False, ranks: int = 1, updates_in_step: bool = False) -> list[tuple[FeaturePass, dict]]:
+# ---- the delayed update ----------------------------------------------------------------------------
+
+
+def delayed_update(program: Program) -> Program:
+    """ZeRO-Offload's delayed parameter update (``ZeroOffload(delayed_update=True)``, one step
+    stale, not eager-equivalent by design): the program's host updates (with their SSD
+    transfers) move to phase ``"delayed"`` at its end: ``step()`` starts them and returns, they
+    run during the next step's forward and backward (which train on the weights before them),
+    and each gradient copy of the next step waits for the update reading the same host buffer.
+    Before them, in phase ``"step"``, the persistent stages are refreshed with the weights the
+    previous step's updates wrote (``step()`` waits for those first).
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import ZeroOffload
+    >>> p = delayed_update(ZeroOffload().program(chain(2)))
+    >>> " ".join(p.actions("backward")), " ".join(p.actions("step")), " ".join(p.actions("delayed"))
+    ('B1 OG1 B0 OG0', 'PF0 PF1', 'U0 U1')
+    """
+    acts: list[Action] = []
+    updates: list[Action] = []
+    for n in program.nodes:
+        m = get_meta(n)
+        if m.kind in (SR, SW, SN) or (m.kind == PF and m.refresh):
+            continue
+        (updates if m.kind in (U, US) else acts).append(m.action)
+    persistent = [s for s in program.persistent if program.stages[s].update_group is not None or program.stages[s].grad_groups]
+    acts += [Action(PF, s) for s in persistent] + updates
+    if program.ssd_groups:
+        acts = add_ssd_transfers(acts, program.ssd_groups, program.host_window)
+    return lower_actions(
+        acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent,
+        **(program.tier | {"updates_delayed": True}),
+    )  # fmt: skip
+
+
+def _delayed(p: Program) -> str | None:
+    if not p.updates_delayed:
+        return "the program is not marked updates_delayed"
+    for n in p.nodes:
+        m = get_meta(n)
+        if m.kind in (U, SR, SW, SN, DU, OP) and m.phase != "delayed":
+            return f"{m.action} runs in phase {m.phase!r}"
+    return None
+
+
+DELAYED_UPDATE = FeaturePass(
+    "delayed-update",
+    requires=(
+        _HOST_ONLY,
+        Condition("updates that finish within the step", _updates_in_program, "apply delayed-update once"),
+        Condition("a program that does not clip", _not_clipped, "drop max_grad_norm, or use ZeroOffload() (exact clipping)"),
+        Condition("one rank", _one_rank, "use ZeroOffload() or Stronghold() under data parallel"),
+        Condition("updates after the backward", lambda p: None if not p.updates_in_step else "they run in step()",
+                  "apply delayed-update instead of updates-in-step"),
+    ),
+    ensures=(Condition("every update and SSD transfer in phase 'delayed'", _delayed),),
+    transform=delayed_update,
+    doc="the refresh of the persistent stages in step(), then the host updates running during the next step",
+)  # fmt: skip
+
+
+# ---- rollback ------------------------------------------------------------------------------------
+
+
+def rollback_program(program: Program) -> Program:
+    """Every step all-or-nothing (``shfx.compile(rollback=True)``): before each host update
+    ``U g`` the step journal copies group ``g``'s master weights, step counter and optimizer
+    states (``SN g``, on the update's pool, in the update's phase, waiting for what the update
+    waits for; the update waits for it), so a step that fails, is interrupted or is skipped can
+    be put back exactly. The copies are actions: the simulator times them, the ledger counts
+    their buffers (``rollback copies``). A device update (``DU g``) copies its slot region inside
+    its own action (on the device's stream, not a host action).
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import Stronghold
+    >>> " ".join(rollback_program(Stronghold(window=2).program(chain(2))).actions())
+    'PF0 PF1 F0 F1 B1 OG1 SN1 U1 R1 B0 OG0 SN0 U0 R0'
+    """
+    acts: list[Action] = []
+    for n in program.nodes:
+        m = get_meta(n)
+        if m.kind == U:
+            acts.append(Action(SN, m.stage))
+        acts.append(m.action)
+    prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **program.tier)
+    prog.updates_outside = program.updates_outside
+    return prog
+
+
+def _no_snapshots(p: Program) -> str | None:
+    return "it copies its groups already (SN)" if any(get_meta(n).kind == SN for n in p.nodes) else None
+
+
+def _no_ssd(p: Program) -> str | None:
+    return f"groups {sorted(p.ssd_groups)} keep their optimizer states on the SSD" if p.ssd_groups else None
+
+
+def _snapshotted(p: Program) -> str | None:
+    nodes = p.nodes
+    for n in nodes:
+        m = get_meta(n)
+        if m.kind == U:
+            snap = [d for d in p.deps(n) if get_meta(d).action == Action(SN, m.stage)]
+            if not snap:
+                return f"{m.action} does not wait for SN{m.stage}"
+            if get_meta(snap[0]).phase != m.phase:
+                return f"SN{m.stage} runs in phase {get_meta(snap[0]).phase!r}, {m.action} in {m.phase!r}"
+    return None
+
+
+ROLLBACK = FeaturePass(
+    "rollback",
+    requires=(
+        Condition("a program that does not copy its groups yet", _no_snapshots, "apply rollback once"),
+        Condition(
+            "optimizer states in host memory (the journal's copies are host buffers, which the NVMe tier avoids)", _no_ssd,
+            "compile with overlap_update=False (updates start in step(), after every gradient was checked, so nothing "
+            "needs undoing), or rollback=False",
+        ),
+        Condition("one rank (undoing a step would have to be agreed across ranks)", _one_rank, "rollback=False"),
+    ),
+    ensures=(Condition("every host update waiting for its group's copy SN, in the same phase", _snapshotted),),
+    transform=rollback_program,
+    doc="SN g (the journal's copy) before each host update U g",
+)  # fmt: skip
+
+
+# ---- loss scaling (fp16) ---------------------------------------------------------------------------
+
+
+def loss_scaling_program(program: Program) -> Program:
+    """fp16's loss scaling on the host: before the first action that reads group ``g``'s host
+    gradient in the step (its norm ``GN g``, the journal's copy ``SN g`` or its update
+    ``U g``), ``US g`` checks the scaled gradient is finite and divides it by the loss scale (as
+    ``GradScaler.unscale_``), in that action's phase, waiting for what it waits for; the
+    gradient's readers wait for it. (The check is the step's gate's where the gate has a norm:
+    clipping, and the in-``step()`` finite check's with ``overlap_update=False``.)
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import Stronghold
+    >>> " ".join(loss_scaling_program(Stronghold(window=2).program(chain(2))).actions())
+    'PF0 PF1 F0 F1 B1 OG1 US1 U1 R1 B0 OG0 US0 U0 R0'
+    """
+    acts: list[Action] = []
+    done: set[int] = set()
+    for n in program.nodes:
+        m = get_meta(n)
+        if m.kind in (GN, SN, U) and m.stage not in done:
+            acts.append(Action(US, m.stage))
+            done.add(m.stage)
+        acts.append(m.action)
+    prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **program.tier)
+    prog.updates_outside = program.updates_outside
+    return prog
+
+
+def _not_unscaled(p: Program) -> str | None:
+    return "it unscales its gradients already (US)" if any(get_meta(n).kind == US for n in p.nodes) else None
+
+
+def _unscaled_first(p: Program) -> str | None:
+    seen: set[int] = set()
+    for n in p.nodes:
+        m = get_meta(n)
+        if m.kind == US:
+            seen.add(m.stage)
+        elif m.kind in (GN, SN, U):
+            if m.stage not in seen:
+                return f"{m.action} reads group {m.stage}'s gradient before US{m.stage}"
+            if not any(get_meta(d).action == Action(US, m.stage) for d in p.deps(n)):
+                return f"{m.action} does not wait for US{m.stage}"
+    return None
+
+
+LOSS_SCALING = FeaturePass(
+    "loss-scaling",
+    requires=(
+        _HOST_ONLY,
+        Condition("a program that does not unscale yet", _not_unscaled, "apply loss-scaling once"),
+        Condition("a program without the journal's copies yet (run it before rollback)",
+                  lambda p: "it has them (SN)" if any(get_meta(n).kind == SN for n in p.nodes) else None,
+                  "run loss-scaling before rollback"),
+    ),
+    ensures=(Condition("every reader of a host gradient after its group's US, waiting for it", _unscaled_first),),
+    transform=loss_scaling_program,
+    doc="US g (finite check, divide by the loss scale) before the first reader of group g's host gradient",
+)  # fmt: skip
+
+
+def feature_passes(
+    *, clip: bool = False, ranks: int = 1, updates_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False,
+) -> list[tuple[FeaturePass, dict]]:  # fmt: skip
     """The feature passes a configuration asks for, in the order they compose: ``clip`` (exact
     clipping), ``updates_in_step`` (``overlap_update=False``: the updates in ``step()``, clipped
-    there with ``clip``), ``ranks`` (data parallel)."""
+    there with ``clip``), ``ranks`` (data parallel), ``loss_scaling`` (fp16: the unscale and
+    finite check), ``rollback`` (the journal's copies)."""
     out: list[tuple[FeaturePass, dict]] = []
     if updates_in_step:
         out.append((UPDATES_IN_STEP, {"clip": clip}))
@@ -332,5 +527,9 @@ def feature_passes(*, clip: bool = False, ranks: int = 1, updates_in_step: bool 
         out.append((EXACT_CLIPPING, {}))
     if ranks > 1:
         out.append((DATA_PARALLEL, {"ranks": ranks}))
+    if loss_scaling:
+        out.append((LOSS_SCALING, {}))
+    if rollback:
+        out.append((ROLLBACK, {}))
     return out
 

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .actions import B, F
+from .actions import SN, B, F
 from .meta import get_meta
 from .program import Program
 from .sharding import SHARD_ALIGN, shard_chunk, shard_numel, shard_range  # noqa: F401 (re-exported: the one sharding rule)
@@ -272,6 +272,7 @@ def host_terms(
     ranks: int = 1,
     rank: int = 0,
     updates_in_step: bool = False,  # (Program.tier: where the updates run holds no host memory of its own)
+    updates_delayed: bool = False,  # (likewise)
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
@@ -589,11 +590,14 @@ def replay(
         working_bytes: mixed precision: bytes of every group's 16-bit working copy on the host
             (the image a PREFETCH sends, beside the fp32 master).
         grad_accum_steps: backward calls per step (gradient staging on the host).
-        rollback: the step journal keeps copies to undo a step (``shfx.compile(rollback=...)``).
+        rollback: the step journal keeps copies to undo a step (``shfx.compile(rollback=...)``);
+            a program with the journal's copies as actions (``SN``, the rollback pass) keeps
+            them whatever this says.
         rank: data parallel (``program.ranks > 1``): whose host terms (default 0, the rank
             owning the largest shards).
     """
     rp = _Replay(program)
+    rollback = rollback or any(get_meta(n).kind == SN for n in program.nodes)
     pool = list(programs) if programs is not None else [program]
     setup = static_device(pool, optimizer_states)
     setup += host_terms(

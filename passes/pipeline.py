@@ -75,6 +75,10 @@ class PipelineOptions:
             updates-in-step feature pass (:data:`~shfx.passes.features.UPDATES_IN_STEP`).
         clip_in_step: with it, exact clipping there (``max_grad_norm`` with
             ``overlap_update=False``: ``GN`` during the backward, the gate in ``step()``).
+        rollback: the step journal's copies before each host update (``SN g``), so a step can
+            be undone: the rollback feature pass (:data:`~shfx.passes.features.ROLLBACK`).
+        loss_scaling: fp16: each host gradient checked and unscaled by its own action (``US g``):
+            the loss-scaling feature pass (:data:`~shfx.passes.features.LOSS_SCALING`).
     """
 
     policy: Any = "stronghold"
@@ -90,6 +94,8 @@ class PipelineOptions:
     ranks: int = 1
     updates_in_step: bool = False
     clip_in_step: bool = False
+    rollback: bool = False
+    loss_scaling: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
@@ -102,7 +108,7 @@ class PipelineOptions:
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {self.ranks!r}")
-        for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only", "updates_in_step", "clip_in_step"):
+        for name in ("verify", "verify_each_pass", "fp32_norms", "plan_only", "updates_in_step", "clip_in_step", "rollback", "loss_scaling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -180,7 +186,7 @@ class Variant:
 
 def build_programs(
     specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1, updates_in_step: bool = False,
-    clip_in_step: bool = False,
+    clip_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False,
 ) -> tuple[Program, Program, Program]:  # fmt: skip
     """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
     :func:`~shfx.passes.schedule.data_parallel_program`) and its derived inference and
@@ -188,9 +194,11 @@ def build_programs(
     # the feature passes after the policy's lowering (shfx.passes.features): each checks what it
     # requires and ensures (exact clipping is the policy's deferred update: the same pass)
     train = policy.program(specs)
-    # (ZeRO-Offload's delayed update runs its updates outside the program: nothing to move)
-    in_step = updates_in_step and not train.updates_outside
-    passes = feature_passes(ranks=ranks, updates_in_step=in_step, clip=clip_in_step and in_step)
+    # (ZeRO-Offload's delayed update runs its updates during the next step: nothing to move into step())
+    in_step = updates_in_step and not (train.updates_outside or train.updates_delayed)
+    passes = feature_passes(
+        ranks=ranks, updates_in_step=in_step, clip=clip_in_step and in_step, rollback=rollback, loss_scaling=loss_scaling
+    )  # fmt: skip
     train = run_passes(train, passes, verify=verify_program if verify else None)
     if verify:
         verify_program(train, "train")
@@ -225,8 +233,11 @@ def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True, 
     ranks = variant.train.ranks if ranks is None else ranks
     t = variant.train
     clip = t.updates_in_step and any(n.name.startswith("gn") for n in t.nodes)
+    rollback = any(n.name.startswith("sn") for n in t.nodes)
+    scaled = any(n.name.startswith("us") for n in t.nodes)
     train, ev, cold = build_programs(
-        variant.graph.specs, pol, verify=verify, ranks=ranks, updates_in_step=t.updates_in_step, clip_in_step=clip
+        variant.graph.specs, pol, verify=verify, ranks=ranks, updates_in_step=t.updates_in_step, clip_in_step=clip,
+        rollback=rollback, loss_scaling=scaled,
     )  # fmt: skip
     done = tuple(p for p in variant.passes if p in ("capture", "capture-dynamic", "partition", "retarget"))
     return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
@@ -280,7 +291,7 @@ def compile_variant(
     verify = options.verify or options.verify_each_pass
     train, ev, cold = build_programs(
         graph.specs, policy, verify=verify, ranks=options.ranks, updates_in_step=options.updates_in_step,
-        clip_in_step=options.clip_in_step,
+        clip_in_step=options.clip_in_step, rollback=options.rollback, loss_scaling=options.loss_scaling,
     )  # fmt: skip
     if captured.working_dtype is not None and train.device_groups():
         groups_ = sorted(train.device_groups())

@@ -51,7 +51,7 @@ from .lowering import (
     compute_order,
 )
 from .actions import Action
-from .features import clip_program
+from .features import clip_program, delayed_update
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
 from .stages import StageSpec
@@ -329,7 +329,7 @@ class ZeroOffload(Policy):
     >>> " ".join(ZeroOffload().program(chain(2)).actions())
     'F0 F1 B1 OG1 B0 OG0 U0 U1 PF0 PF1'
     >>> " ".join(ZeroOffload(delayed_update=True).program(chain(2)).actions())
-    'F0 F1 B1 OG1 B0 OG0'
+    'F0 F1 B1 OG1 B0 OG0 PF0 PF1 U0 U1'
     """
 
     name: ClassVar[str] = "zero-offload"
@@ -562,12 +562,17 @@ def lower_policy(policy: Policy, stages: Sequence[StageSpec]) -> Program:
         if pl.device_groups:
             policy_actions(policy, stages)  # (its refusal)
         return _clipped(policy, stages, pl)
-    acts = policy_actions(policy, stages)
+    if pl.updates == "next-step":  # the delayed update: the placement updating after the backward, then the pass
+        base = dataclasses.replace(pl, updates="after-backward", refresh=True)
+        acts = _placement_actions(policy, stages, base)
+    else:
+        acts = policy_actions(policy, stages)
     prog = lower_actions(
         acts, stages, pl.num_slots, name=policy.program_name(pl), persistent=pl.persistent,
         ssd_groups=pl.ssd_groups, host_window=pl.host_window, ssd_masters=pl.ssd_masters,
     )  # fmt: skip
-    prog.updates_outside = pl.updates == "next-step"
+    if pl.updates == "next-step":
+        return delayed_update(prog)
     return prog
 
 

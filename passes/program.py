@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import AG, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PF, RS, R, SR, STREAMS, SW, U, Action, ActionKind
+from .actions import AG, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PF, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -84,7 +84,9 @@ class ActionMeta:
             ``loss.backward()``; ``U`` nodes may be deferred to ``step()``), ``"step"`` (inside
             ``step()``, which waits for them: the gate ``CK0`` and data parallel's ``NR0``) or
             ``"next-forward"`` (updates after the gate: ``step()`` starts them, the next forward
-            waits for each where it prefetches the stage reading its group).
+            waits for each where it prefetches the stage reading its group) or ``"delayed"``
+            (ZeRO-Offload's delayed update: ``step()`` starts them and they run during the next
+            step, which trains on the weights before them; its gradient copies wait for them).
         slot: the device slot the action uses (PF/F/OB/R/B/OG), None for ``U``.
         bytes: bytes the action moves over the link (PF: h2d, OG/OB: d2h), else 0.
         keep_graph: FORWARD only: keep the stage's autograd graph so its BACKWARD does not
@@ -141,6 +143,10 @@ class Program:
         ssd_masters: the SSD holds those groups' fp32 master weights too.
         updates_in_step: the updates run in ``step()`` (``overlap_update=False``): everything
             from the gate ``CK0`` on is in phase ``"step"`` (:func:`shfx.passes.features.updates_in_step`).
+        updates_delayed: ZeRO-Offload's delayed update (one step stale): the updates and their
+            SSD transfers are in phase ``"delayed"`` (``step()`` starts them, they run during
+            the next step) and the refresh of the persistent stages after the backward is in
+            phase ``"step"`` (:func:`shfx.passes.features.delayed_update`).
         ranks: data parallel: the number of ranks running this program, each with its own
             batch (1: none). Each host-updated group's gradient is then reduced across them
             (REDUCE_GRADS) before its update, and each rank updates its shard and all-gathers
@@ -161,6 +167,7 @@ class Program:
         ssd_masters: bool = False,
         ranks: int = 1,
         updates_in_step: bool = False,
+        updates_delayed: bool = False,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -174,6 +181,7 @@ class Program:
         self.ssd_masters = ssd_masters
         self.ranks = ranks
         self.updates_in_step = updates_in_step
+        self.updates_delayed = updates_delayed
 
     @property
     def tier(self) -> dict:
@@ -181,7 +189,7 @@ class Program:
         and :func:`lower_actions` (for derived programs)."""
         return {
             "ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters,
-            "ranks": self.ranks, "updates_in_step": self.updates_in_step,
+            "ranks": self.ranks, "updates_in_step": self.updates_in_step, "updates_delayed": self.updates_delayed,
         }  # fmt: skip
 
     # ---- reading -------------------------------------------------------------------------
@@ -353,6 +361,7 @@ def lower_actions(
     ssd_masters: bool = False,
     ranks: int = 1,
     updates_in_step: bool = False,
+    updates_delayed: bool = False,
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
@@ -370,6 +379,10 @@ def lower_actions(
         the program has ``GN`` actions before it (exact gradient clipping), it waits for every
         one of them instead (the clip coefficient needs the norm of every gradient).
       - ``GN g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``.
+      - ``SN g``, the step journal's copy of group ``g`` (rollback), waits for what ``U g`` waits
+        for and is in its phase; ``U g`` waits for it.
+      - ``US g`` (fp16: the gradient checked and unscaled) waits for what the action after it
+        waits for and is in its phase; ``GN g``, ``SN g`` and ``U g`` after it wait for it.
       - ``CK0``, the step's gate (phase ``"step"``), waits for every ``GN`` before it (and, with
         data parallel, for ``NR0``, which waits for every ``GN`` too); an update after it waits
         for it instead of for each norm.
@@ -391,7 +404,9 @@ def lower_actions(
     resident (they may not be released). The phase is ``"forward"`` up to the first ``B`` and
     ``"backward"`` after it; updates after the ``GN`` actions end the program and are in phase
     ``"next-forward"``: ``step()`` starts them and the next forward's prefetches wait for them
-    (exact gradient clipping, ``shfx.compile(max_grad_norm=...)``). A ``B`` writes gradients into a device buffer (``grads_to``) when
+    (exact gradient clipping, ``shfx.compile(max_grad_norm=...)``). With ``updates_delayed``
+    (ZeRO-Offload's delayed update) every update kind is in phase ``"delayed"`` and a refreshing
+    PREFETCH after the first ``B`` in phase ``"step"``. A ``B`` writes gradients into a device buffer (``grads_to``) when
     its stage is persistent or its group is updated on the device, else over its parameters in
     the slot. With ``keep_graph``, a FORWARD whose stage's BACKWARD is the next compute action
     keeps its autograd graph instead of being recomputed.
@@ -478,7 +493,7 @@ def lower_actions(
 
         buffer: int | None = None
         step_phase = False
-        if deferred and not (k in (ActionKind.CPU_STEP, SR, SW, AG) and norms):
+        if deferred and not (k in (ActionKind.CPU_STEP, SN, US, SR, SW, AG) and norms):
             raise fail(
                 pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they (and their SSD "
                 "reads and writes, their all-gathers) must end the program"
@@ -541,7 +556,7 @@ def lower_actions(
                     raise fail(pos, act, f"it writes back group {s}'s state, but U{s} has not updated it since SR{s}")
             if norms and not deferred and not updates_in_step:
                 deferred = True
-        elif k == ActionKind.CPU_STEP and norms:
+        elif (k in (ActionKind.CPU_STEP, SN) and norms) or (k == US and gate is not None):  # (a US before a GN: below)
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             deps.extend([gate] if gate is not None else norms)
@@ -554,8 +569,11 @@ def lower_actions(
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
                 deps.append(on_host[s][1])
+            for before in (US, SN):  # (the unscale before the copy, the copy before the update)
+                if k != before and Action(before, s) in last and (before == US or k == ActionKind.CPU_STEP):
+                    deps.append(last[Action(before, s)])
             deferred = not updates_in_step
-        elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM):
+        elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM, SN, US):
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
             if s in device_groups:
@@ -564,10 +582,13 @@ def lower_actions(
                 deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
             if ranks > 1:
                 deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient reduced across the {ranks} ranks"))
-            if k == ActionKind.CPU_STEP and s in ssd_groups:
+            if k in (ActionKind.CPU_STEP, SN) and s in ssd_groups:
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
                 deps.append(on_host[s][1])
+            for before in (US, SN):
+                if k != before and Action(before, s) in last and (before == US or k == ActionKind.CPU_STEP):
+                    deps.append(last[Action(before, s)])
         elif k == ActionKind.DEVICE_STEP:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
@@ -669,8 +690,14 @@ def lower_actions(
                 raise fail(pos, act, f"unknown action kind {k}")
 
         node = graph.create_node("call_function", KINDS[k].op, (s, *_dedupe(deps)), {}, name=str(act).lower())
+        if updates_delayed and KINDS[k].update:
+            node_phase = "delayed"
+        elif updates_delayed and refresh and phase == "backward":
+            node_phase = "step"
+        else:
+            node_phase = "step" if step_phase or (updates_in_step and gate is not None) else "next-forward" if deferred else phase
         set_meta(node, ActionMeta(
-            action=act, phase="step" if step_phase or (updates_in_step and gate is not None) else "next-forward" if deferred else phase,
+            action=act, phase=node_phase,
             slot=slot, bytes=nbytes, grads_to=grads_to,
             refresh=refresh, buffer=buffer,
         ))  # fmt: skip
@@ -709,7 +736,7 @@ def lower_actions(
     graph.output(None)
     return Program(
         graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters,
-        ranks=ranks, updates_in_step=updates_in_step,
+        ranks=ranks, updates_in_step=updates_in_step, updates_delayed=updates_delayed,
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from .meta import get_meta, set_meta
 from .policies import schedule_window, window_actions
-from .program import AG, PF, R, U, Action, Program, lower_actions
+from .program import AG, OG, PF, R, U, Action, Program, lower_actions
 
 __all__ = [
     "eval_program",
@@ -65,7 +65,7 @@ def cold_backward_program(program: Program) -> Program:
     of the slots they held, so each lands in the same slot (slot sizes stay those of the train
     program); the step phase and the updates deferred to the next forward stay at the end.
     """
-    back = [get_meta(n).action for n in program.nodes if get_meta(n).phase in ("backward", "step", "next-forward")]
+    back = [get_meta(n).action for n in program.nodes if get_meta(n).phase in ("backward", "step", "next-forward", "delayed")]
     acts = [Action(PF, s) for s in resident_after_forward(program) if s not in program.persistent] + back
     # The leading PFs belong to the backward phase: lowering starts in "forward" until the
     # first B, so mark them by lowering and then fixing the phase.
@@ -82,9 +82,9 @@ def cold_backward_program(program: Program) -> Program:
 
 
 def deferred_updates(program: Program) -> list[fx.Node]:
-    """The updates that run in the next step's forward (phase ``"next-forward"``: exact gradient
-    clipping), in issue order; empty for other programs."""
-    return [n for n in program.nodes if get_meta(n).phase == "next-forward"]
+    """The updates that run in the next step (phase ``"next-forward"``: exact gradient clipping;
+    ``"delayed"``: ZeRO-Offload's delayed update), in issue order; empty for other programs."""
+    return [n for n in program.nodes if get_meta(n).phase in ("next-forward", "delayed")]
 
 
 def groups_read(program: Program, stage: int) -> set[int]:
@@ -102,7 +102,10 @@ def steady_state_program(program: Program) -> Program:
     of the groups it reads, and this step's own updates left out (they belong to the next
     step). The previous updates are in phase ``"forward"`` (the runtime's backward starts after
     them); with the NVMe tier their SSD reads and writes come along, keeping the waits among
-    them. A program without deferred updates is returned as it is.
+    them. With the delayed update (phase ``"delayed"``) the forward does not wait for them (it
+    trains on the weights before them): each gradient copy waits for the previous update of the
+    groups it writes, and the refresh in phase ``"step"`` for every group its stage reads. A
+    program without deferred updates is returned as it is.
 
     The simulator times this program (:func:`shfx.cost_model.simulate.simulate`) and the
     verifier checks the step boundary on it (:func:`shfx.passes.verify.verify_program`).
@@ -132,13 +135,15 @@ def steady_state_program(program: Program) -> Program:
     env: dict[fx.Node, fx.Node] = {}
     for n in program.nodes:
         m = get_meta(n)
-        if m.phase == "next-forward":
+        if m.phase in ("next-forward", "delayed"):
             continue
         # (an edge to a later or unknown action, or into the deferred tail, has no counterpart
         # here; the verifier's order and step-boundary rules report such programs)
         deps = [env[d] for d in program.deps(n) if d in env]
         if m.kind == PF:
             deps += [prev[g] for g in sorted(groups_read(program, m.stage)) if g in prev]
+        elif m.kind == OG and program.updates_delayed:  # the delayed update reads the buffer the copy writes
+            deps += [prev[g] for g in sorted(program.stages[m.stage].grad_groups) if g in prev]
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=n.name)
         set_meta(node, m)
         env[n] = node

@@ -59,7 +59,7 @@ import torch.fx as fx
 
 from .meta import get_meta
 from .actions import KINDS
-from .program import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SR, SW, U, ActionKind, Program, ScheduleError
+from .program import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SN, SR, SW, U, US, ActionKind, Program, ScheduleError
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -336,7 +336,31 @@ def data_flow(v: ProgramView) -> Iterator[Violation]:
 def grads_before_update(v: ProgramView) -> Iterator[Violation]:
     """5. An update names a group some stage owns; a group updated on the device has no
     CPU_STEP; a CPU_STEP waits for the OFFLOAD_GRAD (all of its effects: the accumulation on the
-    host too) and a DEVICE_STEP for the BACKWARD of every stage sending gradients to its group."""
+    host too) and a DEVICE_STEP for the BACKWARD of every stage sending gradients to its group.
+    With rollback (SNAPSHOTs), every CPU_STEP waits for the SNAPSHOT of its group, taken once;
+    with fp16's UNSCALEs, every reader of a host gradient (GN, SN, U) waits for its group's."""
+    unscales = {get_meta(n).stage: n for n in v.nodes if get_meta(n).kind == US}
+    if unscales:
+        for n in v.nodes:
+            m = get_meta(n)
+            if m.kind in (GN, SN, U) and (m.stage not in unscales or not v.waits_done(n, unscales[m.stage])):
+                yield n, f"{v.act(n)} reads group {m.stage}'s gradient before US{m.stage} unscaled it"
+    snaps = [n for n in v.nodes if get_meta(n).kind == SN]
+    if snaps:
+        taken: dict[int, fx.Node] = {}
+        for n in snaps:
+            g = get_meta(n).stage
+            if g in taken:
+                yield n, f"{v.act(n)} copies group {g} a second time in one step"
+            taken[g] = n
+        for n in v.nodes:
+            m = get_meta(n)
+            if m.kind == U and (m.stage not in taken or not v.waits_done(n, taken[m.stage])):
+                yield n, f"{v.act(n)} updates group {m.stage} before the step journal copied it (SN{m.stage}): a failed step could not be undone"
+        updated = {get_meta(n).stage for n in v.nodes if get_meta(n).kind == U}
+        for g, n in taken.items():
+            if g not in updated:
+                yield n, f"{v.act(n)} copies group {g}, which no CPU_STEP of the program updates"
     for n in v.nodes:
         m = get_meta(n)
         k, g = m.kind, m.stage
@@ -434,8 +458,8 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
         m = get_meta(n)
         if m.phase != "next-forward":
             yield n, f"{v.act(n)} comes after the deferred updates, which must end the program"
-        elif m.kind in (SR, SW, AG):
-            continue  # the NVMe tier's reads and write-backs of the deferred updates (rule 8), data parallel's all-gathers
+        elif m.kind in (SR, SW, AG, SN, US):
+            continue  # the unscales and the journal's copies before the deferred updates, the NVMe tier's reads and write-backs of the deferred updates (rule 8), data parallel's all-gathers
         elif m.kind != U:
             yield n, (
                 f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs (and their SSD reads and writes, "

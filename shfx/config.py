@@ -142,7 +142,8 @@ class Config:
             policy=self.policy, blocks=self.blocks, num_stages=self.num_stages, verify=self.verify,
             verify_each_pass=self.verify_each_pass, device=device, precision=self.precision,
             fp32_norms=self.fp32_norms, ranks=ranks, updates_in_step=not self.overlap_update,
-            clip_in_step=self.max_grad_norm is not None and not self.overlap_update,
+            clip_in_step=self.max_grad_norm is not None and not self.overlap_update, rollback=self.rollback,
+            loss_scaling=self.precision == "fp16",
         )  # fmt: skip
 
     def replace(self, **changes: Any) -> Config:

@@ -235,3 +235,117 @@ def test_the_simulator_starts_the_step_phase_after_the_backward():
     assert in_step.step_s > over.step_s  # the updates no longer overlap the backward
     backward_end = max(e.end for e in in_step.events if e.phase == "backward")
     assert all(e.start >= backward_end for e in in_step.events if e.phase == "step")
+
+
+# ---- rollback: the journal's copies as actions ------------------------------------------------------
+
+
+def test_rollback_golden_and_composition():
+    """The rollback pass puts SN g (the journal's copy) right before each host update, in its
+    phase, the update waiting for it; it composes with clipping and updates-in-step, and the
+    verifier's every rule holds."""
+    from shfx.passes.features import ROLLBACK, UPDATES_IN_STEP
+
+    p = ROLLBACK(Stronghold(window=2).program(chain(3)))
+    assert " ".join(p.actions()) == "PF0 PF1 F0 R0 PF2 F1 F2 B2 OG2 SN2 U2 R2 PF0 B1 OG1 SN1 U1 R1 B0 OG0 SN0 U0 R0"
+    assert [d.name for d in p.deps(p.find("U2"))] == ["og2", "sn2"]
+    assert [d.name for d in p.deps(p.find("SN2"))] == ["og2"]
+    verify_program(p)
+    clipped = ROLLBACK(EXACT_CLIPPING(Stronghold(window=2).program(chain(3))))
+    assert clipped.actions("next-forward") == ["SN0", "U0", "SN1", "U1", "SN2", "U2"]
+    assert all(clipped.find("CK0") in clipped.deps(clipped.find(f"SN{g}")) for g in range(3))
+    verify_program(clipped)
+    stepped = ROLLBACK(UPDATES_IN_STEP(ZeroOffload().program(chain(2))))
+    assert stepped.actions("step") == ["CK0", "SN0", "U0", "SN1", "U1", "PF0", "PF1"]
+    verify_program(stepped)
+    # a device update copies its slot region inside its own action: nothing to add
+    k1 = Stronghold(window=2, resident_first=1).program(chain(3))
+    assert ROLLBACK(k1).actions() == [a if not a.startswith("U") else a for a in ROLLBACK(k1).actions()]
+    assert "SN0" not in ROLLBACK(k1).actions() and "DU0" in ROLLBACK(k1).actions()
+
+
+def test_rollback_refusals_live_with_the_pass():
+    from shfx.passes.features import ROLLBACK
+
+    with pytest.raises(PassRefused, match=r"rollback cannot run .* optimizer states in host memory .* groups \[0, 1, 2\] keep "
+                                          r"their optimizer states on the SSD\. Fix: compile with overlap_update=False"):  # fmt: skip
+        ROLLBACK(Stronghold(window=2, nvme=True, host_window=2).program(chain(3)))
+    with pytest.raises(PassRefused, match="rollback cannot run .* one rank .* Fix: rollback=False"):
+        ROLLBACK(DATA_PARALLEL(Stronghold(window=2).program(chain(3)), ranks=2))
+    with pytest.raises(PassRefused, match="does not copy its groups yet"):
+        ROLLBACK(ROLLBACK(Stronghold(window=2).program(chain(3))))
+
+
+def test_a_program_without_the_copy_is_refused_by_the_verifier():
+    from shfx.passes.program import lower_actions
+    from shfx.passes.verify import VerificationError
+
+    specs = chain(2)
+    bad = lower_actions(["F0", "F1", "B1", "OG1", "SN1", "U1", "B0", "OG0", "U0"], specs, 2, persistent=(0, 1))
+    with pytest.raises(VerificationError, match=r"U0 \(#8\) updates group 0 before the step journal copied it \(SN0\)"):
+        verify_program(bad)
+
+
+def test_compile_with_rollback_runs_the_copies_from_the_program():
+    """shfx.compile(rollback=True): the train program has the copies (the pipeline runs the
+    pass) and the engine runs each as an action, once per group and step; a step whose update
+    fails after others ran is undone exactly, and retried it trains as eager."""
+    from tests.faults import FaultInjector
+    from tests.test_failures_engine import Pair
+
+    p = Pair(shfx.Stronghold(window=2), rollback=True)
+    with FaultInjector(p.cm.backend, "SN", None) as snaps:
+        p.step_both()
+    prog = p.cm.variant.train
+    copies = [a for a in prog.actions("backward") if a.startswith("SN")]
+    assert len(copies) == len([a for a in prog.actions("backward") if a.startswith("U")]) == snaps.count > 0
+    p.assert_same()
+    with FaultInjector(p.cm.backend, "U", 2):  # the second update fails: the first ran (after its copy)
+        p.cm(*p.batch()).backward()
+        with pytest.raises(shfx.ActionError, match="optimizer update U") as ei:
+            p.cm.step()
+    assert "were rolled back" in str(ei.value)
+    p.assert_same()  # undone from the copies: the state before the step
+    p.cm.step()  # the whole step again, once
+    p.cm.zero_grad()
+    p.eager_step()
+    p.assert_same()
+
+
+# ---- the delayed update: one step stale, in the program ---------------------------------------------
+
+
+def test_delayed_update_golden():
+    """ZeroOffload(delayed_update=True) lowers through the delayed-update pass: the refresh of
+    the slots in step() (phase step), then the host updates (phase delayed), which the next
+    step's gradient copies wait for in the steady state; the forward does not wait for them."""
+    from shfx.passes.features import DELAYED_UPDATE, delayed_update
+    from shfx.passes.schedule import steady_state_program
+
+    p = ZeroOffload(delayed_update=True).program(chain(3))
+    assert p.updates_delayed and not p.updates_outside
+    assert p.actions("step") == ["PF0", "PF1", "PF2"] and p.actions("delayed") == ["U0", "U1", "U2"]
+    assert p.actions() == delayed_update(ZeroOffload().program(chain(3))).actions()
+    verify_program(p)
+    steady = steady_state_program(p)
+    assert steady.actions()[:3] == ["U0", "U1", "U2"]  # the previous step's, from time 0
+    assert {d.name for d in steady.deps(steady.find("OG1"))} == {"b1", "u1_prev"}
+    assert [d.name for d in steady.deps(steady.find("F0"))] == []  # trains on the weights before them
+    with pytest.raises(PassRefused, match="delayed-update cannot run .* does not clip"):
+        DELAYED_UPDATE(EXACT_CLIPPING(ZeroOffload().program(chain(3))))
+    with pytest.raises(PassRefused, match="delayed-update cannot run .* one rank"):
+        DELAYED_UPDATE(DATA_PARALLEL(ZeroOffload().program(chain(3)), ranks=2))
+
+
+def test_the_simulator_overlaps_the_delayed_update_with_the_next_step():
+    """The delayed updates are on the timeline: the previous step's run beside this step's
+    forward, so the step is shorter than ZeRO-Offload's update after the backward by them."""
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    from shfx.cost_model.simulate import simulate
+
+    costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 3, Links(1e6, 1e6))
+    plain = simulate(ZeroOffload().program(chain(3)), costs)
+    delayed = simulate(ZeroOffload(delayed_update=True).program(chain(3)), costs)
+    updates = [e for e in delayed.events if e.action.startswith("U")]
+    assert [(e.start, e.end) for e in updates] == [(0.0, 0.5), (0.5, 1.0), (1.0, 1.5)]
+    assert delayed.step_s == pytest.approx(plain.step_s - 0.5)  # the updates no longer end the step

@@ -515,8 +515,9 @@ def test_borrowed_gradient_of_a_device_group_waits_on_the_device():
 
 
 def test_rollback_copies_lengthen_each_host_update():
-    """With rollback each CPU_STEP first copies its group (ROLLBACK_COPY_RATIO x update_s, or
-    the stage's own rollback_s, or the ratio given): hand-computed on one stage."""
+    """With rollback each CPU_STEP waits for the journal's copy of its group, a SNAPSHOT action
+    the rollback pass adds (ROLLBACK_COPY_RATIO x update_s, or the stage's own rollback_s, or
+    the ratio given): hand-computed on one stage."""
     from shfx.cost_model.costs import ROLLBACK_COPY_RATIO
 
     p = lower_actions(["PF0", "F0", "B0", "OG0", "U0", "R0"], chain(1, prefetch_bytes=MB), 1)
@@ -524,13 +525,20 @@ def test_rollback_copies_lengthen_each_host_update():
     off = simulate(p, costs)
     assert times(off, "U0") == [(5.0, 5.5)] and off.step_s == 5.5
     on = simulate(p, costs, rollback=True)
-    assert times(on, "U0") == [(5.0, round(5.5 + ROLLBACK_COPY_RATIO * 0.5, 9))]
+    copy = round(5.0 + ROLLBACK_COPY_RATIO * 0.5, 9)
+    assert times(on, "SN0") == [(5.0, copy)] and times(on, "U0") == [(copy, round(copy + 0.5, 9))]
+    assert [e.action for e in on.events if e.stream == "cpu"] == ["SN0", "U0"]
     assert on.by_resource["host optimizer"] == pytest.approx(0.5 * (1 + ROLLBACK_COPY_RATIO))
     assert simulate(p, costs, rollback=2.0).step_s == pytest.approx(6.5)
     assert simulate(p, costs, rollback=0.0).step_s == off.step_s
     own = CostTable([StageCost(1.0, 3.0, update_s=0.5, rollback_s=0.25)], LINK)
     assert simulate(p, own, rollback=True).step_s == pytest.approx(5.75)
     assert simulate(p, own).step_s == off.step_s  # rollback_s costs nothing unless rollback is on
+    # a program that has its copies already (compiled with rollback=True) is timed with them
+    from shfx.passes.features import ROLLBACK
+
+    assert simulate(ROLLBACK(p), own).step_s == pytest.approx(5.75)
+    assert simulate(ROLLBACK(p), costs, rollback=2.0).step_s == pytest.approx(6.5)
     with pytest.raises(SimulationError, match="rollback must be"):
         simulate(p, costs, rollback=-1.0)
     with pytest.raises(SimulationError, match="rollback_s"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from ..errors import ActionError
-from .streams import Token
+from .streams import DependencyFailed, Token, root_cause
 
 __all__ = ["DelayedUpdates"]
 
@@ -39,35 +39,44 @@ class DelayedUpdates:
         return [t for g, t in self.running.items() if g in set(groups)]
 
     def wait(self) -> None:
-        """Wait for every update to reach the host weights; then raise the first failure (they
-        stay recorded: a later :meth:`finish` raises it too). Every update has finished when
-        this raises: the caller may undo them."""
-        for tok in self.running.values():
+        """Wait for every update (and the actions started with them) to reach the host weights;
+        then raise the first failure (they stay recorded: a later :meth:`finish` raises it
+        too). Every update has finished when this raises: the caller may undo them."""
+        for tok in [*self.running.values(), *self.others]:
             tok.wait()
-        for g, tok in self.running.items():
-            if tok.error is not None:
-                raise _failed(g, tok)
+        _raise_first(self.running, self.others)
 
     def finish(self) -> bool:
-        """Wait for every update and forget them; returns whether any ran. Raises the first
-        failure."""
-        if not self.running:
+        """Wait for every update and the actions started with them, and forget them; returns
+        whether any ran. Raises the first failure."""
+        if not self.running and not self.others:
             return False
-        pending, self.running = self.running, {}
-        for tok in pending.values():
+        pending, others = self.running, self.others
+        self.running, self.others = {}, []
+        for tok in [*pending.values(), *others]:
             tok.wait()
-        for g, tok in pending.items():
-            if tok.error is not None:
-                raise _failed(g, tok)
-        return True
+        _raise_first(pending, others)
+        return bool(pending)
 
     def clear(self) -> None:
         self.running.clear()
         self.others.clear()
 
 
-def _failed(group: int, tok: Token) -> ActionError:
-    err = tok.error
-    e = ActionError(f"host optimizer update U{group} (delayed) failed: {type(err).__name__}: {err}", f"U{group}")
+def _raise_first(running: dict[int, Token], others: list[Token]) -> None:
+    """Raise the first failure that is not another's (an update after its failed SSD read)."""
+    failed = [(f"U{g}", t) for g, t in running.items() if t.error is not None]
+    failed += [(t.label or "?", t) for t in others if t.error is not None]
+    if not failed:
+        return
+    label, tok = next(((lb, t) for lb, t in failed if not isinstance(t.error, DependencyFailed)), failed[0])
+    raise _failed(label, tok)
+
+
+def _failed(label: str, tok: Token) -> ActionError:
+    err = root_cause(tok.error)
+    what = {"SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states", "SN": "rollback copy",
+            "US": "unscale of the fp16 gradient"}.get(label[:2], "host optimizer update")  # fmt: skip
+    e = ActionError(f"{what} {label} (delayed) failed: {type(err).__name__}: {err}", label)
     e.__cause__ = err
     return e

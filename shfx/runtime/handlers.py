@@ -161,6 +161,8 @@ class ActionHandlers:
 
     def run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         eng = self.engine
+        if m.phase == "delayed":  # ZeRO-Offload's delayed update: zero_grad() may run before it (checked when issued)
+            return self._submit(m, self.update_task(m.stage, check=False, finite=eng.step_checked), deps)
         if eng.clip_coef is None or m.phase not in ("step", "next-forward"):
             return self._submit(m, self.update_task(m.stage, finite=eng.step_checked), deps)
         # after the gate: scale the gradient by the clip coefficient, then update
@@ -176,6 +178,42 @@ class ActionHandlers:
     def run_grad_norm(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         eng = self.engine
         return self._submit(m, lambda: eng.clipping.record(m.stage), deps)
+
+    def run_snapshot(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """SN g (rollback): the journal's copy of the group's master and states before ``U g``
+        (only when the update will run: its gradient is there)."""
+        eng, g = self.engine, m.stage
+        delayed = m.phase == "delayed"
+
+        def run() -> None:
+            if delayed or eng.store.grad_state[g] == GRAD_VALID:
+                eng.journal.snapshot_host(g)
+
+        return self._submit(m, run, deps)
+
+    def run_unscale(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """US g (fp16, the loss-scaling pass): the group's scaled host gradient checked finite
+        (where its update would check it: not behind a gate that checks the total norm, nor
+        after step()'s check of every gradient), then divided by the loss scale once, as the
+        fused kernel's ``grad_scale`` divides (bitwise alike); through ``.data``, so the exposed
+        ``.grad`` views' version counters see no user edit. ``unscaled`` then holds the group:
+        its norm and update neither check nor divide again."""
+        eng, g = self.engine, m.stage
+        delayed = m.phase == "delayed"  # (zero_grad() may run before it: checked when issued)
+        check = eng.check_finite and eng.clipping.clip is None and eng.step_checked is None
+        whose = self.whose(g, "host")
+
+        def run() -> None:
+            if not delayed and eng.store.grad_state[g] != GRAD_VALID:
+                return
+            grad = eng.store.grad(g)
+            if check and g not in eng.unscaled:
+                require_finite(grad, g, whose)
+            if eng.scaler is not None and g not in eng.unscaled:
+                grad.data.div_(eng.scaler.scale_tensor())
+            eng.unscaled.add(g)
+
+        return self._submit(m, run, deps)
 
     def run_norm_reduce(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         """NR0 (data parallel, the reduce queue): every parameter's norm on every rank."""
@@ -356,7 +394,7 @@ class ActionHandlers:
                     body()
 
         def body() -> None:
-            if finite:
+            if finite and group not in unscaled:  # (a US action checked it already: fp16's loss-scaling pass)
                 require_finite(store.grad(group), group, whose)
             journal.before_host_update(group)
             if scaler is not None and group not in unscaled:

@@ -5,7 +5,8 @@ as its gradient is complete, while the backward of the stages before it still ru
 can then fail, be interrupted, or be skipped (a non-finite gradient with
 ``skip_nonfinite=True``; later fp16 overflow) after some groups were updated. The journal
 makes such a step all-or-nothing: before a group's first update of a step it copies what the
-update overwrites (the host master weights and the optimizer's states, each runner's ``tensors()``, or the device copies of a group
+update overwrites (for a host group, the program's ``SN g`` action: the rollback feature pass,
+:data:`shfx.passes.features.ROLLBACK`) (the host master weights and the optimizer's states, each runner's ``tensors()``, or the device copies of a group
 updated on the device), and :meth:`StepJournal.rollback` puts them back, bitwise.
 
 The copies cost memory traffic on the thread that runs the update (about 12 bytes read and
@@ -81,6 +82,7 @@ class StepJournal:
         self._host: dict[int, _HostCopy] = {}  # reusable buffers, per group
         self._device: dict[int, _DeviceCopy] = {}
         self.saved: set[tuple[str, int]] = set()  # ("host"|"device", group) saved this step
+        self.started: set[tuple[str, int]] = set()  # updates that started this step (copied first)
         self.applied: set[tuple[str, int]] = set()  # updates that completed this step
 
     # ---- recording (on the threads running the updates) ------------------------------------------
@@ -95,7 +97,15 @@ class StepJournal:
             return records.setdefault(g, make())
 
     def before_host_update(self, g: int) -> None:
-        """Copy group ``g``'s host master and states before its first update of the step."""
+        """Group ``g``'s host update starts: copy its master and states unless its ``SN g``
+        (:meth:`snapshot_host`) did already this step."""
+        self.snapshot_host(g)
+        with self._lock:
+            self.started.add(("host", g))
+
+    def snapshot_host(self, g: int) -> None:
+        """``SN g`` (the rollback pass's action, before ``U g``): copy group ``g``'s host master
+        and states, once a step. Only an update that started counts as one to undo."""
         rec = self._first("host", g, self._host, _HostCopy)
         if rec is None:
             return
@@ -130,6 +140,7 @@ class StepJournal:
         rec.master.copy_(master)
         with self._lock:
             self.saved.add(("device", g))
+            self.started.add(("device", g))
 
     def done(self, where: str, g: int) -> None:
         with self._lock:
@@ -139,20 +150,22 @@ class StepJournal:
     def updated_groups(self) -> list[int]:
         """Groups the step has updated (fully or partly), sorted."""
         with self._lock:
-            return sorted({g for _, g in self.applied | self.saved})
+            return sorted({g for _, g in self.applied | self.started})
 
     def commit(self) -> None:
         """The step is applied: forget its records (the buffers are kept for the next)."""
         with self._lock:
             self.saved.clear()
+            self.started.clear()
             self.applied.clear()
 
     def rollback(self, region: Any) -> list[int]:
-        """Put back every group saved this step; returns them. ``region(slot, offset, nbytes)``
-        gives a slot's bytes, to restore weights of persistent device-updated groups there.
-        Call it only when no update task is running."""
+        """Put back every group whose update started this step; returns them (a copy taken by
+        an ``SN`` whose update never started is dropped: nothing changed that group).
+        ``region(slot, offset, nbytes)`` gives a slot's bytes, to restore weights of persistent
+        device-updated groups there. Call it only when no update task is running."""
         restored = []
-        for where, g in sorted(self.saved):
+        for where, g in sorted(self.saved & self.started):
             if where == "host":
                 self._restore_host(g)
             else:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shfx.passes.actions import ActionKind
+from shfx.passes.actions import KINDS, ActionKind
 from shfx.passes.meta import get_meta
 from shfx.passes.pipeline import Variant
 from shfx.passes.program import Program
@@ -29,6 +29,12 @@ from .host_store import GRAD_NONE, GRAD_VALID
 from .streams import Cancelled, DependencyFailed, Token, root_cause
 
 __all__ = ["StepPhase", "StepRunner"]
+
+# the actions of one host group's update, issued by step() only for the groups still to update
+_HOST_GROUP_KINDS = (
+    ActionKind.CPU_STEP, ActionKind.SSD_READ, ActionKind.SSD_WRITE, ActionKind.GATHER_PARAMS, ActionKind.SNAPSHOT,
+    ActionKind.UNSCALE,
+)  # fmt: skip
 
 
 class StepPhase:
@@ -80,57 +86,28 @@ class StepRunner:
             return skipped if skipped is not None else self._finish_step()
         if eng.clipping.clip is not None or eng.clipping.clipped is not None:
             return self._clipped_step()
-        if not eng.pending_updates:
-            eng.last_step_skipped = False
-            done = eng.journal.applied  # a retried step: the updates that ran before it failed
-            v = eng.current
-            dev = v.device_groups if v is not None else frozenset()
-            groups = [
-                i
-                for i, g in enumerate(eng.store.groups)
-                if g.trainable_bytes and i not in dev and eng.store.grad_state[i] == GRAD_VALID and ("host", i) not in done
-            ]
-            dev_groups = []
-            for gi in sorted(dev):
-                if eng.gradients.device_state.get(gi, GRAD_NONE) != GRAD_VALID or ("device", gi) in done:
-                    continue
-                owner = v.owner_of[gi]
-                if eng.loaded is not v or owner not in v.train.persistent:
-                    raise UsageError(
-                        f"group {gi} is updated on the device while its stage is resident, and it is not now: "
-                        "its gradient is gone with the slot. Run the step again from the forward."
-                    )
-                dev_groups.append((gi, v.train.persistent.index(owner)))
-            bad = self._first_nonfinite(v, groups, dev_groups) if eng.check_finite else None
-            if bad is not None:
-                if eng.skip_nonfinite:
-                    return self._skip_step()  # every gradient is known: nothing has run
-                raise self._nonfinite_error(bad, [], [])
-            for gi in groups:
-                tok = eng.backend.cpu.submit(self.handlers.task(f"U{gi}", self.handlers.update_task(gi, finite=False)), [], f"U{gi}")
-                eng.pending_updates.append((f"U{gi}", tok))
-                if eng.dp is not None:  # the program's AG after each U: the updated shards to every rank
-                    ag = eng.backend.gather.submit(
-                        self.handlers.task(f"AG{gi}", lambda gi=gi: eng.dp.gather_params(f"AG{gi}", gi)), [tok], f"AG{gi}"
-                    )  # fmt: skip
-                    eng.pending_updates.append((f"AG{gi}", ag))
-            for gi, slot in dev_groups:
-                task = self.handlers.device_step_task(v, gi, slot, finite=False)
-                tok = eng.backend.compute.submit(self.handlers.task(f"DU{gi}", task), [], f"DU{gi}")
-                eng.pending_updates.append((f"DU{gi}", tok))
+        if not eng.pending_updates and v is not None:
+            # the backward issued no update (a retried step: those of a failed one not applied
+            # yet; or the backward that completed the step did not run them): the program's
+            # update actions of the groups still to update, issued now
+            skipped = self._issue_step_phase(v, retry=True)
+            if skipped is not None:
+                return skipped
         return self._finish_step()
 
-    def _issue_step_phase(self, v: Variant) -> bool | None:
+    def _issue_step_phase(self, v: Variant, retry: bool = False) -> bool | None:
         """Issue the step phase of a program whose updates run in ``step()`` (``overlap_update=
         False``: :data:`~shfx.passes.features.UPDATES_IN_STEP`): the gate ``CK0`` (waited for:
         with clipping the total norm and coefficient), or the finite check of every gradient, then
-        the updates of the groups holding a gradient and not applied yet (a retried step), their SSD
-        transfers and all-gathers, and the refresh of the persistent stages. Their tokens go to
-        ``pending_updates`` for :meth:`_finish_step`; returns False for a skipped step, None
-        otherwise."""
+        the updates of the groups holding a gradient and not applied yet (a retried step), their
+        unscales, copies, SSD transfers and all-gathers, and the refresh of the persistent stages.
+        With ``retry`` (a program whose updates run in the backward, which issued none: a retried
+        step), the program's update actions instead, for the same groups (no gate: clipped steps
+        are :meth:`_clipped_step`'s). Their tokens go to ``pending_updates`` for
+        :meth:`_finish_step`; returns False for a skipped step, None otherwise."""
         eng = self.engine
         program = v.train
-        clipping = eng.clipping.clip is not None or eng.clipping.clipped is not None
+        clipping = not retry and (eng.clipping.clip is not None or eng.clipping.clipped is not None)
         if clipping:
             self._wait_norms()
         eng.pending_updates.clear()
@@ -147,7 +124,10 @@ class StepRunner:
                     "its gradient is gone with the slot. Run the step again from the forward."
                 )
         phase = StepPhase(v)
-        nodes = program.phase_nodes("step")
+        if retry:
+            nodes = [n for n in program.nodes if KINDS[get_meta(n).kind].update and get_meta(n).phase != "step"]
+        else:
+            nodes = program.phase_nodes("step")
         gate = [n for n in nodes if get_meta(n).kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK)]
         if clipping:
             issued = eng.issue(phase, program, gate, cold=False, skip_updates=False)
@@ -171,11 +151,11 @@ class StepRunner:
         wanted = []
         for n in nodes:
             m = get_meta(n)
-            if m.kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK):
+            if m.kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK, ActionKind.GRAD_NORM):
                 continue
             if m.kind == ActionKind.DEVICE_STEP and m.stage not in device:
                 continue
-            if m.kind in (ActionKind.CPU_STEP, ActionKind.SSD_READ, ActionKind.SSD_WRITE, ActionKind.GATHER_PARAMS) and m.stage not in host:
+            if m.kind in _HOST_GROUP_KINDS and m.stage not in host:
                 continue
             wanted.append(n)
         eng.step_checked = False
@@ -249,7 +229,8 @@ class StepRunner:
                 what = {
                     "DU": "device optimizer update", "SR": "SSD read of optimizer states",
                     "SW": "SSD write of optimizer states", "AG": "data-parallel all-gather of the updated weights",
-                    "PF": "refresh of a persistent stage's weights",
+                    "PF": "refresh of a persistent stage's weights", "SN": "rollback copy before the optimizer update",
+                    "US": "unscale of the fp16 gradient before the optimizer update",
                 }  # fmt: skip
                 e = ActionError(f"{what.get(label[:2], 'host optimizer update')} {label} failed: {type(err).__name__}: {err}", label)
             raise with_note(e, note) from err
@@ -271,23 +252,63 @@ class StepRunner:
 
     # ---- ZeRO-Offload's delayed update (shfx.runtime.delayed) ------------------------------------
     def _delayed_step(self) -> None:
-        """DPU: finish the previous step's updates, refresh the persistent slots with their
-        weights, start this step's updates and return while they run."""
+        """DPU, from the program (the delayed-update pass, ``program.updates_delayed``): wait for
+        the previous step's updates, run the step phase (the refresh of the persistent slots
+        with the weights they wrote), then start the delayed phase (this step's updates of the
+        groups holding a gradient, with their unscales, copies and SSD transfers) and return
+        while they run: ``delayed`` holds their tokens, which the next step's gradient copies
+        and anything reading the weights wait for."""
         eng = self.engine
-        self.finish_delayed(refresh=True)
+        ran = self._finish_delayed_updates()
         eng.journal.commit()
         v = eng.current
-        dev = v.device_groups if v is not None else frozenset()
-        groups = [
-            gi
-            for gi, g in enumerate(eng.store.groups)
-            if g.trainable_bytes and gi not in dev and eng.store.grad_state[gi] == GRAD_VALID
-        ]
-        eng.delayed.start(
-            groups, lambda gi: eng.backend.cpu.submit(self.handlers.task(f"U{gi}", self.handlers.update_task(gi, check=False)), [], f"U{gi} (delayed)")
-        )  # fmt: skip
+        if v is not None:
+            program = v.train
+            if not program.updates_delayed:
+                raise UsageError(
+                    f"the model was compiled with a delayed update, but its program {program.name!r} has no delayed phase "
+                    "(a policy's program must come from the delayed-update pass: shfx.passes.features.DELAYED_UPDATE)"
+                )
+            if ran and eng.loaded is v:
+                self._refresh(v)
+            host = {gi for gi, g in enumerate(eng.store.groups)
+                    if g.trainable_bytes and gi not in v.device_groups and eng.store.grad_state[gi] == GRAD_VALID}  # fmt: skip
+            nodes = [n for n in program.phase_nodes("delayed") if get_meta(n).stage in host or get_meta(n).kind not in _HOST_GROUP_KINDS]
+            issued = eng.issue(StepPhase(v), program, nodes, cold=False, skip_updates=False)
+            eng.pending_updates.clear()
+            for n, tok in issued:
+                m = get_meta(n)
+                if m.kind == ActionKind.CPU_STEP:  # what a gradient copy into the group waits for
+                    eng.delayed.running[m.stage] = tok
+                else:
+                    eng.delayed.others.append(tok)
         eng.backward_calls = 0
         eng.end_step_clock()
+
+    def _finish_delayed_updates(self) -> bool:
+        """Wait for the delayed updates; returns whether any ran. A failed one is undone (the
+        journal) and raised, saying so; the slots are then reloaded before the next step."""
+        eng = self.engine
+        try:
+            return eng.delayed.finish()
+        except ActionError as e:
+            eng.loaded = None
+            restored, applied = self.failures.undo_step()
+            raise with_note(e, state_note("delayed update", restored, applied, gradients="kept")) from e.__cause__
+
+    def _refresh(self, v: Variant) -> None:
+        """The program's step phase: the refresh of the persistent slots with the host weights
+        the delayed updates wrote; waited for (a failure leaves the slots to reload)."""
+        eng = self.engine
+        program = v.train
+        issued = eng.issue(StepPhase(v), program, program.phase_nodes("step"), cold=False, skip_updates=False)
+        eng.pending_updates.clear()
+        for _, tok in issued:
+            tok.wait()
+        errors = [root_cause(tok.error) for _, tok in issued if tok.error is not None]
+        if errors:
+            eng.loaded = None
+            raise errors[0]
 
     def wait_delayed(self) -> None:
         """Wait for the delayed updates to reach the host weights (state_dict), leaving the
@@ -303,28 +324,17 @@ class StepRunner:
 
     def finish_delayed(self, refresh: bool = True) -> None:
         """Wait for the delayed updates; with ``refresh``, copy the updated weights into the
-        persistent slots (otherwise they reload before the next step)."""
+        persistent slots (the program's step phase; otherwise they reload before the next step)."""
         eng = self.engine
-        try:
-            if not eng.delayed.finish():
-                return
-        except ActionError as e:
-            eng.loaded = None
-            restored, applied = self.failures.undo_step()
-            raise with_note(e, state_note("delayed update", restored, applied, gradients="kept")) from e.__cause__
+        if not self._finish_delayed_updates():
+            return
         v = eng.loaded
         if v is None:
             return
-        if not refresh:
+        if not refresh or not v.train.updates_delayed:
             eng.loaded = None
             return
-        toks = [eng.backend.h2d.submit(lambda st=v.graph.stages[s], k=k: self.handlers.prefetch(st, k)) for k, s in enumerate(v.train.persistent)]
-        for t in toks:
-            t.wait()
-        errors = [t.error for t in toks if t.error is not None]
-        if errors:
-            eng.loaded = None
-            raise errors[0]
+        self._refresh(v)
 
     # ---- exact global-norm gradient clipping (shfx.runtime.clipping) -----------------------------
     def _gated_step(self, v: Variant) -> bool:
