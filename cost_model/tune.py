@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from shfx.passes.features import PassRefused, run_passes
 from shfx.passes.policies import Policy, Stronghold, ZeroInfinity, resolve_policy
 from shfx.passes.program import Program
 from shfx.passes.schedule import data_parallel_program
@@ -289,6 +291,7 @@ def tune_window(
     host_windows: Sequence[int] | None = None,
     host_capacity_bytes: int | None = None,
     ranks: int = 1,
+    features: Sequence[tuple[Any, dict]] = (),
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -317,6 +320,11 @@ def tune_window(
             network, ``costs.links.net_bps`` needed); ``resident_first`` is then 0.
         host_capacity_bytes: host budget for the NVMe tier's host window: an H fits when the
             ledger's host memory (:func:`shfx.passes.ledger.replay`, setup) is at most this.
+        features: the configuration's feature passes (one rank:
+            :func:`shfx.passes.pipeline.candidate_passes` of the train program), run on every
+            candidate before it is timed, so the tuner prices the program that will run
+            (updates in ``step()``, the journal's copies ``SN``, fp16's unscales ``US``); a
+            candidate a pass refuses is left out.
 
     Raises:
         NoWindowFits: when no window fits the budget (or no host window the host budget).
@@ -344,7 +352,7 @@ def tune_window(
         # hide), then H at the chosen (k, W); H barely moves the device side, W not the host
         pol = pol.replace(host_window=n)
     if not pol.windowed:
-        return _tune_host_window(specs, costs, pol, tolerance, host_windows, host_capacity_bytes, rollback, None)
+        return _tune_host_window(specs, costs, pol, tolerance, host_windows, host_capacity_bytes, rollback, None, features)
     has_k = "resident_first" in pol.options()
     if resident_first is not None:
         if not has_k:
@@ -369,10 +377,16 @@ def tune_window(
     rows = []
     for k, w in pairs:
         concrete = pol.replace(window=w, **({"resident_first": k} if has_k else {}))
-        tl = simulate(data_parallel_program(concrete.program(specs), ranks), costs, rollback=rollback)
+        try:
+            prog = run_passes(concrete.program(specs), features)
+        except PassRefused:
+            continue  # (a feature this candidate cannot run: clipping in step() with device updates)
+        tl = simulate(data_parallel_program(prog, ranks), costs, rollback=rollback)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
         rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k, concrete))
+    if not rows:
+        raise ValueError(f"every candidate of {pol!r} was refused by a feature pass ({', '.join(p.name for p, _ in features)})")
     feasible = [r for r in rows if r.fits]
     if not feasible:
         smallest = min(rows, key=lambda r: r.peak_device_bytes)
@@ -402,7 +416,7 @@ def tune_window(
         assert chosen.policy is not None
         h = chosen.policy.placement(specs).host_window
         result.reason = f"At the largest host window (H={h}): " + result.reason
-        return _tune_host_window(specs, costs, chosen.policy, tolerance, host_windows, host_capacity_bytes, rollback, result)
+        return _tune_host_window(specs, costs, chosen.policy, tolerance, host_windows, host_capacity_bytes, rollback, result, features)
     return result
 
 
@@ -415,6 +429,7 @@ def _tune_host_window(
     host_capacity_bytes: int | None,
     rollback: bool | float,
     result: TuneResult | None,
+    features: Sequence[tuple[Any, dict]] = (),
 ) -> TuneResult:
     """Choose the host window of ``pol`` (its other fields concrete): the smallest H within
     ``tolerance`` of the fastest H that fits ``host_capacity_bytes``."""
@@ -429,7 +444,7 @@ def _tune_host_window(
     rows: list[HostWindowRow] = []
     for h in hs:
         concrete = pol.replace(host_window=h)
-        prog = concrete.program(specs)
+        prog = run_passes(concrete.program(specs), features)
         tl = simulate(prog, costs, rollback=rollback)
         host = replay(prog).static("host")
         need = sum(host.values())

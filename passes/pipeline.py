@@ -35,6 +35,8 @@ from .ledger import Ledger, host_terms, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
+from .actions import ActionKind
+from .meta import get_meta
 from .program import Program, ScheduleError
 from .features import feature_passes, run_passes
 from .schedule import cold_backward_program, eval_program
@@ -225,20 +227,37 @@ def _check_specs(specs: Sequence[StageSpec]) -> None:
                 raise ScheduleError(f"stage {s.index} ({s.name!r}) sends gradients to group {g}, which no stage updates")
 
 
+def feature_options(program: Program) -> dict[str, bool]:
+    """The feature passes a train program was built with, as :func:`build_programs`'s options
+    (``updates_in_step``, ``clip_in_step``, ``rollback``, ``loss_scaling``): read from the program
+    itself, so another policy (the profiler's probe, the planner, the tuner's candidates) gets
+    the same features."""
+    kinds = {get_meta(n).kind for n in program.nodes}
+    return {
+        "updates_in_step": program.updates_in_step,
+        "clip_in_step": program.updates_in_step and ActionKind.GRAD_NORM in kinds,
+        "rollback": ActionKind.SNAPSHOT in kinds,
+        "loss_scaling": ActionKind.UNSCALE in kinds,
+    }
+
+
+def candidate_passes(program: Program) -> list:
+    """The feature passes (one rank) that made ``program`` out of its policy's lowering, for
+    the tuner to run on each candidate policy before timing it (it then prices the program that
+    will run: updates in ``step()``, the journal's copies, fp16's unscales)."""
+    o = feature_options(program)
+    return feature_passes(
+        updates_in_step=o["updates_in_step"], clip=o["clip_in_step"], rollback=o["rollback"], loss_scaling=o["loss_scaling"]
+    )  # fmt: skip
+
+
 def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True, ranks: int | None = None) -> Variant:
     """The same stages lowered with another policy (a probe program for the profiler, another
     policy for the planner): no new capture. ``ranks``: data-parallel processes (None: the
     variant's own)."""
     pol = resolve_policy(policy)
     ranks = variant.train.ranks if ranks is None else ranks
-    t = variant.train
-    clip = t.updates_in_step and any(n.name.startswith("gn") for n in t.nodes)
-    rollback = any(n.name.startswith("sn") for n in t.nodes)
-    scaled = any(n.name.startswith("us") for n in t.nodes)
-    train, ev, cold = build_programs(
-        variant.graph.specs, pol, verify=verify, ranks=ranks, updates_in_step=t.updates_in_step, clip_in_step=clip,
-        rollback=rollback, loss_scaling=scaled,
-    )  # fmt: skip
+    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify, ranks=ranks, **feature_options(variant.train))
     done = tuple(p for p in variant.passes if p in ("capture", "capture-dynamic", "partition", "retarget"))
     return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
 

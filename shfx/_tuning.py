@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from shfx.passes.pipeline import Variant
+from shfx.passes.pipeline import Variant, candidate_passes
 from shfx.passes.policies import Policy
 
 from shfx.cost_model.report import WindowReport
@@ -116,7 +116,7 @@ def tune_variant(
     try:
         tune = tune_window(
             graph.specs, costs, capacity_bytes=capacity_bytes(backend),
-            tolerance=tolerance, policy=policy, rollback=rollback,
+            tolerance=tolerance, policy=policy, rollback=rollback, features=candidate_passes(variant.train),
         )  # fmt: skip
     except NoWindowFits as e:
         raise OutOfDeviceMemory(

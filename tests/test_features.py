@@ -349,3 +349,24 @@ def test_the_simulator_overlaps_the_delayed_update_with_the_next_step():
     updates = [e for e in delayed.events if e.action.startswith("U")]
     assert [(e.start, e.end) for e in updates] == [(0.0, 0.5), (0.5, 1.0), (1.0, 1.5)]
     assert delayed.step_s == pytest.approx(plain.step_s - 0.5)  # the updates no longer end the step
+
+
+def test_the_tuner_prices_the_program_that_will_run():
+    """tune_window runs the configuration's feature passes on every candidate before timing it
+    (candidate_passes of the train program): with the updates in step() and the journal's
+    copies, each window's simulated step has them, and is slower than the plain program's."""
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    from shfx.cost_model.tune import tune_window
+    from shfx.passes.features import ROLLBACK, UPDATES_IN_STEP
+    from shfx.passes.pipeline import candidate_passes
+
+    specs = chain(4, prefetch_bytes=500_000)
+    costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 4, Links(1e6, 1e6))
+    plain = tune_window(specs, costs, policy=Stronghold(window="auto"))
+    features = candidate_passes(ROLLBACK(UPDATES_IN_STEP(Stronghold(window=2).program(specs))))
+    assert [p.name for p, _ in features] == ["updates-in-step", "rollback"]
+    priced = tune_window(specs, costs, policy=Stronghold(window="auto"), features=features)
+    for a, b in zip(plain.rows, priced.rows):
+        acts = {e.action for e in b.timeline.events}
+        assert {"CK0", "SN0", "U0"} <= acts and not any(e.action.startswith("SN") for e in a.timeline.events)
+        assert b.step_s > a.step_s
