@@ -408,6 +408,11 @@ def rollback_program(program: Program) -> Program:
         if m.kind == U:
             acts.append(Action(SN, m.stage))
         acts.append(m.action)
+    return _relowered(program, acts)
+
+
+def _relowered(program: Program, acts: list[Action]) -> Program:
+    """``acts`` lowered for ``program``'s stages, slots, name, persistent stages and tier."""
     prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **program.tier)
     prog.updates_outside = program.updates_outside
     return prog
@@ -475,9 +480,7 @@ def loss_scaling_program(program: Program) -> Program:
             acts.append(Action(US, m.stage))
             done.add(m.stage)
         acts.append(m.action)
-    prog = lower_actions(acts, program.stages, program.num_slots, name=program.name, persistent=program.persistent, **program.tier)
-    prog.updates_outside = program.updates_outside
-    return prog
+    return _relowered(program, acts)
 
 
 def _not_unscaled(p: Program) -> str | None:

@@ -130,17 +130,9 @@ class StepRunner:
             nodes = program.phase_nodes("step")
         gate = [n for n in nodes if get_meta(n).kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK)]
         if clipping:
-            issued = eng.issue(phase, program, gate, cold=False, skip_updates=False)
-            eng.pending_updates.clear()
-            for _, tok in issued:
-                tok.wait()
-            self._raise_gate_failure(issued)
-            max_norm, total = eng.clipping.gate
-            eng.clipping.gate = None
-            skipped = self._begin_clipped(total)
+            skipped = self._pass_gate(phase, program, gate)
             if skipped is not None:
                 return skipped
-            eng.clip_coef = Clipping.coefficient(max_norm, total)
         elif eng.check_finite:
             dev_slots = [(gi, program.persistent.index(v.owner_of[gi])) for gi in sorted(device)]
             bad = self._first_nonfinite(v, sorted(host), dev_slots)
@@ -165,6 +157,24 @@ class StepRunner:
             eng.step_checked = None
             eng.clip_coef = None
         eng.pending_updates = [(str(get_meta(n).action), tok) for n, tok in issued]
+        return None
+
+    def _pass_gate(self, phase: StepPhase, program: Program, gate: list[fx.Node]) -> bool | None:
+        """Issue the step's gate (``NR0``, ``CK0``) and wait for it (a failure raises naming it);
+        then the total norm decides: a skipped step returns False (``skip_nonfinite``) or raises,
+        otherwise the clip coefficient is set for the clipped updates and None is returned."""
+        eng = self.engine
+        issued = eng.issue(phase, program, gate, cold=False, skip_updates=False)
+        eng.pending_updates.clear()
+        for _, tok in issued:
+            tok.wait()
+        self._raise_gate_failure(issued)
+        max_norm, total = eng.clipping.gate
+        eng.clipping.gate = None
+        skipped = self._begin_clipped(total)
+        if skipped is not None:
+            return skipped
+        eng.clip_coef = Clipping.coefficient(max_norm, total)
         return None
 
     def _raise_gate_failure(self, issued: list[tuple[fx.Node, Token]]) -> None:
@@ -349,17 +359,9 @@ class StepRunner:
         eng.pending_updates.clear()
         program = v.train
         phase = StepPhase(v)
-        issued = eng.issue(phase, program, program.phase_nodes("step"), cold=False, skip_updates=False)
-        eng.pending_updates.clear()
-        for _, tok in issued:
-            tok.wait()
-        self._raise_gate_failure(issued)
-        max_norm, total = eng.clipping.gate
-        eng.clipping.gate = None
-        skipped = self._begin_clipped(total)
+        skipped = self._pass_gate(phase, program, program.phase_nodes("step"))
         if skipped is not None:
             return skipped
-        eng.clip_coef = Clipping.coefficient(max_norm, total)
         eng.backward_calls = 0
         if eng.scaler is not None:
             eng.scaler.update(False)
