@@ -3,12 +3,13 @@
 The engine issues actions and owns the device side (slot pool, persistent stages, device
 optimizer); the state of one forward call is a :class:`~shfx.runtime.context.StepContext`,
 gradients are routed and accumulated by :class:`~shfx.runtime.gradients.GradientRouter`, and
-ZeRO-Offload's delayed update is :class:`~shfx.runtime.delayed.DelayedUpdates`. The step-time
-parts live in their own modules, each a class holding the engine and using a listed set of its
-attributes: the handler of each kind of action and the tasks they submit
-(:class:`~shfx.runtime.handlers.ActionHandlers`), ``step()`` with its clipped, delayed and
-skipped variants (:class:`~shfx.runtime.stepping.StepRunner`), and the undoing and wording of a
-failed or interrupted step (:class:`~shfx.runtime.failures.StepFailures`).
+ZeRO-Offload's delayed update is :class:`~shfx.runtime.delayed.DelayedUpdates`. The other parts
+live in their own modules, each a class holding the engine and using a listed set of its
+attributes: the slot pool, the persistent stages and the host memory count
+(:class:`~shfx.runtime.residency.Residency`), the handler of each kind of action and the tasks
+they submit (:class:`~shfx.runtime.handlers.ActionHandlers`), ``step()`` with its clipped,
+delayed and skipped variants (:class:`~shfx.runtime.stepping.StepRunner`), and the undoing and
+wording of a failed or interrupted step (:class:`~shfx.runtime.failures.StepFailures`).
 
 ``Engine.forward`` issues a program's forward phase, ``Engine.backward`` its backward phase,
 ``Engine.step`` waits for (or issues) the host updates. Issuing a node means submitting its
@@ -51,6 +52,7 @@ from .handlers import ActionHandlers
 from .host_optim import HostAdamW
 from .host_store import HostStore
 from .journal import StepJournal
+from .residency import Residency
 from .slots import SlotPool
 from .ssd_window import SSDWindow
 from .stepping import StepRunner
@@ -186,9 +188,11 @@ class Engine:
         self._step_t0: float | None = None
         self._profiling = False  # steps run inside profiling() are not the user's
         self.clip_order = list(clip_order)  # (group, key) of each trainable parameter, in model order
-        # the step-time parts, each holding this engine: one handler per kind of action and the
-        # tasks they run (shfx.runtime.handlers), a failed step's undoing and errors
-        # (shfx.runtime.failures), and step() itself (shfx.runtime.stepping)
+        # the parts, each holding this engine: the slot pool and persistent stages
+        # (shfx.runtime.residency), one handler per kind of action and the tasks they run
+        # (shfx.runtime.handlers), a failed step's undoing and errors (shfx.runtime.failures), and
+        # step() itself (shfx.runtime.stepping)
+        self.residency = Residency(self)
         self.handlers = ActionHandlers(self)
         self.failures = StepFailures(self)
         self.steps = StepRunner(self, self.handlers, self.failures)
@@ -197,16 +201,8 @@ class Engine:
     # ---- setup -----------------------------------------------------------------------------
     def ensure_pool(self, sizes: list[int], grad_sizes: Sequence[int] = ()) -> None:
         """Make slot ``k`` hold at least ``sizes[k]`` bytes, and its gradient buffer
-        ``grad_sizes[k]`` (for backwards that write gradients beside the parameters)."""
-        if self.pool is None:
-            self.pool = SlotPool(self.backend, sizes)
-        elif len(sizes) > self.pool.num_slots or any(n > m for n, m in zip(sizes, self.pool.sizes)):
-            self._evict()
-            if self.loaded is not None and self.loaded.train.persistent:
-                self.sync_to_host()
-                self.loaded = None  # persistent stages reload into the new slots
-            self.pool.resize(sizes)
-        self.gradients.ensure_buffers(grad_sizes)
+        ``grad_sizes[k]`` (:meth:`Residency.ensure_pool <shfx.runtime.residency.Residency.ensure_pool>`)."""
+        self.residency.ensure_pool(sizes, grad_sizes)
 
     def attach_ssd(self, window: SSDWindow) -> None:
         """Run the NVMe tier through ``window`` (made by the compiled model at the first program
@@ -242,24 +238,9 @@ class Engine:
         return self.backend.recording()
 
     def host_bytes(self) -> int:
-        """Host memory the runtime holds: the host store (weights, gradients), the host
-        optimizer's states, the staging buffers, the buffers borrowed gradients wait in and, under
-        data parallel, the local-gradient and collective buffers."""
-        states = 0
-        if self.optimizer is not None:
-            states = sum(
-                t.numel() * t.element_size()
-                for g, st in list(self.optimizer.state.items())
-                if self.ssd is None or g not in self.ssd.groups  # (staged: views of the window's buffers)
-                for t in st.tensors()
-                if t.dim()  # not the 0-dim step counters (the memory ledger does not count them)
-            )
-        if self.ssd is not None:
-            states += self.ssd.host_bytes
-        return (
-            self.store.host_bytes + states + self.store.staging_bytes + self.gradients.pending_host_bytes
-            + self.journal.host_bytes + (self.dp.buffer_bytes if self.dp is not None else 0)
-        )  # fmt: skip
+        """Host memory the runtime holds (:meth:`Residency.host_bytes
+        <shfx.runtime.residency.Residency.host_bytes>`)."""
+        return self.residency.host_bytes()
 
     # ---- issuing -----------------------------------------------------------------------------
     def issue(
@@ -439,86 +420,20 @@ class Engine:
             for v in ctx.free_after_b.get(s, []):
                 ctx.drop(v)
 
+    # ---- device residency (shfx.runtime.residency) ---------------------------------------------
     def sync_to_host(self) -> None:
-        """Copy the weights updated on the device (persistent stages) back to the host store."""
-        v = self.loaded
-        if v is None or not self.dirty:
-            return
-        toks = []
-        for g in sorted(self.dirty):
-            st = v.graph.stages[v.owner_of[g]]
-            slot = v.train.persistent.index(st.index)
-            toks.append(self.backend.d2h.submit(lambda st=st, slot=slot: self.handlers.offload_params(st, slot)))
-        for t in toks:
-            t.wait()
-        errors = [t.error for t in toks if t.error is not None]
-        if errors:
-            raise errors[0]
-
-    def _ensure_persistent(self, variant: Variant) -> None:
-        """Load the variant's persistent stages into their slots (once; again after another
-        variant or new weights took them)."""
-        if self.loaded is variant:
-            return
-        self.await_deferred()
-        self.steps.finish_delayed(refresh=False)  # the host weights must be final before loading them
-        self.sync_to_host()
-        self.loaded = None
-        toks = [
-            self.backend.h2d.submit(lambda st=variant.graph.stages[s], k=k: self.handlers.prefetch(st, k))
-            for k, s in enumerate(variant.train.persistent)
-        ]
-        for t in toks:
-            t.wait()
-        errors = [t.error for t in toks if t.error is not None]
-        if errors:
-            raise errors[0]
-        self.loaded = variant
+        """Copy the weights updated on the device back to the host store (:meth:`Residency.sync_to_host
+        <shfx.runtime.residency.Residency.sync_to_host>`)."""
+        self.residency.sync_to_host()
 
     def replace_variant(self, old: Variant, new: Variant) -> None:
-        """``new`` takes ``old``'s place between steps (a retune rebuilt its programs): weights
-        updated on the device go back to the host and the persistent stages reload at the next
-        forward, the optimizer states of groups that change sides (host <-> device) move with
-        them, and the slot pool takes ``new``'s sizes (another signature's grow it back)."""
-        if self.pending_updates or self.holder is not None:
-            raise UsageError("the programs can only change between steps; finish the step (backward, cm.step()) first")
-        self.await_deferred()
-        self.steps.finish_delayed(refresh=False)
-        self.sync_to_host()
-        self.loaded = None
-        if self.current is old:
-            self.current = new
-        if self.optimizer is not None and self.device_optimizer is not None:
-            for g in sorted(old.device_groups - new.device_groups):
-                st = self.device_optimizer.take(g)
-                if st is not None:
-                    self.optimizer.put(g, *st)
-            for g in sorted(new.device_groups - old.device_groups):
-                st = self.optimizer.take(g)
-                if st is not None:
-                    self.device_optimizer.put(self.store.groups[g], *st)
-        for g in old.device_groups ^ new.device_groups:
-            self.gradients.device_state.pop(g, None)
-        if self.pool is not None:
-            self.pool.set_sizes(list(new.slot_sizes))
+        """``new`` takes ``old``'s place between steps (:meth:`Residency.replace_variant
+        <shfx.runtime.residency.Residency.replace_variant>`)."""
+        self.residency.replace_variant(old, new)
 
     def invalidate_device_weights(self) -> None:
         """The host weights changed (load_state_dict): persistent stages reload before the next step."""
-        self.await_deferred()
-        self.wait_delayed()
-        self.delayed.clear()
-        self.dirty.clear()
-        self.loaded = None
-
-    def _evict(self) -> None:
-        """The resident stages of a pending forward are given up: its backward will prefetch
-        them again (the cold variant) and recompute instead of using kept graphs."""
-        if self.holder is not None:
-            h = self.holder
-            h.hot = False
-            for k in list(h.saved):
-                h.saved.pop(k)
-            self.holder = None
+        self.residency.invalidate_device_weights()
 
     # ---- phases ----------------------------------------------------------------------------------
     def forward(
@@ -536,14 +451,14 @@ class Engine:
                 f"pending{accum}: call cm.step() after backward() and before the next forward (shfx starts the "
                 "update during backward). To defer updates to step() instead, compile with overlap_update=False."
             )
-        self._evict()
+        self.residency.evict()
         if not grad:  # an inference forward reads every weight: the clipped updates first
             self.await_deferred()
         with self.backend.during("setup"):
-            self.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
+            self.residency.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
             if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
                 self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)], self.optimizer)
-            self._ensure_persistent(variant)
+            self.residency.ensure_persistent(variant)
         if not serial:
             self.current = variant
         self.trace.clear()  # the trace covers the last forward and what follows it
@@ -626,7 +541,7 @@ class Engine:
         variant = ctx.variant
         cold = not ctx.hot or self.holder is not ctx
         if cold:
-            self._evict()
+            self.residency.evict()
             program = variant.cold
             # (its step and next-forward phases are step()'s)
             nodes = [n for n in program.nodes if get_meta(n).phase in ("forward", "backward")]
@@ -732,11 +647,11 @@ class Engine:
 
     def close(self) -> None:
         """Copy device-updated weights back to the host, then free the device."""
-        self._evict()
+        self.residency.evict()
         try:
             self.await_deferred()
             self.steps.finish_delayed(refresh=False)
-            self.sync_to_host()
+            self.residency.sync_to_host()
         finally:
             if self.device_optimizer is not None:
                 self.device_optimizer.close()
