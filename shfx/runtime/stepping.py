@@ -2,15 +2,15 @@
 
 :class:`StepRunner` is everything ``cm.step()`` does once the backward is done: it issues the
 program's step phase (``overlap_update=False``; :meth:`StepRunner._issue_step_phase`), or waits
-for the updates the backward started, or runs them itself; clipped steps (the gate ``CK0``,
-:meth:`StepRunner._gated_step`; :meth:`StepRunner._clipped_step`); ZeRO-Offload's delayed
-update (:meth:`StepRunner._delayed_step`); the non-finite checks that skip or fail a step; and
-:meth:`StepRunner._finish_step`, which commits the step or undoes it and raises.
+for the updates the backward started, or issues the program's update actions itself (a retried
+step); clipped steps (the gate ``CK0``, :meth:`StepRunner._gated_step`); ZeRO-Offload's
+delayed update (the program's step and delayed phases, :meth:`StepRunner._delayed_step`); the
+non-finite checks that skip or fail a step; and :meth:`StepRunner._finish_step`, which commits
+the step or undoes it and raises.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -377,44 +377,22 @@ class StepRunner:
         return True
 
     def _clipped_step(self) -> bool:
-        """step() with clipping when the updates are not overlapped (``overlap_update=False``,
-        or a program without a step phase): the total norm (from the GRAD_NORMs of the backward,
-        or computed now), then each group's update scales its gradient by the clip coefficient
-        and applies AdamW, in forward order; step() waits for them."""
+        """step() with clipping and the updates overlapped: the program's gate and deferred
+        updates (:meth:`_gated_step`). (With ``overlap_update=False`` the updates-in-step program
+        clips in its step phase: :meth:`_issue_step_phase`.) A program without the gate cannot
+        clip: the configuration refuses it at compile time, and ``cm.clip_grad_norm_()`` after a
+        backward that started its updates; before any forward there is nothing to update."""
         eng = self.engine
         v = eng.current
-        if eng.overlap_update and v is not None and v.train.phase_nodes("step"):
-            return self._gated_step(v)
-        self.await_deferred()
-        clipping = eng.clipping
-        if clipping.clipped is not None:
-            max_norm, total = clipping.clipped
-        else:
-            assert clipping.clip is not None
-            max_norm, total = clipping.clip[0], self.total_grad_norm(clipping.clip[1])
-        skipped = self._begin_clipped(total)
-        if skipped is not None:
-            return skipped
-        groups = self.handlers.clip_groups()
-        coef = Clipping.coefficient(max_norm, total)
-        store = eng.store
-
-        def task(gi: int) -> Callable[[], None]:
-            update = self.handlers.update_task(gi, check=False, finite=False)
-
-            def run() -> None:
-                store.grad(gi).data.mul_(coef)  # as clip_grad_norm_'s _foreach_mul_ (through .data: no user edit)
-                update()
-
-            return self.handlers.task(f"U{gi}", run)
-
-        eng.backward_calls = 0
-        if eng.scaler is not None:
-            eng.scaler.update(False)
-        eng.deferred.start(groups, lambda gi: eng.backend.cpu.submit(task(gi), [], f"U{gi}"))
-        self.await_deferred()
-        eng.end_step_clock()
-        return True
+        if v is None:
+            return self._finish_step()
+        if not v.train.phase_nodes("step"):
+            raise UsageError(
+                f"step() with clipping, but program {v.train.name!r} has no gate (CK0) to clip at: its updates are not "
+                "deferred behind the total norm. Compile with max_grad_norm=... (the exact-clipping pass) or "
+                "overlap_update=False (the updates-in-step pass)"
+            )
+        return self._gated_step(v)
 
     def _begin_clipped(self, total: torch.Tensor) -> bool | None:
         """The common start of a clipped step once its total norm is known: the step's records
