@@ -85,7 +85,7 @@ def test_accumulation_and_zero_infinity(tmp_path):
 @pytest.mark.parametrize("how", ["overlap_update=False", "max_grad_norm"])
 def test_updates_the_engine_runs_itself(tmp_path, how):
     # without overlap step() runs the updates; with clipping they run during the next forward:
-    # both read, update and write back inside the update's task (SSDWindow.staged)
+    # both from the program, with the SSD reads and write-backs its passes placed around them
     kw = {"overlap_update": False} if how == "overlap_update=False" else {"max_grad_norm": 0.5}
     ref = train(gpt, token_batch, **kw)
     got = train(gpt, token_batch, offload=nvme(tmp_path, 1), **kw)
@@ -95,6 +95,21 @@ def test_updates_the_engine_runs_itself(tmp_path, how):
 def test_bf16_mixed_precision(tmp_path):
     ref = train(gpt, token_batch, precision="bf16")
     got = train(gpt, token_batch, precision="bf16", offload=nvme(tmp_path, 2))
+    assert_bitwise(got, ref)
+
+
+@pytest.mark.parametrize("skip", [dict(precision="fp16"), dict(skip_nonfinite=True)], ids=["fp16", "skip_nonfinite"])
+def test_a_skip_with_updates_in_step_is_the_conflicts_fix(tmp_path, skip):
+    # issue 25: fp16 (or skip_nonfinite) with the tier is refused ("NVMe tier with rollback"); the
+    # fix the message gives, overlap_update=False, trains: nothing to undo, the same bits as in RAM
+    with pytest.raises(UsageError, match="overlap_update=False") as e:
+        shfx.compile(gpt(), optimizer=shfx.optim.AdamW(), offload=nvme(tmp_path), **skip)
+    assert "rollback=False" not in str(e.value)
+    ref = train(gpt, token_batch, overlap_update=False, **skip)
+    got = train(gpt, token_batch, overlap_update=False, offload=nvme(tmp_path, 2), keep=True, **skip)
+    cm = got[3]
+    assert cm.variant.train.ssd_groups and not cm.config.rollback
+    cm.close()
     assert_bitwise(got, ref)
 
 
@@ -249,3 +264,54 @@ def test_the_tuner_chooses_the_host_window(tmp_path):
     assert 1 <= h <= len(cm.variant.train.ssd_groups) and cm._engine.ssd.host_window == h
     assert f"Host window {h} (of {len(cm.variant.train.ssd_groups)} groups on the SSD)" in str(cm.report())
     cm.close()
+
+
+def _tight_run(tmp_path, memory, offload=None):
+    """Two steps of a window-1 Stronghold on an emulated device of ``memory`` bytes; the cm."""
+    torch.manual_seed(0)
+    cm = shfx.compile(gpt(), device=shfx.EmulatedDevice(memory=memory), policy=shfx.Stronghold(window=1),
+                      optimizer=shfx.optim.AdamW(lr=1e-2), offload=offload, recompute="full")  # fmt: skip
+    for step in range(2):
+        args, kwargs, aux = token_batch(step)
+        loss_of(cm(*args, **kwargs), aux).backward()
+        cm.step()
+        cm.zero_grad()
+    return cm
+
+
+def _training_peak_bytes(tmp_path) -> int:
+    """The device bytes the window-1 training holds at its peak (no profile runs for it); the
+    profiler's cache cleared, so the run on a device of that size profiles again."""
+    import shfx.profiler as profiler
+
+    cm = _tight_run(tmp_path, "256MiB")
+    need = cm._backend.peak_bytes
+    cm.close()
+    profiler.clear_cache()
+    return need
+
+
+def test_the_host_window_probe_fits_where_the_training_fits(tmp_path):
+    # issue 25: with host_window="auto" (the Offload default) the tuner profiles the device even
+    # for a fixed window; its probe allocated a link-copy buffer of 8 slots (and, emulated, ran
+    # window 2, and timed the device optimizer on 16k-element scratch copies) and ran out of
+    # memory on a device where the window-1 training itself runs
+    need = _training_peak_bytes(tmp_path)
+    _tight_run(tmp_path, need).close()  # the training fits exactly
+    cm = _tight_run(tmp_path, need, offload=shfx.Offload(optimizer="nvme", path=str(tmp_path / "ssd")))
+    assert cm.variant.train.host_window >= 1 and "host_window" not in cm.variant.policy.auto
+    assert cm._backend.peak_bytes <= need
+    cm.close()
+
+
+def test_a_profile_out_of_memory_names_the_host_window_probe(tmp_path, monkeypatch):
+    import shfx.profiler as profiler
+
+    need = _training_peak_bytes(tmp_path)
+    # the link probe's smallest copies larger than the device has free: it cannot fit
+    monkeypatch.setattr(profiler._LinkProbe, "MIN_SMALL_BYTES", need)
+    with pytest.raises(shfx.OutOfDeviceMemory, match=r'profiling the device to choose host_window="auto"') as e:
+        _tight_run(tmp_path, need, offload=shfx.Offload(optimizer="nvme", path=str(tmp_path / "ssd")))
+    msg = str(e.value)
+    assert "host_window=<int> in shfx.Offload" in msg and "smaller window" not in msg, msg
+    assert e.value.what.startswith("profiling buffer (the tuner's link probe)")

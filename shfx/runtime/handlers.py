@@ -386,12 +386,12 @@ class ActionHandlers:
         def run() -> None:
             if not check or store.grad_state[group] == GRAD_VALID:
                 if ssd is not None and not ssd.is_staged(group):
-                    # an update outside the program's SR/SW (step() without overlap, clipping's
-                    # deferred updates): read, update and write back here
-                    with ssd.staged(group):
-                        body()
-                else:
-                    body()
+                    # every update is the program's, after its SSD_READ (each pass places them)
+                    raise ScheduleError(
+                        f"U{group} updates group {group}, whose optimizer state is on the SSD, but no SR{group} read it "
+                        "into the host window first: the program misses the NVMe tier's transfers"
+                    )
+                body()
 
         def body() -> None:
             if finite and group not in unscaled:  # (a US action checked it already: fp16's loss-scaling pass)

@@ -15,9 +15,10 @@ for the largest group, and moves one group's states through one of them:
 * ``SW g`` (:meth:`SSDWindow.write`, on the ``ssd_write`` stream): the buffer goes back to the
   SSD (``SSDStore.write_from``) and returns to the pool when the write completed.
 
-Updates the engine runs itself (``overlap_update=False``: in ``step()``; exact clipping's
-deferred updates) go through :meth:`SSDWindow.staged`, which does the same read, update and
-write inline in the update's task, in any free buffer.
+Every update is the program's, after its ``SR`` (in ``step()`` with ``overlap_update=False``,
+exact clipping's deferred updates, ZeRO-Offload's delayed update and a retried step too: each
+feature pass places the transfers again); an update of an SSD group without its read is a
+program error (``ScheduleError``), not read inline.
 
 The step counters (one 0-dim fp32 tensor per group) stay in host RAM. The states start as
 zeros: :meth:`SSDWindow.__init__` writes zeros into every extent (or the state a checkpoint
@@ -29,9 +30,8 @@ freed.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -189,21 +189,6 @@ class SSDWindow:
 
     def is_staged(self, g: int) -> bool:
         return g in self.where
-
-    @contextlib.contextmanager
-    def staged(self, g: int) -> Iterator[None]:
-        """Read ``g`` into a free buffer, run the block (its update), write it back: an update
-        the engine runs outside the program's SR/SW."""
-        try:
-            self.read(g)
-        except BaseException:
-            if g in self.where:
-                self._free(g)
-            raise
-        try:
-            yield
-        finally:
-            self.write(g)
 
     def reset(self) -> None:
         """After a failed or abandoned step (nothing running): write back every group whose
