@@ -16,6 +16,7 @@ import torch
 
 from shfx.passes.pipeline import Variant, candidate_passes
 from shfx.passes.policies import Policy
+from shfx.passes.units import format_bytes
 
 from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import NoWindowFits, tune_window
@@ -107,7 +108,10 @@ def tune_variant(
 
     graph = variant.graph
     with forked_rng(backend):
-        costs = profile_costs(engine, variant, tensors, refresh=refresh)
+        try:
+            costs = profile_costs(engine, variant, tensors, refresh=refresh)
+        except OutOfDeviceMemory as e:
+            raise _profile_out_of_memory(e, policy, how) from e
         read_bps, write_bps = ssd_rates() if getattr(policy, "nvme", False) else (None, None)
     if read_bps is not None:  # the simulator needs the SSD's speed to choose the host window
         costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
@@ -132,4 +136,42 @@ def tune_variant(
     return WindowReport(
         tune, window, backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
         profile=getattr(costs, "extra", {}).get("profile"), window_asked=asked,
+    )  # fmt: skip
+
+
+def _profile_out_of_memory(err: OutOfDeviceMemory, policy: Policy, how: str) -> OutOfDeviceMemory:
+    """``err``, raised while profiling for the tuner, as a message that says so and names how to
+    train without the profile: fix the fields the tuner was choosing (``how="auto"``), or, for
+    ``report()``/``retune()`` (``how="fixed"``), do without them.
+
+    NOTE: the profile sizes its own buffers to the free device memory (shfx.profiler), so this is
+    rare; but the generic advice of the allocation's message (a smaller window, more memory)
+    sent users of ``Offload(optimizer="nvme")``, whose ``host_window="auto"`` turns the tuner on
+    even for a fixed window, away from the one option that skips the profile (issue 25)."""
+    auto = policy.auto if how == "auto" else ()
+    fixes = []
+    if "host_window" in auto:
+        fixes.append("host_window=<int> in shfx.Offload(optimizer=..., host_window=...) (1: one group's "
+                     "optimizer states in host RAM at a time)")  # fmt: skip
+    if "window" in auto:
+        fixes.append("a fixed window (window=1 streams one stage at a time, the least device memory)")
+    if "resident_first" in auto:
+        fixes.append("resident_first=0")
+    if auto:
+        chose = ", ".join(f'{f}="auto"' for f in auto)
+        what = f"to choose {chose}"
+        todo = "Skip the profile by fixing what it chooses: pass " + "; and ".join(fixes) + "."
+    else:
+        what = "for cm.report() or cm.retune()"
+        todo = "Train without cm.report()/cm.retune() on a device this full."
+    detail = (
+        f"allocating {format_bytes(err.needed_bytes)} for {err.what}: {format_bytes(err.used_bytes)} of "
+        f"{format_bytes(err.capacity_bytes)} in use"
+    )
+    return OutOfDeviceMemory(
+        f"out of device memory while profiling the device {what} (the tuner times a window-1 step, "
+        f"the host-device copies and the optimizer before choosing): {detail}. {todo} The training "
+        "itself may need less device memory than its profile; if it does not fit either, its own "
+        "message says which window fits.",
+        needed_bytes=err.needed_bytes, used_bytes=err.used_bytes, capacity_bytes=err.capacity_bytes, what=err.what,
     )  # fmt: skip

@@ -6,9 +6,10 @@
   graph) from a timing step of a window-1 program with every action serialized, so each is
   timed alone (wall clock on the emulated device; on CUDA the host waits for each action, so
   the time includes its launch and one synchronization); on the emulated device from a
-  pipelined step of the window-2 program (see the note in :func:`profile_costs`);
-- the links: host->device and device->host bandwidth copying a slot-sized buffer, one
-  direction at a time and both at once (the duplex factor);
+  pipelined step of the window-2 program where the device holds it (see the note in
+  :func:`profile_costs`);
+- the links: host->device and device->host bandwidth copying a slot-sized buffer (smaller where
+  the free device memory is less), one direction at a time and both at once (the duplex factor);
 - per group, the host optimizer update, run on scratch copies of the group's buffers, the
   host-side add of a staged gradient, and the same update on the device (``device_update_s``,
   for policies that keep the optimizer there).
@@ -243,29 +244,65 @@ def _steady(totals: list[dict[str, float]], tolerance: float) -> bool:
 # ---- the links -------------------------------------------------------------------------------------
 class _LinkProbe:
     """Copies of a slot-sized buffer and of four times that, each direction alone and both at
-    once; :meth:`sample` times each once, :meth:`fit` turns samples into :class:`Links`."""
+    once; :meth:`sample` times each once, :meth:`fit` turns samples into :class:`Links`.
+
+    The device buffer (``2 * large`` bytes) is allocated by each :meth:`sample` and freed after
+    it, so it never sits beside a timing step's activations; the first sample sizes it to the
+    device memory free then (the sizes stay for the later samples: :meth:`fit` needs one pair).
+    """
 
     KEYS = ("link h2d small", "link h2d large", "link d2h small", "link d2h large", "link both")
+    #: the smallest ``small`` copy shrunk to fit the free device memory
+    MIN_SMALL_BYTES = 1 << 10
 
     def __init__(self, engine: Engine, nbytes: int):
         self.engine = engine
         self.small = max(1 << 16, int(nbytes))
         self.large = 4 * self.small
+        self.host: torch.Tensor | None = None
 
     @contextmanager
     def buffers(self) -> Iterator[_LinkProbe]:
+        """Samples taken inside leave the backend's copy counters as they were (not the
+        model's traffic); the host buffer lives until the block ends."""
         b = self.engine.backend
-        self.dev = b.alloc_device(2 * self.large, "profiling buffer")
-        self.host = b.alloc_host(2 * self.large, self.engine.store.pin)
         before = (b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h)
         try:
             yield self
         finally:
-            b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h = before  # not the model's traffic
-            b.free_device(self.dev)
+            b.bytes_h2d, b.bytes_d2h, b.copies_h2d, b.copies_d2h = before
+            self.host = None
+
+    def _fit_free_memory(self) -> None:
+        """Shrink the two sizes (keeping ``large = 4 * small``) so that the buffer fits the
+        device memory free now.
+
+        NOTE: a slot-sized probe can be several times what the training itself holds beyond its
+        slots (a window-1 program holds one slot); on a device the training just fits, such a
+        probe refused the tuner's profile (the NVMe tier's ``host_window="auto"``, issue 25).
+        Smaller copies fit the same ``latency + bytes / bandwidth`` line, with less weight on the
+        bandwidth: on so full a device the window is bound by memory, not by the link."""
+        b = self.engine.backend
+        if b.capacity_bytes is None:
+            return
+        free = b.capacity_bytes - b.used_bytes
+        if 2 * self.large > free:
+            self.small = max(self.MIN_SMALL_BYTES, free // 8)
+            self.large = 4 * self.small
 
     def sample(self) -> dict[str, float]:
-        b, dev, host, small, large = self.engine.backend, self.dev, self.host, self.small, self.large
+        b = self.engine.backend
+        if self.host is None:
+            self._fit_free_memory()
+            self.host = b.alloc_host(2 * self.large, self.engine.store.pin)
+        dev = b.alloc_device(2 * self.large, "profiling buffer (the tuner's link probe)")
+        try:
+            return self._timed(dev, self.host)
+        finally:
+            b.free_device(dev)
+
+    def _timed(self, dev: torch.Tensor, host: torch.Tensor) -> dict[str, float]:
+        b, small, large = self.engine.backend, self.small, self.large
 
         def timed(fn: Callable[[], None]) -> float:
             t0 = time.perf_counter()
@@ -365,11 +402,18 @@ class _HostProbe:
         return out
 
 
+_MIN_DEVICE_UPDATE_NUMEL = 256  # the smallest slice :func:`_device_update_sample` times
+
+
 def _device_update_sample(engine: Engine, g: int) -> float:
     """One AdamW of group ``g`` on the device (``DEVICE_STEP``), on scratch device tensors
     allocated for it. A group too large for four scratch copies in the free device memory is
     timed on a slice and scaled by its size (the update is elementwise, linear in the number
-    of parameters)."""
+    of parameters); the first slice tried is what the free device memory holds.
+
+    NOTE: this sample is for the tuner's device-update choices, which a full device cannot take
+    anyway; it must not refuse the profile of a training that updates on the host (issue 25),
+    so the slice goes down to ``_MIN_DEVICE_UPDATE_NUMEL`` elements."""
     from .errors import OutOfDeviceMemory
 
     grp = engine.store.groups[g]
@@ -378,6 +422,9 @@ def _device_update_sample(engine: Engine, g: int) -> float:
         return 0.0
     b = engine.backend
     part = n
+    if b.capacity_bytes is not None:
+        per_elem = dt.working.itemsize + dt.device_grad.itemsize + 2 * dt.state.itemsize
+        part = max(1, min(n, (b.capacity_bytes - b.used_bytes) // per_elem))
     while True:
         bufs: list[torch.Tensor] = []
         try:
@@ -398,9 +445,9 @@ def _device_update_sample(engine: Engine, g: int) -> float:
             b.synchronize()
             return (time.perf_counter() - t0) * (n / part)
         except OutOfDeviceMemory:
-            if part <= 1 << 14:
+            if part <= _MIN_DEVICE_UPDATE_NUMEL:
                 raise
-            part //= 8
+            part = max(_MIN_DEVICE_UPDATE_NUMEL, part // 8)
         finally:
             for t in bufs:
                 b.free_device(t.view(torch.uint8))
@@ -535,6 +582,12 @@ def _profile(
     # emulated device the compute costs come from pipelined steps of the window-2 program (no
     # update), measured with the device's real links, and the serialized step gives the gap.
     pipe_v = with_policy(variant, Stronghold(window=2)) if emulated and len(specs) > 1 else None
+    cap = engine.backend.capacity_bytes
+    if pipe_v is not None and cap is not None and pipe_v.ledger().peak("device") > cap:
+        # NOTE: a device with room for one slot but not two (the training runs window 1):
+        # the compute costs come from the serialized step, as on CUDA, rather than refusing
+        # the profile for memory the training does not need.
+        pipe_v = None
     groups = [st.update_group for st in specs if st.update_group is not None]
     device_groups = groups if engine.optimizer is not None else []
     compute_src = "pipelined" if pipe_v is not None else "serial"
