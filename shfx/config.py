@@ -249,19 +249,48 @@ class Conflict:
         applies: whether a configuration has it.
         reason: why the options conflict; ``fix``: what to change. Both are format strings
             over the configuration (``{c.policy!r}``); the error says ``"<reason>; <fix>"``.
+            A fix that depends on the other options (one that would run into another row) is
+            a function of the configuration instead.
     """
 
     name: str
     applies: Callable[[Config], bool]
     reason: str
-    fix: str
+    fix: str | Callable[[Config], str]
+
+    def fix_for(self, c: Config) -> str:
+        """What to change in ``c``: every option it names, applied, clears this row and no
+        other row of the table takes its place (tests/test_config.py applies each)."""
+        return self.fix(c) if callable(self.fix) else self.fix.format(c=c)
 
     def message(self, c: Config) -> str:
-        return f"{self.reason.format(c=c)}; {self.fix.format(c=c)}"
+        return f"{self.reason.format(c=c)}; {self.fix_for(c)}"
 
 
 def _clipping_overlapped(c: Config) -> bool:
     return c.max_grad_norm is not None and c.overlap_update
+
+
+def _rollback_needed_fix(c: Config) -> str:
+    """Skipping with overlapped updates needs rollback: keep it, or start the updates in step().
+    NOTE: the NVMe tier cannot roll back, so with it only overlap_update=False is offered
+    (keeping rollback ran into the "NVMe tier with rollback" row, issue 25)."""
+    if c.nvme:
+        return "use overlap_update=False (updates start in step(), after the check; the NVMe tier cannot roll back)"
+    return "keep rollback=True, or use overlap_update=False (updates start in step(), after the check)"
+
+
+def _nvme_rollback_fix(c: Config) -> str:
+    """With a skip (fp16, skip_nonfinite) and overlapped updates rollback is required, so the
+    fix is to start the updates in step(); otherwise rollback was asked for: drop it.
+    NOTE: offering rollback=False to fp16 or skip_nonfinite ran into the row "fp16 (or
+    skip_nonfinite) overlapped without rollback" (issue 25)."""
+    if c.skip_nonfinite and c.overlap_update:
+        return (
+            "compile with overlap_update=False, without rollback= (the updates then start in step(), after every "
+            "gradient was checked, so nothing needs undoing)"
+        )
+    return "drop rollback=True (rollback=False)"
 
 
 #: The combinations of ``shfx.compile``'s options that truly conflict, in the order they are
@@ -287,7 +316,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda c: c.precision == "fp16" and c.overlap_update and not c.rollback,
         "precision='fp16' skips a step whose scaled gradients overflow, and with overlap_update=True the updates of "
         "later stages run before that is known: they are rolled back, which needs rollback=True (the default for fp16)",
-        "keep it, or use overlap_update=False",
+        _rollback_needed_fix,
     ),
     Conflict(
         "clipping without an optimizer",
@@ -330,7 +359,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda c: c.skip_nonfinite and c.overlap_update and not c.rollback,
         "skip_nonfinite=True with overlap_update=True needs rollback=True: the updates of later stages run during "
         "backward, before the first stages' gradients are checked, and are undone when one is not finite",
-        "keep rollback=True, or use overlap_update=False (updates start in step(), after the check)",
+        _rollback_needed_fix,
     ),
     Conflict(
         "NVMe policy without an Offload spec",
@@ -350,8 +379,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         "the NVMe tier cannot roll a step back (rollback=True, the default with precision='fp16' or skip_nonfinite=True "
         "and overlap_update=True): the undo copies would keep every group's optimizer states in host RAM, which is "
         "what the tier avoids",
-        "compile with overlap_update=False (the updates then start in step(), after every gradient was checked, so "
-        "nothing needs undoing), or rollback=False",
+        _nvme_rollback_fix,
     ),
     Conflict(
         "host window given twice",
