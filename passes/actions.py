@@ -69,7 +69,7 @@ class ActionKind(str, enum.Enum):
     SSD_WRITE = "SW"  # write it back from the buffer to the SSD after the group's update
     REDUCE_GRADS = "RS"  # data parallel: reduce-scatter one group's local gradient across ranks
     GATHER_PARAMS = "AG"  # data parallel: all-gather one group's updated working-copy shards
-    NORM_REDUCE = "NR"  # data parallel: every rank's per-parameter gradient norms, combined across ranks
+    NORM_REDUCE = "NR"  # data parallel: every rank's per-parameter gradient norms (or finite checks), combined
     CHECK = "CK"  # the step's gate: total gradient norm, clip coefficient, finite check
     SNAPSHOT = "SN"  # the step journal's copy of one host-updated group before its update (rollback)
     UNSCALE = "US"  # fp16: one host group's gradient checked finite and divided by the loss scale
@@ -218,7 +218,7 @@ KINDS: dict[ActionKind, KindInfo] = {
         # ranks as the reductions do; CK is the gate every clipped update waits for
         _info(NR, "norm_reduce", "reduce", "network", slotted=False, reads=False, update=True, moves="reduce",
               doc="data parallel: the norms of the parameters every rank holds part of, and every rank's "
-              "per-parameter norms, combined across ranks"),
+              "per-parameter norms, combined across ranks; without norms, every rank's finite check"),
         _info(CK, "check", "cpu", "host optimizer", slotted=False, reads=False, update=True,
               doc="the step's gate: the total gradient norm from every GN (and NR), the clip coefficient "
               "and the finite check, before the clipped updates"),

@@ -396,9 +396,10 @@ def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list
     after the ``OG`` of group ``g``'s last gradient contributor in issue order (each rank's local
     gradient of ``g`` is then complete: the reduce-scatter runs while the backward of earlier
     stages does), and ``AG g`` right after each ``U g`` (the updated shards are gathered before
-    anything reads the group again); with exact clipping, ``NR0`` right before the gate ``CK0``
-    (every rank's per-parameter norms combined across ranks). Device updates (``DU``) are
-    refused: data parallel shards the host optimizer.
+    anything reads the group again); ``NR0`` right before the gate ``CK0``: with clipping every
+    rank's per-parameter norms combined across ranks, without (the gate of updates in
+    ``step()``) every rank's finite check, so all skip or apply the step alike. Device updates
+    (``DU``) are refused: data parallel shards the host optimizer.
 
     >>> from shfx.passes.stages import chain
     >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 OG0 U0".split()]
@@ -424,7 +425,7 @@ def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list
         after.setdefault(i, []).append(Action(RS, g))
     out: list[Action] = []
     for i, a in enumerate(acts):
-        if a.kind == CK and any(b.kind == GN for b in acts):  # clipping: every rank's norms combined before the gate
+        if a.kind == CK:  # every rank's norms (clipping) or finite checks combined before the gate
             out.append(Action(NR, 0))
         out.append(a)
         out += after.get(i, [])

@@ -502,7 +502,9 @@ def lower_actions(
             step_phase = True
             if s != 0:
                 raise fail(pos, act, f"{KINDS[k].name} is one action of the whole step: its index is 0 ({k.value}0)")
-            if not norms and (k == NR or not updates_in_step):
+            # (a program whose updates run in step() has its gate without norms: the finite
+            # check, which NR0 agrees across ranks)
+            if not norms and not updates_in_step:
                 raise fail(pos, act, "it combines the gradient norms (GN) of the step; none comes before it")
             if gate is not None:
                 raise fail(pos, act, "it comes after the step's gate (CK0): a step has one, after every gradient norm")
@@ -511,8 +513,11 @@ def lower_actions(
                     raise fail(pos, act, "norm_reduce combines the norms of several data-parallel ranks, but the program runs on one (ranks=1)")
                 if reduced_norms is not None:
                     raise fail(pos, act, "the norms are combined across ranks once a step (NR0)")
-            elif ranks > 1 and norms and reduced_norms is None:
-                raise fail(pos, act, f"the gate needs every rank's norms: NR0 (norm_reduce across the {ranks} ranks) first")
+            elif ranks > 1 and reduced_norms is None:
+                raise fail(
+                    pos, act, f"the gate needs every rank's norms and finite checks: NR0 (norm_reduce across the {ranks} "
+                    "ranks) first"
+                )
             deps.extend(norms)
             if k == CK and reduced_norms is not None:
                 deps.append(reduced_norms)
@@ -582,6 +587,10 @@ def lower_actions(
                 deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
             if ranks > 1:
                 deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient reduced across the {ranks} ranks"))
+                if gate is not None and k in (ActionKind.CPU_STEP, SN, US):
+                    # NOTE: updates in step() under data parallel: the gate holds every rank's
+                    # finite check (NR0 agreed it), which decides whether any update runs
+                    deps.append(gate)
             if k in (ActionKind.CPU_STEP, SN) and s in ssd_groups:
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")

@@ -440,8 +440,8 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
         for d in norms:
             if not v.waits_done(n, d):
                 yield n, f"{v.act(n)} does not wait for {v.act(d)}: the total norm needs every gradient's norm"
-    if v.program.ranks > 1 and norms and any(get_meta(n).kind == CK for n in gates) and not any(get_meta(n).kind == NR for n in gates):
-        yield None, "the step's gate CK0 of a data-parallel program needs NR0 first (every rank's norms combined)"
+    if v.program.ranks > 1 and any(get_meta(n).kind == CK for n in gates) and not any(get_meta(n).kind == NR for n in gates):
+        yield None, "the step's gate CK0 of a data-parallel program needs NR0 first (every rank's norms and finite checks combined)"
     if not tail:
         stepped = [n for n in v.nodes if get_meta(n).kind == U and get_meta(n).phase == "step"]
         if norms and stepped:  # clipping with the updates in step(): each waits for every norm

@@ -204,7 +204,9 @@ def test_updates_in_step_golden():
     assert " ".join(p.actions()).endswith("B0 OG0 GN0 R0 CK0 U2 U1 U0")
     verify_program(p)
     dp = DATA_PARALLEL(UPDATES_IN_STEP(Stronghold(window=2).program(chain(3))), ranks=2)
-    assert dp.actions("step") == ["CK0", "U2", "AG2", "U1", "AG1", "U0", "AG0"]  # (no norms: no NR0)
+    # (no norms: NR0 agrees every rank's finite check before the gate; every update waits for it)
+    assert dp.actions("step") == ["NR0", "CK0", "U2", "AG2", "U1", "AG1", "U0", "AG0"]
+    assert {d.name for d in dp.deps(dp.find("U2"))} == {"og2", "rs2", "ck0"}
     verify_program(dp)
     with pytest.raises(PassRefused, match="updates-in-step with clipping .* updated on the device"):
         UPDATES_IN_STEP(Stronghold(window=2, resident_first=1).program(chain(3)), clip=True)
