@@ -526,7 +526,6 @@ class CompiledModel(StateMethods):
         (torch.float32, 0)
         """
         self._require_engine("clip_grad_norm_")
-        self._refuse_data_parallel("cm.clip_grad_norm_() (the global norm would need a reduction across ranks)")
         eng = self._engine
         v = self._last
         if v is not None and eng.overlap_update and eng.pending_updates and any(
@@ -854,7 +853,8 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             still leaves a consistent state (docs/usage.md, "When something fails").
         skip_nonfinite: check each group's gradient before its update; if any holds inf or NaN
             the step is skipped everywhere (``cm.last_step_skipped``), as a loss-scaling
-            optimizer skips an overflowing step.
+            optimizer skips an overflowing step. Under data parallel (with
+            ``overlap_update=False``) every rank's check is agreed first: all ranks skip alike.
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: mixed precision, fp32 master
             weights and optimizer states on the host, a 16-bit working copy of the parameters and
             16-bit gradients on the device (docs/usage.md, "Mixed precision").

@@ -446,14 +446,13 @@ def _check_data_parallel(
         )
     if offload is not None:
         raise refuse("the NVMe tier (offload=...)", "drop offload= (the sharded host optimizer already divides its memory by the ranks)")
-    if max_grad_norm is not None and not overlap_update:
+    if skip_nonfinite and overlap_update:
         raise refuse(
-            "max_grad_norm with overlap_update=False yet: data parallel clips through the program's step phase (the "
-            "norms reduced across ranks by NR0, the gate CK0), which the deferred update runs",
-            "keep overlap_update=True (the default)",
+            "skip_nonfinite=True with overlap_update=True yet: the updates of later stages run during backward, before "
+            "every rank's gradients are checked, and undoing them (rollback) is not run under data parallel",
+            "compile with overlap_update=False (the updates run in step(), after every rank's finite check, agreed "
+            "across ranks: all skip or apply the step)",
         )
-    if skip_nonfinite:
-        raise refuse("skip_nonfinite=True yet: every rank would have to agree to skip", "drop skip_nonfinite")
     if rollback:
         raise refuse("rollback=True yet: undoing a step would have to be agreed across ranks", "drop rollback= (off by default)")
     pol = resolve_policy(policy, window)

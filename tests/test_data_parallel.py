@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import shfx
-from shfx.errors import UsageError
+from shfx.errors import NonFiniteGradient, UsageError
 from shfx.passes.sharding import SHARD_ALIGN, shard_range
 
 LR, WD = 1e-2, 0.01
@@ -143,7 +143,7 @@ def _compile(model: nn.Module, name: str, window: int | None, accum: int = 1, **
 
 def _against_ddp(
     rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, subgroup: list[int] | None = None,
-    resume: bool = False, **kw,
+    resume: bool = False, poison: tuple | None = None, clip_call: float | None = None, **kw,
 ) -> dict | None:  # fmt: skip
     """Train ``name`` with shfx (data parallel) and with eager DDP side by side in this rank:
     losses, final weights and this rank's optimizer-state ranges, each compared bitwise here
@@ -164,7 +164,17 @@ def _against_ddp(
     (rank 0's on every rank) with ``master.grad = p16.grad.float()``, fused AdamW on the masters,
     ``p16.copy_(master)``. shfx's model then shows the bf16 working copy (its trainable
     parameters), compared with the bf16 copy's; each rank's master shard is compared with the
-    eager masters' ranges (``dp.master_pieces()``)."""
+    eager masters' ranges (``dp.master_pieces()``).
+
+    ``poison=(step, r)``: at that step rank ``r`` writes inf into its own gradient shard after
+    the backward (no other rank's shard, and not the eager gradients, see it);
+    ``poison=(step, r, "batch")`` (an MLP): rank ``r``'s targets of that step are inf (its loss
+    is inf, its local gradients hold inf or NaN, on both sides); every rank's
+    ``cm.step()`` must skip it (``skip_nonfinite``: returns False) or raise
+    :class:`~shfx.errors.NonFiniteGradient` (the errors are returned in ``outcomes``), and the
+    eager side skips that step. ``clip_call=max_norm``: ``cm.clip_grad_norm_(max_norm)`` between
+    backward and step, against eager ``clip_grad_norm_`` on the DDP-reduced gradients (the
+    returned totals compared bitwise)."""
     import torch.distributed as dist
 
     group = dist.new_group(subgroup) if subgroup is not None else None
@@ -197,11 +207,13 @@ def _against_ddp(
     if resume:
         cm.optimizer.load_state_dict(opt.state_dict())
     ddp = nn.parallel.DistributedDataParallel(work, process_group=group)
-    losses, ref_losses, mism = [], [], []
+    losses, ref_losses, mism, outcomes = [], [], [], []
     for step in range(steps):
         summed: dict[nn.Parameter, torch.Tensor] = {}
         for micro in range(accum):
             args = _batch(name, step, 10 * rank + micro)
+            if poison is not None and poison[2:] == ("batch",) and poison[:2] == (step, rank):
+                args = (args[0], torch.full_like(args[1], float("inf")))
             loss = _loss(name, _forward(name, cm, args), args) / accum
             if step == 0 and micro == 0 and not resume:  # the states a checkpoint load fills before the first step
                 pieces = cm.engine.dp.state_pieces(create=True)
@@ -220,11 +232,32 @@ def _against_ddp(
                     p.grad = None
         for p, g in summed.items():
             master_of[p].grad = g.float()  # (fp32: g itself)
-        if kw.get("max_grad_norm") is not None:  # exact clipping: eager clips the reduced gradients
+        poisoned = poison is not None and poison[0] == step
+        if poisoned and rank == poison[1] and poison[2:] != ("batch",):  # inf in this rank's gradient shard only
+            store = cm.engine.store
+            g = max(i for i, gr in enumerate(store.groups) if gr.trainable_numel and store.shard_of(i)[1] > store.shard_of(i)[0])
+            store.grad(g)[0] = float("inf")
+        if clip_call is not None:  # cm.clip_grad_norm_ against eager's on the reduced gradients
+            total = cm.clip_grad_norm_(clip_call, kw.get("norm_type", 2.0))
+            again = cm.clip_grad_norm_(clip_call, kw.get("norm_type", 2.0))  # (shfx clips in step(): the same total)
+            if not torch.equal(again, total) and not poisoned:
+                mism.append(f"clip_grad_norm_ called again {step}: {again.item()!r} != {total.item()!r}")
+            ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_call, kw.get("norm_type", 2.0))
+            if not poisoned and not torch.equal(total, ref_total):
+                mism.append(f"clip_grad_norm_ total {step}: {total.item()!r} != {ref_total.item()!r}")
+        elif kw.get("max_grad_norm") is not None:  # exact clipping: eager clips the reduced gradients
             torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["max_grad_norm"], kw.get("norm_type", 2.0))
-        cm.step()
+        try:
+            cm.step()
+            applied = not cm.last_step_skipped
+        except NonFiniteGradient as e:
+            applied = e
+        outcomes.append(applied if isinstance(applied, bool) else f"{type(applied).__name__}: {applied}")
+        if poisoned == (applied is True):
+            mism.append(f"step {step}: cm.step() gave {outcomes[-1]!r} (poisoned: {poisoned})")
         cm.zero_grad()
-        opt.step()
+        if not poisoned:  # (the eager side skips the poisoned step)
+            opt.step()
         opt.zero_grad()
         if bf16:
             with torch.no_grad():
@@ -279,7 +312,7 @@ def _against_ddp(
     )
     cm.close()
     dist.barrier()
-    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks, close=close)
+    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks, close=close, outcomes=outcomes)
 
 
 def _ddp_suite(rank: int, world: int, configs: list[dict]) -> list[dict]:
@@ -495,6 +528,51 @@ def test_two_ranks_in_bf16_match_ddp_bitwise(tmp_path):
     _check_ddp_results(results, BF16_CONFIGS, 2)
 
 
+AGREED_CONFIGS = [
+    # skip_nonfinite with the updates in step(): rank 1 alone sees inf in its gradient shard;
+    # NR0 agrees the finite check, so both ranks skip (no update, no all-gather runs)
+    dict(name="gpt_mask", window=2, overlap_update=False, skip_nonfinite=True, poison=(1, 1)),
+    # without skip_nonfinite: both ranks raise NonFiniteGradient (rank 0 names rank 1's shard)
+    dict(name="mlp", window=2, overlap_update=False, poison=(1, 1)),
+    # clipping in step() (max_grad_norm, overlap_update=False): GN, NR0, CK0 in the step phase
+    dict(name="gpt_tied", window=2, overlap_update=False, max_grad_norm=0.05),
+    # with skip_nonfinite: rank 0's inf targets make the reduced total inf on both ranks
+    dict(name="mlp", window=2, overlap_update=False, max_grad_norm=0.05, skip_nonfinite=True, poison=(2, 0, "batch")),
+    # cm.clip_grad_norm_ (torch's call): the program's NR0 and CK0 issued by the call
+    dict(name="gpt_tied", window=2, overlap_update=False, clip_call=0.05),
+    dict(name="mlp", window=2, accum=2, overlap_update=False, clip_call=0.05, norm_type=float("inf")),
+    # ... and overriding the compiled max_grad_norm of the overlapped exact clipping for the step
+    dict(name="gpt_tied", window=2, max_grad_norm=1.0, clip_call=0.05),
+    dict(name="gpt_tied", window=2, accum=2, precision="bf16", overlap_update=False, skip_nonfinite=True, clip_call=0.05,
+         poison=(1, 1)),
+]  # fmt: skip
+
+
+def test_two_ranks_agree_to_skip_and_clip_like_ddp(tmp_path):
+    """skip_nonfinite and cm.clip_grad_norm_ under data parallel (issue 25), 2 ranks against
+    eager DDP, bitwise (losses, weights, each rank's optimizer-state ranges and steps, the
+    totals clip_grad_norm_ returns). Skip: rank r alone writes inf into its own gradient shard
+    after the backward; NR0 (one MAX all-reduce of a flag per rank) makes every rank skip the
+    step (or raise NonFiniteGradient without skip_nonfinite), and the weights equal DDP's with
+    that step left out. Clipping: each rank norms the parameters in its shards, NR0 norms the
+    split ones whole and sums the per-parameter norms (each from one rank), so every rank has
+    torch's total over the reduced gradients, and the same coefficient."""
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=300, configs=AGREED_CONFIGS)
+    _check_ddp_results(results, AGREED_CONFIGS, 2)
+    for c, per_rank in zip(AGREED_CONFIGS, zip(*results)):
+        outcomes = [res["outcomes"] for res in per_rank]
+        if "poison" not in c:
+            assert outcomes == [[True] * 3] * 2, (c, outcomes)
+            continue
+        step, bad = c["poison"][:2]
+        for r, out in enumerate(outcomes):
+            assert [o for i, o in enumerate(out) if i != step] == [True, True], (c, r, out)
+            if c.get("skip_nonfinite"):
+                assert out[step] is False, (c, r, out)
+            else:
+                assert out[step].startswith("NonFiniteGradient") and f"rank {bad} of 2" in out[step], (c, r, out[step])
+
+
 @pytest.mark.slow
 def test_four_ranks_match_ddp(tmp_path):
     """4 ranks vs eager DDP: not bitwise, within a stated tolerance. Both multiply by 1/4
@@ -652,8 +730,7 @@ def one_rank_group():
         (dict(optimizer=shfx.optim.SGD(lr=0.1)), "SGD as the optimizer"),
         (dict(optimizer=None), "no optimizer"),
         (dict(precision="fp16"), "fp16.*loss scaling"),  # (bf16 runs: test_two_ranks_in_bf16_match_ddp_bitwise)
-        (dict(max_grad_norm=1.0, overlap_update=False), "max_grad_norm with overlap_update=False"),
-        (dict(skip_nonfinite=True), "skip_nonfinite"),
+        (dict(skip_nonfinite=True), "skip_nonfinite=True with overlap_update=True.*overlap_update=False"),
         (dict(rollback=True), "rollback"),
         (dict(window="auto"), "tuner"),
         (dict(policy=shfx.Stronghold(window=2, resident_first=1)), "on the device"),

@@ -16,6 +16,15 @@
 - ``CK0`` (the step's gate): the total norm over every parameter in the model's order and the
   clip coefficient; ``step()`` reads it, skips or fails a non-finite step, then starts the
   clipped updates (each scales its group's gradient by the coefficient first).
+
+Under data parallel, ``NR0`` is in the step phase of every program whose updates wait for the
+gate, clipped or not. A step without norms to reduce (updates in ``step()``, not clipped; or
+clipped by ``cm.clip_grad_norm_()``, whose call reduced them already) agrees the finite check
+instead: each rank puts its first non-finite gradient (0: none, else group + 1) in its slot of
+a vector of N integers, one MAX all-reduce, and every rank reads the same verdict, so all skip
+(``skip_nonfinite``) or fail the step alike. ``cm.clip_grad_norm_()`` under data parallel
+issues the program's ``NR0`` and ``CK0`` when it is called (``requested``): every rank gets the
+same total, which ``step()`` then clips by.
 """
 
 from __future__ import annotations
@@ -42,6 +51,11 @@ class Clipping:
         clipped: ``cm.clip_grad_norm_()``'s ``(max_norm, total)`` this step, or None.
         gate: ``CK0``'s ``(max_norm, total)`` this step, or None.
         last_grad_norm: the total norm the last clipped ``step()`` used.
+        requested: under data parallel, ``cm.clip_grad_norm_()``'s ``(max_norm, norm_type)``
+            while the gate it issues reduces the norms and computes the total, or None.
+        nonfinite: the finite check ``NR0`` agreed across ranks (a step whose norms it does not
+            reduce): ``(rank, group)`` of each rank's first non-finite gradient, empty when every
+            one is finite; None before it ran.
     """
 
     def __init__(self, engine: Any, max_grad_norm: float | None, norm_type: float) -> None:
@@ -52,10 +66,19 @@ class Clipping:
         self.clipped: tuple[float, torch.Tensor] | None = None
         self.gate: tuple[float, torch.Tensor] | None = None
         self.last_grad_norm: torch.Tensor | None = None
+        self.requested: tuple[float, float] | None = None
+        self.nonfinite: list[tuple[int, int]] | None = None
 
     @property
     def norm_type(self) -> float:
+        if self.requested is not None:
+            return self.requested[1]
         return self.clip[1] if self.clip is not None else 2.0
+
+    def reduces_norms(self) -> bool:
+        """Whether this step's ``NR0`` reduces gradient norms (the compiled ``max_grad_norm``'s,
+        or ``cm.clip_grad_norm_()``'s being computed); otherwise it agrees the finite check."""
+        return self.requested is not None or (self.clip is not None and self.clipped is None)
 
     # ---- GN g --------------------------------------------------------------------------------
     def _unscale(self, group: int) -> None:
@@ -102,6 +125,10 @@ class Clipping:
         eng = self._engine
         dp, store = eng.dp, eng.store
         p = self.norm_type if norm_type is None else norm_type
+        for grp in store.groups:  # norms not recorded yet (no GN ran: updates in step()) are computed now
+            have = self.grad_norms.get(grp.index)
+            if grp.trainable_numel and store.grad_state[grp.index] == GRAD_VALID and (have is None or have[0] != p):
+                self.record(grp.index, p)
         split = self._split_norms(dp, store, p)
         index = {gk: i for i, gk in enumerate(self.clip_order)}
         vec = torch.zeros(len(self.clip_order), dtype=torch.float32)
@@ -119,6 +146,16 @@ class Clipping:
             if store.grad_state[g] == GRAD_VALID:
                 out.setdefault(g, {})[k] = vec[i]
         self.grad_norms = {g: (p, norms) for g, norms in out.items()}
+
+    def agree_finite(self, dp: Any, first_bad: int | None) -> None:
+        """``NR0`` of a step whose norms it does not reduce: this rank's finite check
+        (``first_bad``: its first group whose gradient shard holds inf or NaN, or None) and every
+        other rank's, by one MAX all-reduce of a vector with one slot per rank; ``nonfinite``
+        then holds the same verdict on every rank."""
+        flags = torch.zeros(dp.ranks, dtype=torch.int64)
+        flags[dp.rank] = 0 if first_bad is None else first_bad + 1
+        dp.all_reduce_max(flags, "the finite checks' reduction NR0")
+        self.nonfinite = [(r, int(f) - 1) for r, f in enumerate(flags.tolist()) if f]
 
     def _split_norms(self, dp: Any, store: Any, p: float) -> dict[tuple[int, str], torch.Tensor]:
         """The norm of every parameter split between ranks' shards, whole: each rank sends its
@@ -182,6 +219,8 @@ class Clipping:
         called this step, else the compiled ``max_grad_norm``'s."""
         if self.clipped is not None:
             self.gate = self.clipped
+        elif self.requested is not None:  # cm.clip_grad_norm_() under data parallel: its total, now
+            self.gate = (self.requested[0], self.total(groups, self.requested[1]))
         else:
             assert self.clip is not None, "CK0 runs in a program compiled with max_grad_norm"
             self.gate = (self.clip[0], self.total(groups, self.clip[1]))

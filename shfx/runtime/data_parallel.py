@@ -305,11 +305,16 @@ class DataParallelRuntime:
                     out[info.key] = (tuple(info.shape), a - o, b - o, store.master(grp.index)[a - lo : b - lo])
         return out
 
-    # ---- the gradient norms' reduction (NR0: exact clipping, shfx.runtime.clipping) ----------
+    # ---- the step gate's reductions (NR0: the norms of clipping, the finite checks; shfx.runtime.clipping)
     def all_reduce_sum(self, t: torch.Tensor, what: str) -> None:
         """SUM all-reduce of ``t`` in place across the ranks, on the reduce queue's group (NR0
         runs on that queue after every RS of the step, in the same order on every rank)."""
         self._run(what, lambda: self._dist.all_reduce(t, group=self.reduce_group))
+
+    def all_reduce_max(self, t: torch.Tensor, what: str) -> None:
+        """MAX all-reduce of ``t`` in place across the ranks, on the reduce queue's group (NR0's
+        finite checks, agreed so that every rank skips or applies the step alike)."""
+        self._run(what, lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.reduce_group))
 
     def all_gather_flat(self, send: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's ``send`` (the same length on each), concatenated in rank order."""

@@ -216,10 +216,24 @@ class ActionHandlers:
         return self._submit(m, run, deps)
 
     def run_norm_reduce(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        """NR0 (data parallel, the reduce queue): every parameter's norm on every rank."""
+        """NR0 (data parallel, the reduce queue, after every RS): with norms to reduce (clipping),
+        every parameter's norm on every rank; otherwise every rank's finite check, agreed (so all
+        ranks skip or apply the step alike)."""
         eng = self.engine
-        self._data_parallel(m)
-        return self._submit(m, eng.clipping.reduce_across_ranks, deps)
+        dp = self._data_parallel(m)
+        if eng.clipping.reduces_norms():
+            return self._submit(m, eng.clipping.reduce_across_ranks, deps)
+        return self._submit(m, lambda: eng.clipping.agree_finite(dp, self.first_nonfinite_host()), deps)
+
+    def first_nonfinite_host(self) -> int | None:
+        """The first host group (forward order) whose gradient holds inf or NaN, or None."""
+        eng = self.engine
+        for gi in self.clip_groups():
+            try:
+                require_finite(eng.store.grad(gi), gi, "")
+            except NonFiniteGradient:
+                return gi
+        return None
 
     def run_check(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         """CK0, the step's gate: the total norm and the clip coefficient, read by step()."""

@@ -134,8 +134,12 @@ class StepRunner:
             if skipped is not None:
                 return skipped
         elif eng.check_finite:
-            dev_slots = [(gi, program.persistent.index(v.owner_of[gi])) for gi in sorted(device)]
-            bad = self._first_nonfinite(v, sorted(host), dev_slots)
+            reduce = [n for n in gate if get_meta(n).kind == ActionKind.NORM_REDUCE]
+            if reduce:  # data parallel: every rank's finite check, agreed (NR0)
+                bad = self._agreed_nonfinite(phase, program, reduce)
+            else:
+                dev_slots = [(gi, program.persistent.index(v.owner_of[gi])) for gi in sorted(device)]
+                bad = self._first_nonfinite(v, sorted(host), dev_slots)
             if bad is not None:
                 if eng.skip_nonfinite:
                     return self._skip_step()  # every gradient is known: nothing has run
@@ -164,11 +168,8 @@ class StepRunner:
         then the total norm decides: a skipped step returns False (``skip_nonfinite``) or raises,
         otherwise the clip coefficient is set for the clipped updates and None is returned."""
         eng = self.engine
-        issued = eng.issue(phase, program, gate, cold=False, skip_updates=False)
+        self._issue_gate(phase, program, gate)
         eng.pending_updates.clear()
-        for _, tok in issued:
-            tok.wait()
-        self._raise_gate_failure(issued)
         max_norm, total = eng.clipping.gate
         eng.clipping.gate = None
         skipped = self._begin_clipped(total)
@@ -176,6 +177,32 @@ class StepRunner:
             return skipped
         eng.clip_coef = Clipping.coefficient(max_norm, total)
         return None
+
+    def _issue_gate(self, phase: StepPhase, program: Program, gate: list[fx.Node]) -> None:
+        """Issue ``gate`` (``NR0``, ``CK0`` or both) and wait for it; a failure raises naming it.
+        Their tokens do not stay in ``pending_updates`` (what the backward left there does)."""
+        eng = self.engine
+        issued = eng.issue(phase, program, gate, cold=False, skip_updates=False)
+        mine = {id(tok) for _, tok in issued}
+        eng.pending_updates[:] = [(label, tok) for label, tok in eng.pending_updates if id(tok) not in mine]
+        for _, tok in issued:
+            tok.wait()
+        self._raise_gate_failure(issued)
+
+    def _agreed_nonfinite(self, phase: StepPhase, program: Program, reduce: list[fx.Node]) -> NonFiniteGradient | None:
+        """Data parallel, a step not clipped: ``NR0`` agrees every rank's finite check (before
+        any update); the error of the first rank's first non-finite gradient, or None."""
+        eng = self.engine
+        eng.clipping.nonfinite = None
+        self._issue_gate(phase, program, reduce)
+        bad, eng.clipping.nonfinite = eng.clipping.nonfinite or [], None
+        if not bad:
+            return None
+        rank, group = bad[0]
+        return NonFiniteGradient(
+            f"the gradient of {self.handlers.whose(group, 'host')} holds inf or NaN in the shard of rank {rank} of "
+            f"{eng.dp.ranks} (every rank's check agreed by NR0: all ranks skip or fail this step)", group,
+        )  # fmt: skip
 
     def _raise_gate_failure(self, issued: list[tuple[fx.Node, Token]]) -> None:
         """A failed ``NR0``/``CK0``: nothing was applied, the gradients stay; raise naming it."""
@@ -189,7 +216,7 @@ class StepRunner:
         eng.drop_step_clock()
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise err
-        what = "gradient norms' reduction across ranks" if label.startswith("NR") else "gate (total gradient norm)"
+        what = "gradient norms' (or finite checks') reduction across ranks" if label.startswith("NR") else "gate (total gradient norm)"
         e = ActionError(f"the step's {what} {label} failed: {type(err).__name__}: {err}", label)
         raise with_note(e, state_note("step", [], [], gradients="kept")) from err
 
@@ -473,9 +500,44 @@ class StepRunner:
         eng = self.engine
         if eng.optimizer is None:
             raise UsageError("clip_grad_norm_() needs an optimizer: pass optimizer=shfx.optim.AdamW(...) to shfx.compile")
+        if eng.dp is not None:
+            return self._clip_across_ranks(float(max_norm), float(norm_type))
         total = self.total_grad_norm(float(norm_type))
         eng.clipping.clipped = (float(max_norm), total)
         return total
+
+    def _clip_across_ranks(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """``cm.clip_grad_norm_`` under data parallel: this rank's shards' per-parameter norms,
+        then the program's step gate issued now (``NR0``: the split parameters normed whole and
+        one SUM all-reduce of the per-parameter norms; ``CK0``: the total), so every rank returns
+        the same total, the norm of the reduced gradients as ``torch.nn.utils.clip_grad_norm_``
+        computes it under DDP; ``step()`` then clips by it (its ``NR0`` agrees the finite check
+        only). Every rank must call it, as every rank calls a collective."""
+        eng = self.engine
+        v = eng.current
+        gate = [] if v is None else [
+            n for n in v.train.phase_nodes("step") if get_meta(n).kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK)
+        ]  # fmt: skip
+        if not any(get_meta(n).kind == ActionKind.NORM_REDUCE for n in gate):
+            raise UsageError(
+                "clip_grad_norm_() under data_parallel reduces the gradient norms across ranks through the program's step "
+                f"gate (NR0, CK0), and {'no program ran yet' if v is None else repr(v.train.name) + ' has none'}: compile "
+                "with overlap_update=False (updates in step()) or max_grad_norm=... (call it after loss.backward())"
+            )
+        self._wait_norms()
+        clipping = eng.clipping
+        clipping.grad_norms.clear()  # (a second call: those were reduced already)
+        for gi in self.handlers.clip_groups():
+            clipping.record(gi, norm_type)
+        clipping.clipped = None
+        clipping.requested = (max_norm, norm_type)
+        try:
+            self._issue_gate(StepPhase(v), v.train, gate)
+        finally:
+            clipping.requested = None
+        gated, clipping.gate = clipping.gate, None
+        clipping.clipped = gated
+        return gated[1]
 
     # ---- non-finite gradients: skip (skip_nonfinite, fp16) or fail the step ----------------------
     def _first_nonfinite(
