@@ -158,7 +158,8 @@ class GradientRouter:
         Two tasks: the copy on the d2h stream (its token frees the slot), and the accumulation
         on the host stream (its token is what updates wait for). A group's whole trainable
         region goes straight into the gradient buffer when it holds no gradient yet, else
-        through a staging buffer that is then added.
+        through a staging buffer that is then added. Both tasks are methods of one
+        :class:`_GradOffload`, which holds what they share.
 
         NOTE: a parameter shared by several stages (a tied embedding) gets one contribution
         per stage. As eager autograd does, they are summed first (into a persistent pending
@@ -166,140 +167,12 @@ class GradientRouter:
         owning stage's gradients arrive: ``G += (own + others)``, not ``(G + other) + own``,
         which rounds differently under gradient accumulation.
         """
-        store, backend, slot = self.store, self.backend, m.slot
         if ctx.accumulation is None:
             ctx.accumulation = Accumulation()
-        acc = ctx.accumulation
-        plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
-        dev = ctx.variant.device_groups
-        pool = self.engine.pool
-        dp = self.engine.dp
-
-        # mixed precision, one process: groups whose 16-bit gradient is cast to fp32 on the
-        # device and copied into the host gradient (passes.layout.device_cast_groups)
-        cast = {g for g, _ in stage.spec.grad_wire_bytes} if dp is None else set()
-
-        def copy_cast(dst: torch.Tensor, src: torch.Tensor, g: int, nbytes: int) -> None:
-            """The group's device gradient (bytes ``src``) into ``dst`` (its fp32 elements), part by
-            part (a part's device dtype may be fp32 already: a BatchNorm weight)."""
-            for part, elem, n, off in store.groups[g].elements(0, nbytes):
-                backend.d2h_copy_cast(dst[elem : elem + n], src[off : off + n * part.dtype.itemsize].view(part.dtype))
-
-        held: list[torch.Tensor] = []  # the OG's staging buffers, released after accumulate
-
-        def staging(regions: dict[int, torch.Tensor], g: int) -> torch.Tensor:
-            """Group ``g``'s staging region for this OG: one buffer per group, its copies placed at
-            their offsets in the group (a stage may send many tensors of one group: ALBERT's
-            shared layer, one copy per tensor; a buffer per copy would wait forever for the
-            pool's two). A second group's buffer never waits for the pool (this OG would wait
-            for itself): it is allocated past the pool's size if need be."""
-            buf = regions.get(g)
-            if buf is None:
-                buf = regions[g] = store.acquire_staging(store.groups[g].grad_bytes, wait=not held)
-                held.append(buf)
-            return buf
-
-        def copy_out() -> None:
-            if stage.index in ctx.no_grads:
-                return
-            from_buffer = ctx.grad_src.get(stage.index) == "buffer"
-            regions: dict[int, torch.Tensor] = {}
-            for c in stage.slot.grads:
-                if c.group in dev:
-                    continue  # updated on the device: the gradient stays there
-                if from_buffer:
-                    src = self.buffer(slot)[c.slot_offset : c.slot_offset + c.nbytes]
-                else:
-                    src = pool.region(slot, c.slot_offset, c.nbytes)
-                if c.group in cast:
-                    if store.grad_state[c.group] == GRAD_NONE:
-                        copy_cast(store.grad(c.group), src, c.group, c.nbytes)
-                        store.grad_state[c.group] = GRAD_VALID
-                        plan.append(("direct", c, None))
-                    else:  # accumulating: fp32 into a staging buffer, added on the host
-                        buf = staging(regions, c.group)
-                        copy_cast(buf.view(store.groups[c.group].dtypes.grad), src, c.group, c.nbytes)
-                        plan.append(("add32", c, buf))
-                    continue
-                # the owner's copy of its whole group; borrowers' copies wait in pending
-                full = (
-                    c.group == stage.spec.update_group
-                    and c.host_offset == 0
-                    and c.nbytes == store.groups[c.group].trainable_bytes
-                )
-                if full and dp is not None:  # the local gradient waits for RS in a buffer of its own
-                    buf = dp.local_grad_buffer(c.group)
-                    backend.d2h_copy(buf[: c.nbytes], src)
-                    plan.append(("dp", c, buf))
-                elif full and store.grad_state[c.group] == GRAD_NONE and not store.groups[c.group].dtypes.mixed:
-                    backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
-                    store.grad_state[c.group] = GRAD_VALID
-                    plan.append(("direct", c, None))
-                else:
-                    # at the copy's offset in the group: the staged copies of one group never overlap
-                    buf = staging(regions, c.group)[c.host_offset : c.host_offset + c.nbytes]
-                    backend.d2h_copy(buf, src)
-                    plan.append(("add" if full else "shared", c, buf))
-
-        def accumulate() -> None:
-            try:
-                for kind, c, buf in plan:
-                    g = c.group
-                    if kind == "shared":
-                        src = buf[: c.nbytes].view(self._dtype(c))
-                        if g in acc.flushed:  # the owner's sum is in already: add directly
-                            self._target(acc, g, c).add_(src)
-                        else:
-                            pend = self._pending(c)
-                            if (g, c.host_offset) in acc.pending_keys:
-                                pend.add_(src)
-                            else:
-                                pend.copy_(src)
-                                acc.pending_keys.add((g, c.host_offset))
-                                acc.pending.setdefault(g, []).append(c)
-                    elif kind == "dp":  # own + borrowed, in the device dtype, kept for RS g
-                        for pc in acc.pending.pop(g, []):
-                            buf[pc.host_offset : pc.host_offset + pc.nbytes].view(self._dtype(pc)).add_(self._pending(pc))
-                        acc.local[g] = buf.view(store.groups[g].dtypes.device_grad)
-                        acc.flushed.add(g)
-                    elif kind == "add":
-                        # the sum of the stage's own gradient and the borrowed ones, in the device
-                        # dtype (as autograd sums a tied weight's contributions), then into the
-                        # host gradient (cast to its dtype in mixed precision)
-                        for pc in acc.pending.pop(g, []):
-                            buf[pc.host_offset : pc.host_offset + pc.nbytes].view(self._dtype(pc)).add_(self._pending(pc))
-                        grp = store.groups[g]
-                        first = store.grad_state[g] == GRAD_NONE
-                        grad = store.grad(g)
-                        for part, elem, n, off in grp.elements(0, c.nbytes):
-                            stg = buf[off : off + n * part.dtype.itemsize].view(part.dtype)
-                            if first:
-                                grad[elem : elem + n].copy_(stg)
-                            else:
-                                grad[elem : elem + n].add_(stg)
-                        store.grad_state[g] = GRAD_VALID
-                        acc.flushed.add(g)
-                    elif kind == "add32":  # cast on the device: fp32 + fp32, as grad += g16 widens g16
-                        grad = store.grad(g)
-                        grad.add_(buf.view(grad.dtype)[: grad.numel()])
-                        acc.flushed.add(g)
-                    else:  # direct: the group's gradient was copied in whole
-                        for pc in acc.pending.pop(g, []):
-                            self._grad_slice(g, pc, zero_if_none=False).add_(self._pending(pc))
-                        acc.flushed.add(g)
-                own = stage.spec.update_group
-                if own is not None and own not in acc.flushed:  # owner without gradients of its own
-                    for pc in acc.pending.pop(own, []):
-                        self._target(acc, own, pc).add_(self._pending(pc))
-                    acc.flushed.add(own)
-            finally:
-                for buf in held:
-                    store.release_staging(buf)
-                held.clear()
-                plan.clear()
-
-        t_copy = backend.d2h.submit(timed(copy_out, m), deps, str(m.action))
-        t_acc = backend.host.submit(accumulate, [t_copy], str(m.action))
+        og = _GradOffload(self, ctx, stage, m.slot, ctx.accumulation)
+        backend = self.backend
+        t_copy = backend.d2h.submit(timed(og.copy_out, m), deps, str(m.action))
+        t_acc = backend.host.submit(og.accumulate, [t_copy], str(m.action))
         t_acc.reads = t_copy
         return t_acc
 
@@ -475,3 +348,205 @@ class GradientRouter:
                         )
                     v.copy_(gr)
                     p.grad = v
+
+
+class _GradOffload:
+    """One OFFLOAD_GRAD's two tasks and the state they share.
+
+    :meth:`copy_out` (d2h stream) copies the stage's gradients off the device and plans, per
+    copy, how it is accumulated; :meth:`accumulate` (host stream, after the copy) carries the
+    plan out in order and releases the OG's staging buffers. The plan's kinds:
+
+    - ``"direct"``: copied straight into the host gradient (cast on the device if need be);
+      the borrowed sums waiting for the group are added to it.
+    - ``"add32"``: cast to fp32 on the device into staging; added to the host gradient.
+    - ``"dp"``: the owner's whole group into its data-parallel local buffer, kept for ``RS g``.
+    - ``"add"``: the owner's whole group into staging; the borrowed sums are added to it in
+      the device dtype, then it goes into the host gradient.
+    - ``"shared"``: any other copy (a borrowed contribution) into staging; summed into its
+      pending buffer, or added directly once the owner's sum is in.
+    """
+
+    def __init__(self, router: GradientRouter, ctx: StepContext, stage: Stage, slot: int, acc: Accumulation):
+        self.router = router
+        self.store, self.backend = router.store, router.backend
+        self.ctx, self.stage, self.slot, self.acc = ctx, stage, slot, acc
+        self.dev = ctx.variant.device_groups
+        self.pool = router.engine.pool
+        self.dp = router.engine.dp
+        # mixed precision, one process: groups whose 16-bit gradient is cast to fp32 on the
+        # device and copied into the host gradient (passes.layout.device_cast_groups)
+        self.cast = {g for g, _ in stage.spec.grad_wire_bytes} if self.dp is None else set()
+        self.plan: list[tuple[str, Any, torch.Tensor | None]] = []  # (kind, copy, staging)
+        self.held: list[torch.Tensor] = []  # the OG's staging buffers, released after accumulate
+
+    # ---- the d2h task ---------------------------------------------------------------------------
+    def copy_out(self) -> None:
+        """Copy each of the stage's gradients off the device (from its slot, or from the slot's
+        gradient buffer) and plan its accumulation. Groups updated on the device are skipped:
+        their gradient stays there. Nothing to do when the stage's backward made no gradients."""
+        ctx, stage, slot = self.ctx, self.stage, self.slot
+        if stage.index in ctx.no_grads:
+            return
+        from_buffer = ctx.grad_src.get(stage.index) == "buffer"
+        regions: dict[int, torch.Tensor] = {}
+        for c in stage.slot.grads:
+            if c.group in self.dev:
+                continue  # updated on the device: the gradient stays there
+            if from_buffer:
+                src = self.router.buffer(slot)[c.slot_offset : c.slot_offset + c.nbytes]
+            else:
+                src = self.pool.region(slot, c.slot_offset, c.nbytes)
+            if c.group in self.cast:
+                self._copy_cast(c, src, regions)
+            else:
+                self._copy_bytes(c, src, regions)
+
+    def _copy_cast(self, c: Any, src: torch.Tensor, regions: dict[int, torch.Tensor]) -> None:
+        """A gradient cast to fp32 on the device: straight into the host gradient when the group
+        holds none yet (``"direct"``), else into the group's staging region (``"add32"``)."""
+        store = self.store
+        if store.grad_state[c.group] == GRAD_NONE:
+            self._cast_into(store.grad(c.group), src, c.group, c.nbytes)
+            store.grad_state[c.group] = GRAD_VALID
+            self.plan.append(("direct", c, None))
+        else:  # accumulating: fp32 into a staging buffer, added on the host
+            buf = self._staging(regions, c.group)
+            self._cast_into(buf.view(store.groups[c.group].dtypes.grad), src, c.group, c.nbytes)
+            self.plan.append(("add32", c, buf))
+
+    def _copy_bytes(self, c: Any, src: torch.Tensor, regions: dict[int, torch.Tensor]) -> None:
+        """A gradient copied as it is on the device: the owner's copy of its whole group into the
+        data-parallel local buffer (``"dp"``), or straight into the host gradient when the group
+        holds none yet and is not mixed (``"direct"``); anything else into the group's staging
+        region at the copy's offset (``"add"`` for the owner's whole group, else ``"shared"``),
+        where borrowers' copies wait in pending."""
+        store, backend, dp = self.store, self.backend, self.dp
+        full = (
+            c.group == self.stage.spec.update_group
+            and c.host_offset == 0
+            and c.nbytes == store.groups[c.group].trainable_bytes
+        )
+        if full and dp is not None:  # the local gradient waits for RS in a buffer of its own
+            buf = dp.local_grad_buffer(c.group)
+            backend.d2h_copy(buf[: c.nbytes], src)
+            self.plan.append(("dp", c, buf))
+        elif full and store.grad_state[c.group] == GRAD_NONE and not store.groups[c.group].dtypes.mixed:
+            backend.d2h_copy(store.grad_bytes(c.group)[: c.nbytes], src)
+            store.grad_state[c.group] = GRAD_VALID
+            self.plan.append(("direct", c, None))
+        else:
+            # at the copy's offset in the group: the staged copies of one group never overlap
+            buf = self._staging(regions, c.group)[c.host_offset : c.host_offset + c.nbytes]
+            backend.d2h_copy(buf, src)
+            self.plan.append(("add" if full else "shared", c, buf))
+
+    def _cast_into(self, dst: torch.Tensor, src: torch.Tensor, g: int, nbytes: int) -> None:
+        """The group's device gradient (bytes ``src``) into ``dst`` (its fp32 elements), part by
+        part (a part's device dtype may be fp32 already: a BatchNorm weight)."""
+        for part, elem, n, off in self.store.groups[g].elements(0, nbytes):
+            self.backend.d2h_copy_cast(dst[elem : elem + n], src[off : off + n * part.dtype.itemsize].view(part.dtype))
+
+    def _staging(self, regions: dict[int, torch.Tensor], g: int) -> torch.Tensor:
+        """Group ``g``'s staging region for this OG: one buffer per group, its copies placed at
+        their offsets in the group (a stage may send many tensors of one group: ALBERT's
+        shared layer, one copy per tensor; a buffer per copy would wait forever for the
+        pool's two). A second group's buffer never waits for the pool (this OG would wait
+        for itself): it is allocated past the pool's size if need be."""
+        buf = regions.get(g)
+        if buf is None:
+            buf = regions[g] = self.store.acquire_staging(self.store.groups[g].grad_bytes, wait=not self.held)
+            self.held.append(buf)
+        return buf
+
+    # ---- the host task --------------------------------------------------------------------------
+    def accumulate(self) -> None:
+        """Carry out the plan in order (one ``_add_<kind>`` per copy), then add the borrowed sums
+        of an owner that sent no gradients of its own; always release the staging buffers."""
+        try:
+            for kind, c, buf in self.plan:
+                self._ADD[kind](self, c, buf)
+            self._flush_owner()
+        finally:
+            for buf in self.held:
+                self.store.release_staging(buf)
+            self.held.clear()
+            self.plan.clear()
+
+    def _add_shared(self, c: Any, buf: torch.Tensor) -> None:
+        """A borrowed contribution: added directly when its owner's sum is in already, else
+        summed into its pending buffer (copied in when it is the first)."""
+        router, acc, g = self.router, self.acc, c.group
+        src = buf[: c.nbytes].view(router._dtype(c))
+        if g in acc.flushed:  # the owner's sum is in already: add directly
+            router._target(acc, g, c).add_(src)
+        else:
+            pend = router._pending(c)
+            if (g, c.host_offset) in acc.pending_keys:
+                pend.add_(src)
+            else:
+                pend.copy_(src)
+                acc.pending_keys.add((g, c.host_offset))
+                acc.pending.setdefault(g, []).append(c)
+
+    def _add_dp(self, c: Any, buf: torch.Tensor) -> None:
+        """Own + borrowed, in the device dtype, in the local buffer kept for ``RS g``."""
+        g = c.group
+        self._sum_pending_into(g, buf)
+        self.acc.local[g] = buf.view(self.store.groups[g].dtypes.device_grad)
+        self.acc.flushed.add(g)
+
+    def _add_staged(self, c: Any, buf: torch.Tensor) -> None:
+        """The sum of the stage's own gradient and the borrowed ones, in the device dtype (as
+        autograd sums a tied weight's contributions), then into the host gradient (cast to its
+        dtype in mixed precision): copied when the group holds none yet, else added."""
+        store, g = self.store, c.group
+        self._sum_pending_into(g, buf)
+        grp = store.groups[g]
+        first = store.grad_state[g] == GRAD_NONE
+        grad = store.grad(g)
+        for part, elem, n, off in grp.elements(0, c.nbytes):
+            stg = buf[off : off + n * part.dtype.itemsize].view(part.dtype)
+            if first:
+                grad[elem : elem + n].copy_(stg)
+            else:
+                grad[elem : elem + n].add_(stg)
+        store.grad_state[g] = GRAD_VALID
+        self.acc.flushed.add(g)
+
+    def _add_32(self, c: Any, buf: torch.Tensor) -> None:
+        """Cast on the device: fp32 + fp32 into the host gradient, as ``grad += g16`` widens g16."""
+        grad = self.store.grad(c.group)
+        grad.add_(buf.view(grad.dtype)[: grad.numel()])
+        self.acc.flushed.add(c.group)
+
+    def _add_direct(self, c: Any, buf: torch.Tensor | None) -> None:
+        """The group's gradient was copied in whole: the borrowed sums waiting for it are added."""
+        g = c.group
+        for pc in self.acc.pending.pop(g, []):
+            self.router._grad_slice(g, pc, zero_if_none=False).add_(self.router._pending(pc))
+        self.acc.flushed.add(g)
+
+    _ADD: dict[str, Callable[[_GradOffload, Any, Any], None]] = {
+        "shared": _add_shared,
+        "dp": _add_dp,
+        "add": _add_staged,
+        "add32": _add_32,
+        "direct": _add_direct,
+    }
+
+    def _sum_pending_into(self, g: int, buf: torch.Tensor) -> None:
+        """Add the borrowed sums waiting for group ``g`` into the owner's staged copy ``buf``, each
+        at its offset in the group, in the device dtype (forgetting them)."""
+        router = self.router
+        for pc in self.acc.pending.pop(g, []):
+            buf[pc.host_offset : pc.host_offset + pc.nbytes].view(router._dtype(pc)).add_(router._pending(pc))
+
+    def _flush_owner(self) -> None:
+        """When the stage owns a group whose sum is not in yet (it sent no whole copy of it), the
+        borrowed sums waiting for that group go to their target now."""
+        acc, own = self.acc, self.stage.spec.update_group
+        if own is not None and own not in acc.flushed:  # owner without gradients of its own
+            for pc in acc.pending.pop(own, []):
+                self.router._target(acc, own, pc).add_(self.router._pending(pc))
+            acc.flushed.add(own)
