@@ -516,6 +516,11 @@ class CompiledModel(StateMethods):
         that computes the norms during backward and runs the updates in the next forward; this
         call then overrides ``max_norm`` for the step) or ``overlap_update=False``.
 
+        Under data parallel every rank calls it (as a collective): the program's step gate
+        (``NR0``: the per-parameter norms of the shards summed across ranks; ``CK0``: the total)
+        runs at the call, so every rank returns the same total, torch's ``clip_grad_norm_`` on
+        the DDP-reduced gradients (docs/usage.md, "Data parallel").
+
         >>> import torch, shfx
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
         >>> cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1MiB"), optimizer=shfx.optim.AdamW(lr=1e-3),
