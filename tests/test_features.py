@@ -212,6 +212,20 @@ def test_updates_in_step_golden():
         UPDATES_IN_STEP(Stronghold(window=2, resident_first=1).program(chain(3)), clip=True)
 
 
+def test_a_data_parallel_gate_needs_the_reduction_first():
+    """Under data parallel every gate reduces across ranks first (NR0: the norms, or without
+    them the finite check), also the unclipped gate of updates in step(); NR0 without norms is
+    only for that gate (elsewhere it has nothing to combine)."""
+    from shfx.passes.program import lower_actions
+
+    tail = "F0 F1 B1 OG1 RS1 R1 B0 OG0 RS0 R0"
+    lower_actions(f"PF0 PF1 {tail} NR0 CK0 U0 AG0 U1 AG1".split(), chain(2), 2, ranks=2, updates_in_step=True)
+    with pytest.raises(ScheduleError, match=r"CK0 .*NR0 \(norm_reduce across the 2 ranks\) first"):
+        lower_actions(f"PF0 PF1 {tail} CK0 U0 AG0 U1 AG1".split(), chain(2), 2, ranks=2, updates_in_step=True)
+    with pytest.raises(ScheduleError, match="combines the gradient norms"):
+        lower_actions(f"PF0 PF1 {tail} NR0 CK0 U0 AG0 U1 AG1".split(), chain(2), 2, ranks=2)
+
+
 def test_clipping_in_step_with_device_updates_is_refused_before_the_first_step():
     import torch
 
