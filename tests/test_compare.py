@@ -156,7 +156,7 @@ def test_cli_precision_names(capsys):
         main([*args, "--precision", "fp8"])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])  # (fp16: the slow run)
 def test_16_bit_predicted_and_measured(precision):
     """A 16-bit run copies what its program says, half the fp32 run's bytes."""
     dev = shfx.EmulatedDevice(memory="16MiB", h2d="1GB/s", d2h="1GB/s")

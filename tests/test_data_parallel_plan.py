@@ -335,7 +335,7 @@ def test_closed_form_is_the_ledger_with_data_parallel(template):
                         assert dev == {k: v for k, v in want.device.items() if v}, where
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])  # (fp16: the slow run)
 def test_closed_form_is_the_captured_models_ledger_in_16_bit(precision):
     """In mixed precision the image stays the 16-bit working copy; the fp32 master, gradient and
     states are sharded: the closed form equals memory_for_model's replay of the real capture."""

@@ -133,7 +133,7 @@ def test_16_bit_budget_is_half_the_slot():
     assert 2 * e16["slot"] == e32["slot"] and 2 * e16["activation"] == e32["activation"]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])  # (fp16: the slow run)
 def test_demo_cli_trains_in_16_bit(capsys, precision):
     rc = main(["demo", "--steps", "8", "--eval-interval", "0", "--eval-batches", "1", "--lr", "1e-2", "--seed", "0",
                "--precision", precision, *TINY, "--layers", "6"])  # fmt: skip (6: the 16-bit model outgrows the budget)

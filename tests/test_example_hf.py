@@ -78,6 +78,7 @@ def test_loss_goes_down_and_the_schedule_drives_the_optimizer(full):
     assert full["device_memory"] < full["model_bytes"] and full["stats"]["device_bytes_peak"] <= full["device_memory"]
 
 
+@pytest.mark.slow  # 13 s; a resume in a new process is checked bitwise by default in test_checkpoint
 def test_resume_in_a_new_process_is_exact(full, tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = [*SMALL, "--save-every", str(HALF), "--checkpoint-dir", str(ckpt)]

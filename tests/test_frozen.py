@@ -280,7 +280,7 @@ POLICIES = [shfx.Resident(), shfx.L2L(), shfx.ZeroOffload(), shfx.ZeroInfinity()
             shfx.Stronghold(window=2, resident_first=1), shfx.Stronghold(window=3)]  # fmt: skip
 
 
-@pytest.mark.parametrize("which", ["bottom", "middle"])
+@pytest.mark.parametrize("which", ["bottom", pytest.param("middle", marks=pytest.mark.slow)])  # (middle: 6 s, slow run)
 def test_runtime_reservations_are_the_ledger_with_frozen_stages(which):
     """Every policy: the runtime's device reservations of a step with frozen stages equal the
     ledger's replay event by event, the simulator's peak is the ledger's, the host is its setup."""

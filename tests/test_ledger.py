@@ -50,7 +50,9 @@ def _compare(runtime: dict, ledger: dict, where: str) -> None:
 
 # fast: one and two layers, tied and untied, block split and byte split into one and two
 # stages; three layers and the other tied/untied pairings with SHFX_SLOW=1
-LEDGER_FAST = {"L1-tied-blocks", "L2-untied-blocks", "L2-tied-1", "L2-untied-2"}
+# (the default run keeps one tied and one untied, partitioned by blocks and by a stage count; the
+# others, 13 s together, run with SHFX_SLOW=1: the suite stays under 12 minutes on 2 cores)
+LEDGER_FAST = {"L1-tied-blocks", "L2-untied-2"}
 
 
 def _ledger_models() -> list:

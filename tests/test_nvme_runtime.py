@@ -98,7 +98,9 @@ def test_bf16_mixed_precision(tmp_path):
     assert_bitwise(got, ref)
 
 
-@pytest.mark.parametrize("skip", [dict(precision="fp16"), dict(skip_nonfinite=True)], ids=["fp16", "skip_nonfinite"])
+@pytest.mark.parametrize(
+    "skip", [dict(precision="fp16"), pytest.param(dict(skip_nonfinite=True), marks=pytest.mark.slow)], ids=["fp16", "skip_nonfinite"]
+)
 def test_a_skip_with_updates_in_step_is_the_conflicts_fix(tmp_path, skip):
     # issue 25: fp16 (or skip_nonfinite) with the tier is refused ("NVMe tier with rollback"); the
     # fix the message gives, overlap_update=False, trains: nothing to undo, the same bits as in RAM
