@@ -271,6 +271,17 @@ def _clipping_overlapped(c: Config) -> bool:
     return c.max_grad_norm is not None and c.overlap_update
 
 
+def _clip_policy_fix(c: Config) -> str:
+    """A policy without the deferred-update schedule: the host-updating policies that have it; a
+    policy updating on the device (Resident, L2L) cannot clip in step() either (the
+    updates-in-step pass needs every gradient on the host), so overlap_update=False is offered
+    only to a policy updating on the host (a program of one's own)."""
+    fix = "use policy='stronghold', 'zero-offload' or 'zero-infinity' (their deferred-update schedule keeps the update overlapped)"
+    if c.policy.name in ("resident", "l2l"):
+        return fix
+    return fix + ", or overlap_update=False (updates in step())"
+
+
 def _rollback_needed_fix(c: Config) -> str:
     """Skipping with overlapped updates needs rollback: keep it, or start the updates in step().
     NOTE: the NVMe tier cannot roll back, so with it only overlap_update=False is offered
@@ -329,15 +340,16 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda c: _clipping_overlapped(c) and "deferred_update" not in c.policy.options(),
         "max_grad_norm with policy {c.policy.name!r}: its updates run during the backward, before every gradient's "
         "norm is known",
-        "use policy='stronghold', 'zero-offload' or 'zero-infinity' (their deferred-update schedule keeps the update "
-        "overlapped), or overlap_update=False (updates in step())",
+        lambda c: _clip_policy_fix(c),
     ),
     Conflict(
         "clipping with device updates (resident_first)",
         lambda c: _clipping_overlapped(c) and getattr(c.policy, "resident_first", 0) != 0,
         "max_grad_norm needs every gradient on the host, but {c.policy!r} keeps its first stages' gradients and "
         "updates on the device (resident_first), updated during the backward, before the norm is known",
-        "use resident_first=0, or overlap_update=False",
+        # (not overlap_update=False: clipping in step() needs every gradient on the host too, the
+        # updates-in-step pass would refuse it at the first call)
+        "use resident_first=0 (every gradient on the host, clipped exactly with the update overlapped)",
     ),
     Conflict(
         "clipping with a delayed update",
