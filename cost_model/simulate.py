@@ -132,6 +132,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from shfx.passes.features import ROLLBACK
 from shfx.passes.meta import get_meta
 from shfx.passes.actions import CK, KINDS, NR, RESOURCES, SN, STREAMS, US
 from shfx.passes.ledger import Ledger, replay
@@ -1018,9 +1019,7 @@ def simulate(
     ratio = _rollback_ratio(rollback)
     if isinstance(program, Program):  # (anything else: _Sim says what it needs)
         if ratio is not None and not any(get_meta(n).kind == SN for n in program.nodes):
-            from shfx.passes.features import ROLLBACK  # (the pass: a program without the journal's copies gains them)
-
-            program = ROLLBACK(program)
+            program = ROLLBACK(program)  # (the pass: a program without the journal's copies gains them)
         program = steady_state_program(program)  # updates deferred to the next forward: the steady state
     sim = _Sim(program, costs, accumulate, phase_barrier, rollback=ratio)
     sim.run()
