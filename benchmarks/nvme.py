@@ -332,7 +332,7 @@ if cfg["nvme"]:
     off = shfx.Offload(optimizer="nvme", path=cfg["dir"], host_window=cfg["host_window"],
                        nvme_read=cfg["rate"], nvme_write=cfg["rate"])
 cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="4GiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
-                  optimizer=shfx.optim.AdamW(lr=1e-3), offload=off, recompute="full")
+                  optimizer=shfx.optim.AdamW(lr=1e-3), offload=off, recompute="full", rollback=cfg.get("rollback", False))
 g = torch.Generator().manual_seed(1)
 times = []
 for step in range(cfg["steps"]):
@@ -345,6 +345,8 @@ states = sum(grp.state_bytes * 2 for grp in cm._store.groups if grp.trainable_by
 out = {"step_s": times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
        "host_bytes": eng.host_bytes(), "store_host_bytes": cm._store.host_bytes, "states_bytes": states,
        "window_bytes": eng.ssd.host_bytes if eng.ssd is not None else 0,
+       "journal_bytes": eng.journal.host_bytes,
+       "ssd_file_bytes": sum(e.padded_bytes for e in eng.ssd.ssd.extents.values()) if eng.ssd is not None else 0,
        "groups": sum(1 for grp in cm._store.groups if grp.trainable_bytes),
        "ssd": {k: v for k, v in cm.variant.train.bytes_moved().items() if k.startswith("ssd")}}
 cm.close()
@@ -379,12 +381,17 @@ def tier(argv: list[str]) -> dict:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rates", default="1GB/s,300MB/s")
     p.add_argument("--predict-rates", default="50MB/s,20MB/s", help="emulated SSD rates of the predicted-vs-measured runs")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "nvme_tier.json"))
+    p.add_argument("--rollback", action="store_true",
+                   help="also each run with rollback=True (the journal's copies; with the tier: two SSD versions of the states)")
+    p.add_argument("--out", default=None, help="default results/nvme_tier.json (--rollback: nvme_rollback.json)")
     args = p.parse_args(argv)
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "nvme_rollback.json" if args.rollback else "nvme_tier.json")
     work = tempfile.mkdtemp(prefix="shfx-nvme-tier-", dir=args.dir)
     base = {"layers": args.layers, "hidden": args.hidden, "steps": args.steps, "dir": work, "host_window": 1, "rate": None}
     runs = [("host RAM", {**base, "nvme": False}), ("NVMe, unthrottled", {**base, "nvme": True})]
     runs += [(f"NVMe, emulated {r}", {**base, "nvme": True, "rate": r}) for r in args.rates.split(",") if r]
+    if args.rollback:  # each run beside the same with rollback=True, alternated
+        runs = [x for name, cfg in runs for x in ((name, cfg), (f"{name}, rollback", {**cfg, "rollback": True}))]
     out: dict = {"config": base, "load_before": os.getloadavg(), "runs": []}
     try:
         for name, cfg in runs:
@@ -398,11 +405,18 @@ def tier(argv: list[str]) -> dict:
     med = lambda xs: sorted(xs[1:])[len(xs[1:]) // 2]  # noqa: E731 - steps after the first
     print(f"# GPT {args.layers} layers x {args.hidden} hidden, {host['groups']} host-updated groups, AdamW states "
           f"{format_bytes(host['states_bytes'])}; SSD per step: {out['runs'][1]['ssd']}\n")
-    print("| run | peak RSS | RSS vs host RAM | states in RAM (window) | median step | vs host RAM |\n| --- | --- | --- | --- | --- | --- |")
+    print("| run | peak RSS | RSS vs host RAM | states in RAM (window) | rollback copies (RAM) | SSD file | median step | vs host RAM |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out["runs"]:
         print(f"| {r['name']} | {format_bytes(r['peak_rss_bytes'])} | {format_bytes(r['peak_rss_bytes'] - host['peak_rss_bytes'])} "
-              f"| {format_bytes(r['window_bytes'] or r['states_bytes'])} | {med(r['step_s']) * 1e3:.0f} ms | "
-              f"{med(r['step_s']) / med(host['step_s']):.2f}x |")
+              f"| {format_bytes(r['window_bytes'] or r['states_bytes'])} | {format_bytes(r['journal_bytes'])} "
+              f"| {format_bytes(r['ssd_file_bytes'])} | {med(r['step_s']) * 1e3:.0f} ms | {med(r['step_s']) / med(host['step_s']):.2f}x |")
+    if args.rollback:  # (the predicted-vs-measured runs are --tier's)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        print(f"\nload average before/after: {out['load_before'][0]:.1f} / {out['load_after'][0]:.1f}; wrote {args.out}")
+        return out
     out["predicted"] = []
     print("\n## predicted (the simulator, with the emulated SSD's rates) vs measured step time, GPT 6 x 256, W=2, H=2\n")
     print("| SSD rate | SSD bytes per step (r / w) | predicted | measured (median) | measured / predicted |\n| --- | --- | --- | --- | --- |")

@@ -506,6 +506,8 @@ class _Sim:
                     continue
                 if k == SN:  # the journal's copy of the group (part of its update's task before it was an action)
                     nd.dur = owner[s].rollback_copy_s(ROLLBACK_COPY_RATIO if self.rollback is None else self.rollback)
+                    if s in self.program.ssd_groups:  # master only (4 of the 12 bytes per parameter): the
+                        nd.dur /= 3  # states' undo is their previous version on the SSD (shfx.runtime.ssd_window)
                     continue
                 add = self.extra.get(nd.i, 0.0) if info.stream == "compute" else 0.0
                 nd.dur = getattr(owner[s], info.cost, 0.0) + self.dispatch_s + add

@@ -395,7 +395,9 @@ def rollback_program(program: Program) -> Program:
     waits for; the update waits for it), so a step that fails, is interrupted or is skipped can
     be put back exactly. The copies are actions: the simulator times them, the ledger counts
     their buffers (``rollback copies``). A device update (``DU g``) copies its slot region inside
-    its own action (on the device's stream, not a host action).
+    its own action (on the device's stream, not a host action). A group whose optimizer states
+    are on the SSD (the NVMe tier) is copied without them (master and step only): the SSD keeps
+    the states' previous version until the step commits (:mod:`shfx.runtime.ssd_window`).
 
     >>> from shfx.passes.stages import chain
     >>> from shfx.passes.policies import Stronghold
@@ -422,10 +424,6 @@ def _no_snapshots(p: Program) -> str | None:
     return "it copies its groups already (SN)" if any(get_meta(n).kind == SN for n in p.nodes) else None
 
 
-def _no_ssd(p: Program) -> str | None:
-    return f"groups {sorted(p.ssd_groups)} keep their optimizer states on the SSD" if p.ssd_groups else None
-
-
 def _snapshotted(p: Program) -> str | None:
     nodes = p.nodes
     for n in nodes:
@@ -443,11 +441,6 @@ ROLLBACK = FeaturePass(
     "rollback",
     requires=(
         Condition("a program that does not copy its groups yet", _no_snapshots, "apply rollback once"),
-        Condition(
-            "optimizer states in host memory (the journal's copies are host buffers, which the NVMe tier avoids)", _no_ssd,
-            "compile with overlap_update=False (updates start in step(), after every gradient was checked, so nothing "
-            "needs undoing), or rollback=False",
-        ),
         Condition("one rank (undoing a step would have to be agreed across ranks)", _one_rank, "rollback=False"),
     ),
     ensures=(Condition("every host update waiting for its group's copy SN, in the same phase", _snapshotted),),

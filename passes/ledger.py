@@ -288,8 +288,9 @@ def host_terms(
     holds ``host_window`` buffers (:data:`HOST_WINDOW`) each as large as the largest of those
     groups' SSD reads instead.
 
-    NOTE: the rollback copies stay on the host as without the tier (the journal's copy of an SSD
-    group's state is not modelled apart yet).
+    With ``rollback`` and the tier, an SSD group's rollback copy is its master weights and step
+    counter only, and the SSD holds a second version of its optimizer states (a step writes the
+    version the last committed step did not: :mod:`shfx.runtime.ssd_window`).
 
     With data parallel (``ranks = N > 1``, every group updated on the host), the terms are those
     of rank ``rank`` (default 0, the rank that owns the most): each group's trainable region of
@@ -363,6 +364,13 @@ def host_terms(
     if rollback:
         for g, o in sorted(owners.items()):
             if not o.update_bytes:
+                continue
+            if o in ssd:  # the states' undo is their previous version on the SSD
+                out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", o.update_bytes + STEP_BYTES))
+                out += [
+                    Change("ssd", "optimizer states (m, v)", f"previous version of optimizer state {i} of group {g}", o.state_bytes)
+                    for i in range(optimizer_states)
+                ]
                 continue
             n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes
             if g in device_groups:

@@ -70,10 +70,12 @@ def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, varian
         from .runtime.ssd_window import SSDWindow
 
         groups = sorted(g for g, grp in enumerate(store.groups) if grp.trainable_bytes and g not in variant.device_groups)
-        extents = group_extents([store.groups[g] for g in groups])
+        # (rollback: two versions of each state, the step's write-back beside the committed one)
+        versions = 2 if eng.journal.enabled else 1
+        extents = group_extents([store.groups[g] for g in groups], versions=versions)
         ssd = SSDStore.from_offload(offload, extents)
         try:
-            eng.attach_ssd(SSDWindow(store, eng.optimizer, groups, prog.host_window, ssd))
+            eng.attach_ssd(SSDWindow(store, eng.optimizer, groups, prog.host_window, ssd, versioned=versions == 2))
         except BaseException:
             ssd.close()
             raise

@@ -283,25 +283,8 @@ def _clip_policy_fix(c: Config) -> str:
 
 
 def _rollback_needed_fix(c: Config) -> str:
-    """Skipping with overlapped updates needs rollback: keep it, or start the updates in step().
-    NOTE: the NVMe tier cannot roll back, so with it only overlap_update=False is offered
-    (keeping rollback ran into the "NVMe tier with rollback" row, issue 25)."""
-    if c.nvme:
-        return "use overlap_update=False (updates start in step(), after the check; the NVMe tier cannot roll back)"
+    """Skipping with overlapped updates needs rollback: keep it, or start the updates in step()."""
     return "keep rollback=True, or use overlap_update=False (updates start in step(), after the check)"
-
-
-def _nvme_rollback_fix(c: Config) -> str:
-    """With a skip (fp16, skip_nonfinite) and overlapped updates rollback is required, so the
-    fix is to start the updates in step(); otherwise rollback was asked for: drop it.
-    NOTE: offering rollback=False to fp16 or skip_nonfinite ran into the row "fp16 (or
-    skip_nonfinite) overlapped without rollback" (issue 25)."""
-    if c.skip_nonfinite and c.overlap_update:
-        return (
-            "compile with overlap_update=False, without rollback= (the updates then start in step(), after every "
-            "gradient was checked, so nothing needs undoing)"
-        )
-    return "drop rollback=True (rollback=False)"
 
 
 #: The combinations of ``shfx.compile``'s options that truly conflict, in the order they are
@@ -384,14 +367,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda c: c.nvme and c.optimizer is None,
         "Offload(optimizer='nvme') puts the optimizer states on the SSD, but there is no optimizer",
         "pass optimizer=shfx.optim.AdamW(...), or drop offload=",
-    ),
-    Conflict(
-        "NVMe tier with rollback",
-        lambda c: c.nvme and c.rollback,
-        "the NVMe tier cannot roll a step back (rollback=True, the default with precision='fp16' or skip_nonfinite=True "
-        "and overlap_update=True): the undo copies would keep every group's optimizer states in host RAM, which is "
-        "what the tier avoids",
-        _nvme_rollback_fix,
     ),
     Conflict(
         "host window given twice",

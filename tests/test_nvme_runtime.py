@@ -98,21 +98,110 @@ def test_bf16_mixed_precision(tmp_path):
     assert_bitwise(got, ref)
 
 
-@pytest.mark.parametrize(
-    "skip", [dict(precision="fp16"), pytest.param(dict(skip_nonfinite=True), marks=pytest.mark.slow)], ids=["fp16", "skip_nonfinite"]
-)
-def test_a_skip_with_updates_in_step_is_the_conflicts_fix(tmp_path, skip):
-    # issue 25: fp16 (or skip_nonfinite) with the tier is refused ("NVMe tier with rollback"); the
-    # fix the message gives, overlap_update=False, trains: nothing to undo, the same bits as in RAM
-    with pytest.raises(UsageError, match="overlap_update=False") as e:
-        shfx.compile(gpt(), optimizer=shfx.optim.AdamW(), offload=nvme(tmp_path), **skip)
-    assert "rollback=False" not in str(e.value)
-    ref = train(gpt, token_batch, overlap_update=False, **skip)
-    got = train(gpt, token_batch, overlap_update=False, offload=nvme(tmp_path, 2), keep=True, **skip)
+def _fp16_with_an_overflow(offload):
+    """fp16, overlapped update (rollback on: its default), 4 steps; the second one's first-stage
+    gradient overflows after the later stages' updates ran (they are undone). Returns train()'s
+    tuple and the groups each rollback restored."""
+    from faults import FaultInjector
+
+    torch.manual_seed(0)
+    cm = shfx.compile(
+        gpt(), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), precision="fp16", scaler=shfx.LossScaler(init_scale=256.0),
+        recompute="full", offload=offload,
+    )  # fmt: skip
+    restored = []
+
+    def overflow(event):
+        cm._engine.store.grad(0).data[0] = float("inf")
+
+    losses = []
+    for step in range(4):
+        args, kwargs, aux = token_batch(step)
+        torch.manual_seed(10_000 + 100 * step)
+        loss = loss_of(cm(*args, **kwargs), aux)
+        if step == 1:
+            rollback = cm._engine.journal.rollback  # (the engine starts at the first call)
+            cm._engine.journal.rollback = lambda region: restored.append(rollback(region)) or restored[-1]
+            with FaultInjector(cm.backend, "US0", 1, action=overflow):
+                loss.backward()
+                cm.step()
+        else:
+            loss.backward()
+            cm.step()
+        cm.zero_grad()
+        losses.append(loss.detach().clone())
+    out = losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm.optimizer.state_dict(), cm
+    return out, restored
+
+
+def test_fp16_overlapped_rolls_back_with_the_states_on_the_ssd(tmp_path):
+    # issue 25: fp16 with the overlapped update runs with the tier (rollback, its default, keeps
+    # the undo of the states on the SSD: their previous version until the step commits); an
+    # overflow after later groups were updated undoes them; the same bits as in RAM
+    ref, ref_restored = _fp16_with_an_overflow(None)
+    got, restored = _fp16_with_an_overflow(nvme(tmp_path, 2))
     cm = got[3]
-    assert cm.variant.train.ssd_groups and not cm.config.rollback
-    cm.close()
+    assert cm.config.rollback and cm._engine.ssd.versioned and cm.skipped_steps == ref[3].skipped_steps == 1
+    assert restored == ref_restored and restored[0] and 0 not in restored[0], restored  # later groups undone
+    assert cm._engine.journal.host_bytes < ref[3]._engine.journal.host_bytes / 2  # master and step only
+    for c in (cm, ref[3]):
+        c.close()
     assert_bitwise(got, ref)
+
+
+def test_a_skip_undoes_the_updates_whose_states_are_on_the_ssd(tmp_path):
+    # skip_nonfinite with the overlapped update: the first stage's gradient is the last known, the
+    # later groups' updates ran (their states written back to the SSD's other version) and are
+    # undone; eager skips the step too, and the next step matches it (states included)
+    from test_failures_engine import Pair, _poison_host_grad
+
+    from faults import FaultInjector
+
+    p = Pair(shfx.Stronghold(window=2), skip_nonfinite=True, offload=nvme(tmp_path, 1))
+    p.step_both()
+    with FaultInjector(p.cm.backend, "U0", 1, action=_poison_host_grad(p, 0)) as f:
+        p.shfx_step()
+    assert f.fired == "U0" and p.cm.last_step_skipped
+    p.eager_step(apply=False)
+    p.assert_same()
+    for _ in range(2):
+        p.step_both()
+        p.assert_same()
+    p.cm.close()
+
+
+def test_a_failing_ssd_write_rolls_the_step_back(tmp_path, monkeypatch):
+    # rollback=True with the tier: a write-back that fails undoes the step (the groups written
+    # before it keep their previous version, the masters and steps come from the journal), the
+    # gradients stay, and retrying step() applies the step as if nothing had failed
+    ref = train(gpt, token_batch, steps=2)
+    *_, cm = train(gpt, token_batch, offload=nvme(tmp_path, 1), rollback=True, steps=1, keep=True)
+    real, calls = ssd_mod._write_full, []
+
+    def broken(fd, buf, offset):
+        calls.append(offset)
+        if len(calls) == 3:  # the second group's write: the first group's is on the SSD already
+            raise OSError(5, "Input/output error")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(ssd_mod, "_write_full", broken)
+    args, kwargs, aux = token_batch(1)
+    torch.manual_seed(10_000 + 100)
+    loss_of(cm(*args, **kwargs), aux).backward()
+    with pytest.raises(ActionError, match=r"SSD write of optimizer states SW\d+ failed") as e:
+        cm.step()
+    assert "rolled back" in str(e.value) and "the gradients are kept" in str(e.value), str(e.value)
+    monkeypatch.undo()
+    cm.step()
+    assert all(torch.equal(v, ref[1][k]) for k, v in cm.state_dict().items())
+    opt = cm.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt[i][f], ref[2]["state"][i][f]) for i in opt for f in opt[i])
+    # the ledger: the journal's copies are masters and steps; the SSD holds two versions of m and v
+    led = cm.variant.ledger(rollback=True)
+    assert led.static("host")["rollback copies"] == cm._engine.journal.host_bytes > 0
+    assert led.static("ssd")["optimizer states (m, v)"] == sum(e.nbytes for e in cm._engine.ssd.ssd.extents.values())
+    cm.close()
 
 
 @pytest.mark.slow
@@ -237,8 +326,6 @@ def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
     [
         (dict(offload="params"), "params='nvme'"),
         (dict(optimizer="sgd"), "SGD is not supported"),
-        (dict(rollback=True), "cannot roll a step back"),
-        (dict(precision="fp16"), "cannot roll a step back"),
         (dict(policy=shfx.ZeroOffload()), "has no NVMe tier"),
         (dict(policy=shfx.Stronghold(nvme=True, host_window=2)), "give it in one place"),
         (dict(optimizer=None), "there is no optimizer"),

@@ -208,6 +208,7 @@ class Engine:
         """Run the NVMe tier through ``window`` (made by the compiled model at the first program
         with SSD transfers: the tier's groups are known from it)."""
         self.ssd = window
+        self.journal.ssd = window  # (rollback: its groups' states are undone by the window's versions)
 
     def mark_prescaled(self) -> None:
         """The loss gradient of the backward running now is scaled already (``cm.scale_loss``)."""

@@ -16,6 +16,11 @@ reused (counted in ``Engine.host_bytes``). ``shfx.compile(rollback=False)`` turn
 off: a failed step then says which groups it updated, and a retried ``cm.step()`` applies only
 the updates that did not run (``applied``), but a backward that fails after some updates ran
 leaves them applied (the error says so; recover by loading a checkpoint).
+
+With the NVMe tier (``ssd``: the :class:`~shfx.runtime.ssd_window.SSDWindow`, versioned) a group
+whose optimizer states live on the SSD is copied without them: its ``SN`` copies the master
+weights and the step counter (in RAM), and its states' undo is the SSD's previous version, which
+the window keeps until :meth:`StepJournal.commit` (``discard`` on :meth:`StepJournal.rollback`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class StepJournal:
         self.saved: set[tuple[str, int]] = set()  # ("host"|"device", group) saved this step
         self.started: set[tuple[str, int]] = set()  # updates that started this step (copied first)
         self.applied: set[tuple[str, int]] = set()  # updates that completed this step
+        self.ssd: Any = None  # the NVMe tier's window (Engine.attach_ssd): its groups' states are versioned there
 
     # ---- recording (on the threads running the updates) ------------------------------------------
     def _first(self, where: str, g: int, records: dict, make: type) -> Any:
@@ -109,11 +115,15 @@ class StepJournal:
         rec = self._first("host", g, self._host, _HostCopy)
         if rec is None:
             return
-        st = self.optimizer.state.get(g) if self.optimizer is not None else None
-        rec.had_state = st is not None
-        srcs = [self.store.master(g)]
-        if st is not None:
-            srcs += st.tensors()  # the optimizer's states of the group (its step first)
+        if self._on_ssd(g):  # its states' undo is the SSD's previous version: the master and step here
+            rec.had_state = True
+            srcs = [self.store.master(g), self.ssd.steps[g]]
+        else:
+            st = self.optimizer.state.get(g) if self.optimizer is not None else None
+            rec.had_state = st is not None
+            srcs = [self.store.master(g)]
+            if st is not None:
+                srcs += st.tensors()  # the optimizer's states of the group (its step first)
         for i, t in enumerate(srcs):
             _save(rec.tensors, i, t)
         with self._lock:
@@ -142,6 +152,9 @@ class StepJournal:
             self.saved.add(("device", g))
             self.started.add(("device", g))
 
+    def _on_ssd(self, g: int) -> bool:
+        return self.ssd is not None and g in self.ssd.groups
+
     def done(self, where: str, g: int) -> None:
         with self._lock:
             self.applied.add((where, g))
@@ -153,11 +166,14 @@ class StepJournal:
             return sorted({g for _, g in self.applied | self.started})
 
     def commit(self) -> None:
-        """The step is applied: forget its records (the buffers are kept for the next)."""
+        """The step is applied: forget its records (the buffers are kept for the next); the NVMe
+        tier's writes of the step become the groups' states."""
         with self._lock:
             self.saved.clear()
             self.started.clear()
             self.applied.clear()
+        if self.ssd is not None:
+            self.ssd.commit()
 
     def rollback(self, region: Any) -> list[int]:
         """Put back every group whose update started this step; returns them (a copy taken by
@@ -178,6 +194,10 @@ class StepJournal:
         rec = self._host[g]
         self.store.master(g).copy_(rec.tensors[0])
         self.store.refresh_working(g)  # mixed precision: the 16-bit copy the update wrote too
+        if self._on_ssd(g):  # the step counter; the states: the version before this step's write
+            self.ssd.steps[g].copy_(rec.tensors[1])
+            self.ssd.discard(g)
+            return
         if self.optimizer is None:
             return
         if not rec.had_state:

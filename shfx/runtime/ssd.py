@@ -117,22 +117,35 @@ def check_space(path: str | os.PathLike, nbytes: int) -> int:
     return free
 
 
-def group_extents(groups: Sequence[Group], *, states: Sequence[str] = ("m", "v"), master: bool = False) -> dict:
+def group_extents(
+    groups: Sequence[Group], *, states: Sequence[str] = ("m", "v"), master: bool = False, versions: int = 1,
+) -> dict:  # fmt: skip
     """The extents the NVMe tier needs for host-updated groups (:class:`shfx.passes.layout.Group`):
     ``(name, group.index) -> group.state_bytes`` for each optimizer state in ``states`` (AdamW's
     ``m`` and ``v``) and, with ``master`` (``Offload(params="nvme")``),
     ``("master", group.index) -> group.master_bytes`` (the trainable region of the master weights
     the host update reads and writes). In group order, states before the master.
 
+    ``versions=2`` (the tier with ``rollback=True``, :class:`shfx.runtime.ssd_window.SSDWindow`):
+    each state has a second extent ``(name, group.index, 1)``, so a step's write-back goes to the
+    version the last committed step did not write, and undoing the step is keeping the other.
+
     >>> from shfx.passes.layout import TensorInfo, plan_groups
     >>> groups = plan_groups([[TensorInfo("w", "param", (16, 4), torch.float32, trainable=True)]])
     >>> group_extents(groups, master=True)
     {('m', 0): 256, ('v', 0): 256, ('master', 0): 256}
+    >>> list(group_extents(groups, versions=2))
+    [('m', 0), ('v', 0), ('m', 0, 1), ('v', 0, 1)]
     """
+    if versions not in (1, 2):
+        raise ValueError(f"versions must be 1 or 2, got {versions!r}")
     out: dict = {}
     for g in groups:
         for name in states:
             out[(name, g.index)] = g.state_bytes
+        if versions == 2:
+            for name in states:
+                out[(name, g.index, 1)] = g.state_bytes
         if master:
             out[("master", g.index)] = g.master_bytes
     return out

@@ -26,6 +26,19 @@ loaded before the first call put in RAM), so every ``SR`` reads what the program
 (the store's byte counters equal ``Program.bytes_moved()`` from the first step). A failed or interrupted step calls :meth:`SSDWindow.reset` once nothing runs: a group
 whose read completed is written back as it is in its buffer (updated or not), every buffer is
 freed.
+
+**Rollback** (``rollback=True``: fp16 and ``skip_nonfinite`` with the overlapped update, or asked
+for; ``versioned=True`` here): the undo data of a group whose states live on the SSD is kept on
+the SSD, not in RAM. Each state has two extents (:func:`shfx.runtime.ssd.group_extents`
+``versions=2``); a group's ``SW`` writes the version its last committed step did not write, and
+the step's end decides: :meth:`SSDWindow.commit` (the step is applied) makes what the step wrote
+the group's state, :meth:`SSDWindow.discard` (the step is undone) keeps the one before, and a
+failed step's :meth:`SSDWindow.reset` writes nothing back (the committed version is intact on the
+SSD). The journal (:mod:`shfx.runtime.journal`) copies only the group's master weights and step
+counter (``SN g``), which live in RAM. Cost: twice the SSD space for the states, no extra SSD
+traffic and no host buffer (``benchmarks/nvme.py --tier --rollback`` measures it), where copying the
+states out would have been a read and a write of 8 bytes per parameter more each step, or host
+RAM for all of them, which the tier exists to avoid.
 """
 
 from __future__ import annotations
@@ -58,7 +71,7 @@ class SSDWindow:
     time. ``optimizer``: the :class:`shfx.runtime.host_optim.HostAdamW` running their updates
     (its ``ssd`` is set to this window)."""
 
-    def __init__(self, store: Any, optimizer: Any, groups: Sequence[int], host_window: int, ssd: SSDStore):
+    def __init__(self, store: Any, optimizer: Any, groups: Sequence[int], host_window: int, ssd: SSDStore, versioned: bool = False):
         if host_window < 1:
             raise ValueError(f"host_window must be >= 1, got {host_window}")
         self.store = store
@@ -66,7 +79,8 @@ class SSDWindow:
         self.groups = frozenset(groups)
         self.ssd = ssd
         grps = [store.groups[g] for g in sorted(self.groups)]
-        want = group_extents(grps)
+        self.versioned = bool(versioned)
+        want = group_extents(grps, versions=2 if self.versioned else 1)
         have = {k: e.nbytes for k, e in ssd.extents.items()}
         if any(have.get(k) != n for k, n in want.items()):
             raise ValueError(f"the SSD store's extents {have} do not hold the states of groups {sorted(self.groups)} ({want})")
@@ -80,6 +94,10 @@ class SSDWindow:
         self.where: dict[int, int] = {}  # group -> its buffer
         self._views: dict[tuple[int, int], Any] = {}  # (group, buffer) -> the optimizer state over it
         self._snap: tuple[int, _Snapshot] | None = None  # the last group read for state_dict()
+        # (versioned) the extents' version holding each group's committed state, and the one a
+        # write of the step in progress went to (committed or discarded at the step's end)
+        self._current: dict[int, int] = {g: 0 for g in self.groups}
+        self._pending: dict[int, int] = {}
         self.ensure(host_window)
         self.read_stream = WorkerStream("ssd_read")
         self.write_stream = WorkerStream("ssd_write")
@@ -134,13 +152,14 @@ class SSDWindow:
             self.optimizer.state.pop(g, None)
             self._cond.notify_all()
 
-    def _io(self, direction: str, g: int, m: torch.Tensor, v: torch.Tensor) -> None:
-        """Read (``"read"``) or write group ``g``'s ``m`` and ``v`` extents into / from ``m`` and
-        ``v``; returns when both requests ended, raising the first one's error (never leaving
-        one in flight, which would block the next request on its key)."""
+    def _io(self, direction: str, g: int, m: torch.Tensor, v: torch.Tensor, version: int = 0) -> None:
+        """Read (``"read"``) or write group ``g``'s ``m`` and ``v`` extents (of ``version``) into /
+        from ``m`` and ``v``; returns when both requests ended, raising the first one's error
+        (never leaving one in flight, which would block the next request on its key)."""
         io = self.ssd.read_into if direction == "read" else self.ssd.write_from
+        keys = [("m", g), ("v", g)] if version == 0 else [("m", g, version), ("v", g, version)]
         errors = []
-        for r in (io(("m", g), m), io(("v", g), v)):
+        for r in (io(keys[0], m), io(keys[1], v)):
             try:
                 r.wait()
             except BaseException as e:  # noqa: BLE001 - both requests end before raising
@@ -172,7 +191,7 @@ class SSDWindow:
         """SR g: read ``g``'s ``m`` and ``v`` into a host-window buffer and stage them; returns
         when both reads completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
         b = self._claim(g, buffer)
-        self._io("read", g, *self._views_of(g, b))
+        self._io("read", g, *self._views_of(g, b), version=self.latest(g))
         self._read_ok[b] = True
         self._snap = None
         self._stage(g, b)
@@ -183,16 +202,47 @@ class SSDWindow:
         b = self.where.get(g)
         if b is None:
             raise RuntimeError(f"group {g}'s optimizer state is not in a host-window buffer: SW{g} has nothing to write")
-        self._io("write", g, *self._views_of(g, b))
+        if self.versioned:  # the version the last committed step did not write (kept until commit)
+            version = 1 - self._current[g]
+            self._io("write", g, *self._views_of(g, b), version=version)
+            with self._cond:
+                self._pending[g] = version
+        else:
+            self._io("write", g, *self._views_of(g, b))
         self._snap = None
         self._free(g)
 
     def is_staged(self, g: int) -> bool:
         return g in self.where
 
+    def latest(self, g: int) -> int:
+        """The version of group ``g``'s extents holding its latest state: what this step wrote
+        (not committed yet), else the committed one (0 without versions)."""
+        with self._cond:
+            return self._pending.get(g, self._current[g])
+
+    def commit(self) -> None:
+        """The step is applied: every group's write of this step becomes its state (versioned)."""
+        with self._cond:
+            self._current.update(self._pending)
+            self._pending.clear()
+        self._snap = None
+
+    def discard(self, g: int) -> None:
+        """Group ``g``'s update is undone: its write of this step (if any) is dropped, the
+        version before stays its state (versioned; without versions there is nothing to drop)."""
+        with self._cond:
+            self._pending.pop(g, None)
+        self._snap = None
+
     def reset(self) -> None:
         """After a failed or abandoned step (nothing running): write back every group whose
-        read completed, free every buffer."""
+        read completed (versioned: none, the committed version is on the SSD and the step is
+        undone), free every buffer."""
+        if self.versioned:
+            for g in list(self.where):
+                self._free(g)
+            return
         errors = []
         for g in list(self.where):
             b = self.where[g]
@@ -221,7 +271,7 @@ class SSDWindow:
             return self._snap[1]
         n = self.store.groups[g].trainable_numel
         m, v = torch.empty(n, dtype=self.dtype), torch.empty(n, dtype=self.dtype)
-        self._io("read", g, m, v)
+        self._io("read", g, m, v, version=self.latest(g))
         snap = _Snapshot(self.steps[g].clone(), m, v)
         self._snap = (g, snap)
         return snap
@@ -242,7 +292,10 @@ class SSDWindow:
                 raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
             step = steps.pop()
             copy_state_entries(entries, {"exp_avg": m, "exp_avg_sq": v})
-        self._io("write", g, m, v)
+        with self._cond:
+            self._pending.pop(g, None)  # (between steps: nothing pending; a load replaces the state)
+            version = self._current[g]
+        self._io("write", g, m, v, version=version)
         self.steps[g].fill_(step)
         self._snap = None
 
