@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -19,12 +20,13 @@ from shfx.passes.policies import Policy
 from shfx.passes.units import format_bytes
 
 from shfx.cost_model.report import WindowReport
-from shfx.cost_model.tune import NoWindowFits, tune_window
+from shfx.cost_model.tune import NoWindowFits, TuneResult, tune_window
 
 from ._capacity import capacity_bytes
 from .errors import OutOfDeviceMemory
 from .offload import Offload
 from .runtime.backend import Backend
+from .runtime.data_parallel import DataParallelRuntime
 from .runtime.engine import Engine
 
 __all__ = ["clamped_window", "measure_ssd_rates", "tune_variant", "warn_unused_window"]
@@ -107,36 +109,92 @@ def tune_variant(
     from .profiler import forked_rng, profile_costs
 
     graph = variant.graph
+    # data parallel: the choice is every rank's (the same program on each), so rank 0 takes it
+    # and every rank gets it (:func:`_agreed`); a fixed window's report is this rank's own
+    dp = engine.dp if how == "auto" else None
+    capacity = capacity_bytes(backend)
+    failed: OutOfDeviceMemory | None = None
     with forked_rng(backend):
         try:
+            # (under data parallel the profile runs no collective: shfx.profiler's probes are
+            # one-rank programs, so each rank profiles on its own, however many rounds it takes)
             costs = profile_costs(engine, variant, tensors, refresh=refresh)
         except OutOfDeviceMemory as e:
-            raise _profile_out_of_memory(e, policy, how) from e
-        read_bps, write_bps = ssd_rates() if getattr(policy, "nvme", False) else (None, None)
+            if dp is None:
+                raise _profile_out_of_memory(e, policy, how) from e
+            failed = _profile_out_of_memory(e, policy, how)
+            failed.__cause__ = e
+        read_bps, write_bps = ssd_rates() if getattr(policy, "nvme", False) and failed is None else (None, None)
+    if dp is not None:
+        capacity = _agreed_capacity(dp, capacity, failed)
     if read_bps is not None:  # the simulator needs the SSD's speed to choose the host window
         costs = dataclasses.replace(costs, links=dataclasses.replace(costs.links, ssd_read_bps=read_bps, ssd_write_bps=write_bps))
     if how == "fixed" and policy.windowed:
         policy = policy.replace(window="auto")
-    try:
-        tune = tune_window(
-            graph.specs, costs, capacity_bytes=capacity_bytes(backend),
-            tolerance=tolerance, policy=policy, rollback=rollback, features=candidate_passes(variant.train),
-        )  # fmt: skip
-    except NoWindowFits as e:
-        raise OutOfDeviceMemory(
-            f"{e}. Device: {backend.describe()}. Use a smaller batch or sequence, more stages "
-            "(smaller blocks), or a device with more memory.",
-            needed_bytes=min(r.peak_device_bytes for r in e.rows),
-            capacity_bytes=capacity_bytes(backend) or 0,
-            what="window 1",
-        ) from e
+
+    def choose() -> TuneResult:
+        try:
+            return tune_window(
+                graph.specs, costs, capacity_bytes=capacity,
+                tolerance=tolerance, policy=policy, rollback=rollback, features=candidate_passes(variant.train),
+            )  # fmt: skip
+        except NoWindowFits as e:
+            raise OutOfDeviceMemory(
+                f"{e}. Device: {backend.describe()}. Use a smaller batch or sequence, more stages "
+                "(smaller blocks), or a device with more memory.",
+                needed_bytes=min(r.peak_device_bytes for r in e.rows),
+                capacity_bytes=capacity or 0,
+                what="window 1",
+            ) from e
+
+    profile = getattr(costs, "extra", {}).get("profile")
+    if dp is None:
+        tune = choose()
+    else:  # (the profile's summary in the report is rank 0's, as the tune it chose from)
+        tune, profile = _agreed(dp, choose, profile)
     window = tune.window if how == "auto" else variant.train.num_slots - len(variant.train.persistent)
     steps = engine.step_times
     asked = clamped_window(variant) if how == "fixed" else None
     return WindowReport(
         tune, window, backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
-        profile=getattr(costs, "extra", {}).get("profile"), window_asked=asked,
+        profile=profile, window_asked=asked,
     )  # fmt: skip
+
+
+def _agreed_capacity(dp: DataParallelRuntime, capacity: int | None, failed: OutOfDeviceMemory | None) -> int | None:
+    """Data parallel, after every rank profiled on its own: every rank's outcome and device
+    budget, exchanged (one all-gather on the control group). A rank whose profile failed raises
+    its error, the others one naming it (no rank waits for a decision that will not come); else
+    the smallest budget, so that rank 0's choice fits every rank's device."""
+    outcomes = dp.gather_objects((None if failed is None else str(failed), capacity), "the tuner's exchange of profiles")
+    if failed is not None:
+        raise failed
+    bad = [(r, err) for r, (err, _) in enumerate(outcomes) if err is not None]
+    if bad:
+        r, err = bad[0]
+        raise OutOfDeviceMemory(
+            f"data parallel: the profile for the tuner failed on rank {r} of {dp.ranks} (every rank profiles, rank 0 "
+            f"chooses for all), so no rank trains with its choice. Rank {r}: {err}"
+        )
+    budgets = [c for _, c in outcomes if c is not None]
+    return min(budgets) if budgets else None
+
+
+def _agreed(dp: DataParallelRuntime, choose: Callable[[], TuneResult], profile: Any) -> tuple[TuneResult, Any]:
+    """Data parallel: rank 0's ``choose()`` (its tune over its own profile) and its profile's
+    summary, broadcast to every rank (one broadcast on the control group), so every rank builds
+    the same program. Rank 0's failure (no window fits) is raised on every rank."""
+    result: Any = None
+    if dp.rank == 0:
+        try:
+            result = (choose(), profile)
+        except OutOfDeviceMemory as e:
+            dp.broadcast_object(e, "the tuner's choice")
+            raise
+    result = dp.broadcast_object(result, "the tuner's choice")
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _profile_out_of_memory(err: OutOfDeviceMemory, policy: Policy, how: str) -> OutOfDeviceMemory:

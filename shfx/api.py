@@ -496,12 +496,6 @@ class CompiledModel(StateMethods):
                 "Reload the last checkpoint if this step must not count."
             )
 
-    def _refuse_data_parallel(self, what: str) -> None:
-        if self._dp is not None:
-            raise UsageError(
-                f"{what} is not supported with data_parallel yet; see docs/usage.md, 'Data parallel', for what is"
-            )
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of this step by their global norm, as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` called
@@ -628,8 +622,11 @@ class CompiledModel(StateMethods):
         With ``window="auto"`` it is the tuner's report; with a fixed window the costs are
         profiled now (once per signature) to predict every window for comparison. When the
         measured steps keep missing the prediction it says so (``report.drift``);
-        :meth:`retune` then profiles and tunes again."""
-        self._refuse_data_parallel("cm.report() (it profiles steps on this rank alone)")
+        :meth:`retune` then profiles and tunes again.
+
+        Under data parallel it runs no collective (any rank may call it, alone): with
+        ``window="auto"`` it is the tuning every rank agreed on (rank 0's profile and choice,
+        this rank's measured steps); with a fixed window this rank's own profile."""
         v = self.variant
         rep = self._reports.get(v.signature)
         if rep is None:
@@ -648,7 +645,12 @@ class CompiledModel(StateMethods):
         over, so training goes on exactly as before. With a fixed window only the report's
         predictions are refreshed. For when ``cm.report()`` says the measured steps keep
         missing the prediction (a profile taken while the machine was busy, say).
-        Not under data parallel (profiling would run collectives on one rank only).
+
+        Under data parallel with ``"auto"`` fields it is collective: **every rank calls it**, at
+        the same point between steps (each rank profiles on its own, rank 0 chooses, every rank
+        gets that choice and rebuilds alike); a rank that does not call it leaves the others
+        waiting until ``DataParallel(timeout_s=...)``, then failing with ``RankLost``. With a
+        fixed window it only refreshes this rank's report (no collective).
 
         Call it between steps: after ``cm.step()`` and before the next forward.
 
@@ -669,7 +671,6 @@ class CompiledModel(StateMethods):
         >>> rep is cm.report() and rep.window == cm.program.num_slots
         True
         """
-        self._refuse_data_parallel("cm.retune() (it profiles steps on this rank alone)")
         self._require_engine("retune")
         eng = self._engine
         v = self.variant

@@ -415,14 +415,18 @@ def _check_data_parallel(
     if not isinstance(optimizer, AdamW):
         got = "no optimizer" if optimizer is None else type(optimizer).__name__
         raise refuse(f"{got} as the optimizer (it shards AdamW's states across ranks)", "pass optimizer=shfx.optim.AdamW(...)")
-    if precision == "fp16":
+    if precision == "fp16" and overlap_update:
+        # (with overlap_update=False fp16 runs: every rank's unscale check US is agreed by NR0
+        # before any update, so all skip and back the scale off alike; shfx.runtime.clipping)
         raise refuse(
-            "precision='fp16' yet: its loss scaling skips a step whose gradients overflow and changes the scale, which "
-            "every rank would have to agree on (an overflow shows in one rank's gradient shard)",
-            "use precision='bf16' (no loss scaling) or 'fp32'",
+            "precision='fp16' with overlap_update=True yet: fp16 skips a step whose scaled gradients overflow, and with the "
+            "overlap the updates of later stages run during backward, before every rank's gradients are checked; undoing "
+            "them needs rollback, which is not run under data parallel",
+            "compile with overlap_update=False (the updates run in step(), after every rank's overflow check, agreed "
+            "across ranks: all skip the step and back the loss scale off alike), or use precision='bf16'",
         )
-    if precision not in ("fp32", "bf16"):
-        raise refuse(f"precision={precision!r}", "use precision='bf16' or 'fp32'")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise refuse(f"precision={precision!r}", "use precision='bf16', 'fp16' or 'fp32'")
     if fp32_norms and precision != "fp32":
         # (also refused at the first call, for any fp32 parameter in a stage's 16-bit trainable
         # region: BatchNorm's affine parameters; shfx.runtime.host_store)
@@ -443,11 +447,12 @@ def _check_data_parallel(
     if rollback:
         raise refuse("rollback=True yet: undoing a step would have to be agreed across ranks", "drop rollback= (off by default)")
     pol = resolve_policy(policy, window)
-    if pol.auto:
+    # (window="auto" runs: every rank profiles, rank 0's choice is broadcast, shfx._tuning)
+    if "resident_first" in pol.auto:
         raise refuse(
-            f"{pol!r}: its {', '.join(pol.auto)} {'is' if len(pol.auto) == 1 else 'are'} left to the tuner, which profiles "
-            "on each rank and could choose differently on each",
-            "give fixed values (the default Stronghold(window=2) for one)",
+            f"{pol!r}: resident_first='auto' lets the tuner keep the first stages on the device with their optimizer (DU), "
+            "and data parallel shards the optimizer on the host",
+            "use resident_first=0 (the default; window='auto' runs under data parallel)",
         )
     if getattr(pol, "delayed_update", False):
         raise refuse("ZeroOffload(delayed_update=True)", "use ZeroOffload() or Stronghold()")

@@ -574,14 +574,17 @@ def _profile(
 ) -> CostTable:
     """:func:`profile_costs`' measurement (run under :func:`forked_rng`)."""
     specs = variant.graph.specs
-    probe = with_policy(variant, Stronghold(window=1))
+    # NOTE: one-rank probes, also under data parallel: a timing step reduces nothing (its local
+    # gradients are dropped, shfx.runtime.gradients), so each rank profiles on its own, as many
+    # rounds as it needs, without a collective that the other ranks would have to match
+    probe = with_policy(variant, Stronghold(window=1), ranks=1)
     program = probe.train
     emulated = engine.backend.name == "emulated"
     # NOTE: compute timed alone runs 3-12% faster than inside a pipelined step, where copy,
     # host and optimizer threads share the processor (benchmarks/sim_accuracy.py); so on the
     # emulated device the compute costs come from pipelined steps of the window-2 program (no
     # update), measured with the device's real links, and the serialized step gives the gap.
-    pipe_v = with_policy(variant, Stronghold(window=2)) if emulated and len(specs) > 1 else None
+    pipe_v = with_policy(variant, Stronghold(window=2), ranks=1) if emulated and len(specs) > 1 else None
     cap = engine.backend.capacity_bytes
     if pipe_v is not None and cap is not None and pipe_v.ledger().peak("device") > cap:
         # NOTE: a device with room for one slot but not two (the training runs window 1):

@@ -164,7 +164,17 @@ def _against_ddp(
     (rank 0's on every rank) with ``master.grad = p16.grad.float()``, fused AdamW on the masters,
     ``p16.copy_(master)``. shfx's model then shows the bf16 working copy (its trainable
     parameters), compared with the bf16 copy's; each rank's master shard is compared with the
-    eager masters' ranges (``dp.master_pieces()``).
+    eager masters' ranges (``dp.master_pieces()``). ``precision="fp16"``: the same recipe in fp16
+    with ``torch.amp.GradScaler("cpu", **scaler)`` (``scaler``: its settings, shfx's
+    ``LossScaler`` gets the same): ``scaler.scale(loss).backward()`` (shfx: ``cm.scale_loss``),
+    ``scaler.unscale_`` before clipping, ``scaler.step``, ``scaler.update``; the scaler states
+    are compared after every step (``scales``: shfx's scale per step); a poisoned step is
+    GradScaler's skip (an inf written into a master gradient on every rank).
+
+    ``fake_links={rank: bytes/s}`` (with ``window="auto"``): each rank's profile for the tuner
+    sees its own links (:func:`_fake_profile`), so the ranks' profiles disagree; ``auto`` in the
+    result: the window trained, the one this rank's own profile gives, ``cm.report()``'s (on
+    the last rank alone) and ``cm.retune()``'s at step ``retune_at`` (every rank calls it).
 
     ``poison=(step, r)``: at that step rank ``r`` writes inf into its own gradient shard after
     the backward (no other rank's shard, and not the eager gradients, see it);
@@ -186,14 +196,21 @@ def _against_ddp(
     torch.manual_seed(0 if resume else 1 + rank)
     model = _model(name)
     ref = copy.deepcopy(model)
-    bf16 = kw.get("precision") == "bf16"
-    work = ref  # what DDP trains: the model, or in bf16 its 16-bit working copy (ref: the fp32 masters)
-    if bf16:
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kw.get("precision"))  # the working copy's dtype
+    mixed = half is not None  # the eager mixed-precision recipe (bf16, or fp16 with GradScaler)
+    scaler_kw = kw.pop("scaler", None)
+    if half == torch.float16:  # GradScaler's settings, and shfx's LossScaler with the same
+        kw["scaler"] = shfx.LossScaler(**(scaler_kw or {}))
+    scaler = torch.amp.GradScaler("cpu", **(scaler_kw or {})) if half == torch.float16 else None
+    fake_links, retune_at = kw.pop("fake_links", None), kw.pop("retune_at", None)
+    restore_profile, profiled = _fake_profile(fake_links[rank]) if fake_links is not None else (lambda: None, [])
+    work = ref  # what DDP trains: the model, or in 16 bits its working copy (ref: the fp32 masters)
+    if mixed:
         from mixed_reference import make_working_copy
 
         for t in ref.state_dict().values():  # the eager masters start as rank 0's too, as shfx's do
             dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        work = make_working_copy(ref, torch.bfloat16)
+        work = make_working_copy(ref, half)
     master_of = dict(zip(work.parameters(), ref.parameters()))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     if resume:
@@ -208,7 +225,10 @@ def _against_ddp(
         cm.optimizer.load_state_dict(opt.state_dict())
     ddp = nn.parallel.DistributedDataParallel(work, process_group=group)
     losses, ref_losses, mism, outcomes = [], [], [], []
+    scales, windows = [], []
     for step in range(steps):
+        if step == retune_at:  # every rank calls it (collective with window="auto"): rank 0's choice again
+            windows.append(cm.retune().window)
         summed: dict[nn.Parameter, torch.Tensor] = {}
         for micro in range(accum):
             args = _batch(name, step, 10 * rank + micro)
@@ -218,13 +238,13 @@ def _against_ddp(
             if step == 0 and micro == 0 and not resume:  # the states a checkpoint load fills before the first step
                 pieces = cm.engine.dp.state_pieces(create=True)
                 assert pieces and all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
-            loss.backward()
+            cm.scale_loss(loss).backward()  # (fp16: as GradScaler.scale(loss); else loss itself)
             if any(p.grad is not None for p in model.parameters()):
                 mism.append(".grad exposed under data parallel")  # (sharded: never exposed)
             losses.append(loss.detach())
-            eargs = tuple(a.bfloat16() if bf16 and a.is_floating_point() else a for a in args)  # (as shfx casts them)
+            eargs = tuple(a.to(half) if mixed and a.is_floating_point() else a for a in args)  # (as shfx casts them)
             ref_loss = _loss(name, _forward(name, ddp, eargs), args) / accum
-            ref_loss.backward()
+            (scaler.scale(ref_loss) if scaler is not None else ref_loss).backward()
             ref_losses.append(ref_loss.detach())
             for p in work.parameters():
                 if p.grad is not None:  # (bf16: summed in bf16)
@@ -233,6 +253,10 @@ def _against_ddp(
         for p, g in summed.items():
             master_of[p].grad = g.float()  # (fp32: g itself)
         poisoned = poison is not None and poison[0] == step
+        if poisoned and scaler is not None:  # GradScaler finds inf on every rank (as shfx's ranks agree): a skip
+            next(p.grad for p in ref.parameters() if p.grad is not None).view(-1)[0] = float("inf")
+        if scaler is not None and (clip_call is not None or kw.get("max_grad_norm") is not None):
+            scaler.unscale_(opt)  # (GradScaler's recipe: unscale, then clip)
         if poisoned and rank == poison[1] and poison[2:] != ("batch",):  # inf in this rank's gradient shard only
             store = cm.engine.store
             g = max(i for i, gr in enumerate(store.groups) if gr.trainable_numel and store.shard_of(i)[1] > store.shard_of(i)[0])
@@ -256,26 +280,41 @@ def _against_ddp(
         if poisoned == (applied is True):
             mism.append(f"step {step}: cm.step() gave {outcomes[-1]!r} (poisoned: {poisoned})")
         cm.zero_grad()
-        if not poisoned:  # (the eager side skips the poisoned step)
+        if scaler is not None:  # (found_inf: GradScaler skips the poisoned step and backs the scale off)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(cm.scaler.scale)
+            if cm.scaler.state_dict() != scaler.state_dict():
+                mism.append(f"step {step}: loss scaler {cm.scaler.state_dict()} != GradScaler {scaler.state_dict()}")
+        elif not poisoned:  # (the eager side skips the poisoned step)
             opt.step()
         opt.zero_grad()
-        if bf16:
+        if mixed:
             with torch.no_grad():
                 for p16, p in master_of.items():
                     p16.copy_(p)
     cm.sync()  # (with clipping the last step's updates run on into the next forward: done before reading the weights)
+    auto = None
+    if fake_links is not None:  # window="auto": rank 0's choice; this rank's own profile's; the report's
+        from shfx.cost_model.tune import tune_window
+
+        own = tune_window(cm.variant.graph.specs, profiled[0], tolerance=cm.tune_tolerance, policy=shfx.Stronghold(window="auto"))
+        report = cm.report() if rank == world - 1 else None  # (any rank alone: no collective)
+        auto = dict(window=cm.variant.policy.window, slots=cm.program.num_slots, own=own.window, retuned=windows,
+                    report=None if report is None else (report.how, report.window, report.tune.window))  # fmt: skip
+        restore_profile()
     mism += [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
     # (bf16: shfx's trainable parameters are the bf16 working copy, its frozen ones fp32 masters)
     sd, wsd, msd = model.state_dict(), work.state_dict(), ref.state_dict()
     rsd = {k: wsd[k] if sd[k].dtype == wsd[k].dtype else msd[k] for k in sd}
-    if bf16 and not any(v.dtype == torch.bfloat16 for v in sd.values()):
+    if mixed and not any(v.dtype == half for v in sd.values()):
         mism.append("no bf16 weights in the bf16 model")
     mism += [f"weight {k}: max diff {(sd[k] - rsd[k]).abs().max().item():.3g}" for k in sd if not torch.equal(sd[k], rsd[k])]
     close = dict(losses=(torch.stack(losses), torch.stack(ref_losses)), state=(sd, rsd))
     dp = cm.engine.dp
     params = dict(ref.named_parameters())
     masters = dp.master_pieces()
-    if bf16 != bool(masters):
+    if mixed != bool(masters):
         mism.append(f"master pieces {sorted(masters)[:3]} under precision {kw.get('precision', 'fp32')}")
     for key, (shape, lo, hi, view) in masters.items():  # this rank's fp32 master shard
         if tuple(shape) != tuple(params[key].shape) or not torch.equal(view, params[key].detach().flatten()[lo:hi]):
@@ -312,7 +351,31 @@ def _against_ddp(
     )
     cm.close()
     dist.barrier()
-    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks, close=close, outcomes=outcomes)
+    return dict(mismatches=mism, ranges=ranges, counts=counts, ranks=dp.ranks, close=close, outcomes=outcomes, scales=scales, auto=auto)
+
+
+def _fake_profile(bps: float):
+    """Make this process's profiles for the tuner give fixed costs (1 ms forward, 2 ms backward,
+    0.1 ms update per stage) and host-device links of ``bps`` bytes/s each way, so ranks profile
+    differently and the choice each would make is known; returns the function that undoes it and
+    the list of the cost tables it gave. (The real profile still runs, two rounds.)"""
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    import shfx.profiler as profiler
+
+    real = profiler.profile_costs
+    seen: list = []
+
+    def fake(*a, **k):
+        costs = real(*a, **k, rounds=2, max_rounds=2)
+        seen.append(CostTable([StageCost(1e-3, 2e-3, update_s=1e-4)] * len(costs.costs), Links(bps, bps), extra=costs.extra))
+        return seen[-1]
+
+    profiler.profile_costs = fake
+
+    def restore() -> None:
+        profiler.profile_costs = real
+
+    return restore, seen
 
 
 def _ddp_suite(rank: int, world: int, configs: list[dict]) -> list[dict]:
@@ -528,6 +591,117 @@ def test_two_ranks_in_bf16_match_ddp_bitwise(tmp_path):
     _check_ddp_results(results, BF16_CONFIGS, 2)
 
 
+FP16_CONFIGS = [
+    # rank 1's batch alone overflows (inf targets): NR0's MAX of the finite flags makes both ranks
+    # skip and back the scale off; the scale grows after each clean step (growth_interval=1)
+    dict(name="mlp", window=2, overlap_update=False, precision="fp16", scaler=dict(init_scale=1024.0, growth_interval=1),
+         poison=(1, 1, "batch"), steps=4),
+    # clipping in step(): US unscales each shard, GN and NR0 norm the unscaled gradients (rank 0's
+    # overflowing batch makes the total inf on both ranks), with accumulation (the micro-steps'
+    # reduced fp16 gradients summed in fp16)
+    dict(name="mlp", window=2, accum=2, overlap_update=False, precision="fp16", max_grad_norm=0.05,
+         scaler=dict(init_scale=1024.0), poison=(2, 0, "batch")),
+    # cm.clip_grad_norm_ (torch's call) on a tied embedding, and inf in rank 1's gradient shard
+    # alone (no other rank's shard, nor the eager gradients, see it: NR0's total is inf on both)
+    dict(name="gpt_tied", window=2, overlap_update=False, precision="fp16", scaler=dict(init_scale=1024.0), clip_call=0.05,
+         poison=(1, 1)),
+]  # fmt: skip
+
+AUTO_CONFIGS = [
+    # window="auto": rank 0's profile sees fast links (on its own a small window), rank 1's slow
+    # ones (on its own every stage kept); both train rank 0's choice, and retune() at step 1
+    # (every rank) chooses it again
+    dict(name="mlp", window="auto", fake_links={0: 1e12, 1: 1e3}, retune_at=1),
+]
+
+SLOW_FP16_AUTO_CONFIGS = [
+    # inf in rank 1's gradient shard alone, not clipped: the finite flags' MAX; a tied embedding
+    # and accumulation
+    dict(name="gpt_tied", window=2, accum=2, overlap_update=False, precision="fp16", scaler=dict(init_scale=1024.0),
+         poison=(1, 1)),
+    # window="auto" with fp16 and clipping in step(), the profiles the other way round
+    dict(name="gpt_mask", window="auto", fake_links={0: 1e3, 1: 1e12}, retune_at=2, overlap_update=False,
+         precision="fp16", scaler=dict(init_scale=1024.0), max_grad_norm=0.05),
+]  # fmt: skip
+
+
+def _spawn_by_config(tmp_path: Path, configs: list[dict], timeout_s: float) -> dict[int, list[dict]]:
+    """:func:`_ddp_suite` of ``configs`` on 2 ranks, in one spawn: per config (its id), the ranks' results."""
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=timeout_s, configs=configs)
+    return {id(c): [res[i] for res in results] for i, c in enumerate(configs)}
+
+
+@pytest.fixture(scope="module")
+def fp16_and_auto_results(tmp_path_factory):
+    """One spawn (2 ranks) for :data:`FP16_CONFIGS` and :data:`AUTO_CONFIGS`."""
+    return _spawn_by_config(tmp_path_factory.mktemp("fp16_auto"), FP16_CONFIGS + AUTO_CONFIGS, timeout_s=300)
+
+
+def _check_fp16(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
+    """Bitwise as DDP (:func:`_check_ddp_results`), the poisoned step skipped by both ranks, the
+    others applied, and the same loss scale on both, backed off (x0.5) at the skip."""
+    _check_ddp_results([list(r) for r in zip(*(by_config[id(c)] for c in configs))], configs, 2)
+    for c in configs:
+        per_rank = by_config[id(c)]
+        skipped = c["poison"][0] if "poison" in c else None
+        for r, res in enumerate(per_rank):
+            assert res["outcomes"] == [i != skipped for i in range(c.get("steps", 3))], (c, r, res["outcomes"])
+        assert per_rank[0]["scales"] == per_rank[1]["scales"], c
+        if skipped is not None:
+            scales = [c["scaler"]["init_scale"]] + per_rank[0]["scales"]
+            assert scales[skipped + 1] == scales[skipped] / 2, (c, scales)
+
+
+def _check_auto(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
+    """Bitwise as DDP; the ranks' own profiles would choose different windows, both trained rank
+    0's, retune() chose it again on both, and the last rank's report() says so."""
+    _check_ddp_results([list(r) for r in zip(*(by_config[id(c)] for c in configs))], configs, 2)
+    for c in configs:
+        a0, a1 = (res["auto"] for res in by_config[id(c)])
+        assert a0["own"] != a1["own"], (a0, a1)  # (the profiles do disagree)
+        assert a0["window"] == a1["window"] == a0["own"], (a0, a1)
+        assert a0["slots"] == a1["slots"] and a0["retuned"] == a1["retuned"] == [a0["window"]], (a0, a1)
+        assert a0["report"] is None and a1["report"] == ("auto", a0["window"], a0["window"]), a1
+
+
+def test_two_ranks_in_fp16_agree_on_the_loss_scale_like_ddp(fp16_and_auto_results):
+    """precision='fp16' with overlap_update=False on 2 ranks (issue 25) vs the eager fp16 recipe
+    under DDP with ``torch.amp.GradScaler`` (DDP on an fp16 copy of the model reduces fp16
+    gradients; fp32 masters; ``scaler.scale(loss).backward()``, ``unscale_`` before clipping,
+    ``scaler.step``, ``scaler.update``), bitwise: losses, fp16 weights, each rank's fp32 master
+    shard and AdamW ranges, the clipped totals, and the loss scaler's state after every step.
+
+    shfx reduces as DDP does: the scaled fp16 local gradient ``* 1/2`` and gloo's fp16 SUM (one
+    addition: the same either way), widened exactly into the fp32 shard; each rank's ``US g``
+    divides its shard by the scale (the fused kernel's ``grad_scale``, bitwise). The overflow
+    check is agreed before any update: NR0 all-reduces (MAX) one finite flag per rank (a
+    clipped step: the total norm, the same on every rank), so one rank's overflow, in its batch
+    or in its shard alone, makes both skip and back the scale off alike, as GradScaler does on
+    every DDP rank (the reduced gradient holds the inf there)."""
+    _check_fp16(fp16_and_auto_results, FP16_CONFIGS)
+
+
+def test_two_ranks_with_window_auto_train_rank_0s_choice_like_ddp(fp16_and_auto_results):
+    """window='auto' under data parallel (issue 25): every rank profiles on its own (one-rank
+    probes: no collective, however many rounds each takes), rank 0 tunes, every rank gets its
+    choice (the control group's broadcast) and builds the same program. Here the ranks'
+    profiles disagree (each sees other links), so on its own each would choose another window;
+    both train rank 0's, bitwise like DDP; ``cm.retune()`` called by every rank chooses rank 0's
+    again, and ``cm.report()`` on one rank alone (no collective) reports that choice."""
+    _check_auto(fp16_and_auto_results, AUTO_CONFIGS)
+
+
+@pytest.mark.slow
+def test_two_ranks_in_fp16_and_with_window_auto_more_configs(tmp_path):
+    """:data:`SLOW_FP16_AUTO_CONFIGS`: fp16 with an inf in one rank's shard, not clipped (the
+    finite flags), with a tied embedding and accumulation; window='auto' composed with fp16 and
+    clipping in step()."""
+    by_config = _spawn_by_config(tmp_path, SLOW_FP16_AUTO_CONFIGS, timeout_s=300)
+    _check_fp16(by_config, SLOW_FP16_AUTO_CONFIGS[:1])
+    _check_fp16(by_config, SLOW_FP16_AUTO_CONFIGS[1:])
+    _check_auto(by_config, SLOW_FP16_AUTO_CONFIGS[1:])
+
+
 AGREED_CONFIGS = [
     # skip_nonfinite with the updates in step(): rank 1 alone sees inf in its gradient shard;
     # NR0 agrees the finite check, so both ranks skip (no update, no all-gather runs)
@@ -729,10 +903,11 @@ def one_rank_group():
     [
         (dict(optimizer=shfx.optim.SGD(lr=0.1)), "SGD as the optimizer"),
         (dict(optimizer=None), "no optimizer"),
-        (dict(precision="fp16"), "fp16.*loss scaling"),  # (bf16 runs: test_two_ranks_in_bf16_match_ddp_bitwise)
+        # (fp16 with overlap_update=False runs: test_two_ranks_in_fp16_agree_on_the_loss_scale_like_ddp)
+        (dict(precision="fp16"), "fp16' with overlap_update=True.*rollback.*overlap_update=False"),
         (dict(skip_nonfinite=True), "skip_nonfinite=True with overlap_update=True.*overlap_update=False"),
         (dict(rollback=True), "rollback"),
-        (dict(window="auto"), "tuner"),
+        (dict(policy=shfx.Stronghold(window="auto", resident_first="auto")), "resident_first='auto'.*resident_first=0"),
         (dict(policy=shfx.Stronghold(window=2, resident_first=1)), "on the device"),
         (dict(policy="resident"), "on the device"),
         (dict(policy="l2l"), "on the device"),

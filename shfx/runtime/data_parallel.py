@@ -54,6 +54,8 @@ class DataParallelRuntime:
         rank, ranks: this process's rank in it, and its size N.
         timeout_s: how long a collective waits for the other ranks.
         reduce_group, gather_group: gloo groups over the same ranks, one per queue.
+        control_group: a third one, for what every rank decides alike outside the program
+            (:meth:`gather_objects`, :meth:`broadcast_object`: the tuner's choice).
     """
 
     def __init__(self, process_group: Any, timeout_s: float):
@@ -73,6 +75,8 @@ class DataParallelRuntime:
         # same order on each: every rank compiles the same way
         self.reduce_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
         self.gather_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        # (the decisions every rank takes alike, from the user's thread: the tuner's choice)
+        self.control_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
         self.store: Any = None
         self.optimizer: Any = None
         # NOTE: reused, not allocated per step (pinned allocations are slow on CUDA, and the
@@ -321,3 +325,18 @@ class DataParallelRuntime:
         out = torch.empty(self.ranks * send.numel(), dtype=send.dtype)
         self._run(what, lambda: self._all_gather(out, send, group=self.reduce_group))
         return out
+
+    # ---- decisions every rank takes alike (window="auto": shfx._tuning) ------------------------
+    # NOTE: on the control group, from the user's thread, at points every rank reaches in the
+    # same order (a capture's tuning, cm.retune()); never while the queues' collectives run on it
+    def gather_objects(self, mine: Any, what: str) -> list[Any]:
+        """Every rank's ``mine`` (a picklable object), in rank order, on every rank."""
+        out: list[Any] = [None] * self.ranks
+        self._run(what, lambda: self._dist.all_gather_object(out, mine, group=self.control_group))
+        return out
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        """Rank 0's ``obj`` (picklable) on every rank; the other ranks' ``obj`` is ignored."""
+        box = [obj if self.rank == 0 else None]
+        self._run(what, lambda: self._dist.broadcast_object_list(box, src=self._src, group=self.control_group))
+        return box[0]

@@ -472,6 +472,11 @@ class _GradOffload:
                 self.store.release_staging(buf)
             self.held.clear()
             self.plan.clear()
+            if self.dp is not None and self.ctx.variant.train.ranks == 1:
+                # a one-rank program under data parallel (the profiler's probes): no RS reduces
+                # the local gradients, which are dropped, their buffers given back at once
+                for g in list(self.acc.local):
+                    self.dp.release_local(self.acc.local.pop(g))
 
     def _add_shared(self, c: Any, buf: torch.Tensor) -> None:
         """A borrowed contribution: added directly when its owner's sum is in already, else
