@@ -64,6 +64,7 @@ __all__ = [
     "SSD_TERMS",
     "Change",
     "Entry",
+    "HostOptimizerStates",
     "Ledger",
     "replay",
     "static_device",
@@ -257,6 +258,34 @@ ROLLBACK = "rollback copies"
 STEP_BYTES = 4  # an AdamW step counter (fp32 scalar)
 
 
+@dataclass(frozen=True)
+class HostOptimizerStates:
+    """What a host optimizer keeps beside the master weights, as the ledger counts it (the
+    default is AdamW's; ``shfx.optim.HostOptimizer.host_states`` gives an optimizer's).
+
+    Attributes:
+        per_element: fp32 states per trainable element of a group (AdamW's m and v: 2; SGD's
+            momentum buffer: 1; Adafactor: 0).
+        group_bytes: per group (by group index; missing: 0), the bytes of states that are not
+            per element: Adafactor's factored second moments (a row and a column vector per
+            matrix, a full one per vector).
+        replicated: under data parallel every rank holds each group whole (master, gradient,
+            states) and updates it from the all-reduced gradient, instead of its shard
+            (``HostOptimizer.data_parallel == "replicated"``: Adafactor).
+
+    >>> HostOptimizerStates(per_element=1).per_element   # SGD
+    1
+    """
+
+    per_element: int = 2
+    group_bytes: tuple[int, ...] = ()
+    replicated: bool = False
+
+    def whole_bytes(self, g: int) -> int:
+        """Group ``g``'s states that are not per element."""
+        return self.group_bytes[g] if 0 <= g < len(self.group_bytes) else 0
+
+
 def host_terms(
     stages: Sequence[StageSpec],
     device_groups: frozenset[int] | set[int],
@@ -271,6 +300,7 @@ def host_terms(
     ssd_masters: bool = False,
     ranks: int = 1,
     rank: int = 0,
+    optimizer: HostOptimizerStates | None = None,
     updates_in_step: bool = False,  # (Program.tier: where the updates run holds no host memory of its own)
     updates_delayed: bool = False,  # (likewise)
 ) -> list[Change]:
@@ -316,11 +346,23 @@ def host_terms(
     - ``pending tied gradient``: as without data parallel; ``rollback copies``: per group its
       master shard, step counter and state shards.
 
+    With an optimizer that data parallel replicates (``optimizer.replicated``: Adafactor) each
+    group is held whole on every rank instead: ``n = T`` above, and in fp32 no master term (the
+    image is the master, as without data parallel); the staging buffers are the largest group's
+    ``T`` elements and there are no collective buffers (the all-reduce runs in place in the
+    local gradient, and nothing is gathered).
+
+    ``optimizer`` (:class:`HostOptimizerStates`, default AdamW's): the host optimizer's states;
+    when given, its ``per_element`` replaces ``optimizer_states`` on the host, and its
+    ``group_bytes`` are added to each host-updated group's states.
+
     Groups updated on the device and the NVMe tier are refused (``ValueError``)."""
+    if optimizer is not None:
+        optimizer_states = optimizer.per_element
     if ranks > 1:
         return _dp_host_terms(
             stages, device_groups, group_bytes=group_bytes, optimizer_states=optimizer_states, rollback=rollback,
-            working_bytes=working_bytes, ssd_groups=ssd_groups, ranks=ranks, rank=rank,
+            working_bytes=working_bytes, ssd_groups=ssd_groups, ranks=ranks, rank=rank, optimizer=optimizer,
         )  # fmt: skip
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
@@ -343,6 +385,12 @@ def host_terms(
         for o in host
         for i in range(optimizer_states)
     ]
+    if optimizer is not None:
+        out += [
+            Change("host", "optimizer states (m, v)", f"factored states of group {o.update_group}", optimizer.whole_bytes(o.update_group))
+            for o in host
+            if o not in ssd
+        ]
     if ssd_masters:
         out += [Change("ssd", "master parameters (fp32)", f"master weights of group {o.update_group}", o.update_bytes) for o in ssd]
     if ssd:
@@ -373,6 +421,8 @@ def host_terms(
                 ]
                 continue
             n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes
+            if optimizer is not None:
+                n += optimizer.whole_bytes(g)
             if g in device_groups:
                 n += o.update_bytes  # the weights in the slot, beside the host master
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
@@ -390,6 +440,7 @@ def _dp_host_terms(
     ssd_groups: frozenset[int] | set[int],
     ranks: int,
     rank: int = 0,
+    optimizer: HostOptimizerStates | None = None,
 ) -> list[Change]:
     """:func:`host_terms` per rank with data parallel over ``ranks`` ranks."""
     owners = {s.update_group: s for s in stages if s.update_group is not None}
@@ -406,26 +457,33 @@ def _dp_host_terms(
     whole = list(group_bytes) if group_bytes is not None else [o.update_bytes for o in owners.values()]
     at = {g: g for g in owners} if group_bytes is not None else {g: i for i, g in enumerate(owners)}
     out: list[Change] = []
-    padded = 0  # the largest group's padded length, ranks x chunk
+    replicated = optimizer is not None and optimizer.replicated
+    part = "whole" if replicated else "shard"
+    padded = 0  # the largest group's padded length, ranks x chunk (replicated: T)
     largest_chunk = 0
     for g, o in sorted(owners.items()):
         numel = o.update_bytes // 4
-        chunk = shard_chunk(numel, ranks)
-        own = shard_numel(numel, ranks, rank)
-        padded, largest_chunk = max(padded, ranks * chunk), max(largest_chunk, chunk)
+        chunk = numel if replicated else shard_chunk(numel, ranks)
+        own = numel if replicated else shard_numel(numel, ranks, rank)
+        padded, largest_chunk = max(padded, chunk if replicated else ranks * chunk), max(largest_chunk, chunk)
         rest = whole[at[g]] - o.update_bytes if mixed else 0
-        out.append(Change("host", "master parameters (fp32)", f"master shard of group {g}", 4 * own + rest))
+        # (replicated in fp32: the image is the master, as without data parallel)
+        master = 4 * own + rest if mixed or not replicated else 0
+        out.append(Change("host", "master parameters (fp32)", f"master {part} of group {g}", master))
         if not mixed:
             out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
-        out.append(Change("host", "gradients (fp32)", f"gradient shard of group {g}", 4 * own))
-        out += [Change("host", "optimizer states (m, v)", f"optimizer state {i} shard of group {g}", 4 * own) for i in range(optimizer_states)]
+        out.append(Change("host", "gradients (fp32)", f"gradient {part} of group {g}", 4 * own))
+        out += [Change("host", "optimizer states (m, v)", f"optimizer state {i} {part} of group {g}", 4 * own) for i in range(optimizer_states)]
+        extra = optimizer.whole_bytes(g) if optimizer is not None and numel else 0
+        out.append(Change("host", "optimizer states (m, v)", f"factored states of group {g}", extra))
         if rollback and numel:
-            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s shard", 4 * own * (1 + optimizer_states) + STEP_BYTES))
+            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s {part}", 4 * own * (1 + optimizer_states) + extra + STEP_BYTES))
     if group_bytes is not None:  # groups nothing updates (frozen parameters, buffers only): whole on every rank
         out += [Change("host", DP_IMAGE, f"image of group {g}", b) for g, b in enumerate(whole) if g not in owners]
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
     if padded:
         out += [Change("host", "gradient staging (pinned)", f"staging buffer {i}", padded * elt) for i in range(STAGING_BUFFERS)]
+    if padded and not replicated:  # (replicated: all-reduced in place, nothing gathered)
         out.append(Change("host", DP_COLLECTIVE, "all-gather output (padded)", padded * elt))
         out.append(Change("host", DP_COLLECTIVE, "all-gather send chunk", largest_chunk * elt))
         out.append(Change("host", DP_COLLECTIVE, "reduce-scatter output chunk", largest_chunk * elt))
@@ -585,6 +643,7 @@ def replay(
     rollback: bool = False,
     working_bytes: Sequence[int] | None = None,
     rank: int = 0,
+    optimizer: HostOptimizerStates | None = None,
 ) -> Ledger:
     """The ledger of one step of ``program`` (see the module docstring).
 
@@ -603,6 +662,8 @@ def replay(
             them whatever this says.
         rank: data parallel (``program.ranks > 1``): whose host terms (default 0, the rank
             owning the largest shards).
+        optimizer: the host optimizer's states (:class:`HostOptimizerStates`; default
+            AdamW's: ``optimizer_states`` per element, sharded under data parallel).
     """
     rp = _Replay(program)
     rollback = rollback or any(get_meta(n).kind == SN for n in program.nodes)
@@ -611,7 +672,7 @@ def replay(
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
-        working_bytes=working_bytes, rank=rank, **program.tier,
+        working_bytes=working_bytes, rank=rank, optimizer=optimizer, **program.tier,
     )  # fmt: skip
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .capture import Captured, DynamicDim, InputSignature, capture_model, capture_model_dynamic
 from .layout import Group, dtype_name, precision_dtype
-from .ledger import Ledger, host_terms, pool_sizes, replay
+from .ledger import HostOptimizerStates, Ledger, host_terms, pool_sizes, replay
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
@@ -162,14 +162,17 @@ class Variant:
         """Bytes per slot that any of the variant's programs needs (:func:`shfx.passes.ledger.pool_sizes`)."""
         return list(pool_sizes(self.programs)[0])
 
-    def ledger(self, grad_accum_steps: int = 1, rollback: bool = False, rank: int = 0) -> Ledger:
+    def ledger(
+        self, grad_accum_steps: int = 1, rollback: bool = False, rank: int = 0, optimizer: HostOptimizerStates | None = None
+    ) -> Ledger:
         """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
         for all three programs, then the train program; under data parallel, of rank ``rank``
-        (its host shards)."""
+        (its host shards). ``optimizer``: the host optimizer's states (default AdamW's; a
+        compiled model's: ``cm.optimizer.host_states(variant.graph.groups)``)."""
         return replay(
             self.train, programs=self.programs, group_bytes=[g.host_master_bytes for g in self.graph.groups],
             grad_accum_steps=grad_accum_steps, rollback=rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
-            rank=rank,
+            rank=rank, optimizer=optimizer,
         )  # fmt: skip
 
     def staging_buffers(self, grad_accum_steps: int = 1) -> int:

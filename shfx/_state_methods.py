@@ -50,7 +50,9 @@ class StateMethods:
                 self._store.refresh_working()
                 # (bf16: the model's trainable parameters are the 16-bit image; the fp32 values
                 # given set the master shards exactly)
-                self._store.set_master_shards({k: v for k, v in state_dict.items() if torch.is_tensor(v)})
+                # (a replicated optimizer's store holds the whole masters: refresh_working recast the image)
+                if self._store.sharded:
+                    self._store.set_master_shards({k: v for k, v in state_dict.items() if torch.is_tensor(v)})
         return result
 
     def save_checkpoint(self, path: str, extra: Any = None, async_save: bool = False, *, scheduler: Any = None) -> None:

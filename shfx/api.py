@@ -208,7 +208,10 @@ class CompiledModel(StateMethods):
         self._config = config = Config.from_args(**options)
         self._dp: DataParallelRuntime | None = None
         if config.data_parallel is not None:
-            self._dp = DataParallelRuntime(config.data_parallel.process_group, config.data_parallel.timeout_s)
+            self._dp = DataParallelRuntime(
+                config.data_parallel.process_group, config.data_parallel.timeout_s,
+                replicated=getattr(config.optimizer, "data_parallel", None) == "replicated",
+            )  # fmt: skip
             if self._dp.ranks == 1:  # one rank: nothing to reduce or shard, the single-process runtime
                 self._dp = None
         self._backend = _make_backend(config.device, config.optimizer_workers)

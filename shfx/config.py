@@ -407,14 +407,16 @@ def _check_data_parallel(
 ) -> None:  # fmt: skip
     """Refuse, at compile time, what data parallel does not run (yet): each refusal says what
     was given and what to use instead (docs/usage.md, "Data parallel")."""
-    from .optim import AdamW
-
     def refuse(what: str, fix: str) -> UsageError:
         return UsageError(f"data_parallel does not support {what}; {fix}")
 
-    if not isinstance(optimizer, AdamW):
+    # (each optimizer says how it runs under data parallel: HostOptimizer.data_parallel)
+    if getattr(optimizer, "data_parallel", None) not in ("sharded", "replicated"):
         got = "no optimizer" if optimizer is None else type(optimizer).__name__
-        raise refuse(f"{got} as the optimizer (it shards AdamW's states across ranks)", "pass optimizer=shfx.optim.AdamW(...)")
+        raise refuse(
+            f"{got} as the optimizer (the host optimizer runs sharded or replicated across ranks)",
+            "pass optimizer=shfx.optim.AdamW(...), SGD(...) or Adafactor(...)",
+        )
     if precision == "fp16" and overlap_update:
         # (with overlap_update=False fp16 runs: every rank's unscale check US is agreed by NR0
         # before any update, so all skip and back the scale off alike; shfx.runtime.clipping)

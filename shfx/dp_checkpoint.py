@@ -35,9 +35,13 @@ The protocol of a compiled model under data parallel (the runtime implements it)
 compiled model ``cm`` whose ``cm._engine.dp`` is set has
 
 - ``dp.state_pieces() -> {param name: {field: (global_shape, lo, hi, local_1d)}}``: the
-  optimizer-state fields this rank holds a range of (AdamW's ``exp_avg``, ``exp_avg_sq``),
-  ``local_1d`` a 1-D view of the host store holding elements ``[lo, hi)`` of the flattened
-  field (``lo == hi`` or a missing name: none); loading writes into these views;
+  optimizer-state fields this rank holds a range of (AdamW's ``exp_avg``, ``exp_avg_sq``;
+  SGD's ``momentum_buffer``), ``local_1d`` a 1-D view of the host store holding elements
+  ``[lo, hi)`` of the flattened field (``lo == hi`` or a missing name: none); loading writes
+  into these views; an optimizer the runtime replicates (Adafactor) has none: its
+  states are whole on every rank, in ``cm.optimizer.state`` (saved once, as the weights);
+- optionally ``dp.states_loaded()``: called after a load wrote into the pieces (SGD then
+  counts its momentum buffers as past the first step);
 - ``dp.group`` (the gloo ProcessGroup), ``dp.rank`` (this rank in it), ``dp.ranks`` (its size);
 - ``dp.refresh_masters()``: called after a load has written the weights into the model's
   parameters (the whole image on every rank), so the runtime sets its master shards from them;
@@ -422,7 +426,8 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
         targets = _fmt._model_targets(path, md, cm.module.state_dict(), strict)
         # (a load after the first call but before the first step: the states are made, zeros at
         # step 0, for the checkpoint's to be read into, when it has any)
-        has_state = any(k.startswith("optimizer.state.") for k in getattr(md, "state_dict_metadata", {}))
+        # (md: DCP's metadata by flattened key, _fmt._read_meta's)
+        has_state = any(k.startswith("optimizer.state.") for k in md)
         pieces = _with_masters(dp, dp.state_pieces(create=True) if has_state else dp.state_pieces())
     except (UsageError, FileNotFoundError) as e:
         error = str(e)
@@ -482,6 +487,7 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     if want:
         with _failures_named(f"reading the optimizer state of {path!r}", "the model's weights are unchanged"):
             dcp.load({"optimizer": {"state": want}}, storage_reader=_fmt._reader(path), process_group=dp.group)
+        getattr(dp, "states_loaded", lambda: None)()
     with torch.no_grad():
         for name, fields in scalars.items():
             for field, t in fields.items():

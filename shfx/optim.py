@@ -71,6 +71,12 @@ class HostOptimizer(torch.optim.Optimizer):
     #: which runner of :mod:`shfx.runtime.host_optim` runs it (``runner_for`` dispatches on
     #: it, so a subclass runs as its base); None: none does
     host_runner: str | None = None
+    #: how it runs under data parallel (docs/usage.md, "Data parallel"): ``"sharded"`` (each
+    #: rank updates its range of every group's flat buffers: an elementwise update, AdamW's and
+    #: SGD's), ``"replicated"`` (each rank updates every group whole from the all-reduced
+    #: gradient: an update that reads across elements, Adafactor's row and column means), or
+    #: None (refused under data parallel)
+    data_parallel: str | None = None
 
     def __init__(self, params: Any = None, *, groups: GroupFn | None = None, **hyper: Any):
         self._validate(hyper)
@@ -116,6 +122,24 @@ class HostOptimizer(torch.optim.Optimizer):
     def group_hyperparams(self, group: dict) -> dict:
         """One group's hyperparameters as the kernel takes them (validated)."""
         raise NotImplementedError
+
+    #: fp32 states the host runner keeps per trainable element (the memory ledger's count)
+    per_element_states = 2
+
+    def host_states(self, groups: Any) -> Any:
+        """What the host runner keeps beside the master weights of ``groups`` (a variant's
+        ``graph.groups``), as the memory ledger counts it: a
+        :class:`shfx.passes.ledger.HostOptimizerStates` (``cm.variant.ledger(optimizer=...)``)."""
+        from shfx.passes.ledger import HostOptimizerStates
+
+        return HostOptimizerStates(
+            per_element=self.per_element_states, group_bytes=tuple(self._whole_state_bytes(g) for g in groups),
+            replicated=self.data_parallel == "replicated",
+        )  # fmt: skip
+
+    def _whole_state_bytes(self, group: Any) -> int:
+        """Bytes of group ``group``'s states that are not per element (none by default)."""
+        return 0
 
     def hyperparams(self) -> dict | tuple[dict, ...]:
         """A snapshot of the hyperparameters, taken when an update is issued: one dict
@@ -430,6 +454,11 @@ class AdamW(HostOptimizer):
     torch_options = {"fused": True}
     on_device = True
     host_runner = "adamw"
+    data_parallel = "sharded"
+
+    @property
+    def per_element_states(self) -> int:  # type: ignore[override]
+        return 3 if any(g["amsgrad"] for g in self.param_groups) else 2
 
     def __init__(
         self,
@@ -485,6 +514,8 @@ class SGD(HostOptimizer):
     torch_class = torch.optim.SGD
     torch_options = {"fused": True}
     host_runner = "sgd"
+    data_parallel = "sharded"  # (momentum is elementwise: a flat range of it is exact)
+    per_element_states = 1  # the momentum buffer (the runner keeps one whatever the momentum)
 
     def __init__(
         self,
@@ -536,6 +567,17 @@ class Adafactor(HostOptimizer):
     torch_class = torch.optim.Adafactor
     torch_options = {"foreach": True}
     host_runner = "adafactor"
+    # NOTE: replicated, not sharded: a matrix's factored second moment is the mean of its
+    # squared gradient over whole rows and whole columns, which a flat range of the group cuts;
+    # its states are O(rows + cols) per matrix, so holding them whole on every rank costs little
+    data_parallel = "replicated"
+    per_element_states = 0
+
+    def _whole_state_bytes(self, group: Any) -> int:
+        from .runtime.host_optim import _factored_numel
+
+        shapes = [tuple(i.shape) for i in group.infos if i.kind == "param" and i.trainable]
+        return sum(_factored_numel(sh) for sh in shapes) * group.dtypes.state.itemsize
 
     def __init__(
         self,

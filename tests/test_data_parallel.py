@@ -133,17 +133,35 @@ def _forward(name: str, model, args: tuple):
     return model(args[0]) if name.startswith("mlp") else model(*args)
 
 
-def _compile(model: nn.Module, name: str, window: int | None, accum: int = 1, **kw):
+# each optimizer under test: (shfx's, torch's on the given parameters), the same hyperparameters
+OPTIMIZERS = {
+    "adamw": (lambda: shfx.optim.AdamW(lr=LR, weight_decay=WD), lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, fused=True)),
+    "sgd": (  # nesterov momentum with weight decay: the momentum buffer sharded
+        lambda: shfx.optim.SGD(lr=LR, momentum=0.9, weight_decay=WD, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, weight_decay=WD, nesterov=True, fused=True),
+    ),
+    "sgd_dampening": (
+        lambda: shfx.optim.SGD(lr=LR, momentum=0.9, dampening=0.1, weight_decay=WD),
+        lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, dampening=0.1, weight_decay=WD, fused=True),
+    ),
+    "adafactor": (  # replicated: every rank updates every group whole
+        lambda: shfx.optim.Adafactor(lr=LR, weight_decay=WD),
+        lambda ps: torch.optim.Adafactor(ps, lr=LR, weight_decay=WD, foreach=True),
+    ),
+}
+
+
+def _compile(model: nn.Module, name: str, window: int | None, accum: int = 1, optimizer: str = "adamw", **kw):
     extra = dict(blocks=False, num_stages=4) if name.startswith("mlp") else {}
     return shfx.compile(
         model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), window=window,
-        optimizer=shfx.optim.AdamW(lr=LR, weight_decay=WD), grad_accum_steps=accum, **extra, **kw,
+        optimizer=OPTIMIZERS[optimizer][0](), grad_accum_steps=accum, **extra, **kw,
     )  # fmt: skip
 
 
 def _against_ddp(
     rank: int, world: int, name: str, window: int, accum: int = 1, steps: int = 3, subgroup: list[int] | None = None,
-    resume: bool = False, poison: tuple | None = None, clip_call: float | None = None, **kw,
+    resume: bool = False, poison: tuple | None = None, clip_call: float | None = None, optimizer: str = "adamw", **kw,
 ) -> dict | None:  # fmt: skip
     """Train ``name`` with shfx (data parallel) and with eager DDP side by side in this rank:
     losses, final weights and this rank's optimizer-state ranges, each compared bitwise here
@@ -184,7 +202,11 @@ def _against_ddp(
     :class:`~shfx.errors.NonFiniteGradient` (the errors are returned in ``outcomes``), and the
     eager side skips that step. ``clip_call=max_norm``: ``cm.clip_grad_norm_(max_norm)`` between
     backward and step, against eager ``clip_grad_norm_`` on the DDP-reduced gradients (the
-    returned totals compared bitwise)."""
+    returned totals compared bitwise).
+
+    ``optimizer`` (a key of :data:`OPTIMIZERS`): shfx's and torch's of that kind on both sides.
+    SGD is sharded as AdamW (its momentum buffer's ranges compared); Adafactor is replicated:
+    every rank holds the whole states, compared with torch's in ``cm.optimizer.state``."""
     import torch.distributed as dist
 
     group = dist.new_group(subgroup) if subgroup is not None else None
@@ -212,7 +234,8 @@ def _against_ddp(
             dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         work = make_working_copy(ref, half)
     master_of = dict(zip(work.parameters(), ref.parameters()))
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    opt = OPTIMIZERS[optimizer][1](ref.parameters())
+    replicated = OPTIMIZERS[optimizer][0]().data_parallel == "replicated"
     if resume:
         for step in range(2):
             args = _batch(name, 100 + step, 0)
@@ -220,7 +243,7 @@ def _against_ddp(
             opt.step()
             opt.zero_grad()
         model.load_state_dict(ref.state_dict())
-    cm = _compile(model, name, window, accum, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
+    cm = _compile(model, name, window, accum, optimizer, data_parallel=shfx.DataParallel(process_group=group, timeout_s=60), **kw)
     if resume:
         cm.optimizer.load_state_dict(opt.state_dict())
     ddp = nn.parallel.DistributedDataParallel(work, process_group=group)
@@ -237,15 +260,21 @@ def _against_ddp(
             loss = _loss(name, _forward(name, cm, args), args) / accum
             if step == 0 and micro == 0 and not resume:  # the states a checkpoint load fills before the first step
                 pieces = cm.engine.dp.state_pieces(create=True)
-                assert pieces and all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
+                assert bool(pieces) != replicated  # (replicated: whole states, none in pieces)
+                assert all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
             cm.scale_loss(loss).backward()  # (fp16: as GradScaler.scale(loss); else loss itself)
-            if any(p.grad is not None for p in model.parameters()):
+            if not replicated and any(p.grad is not None for p in model.parameters()):
                 mism.append(".grad exposed under data parallel")  # (sharded: never exposed)
             losses.append(loss.detach())
             eargs = tuple(a.to(half) if mixed and a.is_floating_point() else a for a in args)  # (as shfx casts them)
             ref_loss = _loss(name, _forward(name, ddp, eargs), args) / accum
             (scaler.scale(ref_loss) if scaler is not None else ref_loss).backward()
             ref_losses.append(ref_loss.detach())
+            if replicated and not mixed and accum == 1 and kw.get("overlap_update") is False and (poison or (-1,))[0] != step:
+                # (replicated: .grad is the whole all-reduced gradient, as DDP's; updates in step())
+                for (key, p), rp in zip(model.named_parameters(), work.parameters()):
+                    if rp.grad is not None and (p.grad is None or not torch.equal(p.grad, rp.grad)):
+                        mism.append(f".grad of {key} at step {step}")
             for p in work.parameters():
                 if p.grad is not None:  # (bf16: summed in bf16)
                     summed[p] = p.grad if p not in summed else summed[p] + p.grad
@@ -307,14 +336,14 @@ def _against_ddp(
     # (bf16: shfx's trainable parameters are the bf16 working copy, its frozen ones fp32 masters)
     sd, wsd, msd = model.state_dict(), work.state_dict(), ref.state_dict()
     rsd = {k: wsd[k] if sd[k].dtype == wsd[k].dtype else msd[k] for k in sd}
-    if mixed and not any(v.dtype == half for v in sd.values()):
-        mism.append("no bf16 weights in the bf16 model")
+    if mixed and not replicated and not any(v.dtype == half for v in sd.values()):
+        mism.append("no bf16 weights in the bf16 model")  # (replicated: the model's parameters are its fp32 masters)
     mism += [f"weight {k}: max diff {(sd[k] - rsd[k]).abs().max().item():.3g}" for k in sd if not torch.equal(sd[k], rsd[k])]
     close = dict(losses=(torch.stack(losses), torch.stack(ref_losses)), state=(sd, rsd))
     dp = cm.engine.dp
     params = dict(ref.named_parameters())
     masters = dp.master_pieces()
-    if mixed != bool(masters):
+    if (mixed and not replicated) != bool(masters):
         mism.append(f"master pieces {sorted(masters)[:3]} under precision {kw.get('precision', 'fp32')}")
     for key, (shape, lo, hi, view) in masters.items():  # this rank's fp32 master shard
         if tuple(shape) != tuple(params[key].shape) or not torch.equal(view, params[key].detach().flatten()[lo:hi]):
@@ -327,25 +356,39 @@ def _against_ddp(
             if not torch.equal(view, opt.state[p][f].flatten()[lo:hi]):
                 mism.append(f"optimizer state {key}.{f}[{lo}:{hi}]")
             ranges[key] = (lo, hi)
-    for p in model.parameters():
+    for (key, p), rp in zip(model.named_parameters(), ref.parameters()):
         st = cm.optimizer.state.get(p, {})
         if "step" in st and float(st["step"]) != float(next(iter(opt.state.values()))["step"]):
             mism.append("optimizer step")
+        # the fields shown whole (a replicated optimizer's: Adafactor's step, row_var, col_var, variance)
+        for f, v in st.items():
+            if f != "step" and not torch.equal(v, opt.state[rp][f]):
+                mism.append(f"optimizer state {key}.{f} (whole)")
+        if replicated and p.requires_grad and set(st) != set(opt.state[rp]):
+            mism.append(f"optimizer state {key}: fields {sorted(st)} != {sorted(opt.state[rp])}")
     store = cm._store
-    # the memory ledger's host terms of this rank (passes/ledger.py), held for the whole step
-    led = cm.variant.ledger(rank=rank).static("host")
+    # the memory ledger's host terms of this rank (passes/ledger.py), held for the whole step,
+    # with this optimizer's states (SGD: one per element, sharded; Adafactor: factored, whole)
+    states = cm.optimizer.host_states(cm.variant.graph.groups)
+    led = cm.variant.ledger(rank=rank, optimizer=states).static("host")
+    shard = sum(hi - lo for lo, hi in (store.shard_of(i) for i in range(len(store.groups))))
+    image = sum(b.numel() for b in store.buffers)  # (bf16: the 16-bit working copy, buffers, constants)
+    masters = sum(b.numel() for b in store.masters if b is not None)  # (bf16: frozen parameters' fp32; replicated: all)
     counts = dict(
         host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes - dp.buffer_bytes,
         ledger=sum(
             led.get(t, 0)
             for t in ("parameter image (whole)", "working copy (16-bit)", "master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)")
         ),
+        # image + masters + (fp32 master shard if sharded, gradient, per-element states) per owned element + whole states
+        expected=image + masters + (4 * (not replicated) + 4 + 4 * states.per_element) * shard + sum(states.group_bytes),
         buffers=dp.buffer_bytes,
         ledger_buffers=sum(led.get(t, 0) for t in ("gradient staging (pinned)", "collective buffers")),
-        image=sum(b.numel() for b in store.buffers),  # (bf16: the 16-bit working copy, buffers, constants)
-        frozen_masters=sum(b.numel() for b in store.masters if b is not None),  # (bf16: frozen parameters' fp32)
+        image=image,
+        frozen_masters=masters,
         trainable=sum(g.trainable_numel for g in store.groups),
-        shard=sum(hi - lo for lo, hi in store.shards),
+        shard=shard,
+        replicated=replicated,
         groups=len(store.groups),
         numel={k: p.numel() for k, p in params.items() if p.requires_grad},
     )
@@ -442,17 +485,24 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float, out: str = "")
     return dict(step=None, error=None)
 
 
-def _checkpoint_resumes(rank: int, world: int, ckpt: str, precisions: list[str]) -> dict:
-    """:func:`_checkpoint_resume` in each precision (one spawn), into ``<ckpt>-<precision>``."""
-    return {p: _checkpoint_resume(rank, world, f"{ckpt}-{p}", p) for p in precisions}
+def _checkpoint_resumes(rank: int, world: int, ckpt: str, precisions: list[str], optimizers: tuple[str, ...] = ()) -> dict:
+    """:func:`_checkpoint_resume` in each precision (one spawn), into ``<ckpt>-<precision>``,
+    and in fp32 with each of ``optimizers`` (other than AdamW), into ``<ckpt>-<optimizer>``."""
+    out = {p: _checkpoint_resume(rank, world, f"{ckpt}-{p}", p) for p in precisions}
+    return out | {o: _checkpoint_resume(rank, world, f"{ckpt}-{o}", optimizer=o) for o in optimizers}
 
 
-def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32") -> dict:
+def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32", optimizer: str = "adamw") -> dict:
     """Train 2 steps, save a checkpoint (every rank), train 2 more; then a model with other
     initial weights loads the checkpoint before its first call and trains the same 2 steps.
     ``precision="bf16"``: the checkpoint holds the sharded fp32 masters as the weights, and
     the second model loads it after a step of its own (the data-parallel load path: the
-    masters read into the shards, the 16-bit image recast and all-gathered)."""
+    masters read into the shards, the 16-bit image recast and all-gathered).
+
+    ``optimizer="sgd"``: the momentum buffers' ranges are the pieces, and the second model
+    loads after a first call without a step (the data-parallel path: the states made for the
+    load, then past their first step: ``dp.states_loaded``). ``"adafactor"`` (replicated): its
+    whole states are saved once, as the weights, and loaded whole on every rank."""
     bf16 = precision == "bf16"
 
     def masters(cm) -> dict:
@@ -461,11 +511,14 @@ def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32"
     def run(seed: int, steps: range, save: bool = False, load: bool = False) -> tuple[dict, dict, dict]:
         torch.manual_seed(seed)
         model = _model("gpt_mask")
-        cm = _compile(model, "gpt_mask", 2, data_parallel=shfx.DataParallel(timeout_s=60), precision=precision)
+        cm = _compile(model, "gpt_mask", 2, optimizer=optimizer, data_parallel=shfx.DataParallel(timeout_s=60), precision=precision)
         if load and bf16:  # a step of its own first, then the load
             cm(*_batch("gpt_mask", 9, 10 * rank)).backward()
             cm.step()
             cm.zero_grad()
+        if load and optimizer == "sgd":  # the first call, no step, then the load
+            with torch.no_grad():
+                cm(*_batch("gpt_mask", 9, 10 * rank))
         if load:
             cm.load_checkpoint(ckpt)
         saved: dict = {}
@@ -474,6 +527,10 @@ def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32"
             if save and step == 2:
                 cm.save_checkpoint(ckpt)
                 saved = {k: {f: (lo, hi, v.clone()) for f, (_, lo, hi, v) in fs.items()} for k, fs in cm.engine.dp.state_pieces().items()}
+                for k, p in model.named_parameters():  # (a replicated optimizer's whole states)
+                    for f, v in cm.optimizer.state.get(p, {}).items():
+                        if f != "step":
+                            saved.setdefault(k, {})[f] = (0, v.numel(), v.flatten().clone())
                 saved_masters = masters(cm)
             args = _batch("gpt_mask", step, 10 * rank)
             cm(*args).backward()
@@ -509,23 +566,29 @@ def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: in
             sd, rsd = res["close"]["state"]
             for k in sd:
                 torch.testing.assert_close(sd[k], rsd[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{c} {k}: {m}")
-        # the ranks' ranges of each parameter's optimizer state tile it exactly
-        numel = per_rank[0]["counts"]["numel"]
+        # the ranks' ranges of each parameter's optimizer state tile it exactly (a replicated
+        # optimizer has no ranges: every rank holds the whole states)
+        numel = {} if per_rank[0]["counts"]["replicated"] else per_rank[0]["counts"]["numel"]
         for key, n in numel.items():
             spans = sorted(res["ranges"][key] for res in per_rank if key in res["ranges"])
             assert spans and spans[0][0] == 0 and spans[-1][1] == n, (key, spans)
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (key, spans)
-        # host memory per rank: the image + 16 B (fp32 master, gradient, m, v) per owned element;
-        # the shards are those of the sharding rule: 16/N B per trainable element, within
-        # SHARD_ALIGN elements of padding per group. In bf16 the image is the 16-bit working copy
-        # (2 B per parameter) and frozen parameters keep whole fp32 masters beside it
+        # host memory per rank: the image + 16 B (fp32 master, gradient, m, v) per owned element
+        # (SGD: 12 B, one momentum buffer); the shards are those of the sharding rule: 16/N B per
+        # trainable element, within SHARD_ALIGN elements of padding per group. In bf16 the image
+        # is the 16-bit working copy (2 B per parameter) and frozen parameters keep whole fp32
+        # masters beside it. Replicated (Adafactor): the whole gradient and factored states on
+        # every rank, the masters whole (fp32: the image itself)
         for res in per_rank:
             k = res["counts"]
-            assert k["host"] == k["image"] + k["frozen_masters"] + 16 * k["shard"] == k["ledger"], k
+            assert k["host"] == k["expected"] == k["ledger"], k
             # the reused local-gradient and collective buffers: within the ledger's constant terms
             assert 0 < k["buffers"] <= k["ledger_buffers"], k
         shards = [res["counts"]["shard"] for res in per_rank]
         k = per_rank[0]["counts"]
+        if k["replicated"]:
+            assert shards == [k["trainable"]] * world
+            continue
         assert sum(shards) == k["trainable"]
         assert max(shards) <= k["trainable"] / world + SHARD_ALIGN * k["groups"]
 
@@ -747,6 +810,84 @@ def test_two_ranks_agree_to_skip_and_clip_like_ddp(tmp_path):
                 assert out[step].startswith("NonFiniteGradient") and f"rank {bad} of 2" in out[step], (c, r, out[step])
 
 
+OPTIMIZER_CONFIGS = [
+    # SGD, sharded as AdamW: nesterov momentum and weight decay with a tied embedding (a
+    # borrowed gradient); a resume from torch SGD's state dict (each rank keeps its ranges of
+    # it) with a frozen layer; bf16 with accumulation and exact clipping
+    dict(name="gpt_tied", window=2, optimizer="sgd"),
+    dict(name="mlp_frozen", window=2, optimizer="sgd", resume=True),
+    dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="sgd", max_grad_norm=0.05),
+    # Adafactor, replicated: the gradient all-reduced, every rank updates every group whole;
+    # fp32 with the overlapped exact clipping (NR0: rank 0 alone contributes the norms), bf16
+    # with accumulation, and an agreed skip with clipping in step() (.grad compared with DDP's)
+    dict(name="gpt_tied", window=2, optimizer="adafactor", max_grad_norm=0.05),
+    dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="adafactor"),
+    dict(name="mlp", window=2, optimizer="adafactor", overlap_update=False, max_grad_norm=0.05, skip_nonfinite=True,
+         poison=(2, 0, "batch")),
+]  # fmt: skip
+
+# the same on the GPT in bf16, SGD with dampening, and Adafactor's clipping in step()
+OPTIMIZER_CONFIGS_SLOW = [
+    dict(name="gpt_tied", window=2, accum=2, precision="bf16", optimizer="sgd", max_grad_norm=0.05),
+    dict(name="gpt_mask", window=2, optimizer="sgd_dampening", overlap_update=False, max_grad_norm=0.05),
+    dict(name="gpt_tied", window=2, accum=2, precision="bf16", optimizer="adafactor", max_grad_norm=0.05),
+    dict(name="gpt_tied", window=1, optimizer="adafactor", overlap_update=False, clip_call=0.05),
+]  # fmt: skip
+
+
+def _optimizers_suite(rank: int, world: int, configs: list[dict], ckpt: str, optimizers: tuple[str, ...]) -> dict:
+    """:func:`_ddp_suite` and :func:`_checkpoint_resumes` with ``optimizers``, in one spawn
+    (starting ranks and gloo groups costs seconds on two loaded cores)."""
+    return dict(ddp=_ddp_suite(rank, world, configs), checkpoint=_checkpoint_resumes(rank, world, ckpt, [], optimizers))
+
+
+SCENARIOS["optimizers"] = _optimizers_suite
+
+
+def _check_optimizer_results(results: list[list[dict]], configs: list[dict]) -> None:
+    _check_ddp_results(results, configs, 2)
+    for c, per_rank in zip(configs, zip(*results)):
+        outcomes = [res["outcomes"] for res in per_rank]
+        skipped = c["poison"][0] if "poison" in c else None
+        assert outcomes == [[i != skipped for i in range(3)]] * 2, (c, outcomes)
+
+
+def test_two_ranks_with_sgd_and_adafactor_match_ddp_bitwise(tmp_path):
+    """SGD and Adafactor under data parallel (issue 25), 2 ranks against eager DDP with
+    ``torch.optim.SGD(fused=True)`` / ``torch.optim.Adafactor(foreach=True)`` (the references
+    of tests/test_optim.py), bitwise: losses, weights, each rank's momentum-buffer ranges (SGD)
+    or the whole Adafactor states and steps, the clipped totals, and host bytes per rank equal
+    to the ledger's with this optimizer's states (``cm.optimizer.host_states``).
+
+    SGD is sharded as AdamW: the momentum update is elementwise and the shard bounds keep each
+    element's position modulo 16 in its parameter, so the fused kernel's results are those
+    over whole parameters. Adafactor is replicated: its factored second moment reads whole rows
+    and columns of a matrix, which a flat shard cuts; so ``RS`` all-reduces the gradient
+    (``* 1/2``, SUM: ``a/2 + b/2``, DDP's sum) and every rank runs torch's update on the same
+    whole tensors, as every DDP rank does. bf16: the eager mixed-precision recipe under DDP.
+
+    Checkpoints (same spawn): SGD's momentum buffers' ranges saved by each rank and loaded after
+    a first call without a step (the states made for the load, then past their first step);
+    Adafactor's whole states saved once, as the weights, and loaded whole on every rank. Each
+    resumes on 2 ranks bitwise, and one process loads the states (every rank's SGD ranges put
+    together; Adafactor's whole)."""
+    ckpt = str(tmp_path / "ckpt")
+    optimizers = ("sgd", "adafactor")
+    by_rank = _spawn(tmp_path, 2, "optimizers", timeout_s=300, configs=OPTIMIZER_CONFIGS, ckpt=ckpt, optimizers=optimizers)
+    _check_optimizer_results([res["ddp"] for res in by_rank], OPTIMIZER_CONFIGS)
+    for optimizer in optimizers:
+        _checkpoint_check(f"{ckpt}-{optimizer}", [res["checkpoint"][optimizer] for res in by_rank], "fp32", optimizer)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_sgd_and_adafactor_more(tmp_path):
+    """:data:`OPTIMIZER_CONFIGS_SLOW`, bitwise as the test above: the tied GPT in bf16 with
+    accumulation and exact clipping (SGD, Adafactor), SGD with dampening and clipping in
+    step(), Adafactor with cm.clip_grad_norm_ at W=1."""
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=400, configs=OPTIMIZER_CONFIGS_SLOW)
+    _check_optimizer_results(results, OPTIMIZER_CONFIGS_SLOW)
+
+
 @pytest.mark.slow
 def test_four_ranks_match_ddp(tmp_path):
     """4 ranks vs eager DDP: not bitwise, within a stated tolerance. Both multiply by 1/4
@@ -820,14 +961,14 @@ def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
         _checkpoint_check(f"{ckpt}-{precision}", [res[precision] for res in by_rank], precision)
 
 
-def _checkpoint_check(ckpt: str, results: list[dict], precision: str) -> None:
+def _checkpoint_check(ckpt: str, results: list[dict], precision: str, optimizer: str = "adamw") -> None:
     for r, res in enumerate(results):
         assert any(k.startswith("master ") for k in res["whole"]) == (precision == "bf16")
         for k, v in res["whole"].items():
             assert torch.equal(v, res["resumed"][k]), (r, k)
     torch.manual_seed(5)
     model = _model("gpt_mask")
-    cm = _compile(model, "gpt_mask", 2, precision=precision)
+    cm = _compile(model, "gpt_mask", 2, optimizer=optimizer, precision=precision)
     cm.load_checkpoint(ckpt)
     args = _batch("gpt_mask", 0, 0)
     with torch.no_grad():
@@ -843,7 +984,8 @@ def _checkpoint_check(ckpt: str, results: list[dict], precision: str) -> None:
             assert torch.equal(params[key].detach().flatten()[lo:hi], v), key
             seen += 1
     trainable = len([p for p in params.values() if p.requires_grad])
-    assert seen >= (3 if precision == "bf16" else 2) * trainable
+    per_param = {"adamw": 2, "sgd": 1, "adafactor": 1}[optimizer] + (precision == "bf16")
+    assert seen >= per_param * trainable
     cm.close()
 
 
@@ -898,10 +1040,16 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+class _Unsharded(shfx.optim.SGD):
+    """An optimizer that does not say how it runs under data parallel."""
+
+    data_parallel = None
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(optimizer=shfx.optim.SGD(lr=0.1)), "SGD as the optimizer"),
+        (dict(optimizer=_Unsharded(lr=0.1)), "_Unsharded as the optimizer"),  # (SGD and Adafactor run: OPTIMIZER_CONFIGS)
         (dict(optimizer=None), "no optimizer"),
         # (fp16 with overlap_update=False runs: test_two_ranks_in_fp16_agree_on_the_loss_scale_like_ddp)
         (dict(precision="fp16"), "fp16' with overlap_update=True.*rollback.*overlap_update=False"),

@@ -12,7 +12,9 @@
 - ``NR0`` (data parallel, the reduce queue, after every ``RS``): the pieces of every split
   parameter are all-gathered so each rank norms it whole (the same bits as eager's norm of the
   whole gradient), then one SUM all-reduce of the per-parameter norm vector, to which each
-  parameter's norm is contributed by exactly one rank (``x + 0 = x``: exact).
+  parameter's norm is contributed by exactly one rank (``x + 0 = x``: exact). With a replicated
+  optimizer (Adafactor) every rank holds every gradient whole, all-reduced, and norms every
+  parameter: rank 0 alone contributes them (N contributions would count each norm N times).
 - ``CK0`` (the step's gate): the total norm over every parameter in the model's order and the
   clip coefficient; ``step()`` reads it, skips or fails a non-finite step, then starts the
   clipped updates (each scales its group's gradient by the coefficient first).
@@ -32,8 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from shfx.passes.sharding import shard_range
 
 from .host_store import GRAD_VALID
 
@@ -132,7 +132,9 @@ class Clipping:
         split = self._split_norms(dp, store, p)
         index = {gk: i for i, gk in enumerate(self.clip_order)}
         vec = torch.zeros(len(self.clip_order), dtype=torch.float32)
-        for g, (_, norms) in self.grad_norms.items():
+        # (replicated: every rank normed the same whole gradients; rank 0's count once)
+        mine = self.grad_norms.items() if dp.rank == 0 or not dp.replicated else ()
+        for g, (_, norms) in mine:
             for k, v in norms.items():
                 if (g, k) in index:
                     vec[index[(g, k)]] = v
@@ -164,7 +166,7 @@ class Clipping:
         for grp in store.groups:
             if not grp.trainable_numel or store.grad_state[grp.index] != GRAD_VALID:
                 continue
-            bounds = [shard_range(grp.trainable_numel, r, dp.ranks) for r in range(dp.ranks)]
+            bounds = [dp.shard(grp, r) for r in range(dp.ranks)]
             for info, o, n in _trainable(grp):
                 if not any(lo <= o and o + n <= hi for lo, hi in bounds):
                     split.append((grp.index, info, o, n))
@@ -174,7 +176,7 @@ class Clipping:
         def pieces(r: int) -> list[tuple[int, int, int, int]]:  # (split index, group, a, b) rank r holds
             out = []
             for i, (g, _, o, n) in enumerate(split):
-                lo, hi = shard_range(store.groups[g].trainable_numel, r, dp.ranks)
+                lo, hi = dp.shard(store.groups[g], r)
                 a, b = max(o, lo), min(o + n, hi)
                 if a < b:
                     out.append((i, g, a, b))

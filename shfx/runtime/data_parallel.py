@@ -19,6 +19,15 @@ they match across ranks by construction):
   16-bit cast of the fp32 master shard in mixed precision) are all-gathered (padded) into
   every rank's image, so the next prefetch sends the new weights.
 
+An optimizer whose update reads across elements (Adafactor: a matrix's factored second moment is
+the mean of its squared gradient over whole rows and columns, which a flat shard cuts) runs
+*replicated* instead (``replicated``, from :attr:`shfx.optim.HostOptimizer.data_parallel`):
+every rank holds each group whole (master, gradient, states), ``RS g`` all-reduces the local
+gradient (``* 1/N``, SUM, as DDP) into the whole gradient, every rank runs the whole group's
+update, as every rank of DDP runs its optimizer, and ``AG g`` has nothing to gather (every
+rank's image is already the updated one). The program is the same; only what its collectives
+move differs.
+
 A rank that dies makes the others' collectives fail (gloo: connection closed) or time out
 (:attr:`shfx.DataParallel.timeout_s`): the step then fails with :class:`RankLost`, saying which
 collective, never a hang.
@@ -52,13 +61,15 @@ class DataParallelRuntime:
     Attributes:
         group: the user's process group (``torch.distributed``'s default group when None was given).
         rank, ranks: this process's rank in it, and its size N.
+        replicated: every rank holds and updates each group whole (the optimizer's
+            ``data_parallel == "replicated"``: Adafactor); else each its shard (AdamW, SGD).
         timeout_s: how long a collective waits for the other ranks.
         reduce_group, gather_group: gloo groups over the same ranks, one per queue.
         control_group: a third one, for what every rank decides alike outside the program
             (:meth:`gather_objects`, :meth:`broadcast_object`: the tuner's choice).
     """
 
-    def __init__(self, process_group: Any, timeout_s: float):
+    def __init__(self, process_group: Any, timeout_s: float, replicated: bool = False):
         import torch.distributed as dist
 
         self._dist = dist
@@ -68,6 +79,7 @@ class DataParallelRuntime:
         self.rank = dist.get_rank(self.group)
         self.ranks = dist.get_world_size(self.group)
         self.timeout_s = float(timeout_s)
+        self.replicated = bool(replicated)
         members = dist.get_process_group_ranks(self.group)
         self._src = members[0]  # global rank of the group's rank 0 (the broadcast's source)
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -92,12 +104,20 @@ class DataParallelRuntime:
         self.buffer_bytes = 0  # host bytes of those buffers (Engine.host_bytes counts them)
 
     # ---- sharding ------------------------------------------------------------------------------
-    def shard(self, group: Any) -> tuple[int, int]:
-        """``[lo, hi)`` of ``group``'s trainable elements this rank owns."""
-        return shard_range(group.trainable_numel, self.rank, self.ranks)
+    def shard(self, group: Any, rank: int | None = None) -> tuple[int, int]:
+        """``[lo, hi)`` of ``group``'s trainable elements this rank (or rank ``rank``) owns: all
+        of them when the optimizer runs replicated."""
+        if self.replicated:
+            return 0, group.trainable_numel
+        return shard_range(group.trainable_numel, self.rank if rank is None else rank, self.ranks)
 
     def chunk(self, group: Any) -> int:
         return shard_chunk(group.trainable_numel, self.ranks)
+
+    def padded(self, group: Any) -> int:
+        """Elements of ``group``'s local gradient buffer: ``N * chunk`` for the reduce-scatter,
+        the trainable region itself for a replicated optimizer's all-reduce."""
+        return group.trainable_numel if self.replicated else self.ranks * self.chunk(group)
 
     # ---- collectives ---------------------------------------------------------------------------
     def _run(self, what: str, fn: Callable[[], None]) -> None:
@@ -135,13 +155,16 @@ class DataParallelRuntime:
         grp = self.store.groups[g]
         chunk, t = self.chunk(grp), grp.trainable_numel
         if local is None:
-            local = torch.zeros(self.ranks * chunk, dtype=grp.dtypes.device_grad)
+            local = torch.zeros(self.padded(grp), dtype=grp.dtypes.device_grad)
         else:
             # as DDP: grad * (1 / world_size) into the bucket, then a SUM all-reduce
             local[:t].mul_(1.0 / self.ranks)
             local[t:].zero_()
-        lo, hi = self.shard(grp)
         grad = self.store.grad(g)
+        if self.replicated:
+            self._all_reduce_grads(label, local[:t], grad, first)
+            return
+        lo, hi = self.shard(grp)
         # the first micro-step's chunk lands in the shard itself (a whole chunk: all ranks but
         # the last when T does not divide); later ones are added from a scratch
         direct = first and hi - lo == chunk and grad.dtype == local.dtype
@@ -152,7 +175,25 @@ class DataParallelRuntime:
             self.release_local(local)
         if direct:
             return
-        mine = out[: hi - lo]
+        self._accumulate(out[: hi - lo], grad, first)
+
+    def _all_reduce_grads(self, label: str, local: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+        """``RS g`` of a replicated optimizer: the whole local gradient all-reduced (SUM) in
+        place, then copied or added into the whole gradient as :meth:`reduce_grads` does its chunk.
+
+        NOTE: DDP all-reduces its buckets the same way; with 2 ranks ``a/2 + b/2`` is the same
+        sum in gloo's all-reduce as in DDP's (another bucket layout changes the order of the
+        additions only with more ranks, as for the reduce-scatter)."""
+        try:
+            self._run(f"the gradient all-reduce {label}", lambda: self._dist.all_reduce(local, group=self.reduce_group))
+            self._accumulate(local, grad, first)
+        finally:
+            self.release_local(local)
+
+    @staticmethod
+    def _accumulate(mine: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+        """This rank's reduced gradient ``mine`` (the device dtype) into its fp32 ``grad``:
+        copied at the first micro-step, added at later ones."""
         if first:
             grad.copy_(mine)  # (16-bit: widened exactly)
         elif mine.dtype == grad.dtype:
@@ -166,6 +207,8 @@ class DataParallelRuntime:
 
     def gather_params(self, label: str, g: int) -> None:
         """``AG g``: all-gather the updated working-copy shards of group ``g`` into the image."""
+        if self.replicated:
+            return  # (every rank ran the whole update: its image is whole already)
         store = self.store
         grp = store.groups[g]
         chunk, t = self.chunk(grp), grp.trainable_numel
@@ -186,7 +229,7 @@ class DataParallelRuntime:
         elements of the device dtype (fp32, or 16-bit in mixed precision) for :meth:`reduce_grads`."""
         store = self.store
         grp = store.groups[g]
-        need = self.ranks * self.chunk(grp) * grp.dtypes.device_grad.itemsize
+        need = self.padded(grp) * grp.dtypes.device_grad.itemsize
         with self._local_cv:
             # NOTE: at most LOCAL_BUFFERS in flight (the memory ledger's 'gradient staging'): an
             # OG waits for an RS to give one back. No deadlock: a group's buffer is taken at its
@@ -204,7 +247,7 @@ class DataParallelRuntime:
             if self._local_free:
                 base = self._local_free.pop()
             else:
-                size = max(self.ranks * self.chunk(gr) * gr.dtypes.device_grad.itemsize for gr in store.groups)
+                size = max(self.padded(gr) * gr.dtypes.device_grad.itemsize for gr in store.groups)
                 # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
                 base = store.backend.alloc_host(size, store.pin)
                 self._local_count += 1
@@ -247,10 +290,14 @@ class DataParallelRuntime:
         whole on every rank), and this rank's fp32 master shards are read from them; in mixed
         precision (bf16) it wrote the fp32 master shards (:meth:`master_pieces`) and frozen
         parameters' masters, and the image is recast from them: each rank its shard, then an
-        all-gather per group (collective: every rank calls it, between steps)."""
+        all-gather per group (collective: every rank calls it, between steps). The NVMe tier's
+        states a load wrote (:meth:`state_pieces` with ``create``) go to the SSD first."""
+        ssd = getattr(self.optimizer, "ssd", None)
+        if ssd is not None:
+            ssd.flush_loaded()
         store = self.store
-        if not any(g.separate_master for g in store.groups):
-            store.refresh_working()
+        if self.replicated or not any(g.separate_master for g in store.groups):
+            store.refresh_working()  # (replicated: the masters are whole, as without data parallel)
             return
         for grp in store.groups:
             store.working_from_master_shards(grp.index)
@@ -258,34 +305,67 @@ class DataParallelRuntime:
                 self.gather_params(f"the working copy's all-gather of group {grp.index} after a load", grp.index)
 
     def state_pieces(self, create: bool = False) -> dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]]:
-        """Per trainable parameter (its name in the model) that has optimizer state on this rank:
-        ``{field: (global shape, lo, hi, view)}`` for ``exp_avg`` and ``exp_avg_sq``, where
-        ``[lo, hi)`` is the range of the parameter's flattened elements this rank holds and
-        ``view`` the 1-D view of the host state over it (writing into it changes the state).
-        ``step`` stays in ``cm.optimizer.state`` (every rank's is the same). Before the first
-        step there is no state; ``create`` makes it (zeros, step 0) for a load to fill."""
+        """Per trainable parameter (its name in the model) that has sharded optimizer state on
+        this rank: ``{field: (global shape, lo, hi, view)}`` for each per-element field (AdamW's
+        ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``: the runner's
+        ``shard_states``), where ``[lo, hi)`` is the range of the parameter's flattened elements
+        this rank holds and ``view`` the 1-D view of the host state over it (writing into it
+        changes the state). ``step`` stays in ``cm.optimizer.state`` (every rank's is the
+        same). Before the first step there is no state; ``create`` makes it (zeros, step 0) for
+        a load to fill (:meth:`states_loaded` after it).
+
+        A replicated optimizer (Adafactor) has none: its states are whole on every rank, in
+        ``cm.optimizer.state`` as without data parallel (a checkpoint saves them once)."""
         out: dict[str, dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]] = {}
         opt = self.optimizer
-        if opt is None or self.store is None:
+        if opt is None or self.store is None or self.replicated:
             return out
+        args: tuple = ()
         if create:
             hp = opt.config.hyperparams()
-            amsgrad = bool((hp if isinstance(hp, dict) else hp[0])["amsgrad"])
+            first = hp if isinstance(hp, dict) else hp[0]
+            args = (bool(first["amsgrad"]),) if "amsgrad" in first else ()
+        ssd = getattr(opt, "ssd", None)  # the NVMe tier: its groups' states are read from (and loaded to) the SSD
         for grp in self.store.groups:
+            if ssd is not None and grp.index in ssd.groups:
+                self._ssd_pieces(ssd, grp, create, out)
+                continue
             if create and grp.trainable_numel and grp.index not in opt.state:
-                opt.ensure(grp.index, amsgrad)  # zeros, step 0
-            st = opt.state.get(grp.index)
-            if st is None:
+                opt.ensure(grp.index, *args)  # zeros, step 0
+            if grp.index not in opt.state:
                 continue
             lo, hi = self.store.shard_of(grp.index)
             infos = [i for i in grp.infos if i.kind == "param" and i.trainable]
             for info, (o, n) in zip(infos, grp.trainable_spans()):
                 a, b = max(o, lo), min(o + n, hi)
-                if a >= b:
-                    continue
+                fields = opt.shard_states(grp.index, o) if a < b else {}
+                if fields:
+                    out[info.key] = {f: (tuple(info.shape), a - o, b - o, buf[a - lo : b - lo]) for f, buf in fields.items()}
+        return out
+
+    def _ssd_pieces(self, ssd: Any, grp: Any, create: bool, out: dict) -> None:
+        """:meth:`state_pieces` of a group whose states (this rank's shard) are on the SSD:
+        views of copies read from it (``create``: copies a load writes into, which
+        :meth:`refresh_masters` writes back; zeros at step 0 before the first update)."""
+        st = ssd.loadable(grp.index) if create and grp.trainable_numel else ssd.snapshot(grp.index)
+        if st is None:
+            return
+        lo, hi = self.store.shard_of(grp.index)
+        infos = [i for i in grp.infos if i.kind == "param" and i.trainable]
+        for info, (o, n) in zip(infos, grp.trainable_spans()):
+            a, b = max(o, lo), min(o + n, hi)
+            if a < b:
                 fields = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
                 out[info.key] = {f: (tuple(info.shape), a - o, b - o, buf[a - lo : b - lo]) for f, buf in fields.items()}
-        return out
+
+    def states_loaded(self) -> None:
+        """After a load wrote into :meth:`state_pieces` (made with ``create``): the runner marks
+        its states as past a first step where that changes the update (SGD: a momentum buffer
+        that exists is used, as torch's loaded one is)."""
+        mark = getattr(self.optimizer, "loaded", None)
+        if mark is not None:
+            for g in list(self.optimizer.state):
+                mark(g)
 
     def master_pieces(self) -> dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]:
         """Mixed precision (bf16): per trainable parameter whose fp32 master this rank holds a
@@ -296,7 +376,7 @@ class DataParallelRuntime:
         rank."""
         out: dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]] = {}
         store = self.store
-        if store is None:
+        if store is None or not store.sharded:  # (replicated: the model's parameters are the whole masters)
             return out
         for grp in store.groups:
             if not grp.separate_master or not grp.trainable_numel:

@@ -398,6 +398,12 @@ class HostAdamW:
         into before the first update (data parallel's checkpoint pieces)."""
         return self._state(g, amsgrad)
 
+    def shard_states(self, g: int, off: int) -> dict[str, torch.Tensor]:
+        """Data parallel's checkpoint pieces: the per-element state buffers (this rank's shard
+        of group ``g``) of the parameter at element ``off``, by torch's field names."""
+        st = self.state[g]
+        return {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Group ``g``'s ``(step, exp_avg, exp_avg_sq)``, dropped here (the group is updated on
         the device from now on); None when it has none."""
@@ -647,8 +653,18 @@ class _SGDState:
     def __init__(self, store: HostStore, g: int, layout) -> None:
         grp = store.groups[g]
         self.step = torch.zeros((), dtype=torch.float32)  # updates so far (torch's first-step test)
-        self.momentum_buffer = torch.zeros(grp.trainable_numel, dtype=grp.dtypes.state)
-        self.pgs = _param_views(store, g, layout, [store.master(g), store.grad(g), self.momentum_buffer])
+        # data parallel: the buffers hold the rank's shard [lo, hi) (momentum is elementwise, and
+        # the shard's bounds keep every element's position modulo 16 in its parameter: bitwise
+        # the update over whole parameters, as for AdamW); spans stay group element offsets
+        lo, hi = store.shard_of(g) if hasattr(store, "shard_of") else (0, grp.trainable_numel)
+        self.momentum_buffer = torch.zeros(hi - lo, dtype=grp.dtypes.state)
+        bufs = [store.master(g), store.grad(g), self.momentum_buffer]
+        self.pgs = []
+        for k, spans in layout:
+            spans = _clip(spans, lo, hi)
+            if spans:
+                views = [[b[o - lo : o - lo + n] for o, n in spans] for b in bufs]
+                self.pgs.append((k, views, None, spans))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.step, self.momentum_buffer]
@@ -693,6 +709,24 @@ class HostSGD(_HostRunner):
             lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=h["maximize"], is_first_step=False,
         )  # fmt: skip
 
+    def ensure(self, g: int) -> _SGDState:
+        """Group ``g``'s state, created (zeros, step 0) if it has none yet (data parallel's
+        checkpoint pieces, for a load to write into; :meth:`loaded` after it)."""
+        return self._state(g)
+
+    def loaded(self, g: int) -> None:
+        """A load wrote group ``g``'s momentum buffers: past the first step (torch uses a
+        loaded buffer at its next step), as :meth:`load_group` marks it."""
+        st = self.state.get(g)
+        if st is not None:
+            st.step.clamp_(min=1.0)
+
+    def shard_states(self, g: int, off: int) -> dict[str, torch.Tensor]:
+        """Data parallel's checkpoint pieces: this rank's shard of group ``g``'s momentum buffer
+        for the parameter at element ``off``; none where its parameter group has no momentum
+        (torch keeps no state then)."""
+        return {"momentum_buffer": self.state[g].momentum_buffer} if self._momentum(g, off) else {}
+
     def _momentum(self, g: int, off: int) -> bool:
         lay = _layout(self.config, self.store.groups[g])
         for k, spans in lay:
@@ -704,6 +738,8 @@ class HostSGD(_HostRunner):
         st = self.state.get(g)
         if st is None or int(st.step.item()) == 0 or not self._momentum(g, off):
             return {}  # torch.optim.SGD keeps no state without momentum
+        if getattr(self.store, "sharded", False):
+            return {}  # data parallel: ranges per rank (DataParallelRuntime.state_pieces, what checkpoints save)
         return {"momentum_buffer": st.momentum_buffer[off : off + n].view(shape)}
 
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
@@ -714,8 +750,9 @@ class HostSGD(_HostRunner):
             return
         st = self._state(g)
         st.step.fill_(1.0)  # past the first step: the momentum buffers exist
-        for (_, off, n, shape), e in entries:
-            st.momentum_buffer[off : off + n].view(shape).copy_(e["momentum_buffer"])
+        # (data parallel: whole states, of which this rank keeps its shard's range)
+        shard = self.store.shard_of(g) if getattr(self.store, "sharded", False) else None
+        copy_state_entries(entries, {"momentum_buffer": st.momentum_buffer}, shard=shard)
 
 
 class _AdafactorState:

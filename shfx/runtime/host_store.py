@@ -27,6 +27,12 @@ its trainable region), which the model's frozen parameters view. The first call 
 rank 0's fp32 masters group by group (one group's trainable region at a time), each rank keeps
 its shard and casts the whole into its image, as ``p16.copy_(master)``. A group whose trainable
 region mixes dtypes (BatchNorm's fp32 affine parameters, ``fp32_norms=True``) is refused.
+
+Data parallel with a replicated optimizer (``dp.replicated``: Adafactor, whose update reads
+whole rows and columns) holds everything whole, as without data parallel (:attr:`sharded` is
+False: masters, gradients and states are the whole group's, the model's parameters view the
+fp32 masters, ``.grad`` is exposed: the all-reduced gradient, as DDP's); only the first call's
+broadcast of rank 0's weights (image and masters) differs.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ class HostStore:
         self.pin = pin
         if dp is not None:
             _check_dp_parts(self.groups)
+        replicated = dp is not None and dp.replicated
+        if replicated:
+            dp, bcast = None, dp  # laid out as without data parallel; rank 0's weights broadcast at the end
         self.buffers = [backend.alloc_host(g.nbytes, pin) for g in self.groups]
         # mixed precision: the fp32 masters (never sent over the link: not pinned); under data
         # parallel only their frozen part (the trainable region is sharded: master_shards), at
@@ -139,6 +148,8 @@ class HostStore:
                 else:  # fp32: the image is the model's weights; the master shards are read from it
                     self.refresh_working(g.index)
             sources.clear()
+        if replicated:  # every rank starts from rank 0's image and fp32 masters (the whole masters: replicated)
+            bcast.broadcast(self.buffers + [m for m in self.masters if m is not None])
         self._grads: list[torch.Tensor | None] = [None] * len(self.groups)
         self.grad_state = [GRAD_NONE] * len(self.groups)
         self._staging_free: list[torch.Tensor] = []
