@@ -23,7 +23,10 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   the updates of the groups it reads, and this step's own updates are left out (they overlap
   the next step). ``step_s`` is then the period of a training loop. A GRAD_NORM ``GN g`` takes
   :data:`GRAD_NORM_RATIO` x the group's ``update_s`` (it reads the fp32 gradient once; the
-  update moves ~10x the bytes).
+  update moves ~10x the bytes); one of a group updated on the device (``meta.device``: on the
+  compute stream, charged to ``compute``) :data:`DEVICE_GRAD_NORM_RATIO` x its
+  ``device_update_s``, and the deferred ``DU g`` of the previous step run first on the compute
+  stream, each persistent stage's FORWARD after the update of the groups it reads.
 - **Phases.** The runtime issues the backward phase only after every forward-phase action has
   finished (``Engine.forward`` waits for them before returning), so backward-phase actions start
   no earlier than the end of the forward phase (``phase_barrier=True``, the default).
@@ -144,11 +147,21 @@ from shfx.passes.units import format_bytes, format_seconds
 from .costs import ROLLBACK_COPY_RATIO, CostModel, Links, StageCost
 from .trace import Event
 
-__all__ = ["simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER", "GRAD_NORM_RATIO"]
+__all__ = [
+    "simulate", "Timeline", "Event", "SimulationError", "RESOURCES", "STREAM_ORDER", "GRAD_NORM_RATIO",
+    "DEVICE_GRAD_NORM_RATIO",
+]  # fmt: skip
 
 GRAD_NORM_RATIO = 0.1
 """A GRAD_NORM's duration as a fraction of its group's ``update_s``: it reads 4 bytes a parameter
 (the fp32 host gradient), the update moves 40 (:func:`shfx.cost_model.costs.host_update_bytes`)."""
+
+DEVICE_GRAD_NORM_RATIO = 4 / 28
+"""A GRAD_NORM of a group updated on the device (``meta.device``: exact clipping with
+``Resident`` or ``Stronghold(resident_first=k)``), on the compute stream, as a fraction of the
+group's ``device_update_s``: the norm reads the 4-byte gradient once, the device AdamW reads and
+writes 28 bytes a parameter (parameter, m and v read and written, the gradient read; the
+analytic model's ``device_update_s`` is those bytes over the device's memory bandwidth)."""
 
 
 _SSD = ("ssd_read", "ssd_write")
@@ -501,6 +514,9 @@ class _Sim:
                         f"action {nd.meta.action}: no stage of program {self.program.name!r} owns parameter group {s}"
                     )
                 info = KINDS[k]
+                if k == GN and nd.meta.device:  # a reduction over the gradient in device memory
+                    nd.dur = DEVICE_GRAD_NORM_RATIO * owner[s].device_update_s + self.dispatch_s
+                    continue
                 if k in (GN, US):  # one pass over the fp32 gradient (US: read and written)
                     nd.dur = GRAD_NORM_RATIO * (2 if k == US else 1) * owner[s].update_s + self.dispatch_s
                     continue
@@ -914,7 +930,7 @@ class _Sim:
                         by["idle"] += max(0.0, nd.host_start - nd.copy_end)
                     by["link"] += nd.copy_end - nd.start
                 else:
-                    by[KINDS[nd.kind].resource] += nd.end - nd.start
+                    by[nd.meta.resource] += nd.end - nd.start
                 cands = [(time_of(d, "done"), d, "done") for d in nd.deps]
                 sp = nd.stream_pred
                 if sp is not None:

@@ -22,7 +22,8 @@ With exact gradient clipping (``updates="next-forward"``) steps 4, 7 and 8 are r
 4'. :func:`add_grad_norms` - ``GN g`` where ``U g`` would go: the norms of group ``g``'s
     gradients, as soon as they are on the host;
 7'. :func:`add_deferred_updates` - the step's gate ``CK0`` (phase ``"step"``: the total norm,
-    the clip coefficient, the finite check), then every ``U g`` at the end, in forward order
+    the clip coefficient, the finite check), then every ``U g`` (``DU g`` for a group updated on
+    the device) at the end, in forward order
     (phase ``"next-forward"``: they run during the next step's forward);
 8'. :func:`add_leading_refresh` - ``PF`` of every persistent stage reading a host-updated
     group before the first action (the next forward refreshes it after its update).
@@ -282,27 +283,34 @@ def add_refresh(acts: Sequence[Action], persistent: Sequence[int]) -> list[Actio
     return list(acts) + [Action(PF, s) for s in persistent]
 
 
-def add_grad_norms(acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int]) -> list[Action]:
-    """Given an action order, add ``GN g`` for each host-updated group where its gradients are
-    complete: after the trailer of its last contributor's ``B`` (its ``OG`` included), where
-    :func:`add_updates_in_backward` would put ``U g``. Device-updated groups are refused: their
-    gradients never reach the host, and exact clipping needs every gradient's norm."""
+def add_grad_norms(
+    acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int], persistent: Sequence[int] = ()
+) -> list[Action]:
+    """Given an action order, add ``GN g`` for each group where its gradients are complete:
+    after the trailer of its last contributor's ``B`` (its ``OG`` included), where
+    :func:`add_updates_in_backward` would put ``U g`` or ``DU g``. A group updated on the device
+    is normed there (its gradient stays in its owner's slot until the update after the gate), so
+    its owner must be ``persistent``: a streamed owner's gradient leaves with its slot (L2L), and
+    is refused."""
     order = [a.stage for a in acts if a.kind == B]
-    dev = sorted({g for s in stages for g in ([s.update_group] if s.update_group is not None else []) if g in device_groups})
-    if dev:
+    owner = {s.update_group: s.index for s in stages if s.update_group is not None}
+    streamed = sorted(g for g in device_groups if g in owner and owner[g] not in persistent)
+    if streamed:
         raise ScheduleError(
-            f"exact gradient clipping needs every group updated on the host, but groups {dev} are updated on the device; "
-            "use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity"
+            f"exact gradient clipping defers each update behind the total norm, but groups {streamed} are updated on the "
+            "device by streamed stages (L2L), whose gradients leave the device with the slot before the norm is known; "
+            "use policy='resident', Stronghold(resident_first=...) or a policy updating on the host"
         )
     return _insert_after(acts, B, {s: [Action(GN, g) for g in gs] for s, gs in last_contributors(stages, order).items()})
 
 
-def add_deferred_updates(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:
+def add_deferred_updates(acts: Sequence[Action], stages: Sequence[StageSpec], device_groups: frozenset[int] = frozenset()) -> list[Action]:
     """Given an action order with ``GN`` actions, append the step's gate ``CK0`` (phase
     ``"step"``: the total norm from every ``GN``, the clip coefficient, the finite check) and
-    then ``U g`` for every host group in forward order (the order of the stages owning them):
-    ``step()`` runs the gate, then starts the updates and returns; the next forward prefetches
-    stage ``s`` after the updates of the groups it reads
+    then the update of every group in forward order (the order of the stages owning them):
+    ``U g`` on the host, ``DU g`` for a group in ``device_groups`` (its gradient waited in its
+    persistent owner's slot): ``step()`` runs the gate, then starts the updates and returns; the
+    next forward prefetches stage ``s`` after the updates of the groups it reads
     (:func:`shfx.passes.schedule.steady_state_program`).
 
     >>> from shfx.passes.stages import chain
@@ -311,7 +319,7 @@ def add_deferred_updates(acts: Sequence[Action], stages: Sequence[StageSpec]) ->
     'F0 F1 B1 OG1 GN1 B0 OG0 GN0 CK0 U0 U1'
     """
     owners = sorted((s.index, s.update_group) for s in stages if s.update_group is not None)
-    return list(acts) + [Action(CK, 0)] + [Action(U, g) for _, g in owners]
+    return list(acts) + [Action(CK, 0)] + [Action(DU if g in device_groups else U, g) for _, g in owners]
 
 
 def add_leading_refresh(acts: Sequence[Action], stages: Sequence[StageSpec], persistent: Sequence[int], device_groups: frozenset[int]) -> list[Action]:

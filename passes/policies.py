@@ -282,18 +282,31 @@ class Stronghold(_NVMe, Policy):
 @dataclass(frozen=True)
 class Resident(Policy):
     """Everything on the device, the optimizer too (Megatron-like): every stage persistent, each
-    group updated on the device right after the last backward that sends it gradients.
+    group updated on the device right after the last backward that sends it gradients. With
+    ``deferred_update`` (exact clipping: ``max_grad_norm`` turns it on) each group's norm is
+    computed on the device after its last backward, its gradient waits in the stage's gradient
+    buffer, and the updates run after the step's gate, in forward order.
 
     >>> from shfx.passes.stages import chain
     >>> " ".join(Resident().program(chain(3)).actions())
     'F0 F1 F2 B2 DU2 B1 DU1 B0 DU0'
+    >>> " ".join(Resident(deferred_update=True).program(chain(3)).actions())
+    'F0 F1 F2 B2 GN2 B1 GN1 B0 GN0 CK0 DU0 DU1 DU2'
     """
 
     name: ClassVar[str] = "resident"
+    deferred_update: bool = False
+
+    def __post_init__(self) -> None:
+        _check_flag("Resident", "deferred_update", self.deferred_update)
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
         n = len(stages)
-        return Placement(tuple(range(n)), (), 0, 0, _update_groups(stages), "backward")
+        when: Updates = "next-forward" if self.deferred_update else "backward"
+        return Placement(tuple(range(n)), (), 0, 0, _update_groups(stages), when)
+
+    def program_name(self, placement: Placement) -> str:
+        return "resident(deferred update)" if self.deferred_update else "resident"
 
 
 @dataclass(frozen=True)
@@ -514,8 +527,8 @@ def policy_actions(policy: Policy, stages: Sequence[StageSpec]) -> list[Action]:
     if pl.updates == "next-forward":
         # exact clipping is a feature pass (shfx.passes.features.clip_program) over the program
         # that updates during the backward: GN where each U was, the gate CK0, the U's deferred
-        if pl.device_groups:  # (raises: every gradient must reach the host)
-            add_grad_norms(add_grad_offloads(compute_order(stages), stages, pl.device_groups), stages, pl.device_groups)
+        if pl.device_groups:  # (raises for a streamed stage updated on the device: its gradient leaves with the slot)
+            add_grad_norms(compute_order(stages), stages, pl.device_groups, pl.persistent)
         return [get_meta(n).action for n in _clipped(policy, stages, pl).nodes]
     return _placement_actions(policy, stages, pl)
 
@@ -559,8 +572,8 @@ def lower_policy(policy: Policy, stages: Sequence[StageSpec]) -> Program:
     stages = checked_stages(stages)
     pl = policy.placement(stages)
     if pl.updates == "next-forward":
-        if pl.device_groups:
-            policy_actions(policy, stages)  # (its refusal)
+        if pl.device_groups:  # (its refusal of streamed device stages)
+            add_grad_norms(compute_order(stages), stages, pl.device_groups, pl.persistent)
         return _clipped(policy, stages, pl)
     if pl.updates == "next-step":  # the delayed update: the placement updating after the backward, then the pass
         base = dataclasses.replace(pl, updates="after-backward", refresh=True)

@@ -99,6 +99,9 @@ class ActionMeta:
         cost_s: predicted duration, filled by the cost model (None until annotated).
         buffer: SSD_READ and SSD_WRITE only: the host-window buffer (``0..host_window-1``) the
             group's optimizer state is read into and written back from.
+        device: GRAD_NORM only: the group is updated on the device (``DU``), so its norms are
+            computed there, on the compute stream, over the gradient in the gradient buffer of
+            its (persistent) owner's slot (``slot``), where the ``DU`` after the gate reads it.
     """
 
     action: Action
@@ -110,6 +113,7 @@ class ActionMeta:
     grads_to: str | None = None
     refresh: bool = False
     buffer: int | None = None
+    device: bool = False
 
     @property
     def kind(self) -> ActionKind:
@@ -121,7 +125,12 @@ class ActionMeta:
 
     @property
     def stream(self) -> str:
-        return self.action.kind.stream
+        return "compute" if self.device else self.action.kind.stream
+
+    @property
+    def resource(self) -> str:
+        """What the simulator charges its time to (a device GRAD_NORM: the compute stream's)."""
+        return "compute" if self.device else KINDS[self.action.kind].resource
 
 
 class Program:
@@ -493,7 +502,8 @@ def lower_actions(
 
         buffer: int | None = None
         step_phase = False
-        if deferred and not (k in (ActionKind.CPU_STEP, SN, US, SR, SW, AG) and norms):
+        on_device = False
+        if deferred and not (k in (ActionKind.CPU_STEP, ActionKind.DEVICE_STEP, SN, US, SR, SW, AG) and norms):
             raise fail(
                 pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they (and their SSD "
                 "reads and writes, their all-gathers) must end the program"
@@ -578,6 +588,23 @@ def lower_actions(
                 if k != before and Action(before, s) in last and (before == US or k == ActionKind.CPU_STEP):
                     deps.append(last[Action(before, s)])
             deferred = not updates_in_step
+        elif k == ActionKind.GRAD_NORM and s in device_groups:
+            # a group updated on the device: its norms on the device, where its gradient stays
+            # (the gradient buffer of its owner's slot) until the DU after the gate reads it
+            if s not in owner_of:
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            own = owner_of[s]
+            if own not in persistent:
+                raise fail(
+                    pos, act, f"group {s} is updated on the device, and its owner, stage {own}, is streamed (not persistent): "
+                    "its gradient leaves the device with the stage's slot, so it cannot wait there for the gate (CK0) and "
+                    f"the DU{s} after it"
+                )
+            slot, pf, _ = need_resident(pos, act, own)
+            for j in contributors(s):
+                deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            reader_of = own
+            on_device = True
         elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM, SN, US):
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
@@ -609,6 +636,11 @@ def lower_actions(
                 deps.append(pf)
             for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            if norms:  # (exact clipping) after the gate, which waits for every norm
+                if gate is None:
+                    raise fail(pos, act, "a device update after the gradient norms (GN) runs after the step's gate: CK0 first")
+                deps.append(gate)
+                deferred = not updates_in_step
             reader_of = own
         else:
             spec = need_stage(pos, act)
@@ -708,7 +740,7 @@ def lower_actions(
         set_meta(node, ActionMeta(
             action=act, phase=node_phase,
             slot=slot, bytes=nbytes, grads_to=grads_to,
-            refresh=refresh, buffer=buffer,
+            refresh=refresh, buffer=buffer, device=on_device,
         ))  # fmt: skip
         last[act] = node
         if k == SR:

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from .meta import get_meta, set_meta
 from .policies import schedule_window, window_actions
-from .program import AG, OG, PF, R, U, Action, Program, lower_actions
+from .program import AG, DU, OG, PF, R, U, Action, F, Program, lower_actions
 
 __all__ = [
     "eval_program",
@@ -130,9 +130,10 @@ def steady_state_program(program: Program) -> Program:
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=f"{n.name}_prev")
         set_meta(node, replace(m, phase="forward"))
         in_tail[n] = node
-        if m.kind in (U, AG):  # (with data parallel the all-gather after the update is what a PF waits for)
+        if m.kind in (U, AG, DU):  # (with data parallel the all-gather after the update is what a PF waits for)
             prev[m.stage] = node
     env: dict[fx.Node, fx.Node] = {}
+    dev = program.device_groups()
     for n in program.nodes:
         m = get_meta(n)
         if m.phase in ("next-forward", "delayed"):
@@ -142,6 +143,8 @@ def steady_state_program(program: Program) -> Program:
         deps = [env[d] for d in program.deps(n) if d in env]
         if m.kind == PF:
             deps += [prev[g] for g in sorted(groups_read(program, m.stage)) if g in prev]
+        elif m.kind == F and m.stage in program.persistent:  # a slot a deferred DU updated in place
+            deps += [prev[g] for g in sorted(groups_read(program, m.stage) & dev) if g in prev]
         elif m.kind == OG and program.updates_delayed:  # the delayed update reads the buffer the copy writes
             deps += [prev[g] for g in sorted(program.stages[m.stage].grad_groups) if g in prev]
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=n.name)

@@ -21,8 +21,9 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
    gradients to a host-updated group, exactly one update (U on the host or DU on the device) per
    trainable group, and end with every slot released except the persistent stages'.
 7. **step boundary** (programs whose updates run in the next forward, exact gradient
-   clipping): the updates in phase ``"next-forward"`` end the program, are CPU_STEPs, and each
-   waits for every GRAD_NORM; every host group has one GRAD_NORM, no update runs in the
+   clipping): the updates in phase ``"next-forward"`` end the program, are CPU_STEPs or
+   DEVICE_STEPs, and each waits for every GRAD_NORM; every trainable group has one GRAD_NORM
+   (on the device, after its last BACKWARD, for a group updated there), no update runs in the
    backward; and in the steady state (:func:`shfx.passes.schedule.steady_state_program`) every
    PREFETCH of a stage waits for the previous step's update of each group it reads, and every
    action on a stage reading a host group runs on weights prefetched in this step (a persistent
@@ -368,12 +369,16 @@ def grads_before_update(v: ProgramView) -> Iterator[Violation]:
             continue
         if g not in v.owner_of:
             yield n, f"{v.act(n)} updates group {g}, which no stage owns"
-        if k in (U, GN) and g in v.device_groups:
+        on_device = k == DU or (k == GN and m.device)
+        if k == U and g in v.device_groups:
             yield n, f"{v.act(n)} reads group {g}'s gradients on the host, but DU{g} updates it on the device"
+        if k == GN and (g in v.device_groups) != m.device:
+            where = "on the device" if m.device else "on the host"
+            yield n, f"{v.act(n)} norms group {g}'s gradients {where}, but the group is updated {'on the host' if m.device else 'on the device (DU)'}"
         for st in v.program.stages:
             if g not in st.grad_groups:
                 continue
-            if k == DU:
+            if on_device:
                 b = v.last(B, st.index, n)
                 if b is None or not v.waits(n, b):
                     yield n, f"{v.act(n)} reads group {g}'s gradients before B{st.index} produced stage {st.index}'s"
@@ -426,8 +431,8 @@ def completeness(v: ProgramView) -> Iterator[Violation]:
 
 def step_boundary(v: ProgramView) -> Iterator[Violation]:
     """7. Updates deferred to the next forward (exact gradient clipping): they end the program,
-    are CPU_STEPs waiting for every GRAD_NORM (the clip coefficient needs every norm); each host
-    group has one GRAD_NORM and no update runs before the step ends; across the step boundary
+    are CPU_STEPs or DEVICE_STEPs waiting for every GRAD_NORM (the clip coefficient needs every
+    norm); each trainable group has one GRAD_NORM and no update runs before the step ends; across the step boundary
     (the steady state), a PREFETCH of a stage waits for the previous update of every group it
     reads, and each action on a stage that reads a host group uses weights prefetched in this
     step (a persistent stage is refreshed first)."""
@@ -443,7 +448,7 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
     if v.program.ranks > 1 and any(get_meta(n).kind == CK for n in gates) and not any(get_meta(n).kind == NR for n in gates):
         yield None, "the step's gate CK0 of a data-parallel program needs NR0 first (every rank's norms and finite checks combined)"
     if not tail:
-        stepped = [n for n in v.nodes if get_meta(n).kind == U and get_meta(n).phase == "step"]
+        stepped = [n for n in v.nodes if get_meta(n).kind in (U, DU) and get_meta(n).phase == "step"]
         if norms and stepped:  # clipping with the updates in step(): each waits for every norm
             for n in stepped:
                 for d in norms:
@@ -460,10 +465,10 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
             yield n, f"{v.act(n)} comes after the deferred updates, which must end the program"
         elif m.kind in (SR, SW, AG, SN, US):
             continue  # the unscales and the journal's copies before the deferred updates, the NVMe tier's reads and write-backs of the deferred updates (rule 8), data parallel's all-gathers
-        elif m.kind != U:
+        elif m.kind not in (U, DU):
             yield n, (
-                f"{v.act(n)} is deferred to the next forward, but only CPU_STEPs (and their SSD reads and writes, "
-                "their all-gathers) may be"
+                f"{v.act(n)} is deferred to the next forward, but only updates (CPU_STEPs, DEVICE_STEPs, the CPU_STEPs' "
+                "SSD reads and writes and all-gathers) may be"
             )
         else:
             for d in norms:
@@ -472,11 +477,11 @@ def step_boundary(v: ProgramView) -> Iterator[Violation]:
     for n in v.nodes[:first]:
         if get_meta(n).kind in (U, DU):
             yield n, f"{v.act(n)} updates during the step, before the norm of every gradient is known"
-    host = sorted({st.update_group for st in v.stages.values() if st.update_group is not None} - v.device_groups)
-    counts = {g: sum(1 for n in norms if get_meta(n).stage == g) for g in host}
+    groups = sorted({st.update_group for st in v.stages.values() if st.update_group is not None})
+    counts = {g: sum(1 for n in norms if get_meta(n).stage == g) for g in groups}
     for g, c in counts.items():
         if c != 1:
-            yield None, f"GN{g} appears {c} times; a program deferring its updates needs it exactly once per host group"
+            yield None, f"GN{g} appears {c} times; a program deferring its updates needs it exactly once per trainable group"
     steady = steady_state_program(v.program)
     # (with data parallel a PF waits for the all-gather after the update: the later one wins)
     prev = {get_meta(n).stage: n for n in steady.nodes if n.name.endswith("_prev") and get_meta(n).kind in (U, AG)}

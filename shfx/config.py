@@ -272,14 +272,12 @@ def _clipping_overlapped(c: Config) -> bool:
 
 
 def _clip_policy_fix(c: Config) -> str:
-    """A policy without the deferred-update schedule: the host-updating policies that have it; a
-    policy updating on the device (Resident, L2L) cannot clip in step() either (the
-    updates-in-step pass needs every gradient on the host), so overlap_update=False is offered
-    only to a policy updating on the host (a program of one's own)."""
-    fix = "use policy='stronghold', 'zero-offload' or 'zero-infinity' (their deferred-update schedule keeps the update overlapped)"
-    if c.policy.name in ("resident", "l2l"):
-        return fix
-    return fix + ", or overlap_update=False (updates in step())"
+    """A policy without the deferred-update schedule (a function policy: L2L has its own row):
+    the policies that have it, or the updates in step()."""
+    return (
+        "use policy='stronghold', 'resident', 'zero-offload' or 'zero-infinity' (their deferred-update schedule keeps "
+        "the update overlapped), or overlap_update=False (updates in step())"
+    )
 
 
 def _rollback_needed_fix(c: Config) -> str:
@@ -319,20 +317,24 @@ CONFLICTS: tuple[Conflict, ...] = (
         "pass optimizer=shfx.optim.AdamW(...), or drop max_grad_norm",
     ),
     Conflict(
+        # NOTE: a true conflict (issue 25), overlapped or not: L2L updates each stage on the
+        # device while it is the one stage resident and sends it back (OP) before the next;
+        # deferring those updates behind the total norm would keep every stage's gradient on the
+        # device until the gate (its window is one stage) and fetch every stage again to update it
+        "clipping with L2L",
+        lambda c: c.max_grad_norm is not None and c.policy.name == "l2l",
+        "max_grad_norm with policy 'l2l': L2L updates each stage on the device while it is the one stage resident, and "
+        "its gradient leaves the device with the slot before every gradient's norm is known (holding them all until the "
+        "step's gate would keep every stage's gradient on the device, which its one-stage window rules out)",
+        "use policy='resident' or 'stronghold' (Stronghold(resident_first=k) keeps k stages and their optimizer on the "
+        "device; max_grad_norm defers their updates behind the norm), or drop max_grad_norm",
+    ),
+    Conflict(
         "clipping with updates during the backward",
         lambda c: _clipping_overlapped(c) and "deferred_update" not in c.policy.options(),
         "max_grad_norm with policy {c.policy.name!r}: its updates run during the backward, before every gradient's "
         "norm is known",
         lambda c: _clip_policy_fix(c),
-    ),
-    Conflict(
-        "clipping with device updates (resident_first)",
-        lambda c: _clipping_overlapped(c) and getattr(c.policy, "resident_first", 0) != 0,
-        "max_grad_norm needs every gradient on the host, but {c.policy!r} keeps its first stages' gradients and "
-        "updates on the device (resident_first), updated during the backward, before the norm is known",
-        # (not overlap_update=False: clipping in step() needs every gradient on the host too, the
-        # updates-in-step pass would refuse it at the first call)
-        "use resident_first=0 (every gradient on the host, clipped exactly with the update overlapped)",
     ),
     Conflict(
         "clipping with a delayed update",

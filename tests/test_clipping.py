@@ -18,7 +18,7 @@ from shfx.cost_model.simulate import GRAD_NORM_RATIO, simulate
 from shfx.errors import UsageError
 from shfx.passes.meta import get_meta
 from shfx.passes.policies import Stronghold, ZeroInfinity, ZeroOffload
-from shfx.passes.program import lower_actions
+from shfx.passes.program import ScheduleError, lower_actions
 from shfx.passes.schedule import cold_backward_program, data_parallel_program, steady_state_program
 from shfx.passes.stages import chain
 from shfx.passes.verify import VerificationError, step_boundary, verify_program
@@ -161,11 +161,10 @@ def test_bad_arguments_are_refused():
     model = gpt_tied()
     with pytest.raises(ValueError, match="max_grad_norm must be a number > 0"):
         shfx.compile(model, device=_device(), optimizer=shfx.optim.AdamW(), max_grad_norm=-1.0)
-    with pytest.raises(ValueError, match="resident_first"):
-        shfx.compile(model, device=_device(), optimizer=shfx.optim.AdamW(), max_grad_norm=1.0,
-                     policy=shfx.Stronghold(window=2, resident_first=1))  # fmt: skip
-    with pytest.raises(ValueError, match="policy 'resident'"):
-        shfx.compile(model, device=_device(), optimizer=shfx.optim.AdamW(), max_grad_norm=1.0, policy="resident")
+    for overlap in (True, False):  # L2L: its streamed stages' gradients leave the device before the norm is known
+        with pytest.raises(ValueError, match="policy 'l2l'.*one-stage window"):
+            shfx.compile(model, device=_device(), optimizer=shfx.optim.AdamW(), max_grad_norm=1.0, policy="l2l",
+                         overlap_update=overlap)  # fmt: skip
     with pytest.raises(ValueError, match="choose one"):
         ZeroOffload(delayed_update=True, deferred_update=True)
 
@@ -471,3 +470,139 @@ def test_lowering_passes_golden():
     assert " ".join(map(str, add_leading_refresh(acts, specs, (0, 1), frozenset()))).startswith("PF0 PF1 F0")
     with pytest.raises(ScheduleError, match="groups \\[0\\] are updated on the device"):
         add_grad_norms(compute_order(specs), specs, frozenset({0}))
+
+
+# ---- groups updated on the device (Resident, Stronghold(resident_first=k)) --------------------
+
+
+def _device_grid() -> list:
+    """Every zoo model x Resident, Stronghold(resident_first=1 at W=2, 2 at W=1) x the update
+    overlapped (the deferred schedule) or in step() x norm above / below the threshold; gpt_tied
+    clipped with Resident and resident_first=1, each way, runs by default, the rest with SHFX_SLOW=1."""
+    out = []
+    policies = [("resident", shfx.Resident()), ("k1", shfx.Stronghold(window=2, resident_first=1)),
+                ("k2w1", shfx.Stronghold(window=1, resident_first=2))]  # fmt: skip
+    for name in sorted(ZOO):
+        for pid, policy in policies:
+            for overlap in (True, False):
+                for max_norm in (ALWAYS, NEVER):
+                    fast = name == "gpt_tied" and pid in ("resident", "k1") and max_norm == ALWAYS
+                    out.append(pytest.param(name, policy, overlap, max_norm, marks=() if fast else pytest.mark.slow,
+                                            id=f"{name}-{pid}-{'overlap' if overlap else 'in_step'}-{max_norm:g}"))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("name,policy,overlap,max_norm", _device_grid())
+def test_clipping_with_device_updates_is_eager_clip_then_fused_adamw(name, policy, overlap, max_norm):
+    """Groups updated on the device are normed there (GN on the compute stream, over the
+    gradient waiting in the persistent stage's gradient buffer), counted in the gate's total,
+    and updated after it (DU scaled by the coefficient): bitwise eager clip_grad_norm_ + fused
+    AdamW (norms, losses, weights), 3 steps without reseeding between them."""
+    cm = check(name, None, max_norm, policy=policy, overlap_update=overlap)
+    prog = cm.program
+    dev = prog.device_groups()
+    assert dev
+    norms = {get_meta(n).stage: get_meta(n) for n in prog.nodes if get_meta(n).kind.value == "GN"}
+    assert all(norms[g].device and norms[g].stream == "compute" for g in dev)
+    phase = "next-forward" if overlap else "step"
+    assert {get_meta(n).stage for n in prog.phase_nodes(phase) if get_meta(n).kind.value == "DU"} == dev
+    cm.close()
+
+
+def test_clipping_with_device_updates_and_gradient_accumulation():
+    check("gpt_dropout", None, ALWAYS, accum=2, policy=shfx.Stronghold(window=2, resident_first=1)).close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False])
+def test_clipping_with_device_updates_accumulation_resident(overlap):
+    check("gpt_tied", None, ALWAYS, accum=3, policy="resident", overlap_update=overlap).close()
+
+
+@pytest.mark.parametrize("policy", [shfx.Resident(), pytest.param(shfx.Stronghold(window=2, resident_first=1), marks=pytest.mark.slow)])
+def test_the_torch_style_call_with_device_updates(policy):
+    """cm.clip_grad_norm_() between backward() and step() (overlap_update=False): the device
+    groups' norms computed at the call, from their gradient in the slot; eager's bits."""
+    check("gpt_tied", None, ALWAYS, api="torch", policy=policy, overlap_update=False).close()
+
+
+def test_inf_norm_with_device_updates():
+    check("gpt_tied", None, ALWAYS, norm_type=float("inf"), policy="resident").close()
+
+
+def test_golden_programs_with_device_updates():
+    from shfx.passes.features import UPDATES_IN_STEP
+    from shfx.passes.policies import L2L, Resident
+
+    p = Resident(deferred_update=True).program(chain(3))
+    assert p.name == "resident(deferred update)"
+    assert " ".join(p.actions()) == "F0 F1 F2 B2 GN2 B1 GN1 B0 GN0 CK0 DU0 DU1 DU2"
+    assert p.actions("next-forward") == ["DU0", "DU1", "DU2"]
+    for g in range(3):
+        gn = get_meta(p.find(f"GN{g}"))
+        assert gn.device and gn.stream == "compute" and gn.slot == g  # its stage's gradient buffer
+        assert {d.name for d in p.deps(p.find(f"GN{g}"))} == {f"b{g}"}
+        assert {d.name for d in p.deps(p.find(f"DU{g}"))} == {f"b{g}", "ck0"}
+    verify_program(p)
+    verify_program(cold_backward_program(p), "backward")
+    steady = steady_state_program(p)
+    assert " ".join(steady.actions()) == "DU0 DU1 DU2 F0 F1 F2 B2 GN2 B1 GN1 B0 GN0 CK0"
+    assert "du1_prev" in {d.name for d in steady.deps(steady.find("F1"))}  # the slot DU1 updated in place
+    k1 = Stronghold(window=2, resident_first=1, deferred_update=True).program(chain(4))
+    assert " ".join(k1.actions()) == (
+        "PF1 PF2 F0 F1 R1 PF3 F2 F3 B3 OG3 GN3 R3 PF1 B2 OG2 GN2 R2 B1 OG1 GN1 R1 B0 GN0 CK0 DU0 U1 U2 U3"
+    )
+    assert not get_meta(k1.find("GN1")).device and get_meta(k1.find("GN0")).device
+    verify_program(k1)
+    ins = UPDATES_IN_STEP(Resident().program(chain(2)), clip=True)
+    assert " ".join(ins.actions()) == "F0 F1 B1 GN1 B0 GN0 CK0 DU1 DU0"
+    assert ins.actions("step") == ["CK0", "DU1", "DU0"]
+    assert all("ck0" in {d.name for d in ins.deps(ins.find(f"DU{g}"))} for g in range(2))
+    verify_program(ins)
+    from shfx.passes.lowering import add_grad_norms, compute_order
+
+    with pytest.raises(ScheduleError, match="streamed stages \\(L2L\\)"):
+        add_grad_norms(compute_order(chain(2)), chain(2), frozenset({0, 1}), ())
+
+
+def test_l2l_refuses_clipping_saying_why():
+    from shfx.passes.features import EXACT_CLIPPING, PassRefused
+    from shfx.passes.policies import L2L
+
+    with pytest.raises(PassRefused, match="streamed stages, whose gradients leave the device with their slot"):
+        EXACT_CLIPPING(L2L().program(chain(2)))
+    with pytest.raises(ScheduleError, match="its owner, stage 0, is streamed"):
+        lower_actions(["PF0", "F0", "B0", "GN0", "CK0", "DU0", "OP0", "R0"], chain(1), 1)
+
+
+def test_simulator_charges_a_device_norm_to_the_compute_stream():
+    """A GN of a device group is a reduction over the gradient in device memory: on the compute
+    stream, DEVICE_GRAD_NORM_RATIO x the group's device update; the previous step's deferred
+    DU's run first on the compute stream (the steady state)."""
+    from shfx.cost_model.simulate import DEVICE_GRAD_NORM_RATIO
+    from shfx.passes.policies import Resident
+
+    costs = CostTable([StageCost(1.0, 3.0, update_s=0.5, device_update_s=0.28)] * 3, Links(1e6, 1e6))
+    tl = simulate(Resident(deferred_update=True).program(chain(3)), costs)
+    base = simulate(Resident().program(chain(3)), costs)
+    gn = tl.event("GN1")
+    assert gn.stream == "compute" and gn.end - gn.start == pytest.approx(DEVICE_GRAD_NORM_RATIO * 0.28)
+    assert tl.event("DU0").start == 0.0 and tl.event("F0").start == pytest.approx(3 * 0.28)  # (one compute stream)
+    assert tl.step_s == pytest.approx(base.step_s + 3 * DEVICE_GRAD_NORM_RATIO * 0.28)
+    assert tl.bottleneck == "compute"
+
+
+def test_ledger_counts_the_device_gradients_held_until_the_gate():
+    """A device group's gradient waits for the gate in its persistent stage's gradient buffer,
+    which the ledger holds for the whole step (setup): the clipped program needs no device
+    memory the unclipped one does not, and no more at its peak."""
+    from shfx.passes.ledger import replay
+    from shfx.passes.policies import Resident
+
+    for policy in (Resident(), Stronghold(window=2, resident_first=1)):
+        base = policy.program(chain(4))
+        clipped = policy.replace(deferred_update=True).program(chain(4))
+        held = sum(clipped.stages[s].slot_bytes for s in clipped.persistent)
+        lb, lc = replay(base), replay(clipped)
+        assert lc.static()["gradients"] == lb.static()["gradients"] >= held
+        assert lc.peak() == lb.peak()

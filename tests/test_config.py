@@ -13,7 +13,7 @@ import torch.nn as nn
 import shfx
 from shfx.config import CONFLICTS, Config
 from shfx.errors import ConfigConflict, UsageError
-from shfx.passes.policies import FunctionPolicy
+from shfx.passes.policies import FunctionPolicy, schedule_window
 
 
 def _config(**kw) -> Config:
@@ -113,10 +113,9 @@ def _triggers(tmp_path) -> dict[str, dict]:
         "fp32_norms in fp32": dict(fp32_norms=True),
         "fp16 overlapped without rollback": dict(precision="fp16", rollback=False),
         "clipping without an optimizer": dict(max_grad_norm=1.0),
-        "clipping with updates during the backward": dict(optimizer=opt(), max_grad_norm=1.0, policy="resident"),
-        "clipping with device updates (resident_first)": dict(
-            optimizer=opt(), max_grad_norm=1.0, policy=shfx.Stronghold(window=2, resident_first=1)
-        ),
+        "clipping with L2L": dict(optimizer=opt(), max_grad_norm=1.0, policy="l2l"),
+        # (a policy of one's own: a function without the deferred-update schedule)
+        "clipping with updates during the backward": dict(optimizer=opt(), max_grad_norm=1.0, policy=schedule_window),
         "clipping with a delayed update": dict(optimizer=opt(), max_grad_norm=1.0, policy=shfx.ZeroOffload(delayed_update=True)),
         "skip_nonfinite with a delayed update": dict(skip_nonfinite=True, policy=shfx.ZeroOffload(delayed_update=True)),
         "skip_nonfinite overlapped without rollback": dict(skip_nonfinite=True, rollback=False),
@@ -177,11 +176,16 @@ def _fixes(tmp_path) -> list[tuple[str, dict, dict[str, dict]]]:
          {"overlap_update=False": dict(overlap_update=False)}),
         ("clipping without an optimizer", t["clipping without an optimizer"],
          {"optimizer=shfx.optim.AdamW(...)": dict(optimizer=opt()), "drop max_grad_norm": dict(max_grad_norm=DROP)}),
+        ("clipping with L2L", t["clipping with L2L"],
+         {"policy='resident'": dict(policy="resident"), "'stronghold'": dict(policy="stronghold"),
+          "Stronghold(resident_first=k)": dict(policy=shfx.Stronghold(window=2, resident_first=1)),
+          "drop max_grad_norm": dict(max_grad_norm=DROP)}),
+        ("clipping with L2L", dict(t["clipping with L2L"], overlap_update=False),  # (a true conflict, in step() too)
+         {"policy='resident'": dict(policy="resident"), "drop max_grad_norm": dict(max_grad_norm=DROP)}),
         ("clipping with updates during the backward", t["clipping with updates during the backward"],
-         {"policy='stronghold'": dict(policy="stronghold"), "'zero-offload'": dict(policy="zero-offload"),
-          "'zero-infinity'": dict(policy="zero-infinity")}),
-        ("clipping with device updates (resident_first)", t["clipping with device updates (resident_first)"],
-         {"resident_first=0": dict(policy=shfx.Stronghold(window=2, resident_first=0))}),
+         {"policy='stronghold'": dict(policy="stronghold"), "'resident'": dict(policy="resident"),
+          "'zero-offload'": dict(policy="zero-offload"), "'zero-infinity'": dict(policy="zero-infinity"),
+          "overlap_update=False": dict(overlap_update=False)}),
         ("clipping with a delayed update", t["clipping with a delayed update"],
          {"use ZeroOffload()": dict(policy=shfx.ZeroOffload()), "drop max_grad_norm": dict(max_grad_norm=DROP)}),
         ("skip_nonfinite with a delayed update", t["skip_nonfinite with a delayed update"],
@@ -212,11 +216,15 @@ def test_every_fix_a_conflict_suggests_is_accepted(tmp_path, monkeypatch):
             fixed = {k: v for k, v in kw.items() if k not in fix} | {k: v for k, v in fix.items() if v is not DROP}
             c = _config(**fixed)
             assert not [row.name for row in CONFLICTS if row.applies(c)], (name, fix)
-    # a device-updating policy is not offered clipping in step(), which the updates-in-step pass
-    # refuses at the first call (tests/test_features.py)
-    for name in ("clipping with updates during the backward", "clipping with device updates (resident_first)"):
-        err, _ = _refused(_triggers(tmp_path)[name], monkeypatch)
-        assert "overlap_update=False" not in str(err), str(err)
+    # L2L is not offered clipping in step(): its streamed stages' gradients leave the device with
+    # the slot there too (the updates-in-step pass refuses its copy-back at the first call)
+    err, _ = _refused(_triggers(tmp_path)["clipping with L2L"], monkeypatch)
+    assert "overlap_update=False" not in str(err), str(err)
+    # issue 25: clipping composes with the policies updating on the device with persistent stages
+    opt = shfx.optim.AdamW
+    for policy in ("resident", shfx.Stronghold(window=2, resident_first=1)):
+        for overlap in (True, False):
+            _config(optimizer=opt(), max_grad_norm=1.0, policy=policy, overlap_update=overlap)
     # issue 25: the NVMe tier rolls back (its states' undo is their previous version on the SSD):
     # fp16 and skip_nonfinite with the overlapped update, and rollback=True, are accepted with it
     nvme = shfx.Offload(optimizer="nvme", path=str(tmp_path))

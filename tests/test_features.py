@@ -47,9 +47,10 @@ def test_clipping_then_data_parallel_compose(policy):
 
 
 def test_requirements_refuse_naming_pass_condition_and_fix():
-    with pytest.raises(PassRefused, match=r"exact-clipping .* requires every parameter group updated on the host, but "
-                                          r"groups \[0\] .* Fix: use Stronghold\(resident_first=0\)"):  # fmt: skip
-        EXACT_CLIPPING(Stronghold(window=2, resident_first=1).program(chain(3)))
+    with pytest.raises(PassRefused, match=r"exact-clipping .* requires every group updated on the device owned by a "
+                                          r"persistent stage .* groups \[0, 1, 2\] .* streamed stages.* Fix: use "
+                                          r"policy='resident'"):  # fmt: skip
+        EXACT_CLIPPING(L2L().program(chain(3)))
     with pytest.raises(PassRefused, match="updates that finish within the step.*delayed update"):
         EXACT_CLIPPING(ZeroOffload(delayed_update=True).program(chain(3)))
     clipped = EXACT_CLIPPING(Stronghold(window=2).program(chain(3)))
@@ -92,14 +93,16 @@ def test_verify_each_names_the_pass_that_broke_an_invariant():
         run_passes(Stronghold(window=2).program(chain(3)), [(quiet, {"ranks": 2})], verify=verify_program)
 
 
-def test_policies_without_host_updates_are_refused_by_the_pass():
-    for pol in (Resident(), L2L()):
-        prog = pol.program(chain(3))
-        if prog.device_groups():
-            with pytest.raises(PassRefused, match="updated on the host"):
-                EXACT_CLIPPING(prog)
-        else:
-            verify_program(EXACT_CLIPPING(prog))
+def test_device_updates_clip_where_their_gradients_stay():
+    """issue 25: a group updated on the device by a persistent stage (Resident, resident_first)
+    is clipped (its GN on the device, its DU after the gate); L2L's streamed stages are refused
+    (their gradients leave the device with the slot)."""
+    for pol in (Resident(), Stronghold(window=2, resident_first=1)):
+        p = EXACT_CLIPPING(pol.program(chain(3)))
+        verify_program(p)
+        assert p.actions("step") == ["CK0"] and "DU0" in p.actions("next-forward")
+    with pytest.raises(PassRefused, match="streamed stages"):
+        EXACT_CLIPPING(L2L().program(chain(3)))
 
 
 def test_compile_time_clipping_prints_the_gate():
@@ -208,8 +211,9 @@ def test_updates_in_step_golden():
     assert dp.actions("step") == ["NR0", "CK0", "U2", "AG2", "U1", "AG1", "U0", "AG0"]
     assert {d.name for d in dp.deps(dp.find("U2"))} == {"og2", "rs2", "ck0"}
     verify_program(dp)
-    with pytest.raises(PassRefused, match="updates-in-step with clipping .* updated on the device"):
-        UPDATES_IN_STEP(Stronghold(window=2, resident_first=1).program(chain(3)), clip=True)
+    k1 = UPDATES_IN_STEP(Stronghold(window=2, resident_first=1).program(chain(3)), clip=True)
+    assert " ".join(k1.actions()).endswith("B0 GN0 CK0 U2 U1 DU0")  # (GN0 on the device, after B0)
+    verify_program(k1)
 
 
 def test_a_data_parallel_gate_needs_the_reduction_first():
@@ -226,14 +230,17 @@ def test_a_data_parallel_gate_needs_the_reduction_first():
         lower_actions(f"PF0 PF1 {tail} NR0 CK0 U0 AG0 U1 AG1".split(), chain(2), 2, ranks=2)
 
 
-def test_clipping_in_step_with_device_updates_is_refused_before_the_first_step():
+def test_clipping_in_step_with_device_updates_runs():
+    """issue 25 (was refused at the first call): Resident with max_grad_norm and
+    overlap_update=False clips in step() (tests/test_clipping.py checks it against eager)."""
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
     cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), blocks=False, num_stages=2,
                       policy="resident", optimizer=shfx.optim.AdamW(lr=1e-2), max_grad_norm=0.1, overlap_update=False)  # fmt: skip
-    with pytest.raises(PassRefused, match="updates-in-step with clipping .* updated on the device .* Fix: use Stronghold"):
-        cm(torch.randn(3, 4))
+    cm(torch.randn(3, 4)).sum().backward()
+    cm.step()
+    assert cm.program.actions("step") == ["CK0", "DU1", "DU0"] and cm.last_grad_norm is not None
     cm.close()
 
 

@@ -7,7 +7,10 @@
 
 - ``GN g`` (during the backward, as soon as group ``g``'s gradient is on the host): the norm of
   each of its parameters' gradients, over views of the flat host gradient (the same kernel over
-  the same values: the same bits). Under data parallel a rank holds a shard of the group: the
+  the same values: the same bits). A group updated on the device (``Resident``,
+  ``Stronghold(resident_first=k)``) is normed on the compute stream right after its last
+  backward, over views of its gradient in its persistent owner's gradient buffer, where the
+  gradient waits for its ``DU g`` after the gate (scaled by the coefficient there first). Under data parallel a rank holds a shard of the group: the
   parameters wholly inside it are normed here, the ones split between ranks by ``NR0``.
 - ``NR0`` (data parallel, the reduce queue, after every ``RS``): the pieces of every split
   parameter are all-gathered so each rank norms it whole (the same bits as eager's norm of the
@@ -96,6 +99,9 @@ class Clipping:
         ``torch.nn.utils.clip_grad_norm_`` computes each parameter's norm: the same bits."""
         eng = self._engine
         store = eng.store
+        v = eng.current
+        if v is not None and group in v.device_groups:
+            return self._device_norms(v, group, norm_type)
         if store.grad_state[group] != GRAD_VALID:
             return {}
         self._unscale(group)
@@ -110,6 +116,25 @@ class Clipping:
         else:
             keys = [k for k, _ in eng.param_keys_by_group.get(group, [])]
             views = [store.param_grad_view(k, group) for k in keys]
+        return dict(zip(keys, torch._foreach_norm(views, norm_type))) if views else {}
+
+    def _device_norms(self, v: Any, group: int, norm_type: float) -> dict[str, torch.Tensor]:
+        """The norms of a group updated on the device (``GN g`` on the compute stream): over
+        per-parameter views of its gradient in its persistent owner's gradient buffer, where it
+        waits for the ``DU g`` after the gate (the same kernel over the same fp32 values as
+        eager's: the same bits); empty when the group holds no gradient this step."""
+        eng = self._engine
+        if eng.gradients.device_state.get(group) != GRAD_VALID:
+            return {}
+        owner, base = eng.handlers.group_base(v, group)
+        if owner not in v.train.persistent:  # (the lowering refuses it: the gradient left with the slot)
+            raise RuntimeError(f"group {group} is updated on the device by streamed stage {owner}: its gradient is gone")
+        grp = eng.store.groups[group]
+        flat = eng.gradients.device_grads(v.train.persistent.index(owner), base, grp.trainable_bytes, grp.dtypes.device_grad)
+        keys, views = [], []
+        for info, o, n in _trainable(grp):
+            keys.append(info.key)
+            views.append(flat[o : o + n].view(tuple(info.shape)))
         return dict(zip(keys, torch._foreach_norm(views, norm_type))) if views else {}
 
     def record(self, group: int, norm_type: float | None = None) -> None:
@@ -211,7 +236,9 @@ class Clipping:
             have = self.grad_norms.get(gi)
             if have is None or have[0] != norm_type:
                 self.record(gi, norm_type)
-        norms = [self.grad_norms[g][1][k] for g, k in self.clip_order if k in self.grad_norms.get(g, (0, {}))[1]]
+        # (the norms of device-updated groups were computed on the device: ``.cpu()`` is the
+        # tensor itself on the emulated device)
+        norms = [self.grad_norms[g][1][k].cpu() for g, k in self.clip_order if k in self.grad_norms.get(g, (0, {}))[1]]
         if not norms:
             return torch.tensor(0.0)
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)

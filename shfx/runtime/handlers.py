@@ -102,7 +102,7 @@ class ActionHandlers:
     def _submit(self, m: ActionMeta, fn: Callable[[], None], deps: list[Token]) -> Token:
         """Run ``fn`` on the action's stream (:data:`shfx.passes.actions.KINDS`) after ``deps``."""
         eng = self.engine
-        stream = getattr(eng.backend, KINDS[m.kind].stream)
+        stream = getattr(eng.backend, m.stream)  # (a GN of a device-updated group: the compute stream)
         return stream.submit(self._timed(fn, m), deps, str(m.action))
 
     # ---- one handler per action kind (run_<KINDS[kind].name>) ------------------------------------
@@ -242,7 +242,11 @@ class ActionHandlers:
 
     def run_device_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         eng = self.engine
-        return self._submit(m, self.device_step_task(ctx.variant, m.stage, m.slot, finite=eng.step_checked), deps)
+        if eng.clip_coef is None or m.phase not in ("step", "next-forward"):
+            return self._submit(m, self.device_step_task(ctx.variant, m.stage, m.slot, finite=eng.step_checked), deps)
+        # after the gate (which checked the total norm): the gradient scaled by the clip
+        # coefficient in the slot's gradient buffer, as clip_grad_norm_'s _foreach_mul_, then AdamW
+        return self._submit(m, self.device_step_task(ctx.variant, m.stage, m.slot, finite=False, coef=eng.clip_coef), deps)
 
     def run_offload_params(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         stage = ctx.variant.graph.stages[m.stage]
@@ -258,6 +262,8 @@ class ActionHandlers:
     def run_forward(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         eng = self.engine
         stage = ctx.variant.graph.stages[m.stage]
+        if eng.deferred and ctx.variant.device_groups:  # a persistent slot the clipped DU step() started updates in place
+            deps = deps + eng.deferred.deps_for(set(stage.spec.grad_groups) & ctx.variant.device_groups)
 
         def run() -> None:
             with CAPTURE_GATE.stage():
@@ -326,8 +332,11 @@ class ActionHandlers:
             eng.backend.d2h_copy(dst, eng.pool.region(slot, c.slot_offset, c.nbytes))
 
     # ---- the updates' tasks (DU on the device, U on the host) and what they read -----------------
-    def device_step_task(self, variant: Variant, group: int, slot: int, finite: bool | None = None) -> Callable[[], None]:
-        """DU: AdamW on the device for ``group``, in the slot of the stage owning it."""
+    def device_step_task(
+        self, variant: Variant, group: int, slot: int, finite: bool | None = None, coef: torch.Tensor | None = None
+    ) -> Callable[[], None]:
+        """DU: AdamW on the device for ``group``, in the slot of the stage owning it; with ``coef``
+        (exact clipping, after the gate) the gradient is multiplied by it first."""
         eng = self.engine
         if eng.device_optimizer is None:
             return lambda: None
@@ -344,6 +353,8 @@ class ActionHandlers:
             n = grp.trainable_bytes
             params = eng.pool.region(slot, base, n).view(grp.dtypes.working)
             grads = eng.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
+            if coef is not None:
+                grads.mul_(coef.to(grads.device))
             flag = None
             if finite:
                 # NOTE: the check stays on the device (a host read here would synchronize the
@@ -432,17 +443,23 @@ class ActionHandlers:
         return f"{name}(parameter group {group}, on the {where})"
 
     def clip_groups(self) -> list[int]:
-        """The host groups a clipped step reads and updates (their gradient is valid), in
-        forward order (the order of the stages owning them)."""
+        """The groups a clipped step reads and updates (their gradient is valid: on the host, or
+        on the device for a group updated there), in forward order (the order of the stages
+        owning them)."""
         eng = self.engine
         v = eng.current
         dev = v.device_groups if v is not None else frozenset()
-        if dev:
+        if dev and any(v.owner_of[g] not in v.train.persistent for g in dev):
             raise UsageError(
-                f"gradient clipping needs every gradient on the host, but {v.train.name!r} updates groups "
-                f"{sorted(dev)} on the device; use Stronghold(resident_first=0), ZeroOffload or ZeroInfinity"
+                f"gradient clipping needs every gradient until the step's gate, but {v.train.name!r} updates groups "
+                f"{sorted(dev)} on the device during the backward, in streamed stages whose gradients leave with the "
+                "slot; use policy='resident', Stronghold(resident_first=...) or a policy updating on the host"
             )
-        groups = [gi for gi, g in enumerate(eng.store.groups) if g.trainable_bytes and eng.store.grad_state[gi] == GRAD_VALID]
+        valid = eng.gradients.device_state
+        groups = [
+            gi for gi, g in enumerate(eng.store.groups)
+            if g.trainable_bytes and (valid.get(gi) == GRAD_VALID if gi in dev else eng.store.grad_state[gi] == GRAD_VALID)
+        ]  # fmt: skip
         if v is not None:
             groups.sort(key=lambda gi: v.owner_of.get(gi, gi))
         return groups

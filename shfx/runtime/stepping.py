@@ -396,7 +396,8 @@ class StepRunner:
         eng.pending_updates.clear()
         for n, tok in tail:
             m = get_meta(n)
-            if m.kind in (ActionKind.CPU_STEP, ActionKind.GATHER_PARAMS):  # what a prefetch of the group waits for
+            # what a prefetch of the group waits for (and, for a DU, the forward of its persistent stage)
+            if m.kind in (ActionKind.CPU_STEP, ActionKind.GATHER_PARAMS, ActionKind.DEVICE_STEP):
                 eng.deferred.running[m.stage] = tok
             else:
                 eng.deferred.others.append(tok)
