@@ -658,7 +658,7 @@ FP16_CONFIGS = [
     # rank 1's batch alone overflows (inf targets): NR0's MAX of the finite flags makes both ranks
     # skip and back the scale off; the scale grows after each clean step (growth_interval=1)
     dict(name="mlp", window=2, overlap_update=False, precision="fp16", scaler=dict(init_scale=1024.0, growth_interval=1),
-         poison=(1, 1, "batch"), steps=4),
+         poison=(1, 1, "batch")),
     # clipping in step(): US unscales each shard, GN and NR0 norm the unscaled gradients (rank 0's
     # overflowing batch makes the total inf on both ranks), with accumulation (the micro-steps'
     # reduced fp16 gradients summed in fp16)
@@ -695,9 +695,11 @@ def _spawn_by_config(tmp_path: Path, configs: list[dict], timeout_s: float) -> d
 
 
 @pytest.fixture(scope="module")
-def fp16_and_auto_results(tmp_path_factory):
-    """One spawn (2 ranks) for :data:`FP16_CONFIGS` and :data:`AUTO_CONFIGS`."""
-    return _spawn_by_config(tmp_path_factory.mktemp("fp16_auto"), FP16_CONFIGS + AUTO_CONFIGS, timeout_s=300)
+def agreed_results(tmp_path_factory):
+    """One spawn (2 ranks: starting them costs seconds) for :data:`AGREED_CONFIGS`,
+    :data:`FP16_CONFIGS` and :data:`AUTO_CONFIGS`."""
+    configs = AGREED_CONFIGS + FP16_CONFIGS + AUTO_CONFIGS
+    return _spawn_by_config(tmp_path_factory.mktemp("agreed"), configs, timeout_s=420)
 
 
 def _check_fp16(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
@@ -727,7 +729,7 @@ def _check_auto(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
         assert a0["report"] is None and a1["report"] == ("auto", a0["window"], a0["window"]), a1
 
 
-def test_two_ranks_in_fp16_agree_on_the_loss_scale_like_ddp(fp16_and_auto_results):
+def test_two_ranks_in_fp16_agree_on_the_loss_scale_like_ddp(agreed_results):
     """precision='fp16' with overlap_update=False on 2 ranks (issue 25) vs the eager fp16 recipe
     under DDP with ``torch.amp.GradScaler`` (DDP on an fp16 copy of the model reduces fp16
     gradients; fp32 masters; ``scaler.scale(loss).backward()``, ``unscale_`` before clipping,
@@ -741,17 +743,17 @@ def test_two_ranks_in_fp16_agree_on_the_loss_scale_like_ddp(fp16_and_auto_result
     clipped step: the total norm, the same on every rank), so one rank's overflow, in its batch
     or in its shard alone, makes both skip and back the scale off alike, as GradScaler does on
     every DDP rank (the reduced gradient holds the inf there)."""
-    _check_fp16(fp16_and_auto_results, FP16_CONFIGS)
+    _check_fp16(agreed_results, FP16_CONFIGS)
 
 
-def test_two_ranks_with_window_auto_train_rank_0s_choice_like_ddp(fp16_and_auto_results):
+def test_two_ranks_with_window_auto_train_rank_0s_choice_like_ddp(agreed_results):
     """window='auto' under data parallel (issue 25): every rank profiles on its own (one-rank
     probes: no collective, however many rounds each takes), rank 0 tunes, every rank gets its
     choice (the control group's broadcast) and builds the same program. Here the ranks'
     profiles disagree (each sees other links), so on its own each would choose another window;
     both train rank 0's, bitwise like DDP; ``cm.retune()`` called by every rank chooses rank 0's
     again, and ``cm.report()`` on one rank alone (no collective) reports that choice."""
-    _check_auto(fp16_and_auto_results, AUTO_CONFIGS)
+    _check_auto(agreed_results, AUTO_CONFIGS)
 
 
 @pytest.mark.slow
@@ -785,7 +787,7 @@ AGREED_CONFIGS = [
 ]  # fmt: skip
 
 
-def test_two_ranks_agree_to_skip_and_clip_like_ddp(tmp_path):
+def test_two_ranks_agree_to_skip_and_clip_like_ddp(agreed_results):
     """skip_nonfinite and cm.clip_grad_norm_ under data parallel (issue 25), 2 ranks against
     eager DDP, bitwise (losses, weights, each rank's optimizer-state ranges and steps, the
     totals clip_grad_norm_ returns). Skip: rank r alone writes inf into its own gradient shard
@@ -794,7 +796,7 @@ def test_two_ranks_agree_to_skip_and_clip_like_ddp(tmp_path):
     that step left out. Clipping: each rank norms the parameters in its shards, NR0 norms the
     split ones whole and sums the per-parameter norms (each from one rank), so every rank has
     torch's total over the reduced gradients, and the same coefficient."""
-    results = _spawn(tmp_path, 2, "ddp", timeout_s=300, configs=AGREED_CONFIGS)
+    results = [list(r) for r in zip(*(agreed_results[id(c)] for c in AGREED_CONFIGS))]  # (per rank, per config)
     _check_ddp_results(results, AGREED_CONFIGS, 2)
     for c, per_rank in zip(AGREED_CONFIGS, zip(*results)):
         outcomes = [res["outcomes"] for res in per_rank]
