@@ -397,7 +397,12 @@ def lower_actions(
         for it instead of for each norm.
       - ``DU g`` (on the device, in the slot of the stage that owns ``g``) waits for ``B j`` of
         every stage ``j`` that sends gradients to ``g``; ``OP s`` waits for ``DU`` of the group
-        stage ``s`` owns.
+        stage ``s`` owns. After ``GN`` actions (exact clipping) it waits for the gate ``CK0``
+        too and is deferred like ``U g``.
+      - ``GN g`` of a group updated on the device (``DU g`` in the program) runs on the device
+        (``meta.device``: the compute stream, in its owner's slot, whose gradient buffer holds the
+        gradient) and waits for ``B j`` of every stage ``j`` sending it gradients; its owner must
+        be persistent (a streamed owner's gradient leaves with its slot).
       - The NVMe tier (``ssd_groups``: groups whose optimizer states live on the SSD,
         ``host_window``: host buffers for them): ``SR g`` takes the lowest free host-window
         buffer and waits for the ``SW`` that last freed it; ``U g`` of such a group waits for its

@@ -526,6 +526,7 @@ def test_the_torch_style_call_with_device_updates(policy):
     check("gpt_tied", None, ALWAYS, api="torch", policy=policy, overlap_update=False).close()
 
 
+@pytest.mark.slow
 def test_inf_norm_with_device_updates():
     check("gpt_tied", None, ALWAYS, norm_type=float("inf"), policy="resident").close()
 
