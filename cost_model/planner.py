@@ -503,8 +503,6 @@ def memory_model(
                 + (f" with resident_first={resident_first}" if resident_first else "")
                 + " updates groups on the device; use zero-offload, zero-infinity or stronghold with resident_first=0"
             )
-        if nvme:
-            raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled; use nvme=False")
 
     # ---- device
     slot_sizes: tuple[int, ...] = ()
@@ -594,7 +592,9 @@ def memory_model(
                 "nvme_masters=True needs mixed precision (precision='bfloat16' or 'float16'): in fp32 the master is the "
                 "image every PREFETCH copies, so it stays in host RAM"
             )
-        largest_host = max(group32[k] for k, c in host_groups.items() if c)
+        # (data parallel: each rank's SSD file holds its shards, a window buffer the largest shard)
+        per_rank = (lambda k: 4 * shard_numel(group32[k] // 4, ranks)) if ranks > 1 else (lambda k: group32[k])  # noqa: E731
+        largest_host = max(per_rank(k) for k, c in host_groups.items() if c)
         ssd = {
             "master parameters (fp32)": host_trainable if nvme_masters else 0,
             "optimizer states (m, v)": host.pop("optimizer states (m, v)"),
@@ -603,6 +603,11 @@ def memory_model(
         host["master parameters (fp32)"] -= ssd["master parameters (fp32)"]
         host_window = min(host_window, sum(host_groups.values()))  # (as check_host_window clamps it)
         host[HOST_WINDOW] = host_window * (_GROUP_STATE_BYTES // 4 + (1 if nvme_masters else 0)) * largest_host
+        host[HOST_WINDOW] += _STEP_BYTES * sum(host_groups.values())  # (the step counters stay in RAM)
+        if rollback:  # the states' undo is their previous version on the SSD: the copies are masters and steps
+            states = sum(_GROUP_STATE_BYTES // 4 * per_rank(k) * c for k, c in host_groups.items())
+            host["rollback copies"] -= states
+            ssd["optimizer states (m, v)"] += states
         host = {k: host.get(k, 0) for k in HOST_TERMS}
     elif policy == "zero-infinity":
         over = tgt.host_bytes is not None and sum(host.values()) > tgt.host_bytes

@@ -362,7 +362,7 @@ def host_terms(
     if ranks > 1:
         return _dp_host_terms(
             stages, device_groups, group_bytes=group_bytes, optimizer_states=optimizer_states, rollback=rollback,
-            working_bytes=working_bytes, ssd_groups=ssd_groups, ranks=ranks, rank=rank, optimizer=optimizer,
+            working_bytes=working_bytes, ssd_groups=ssd_groups, host_window=host_window, ranks=ranks, rank=rank, optimizer=optimizer,
         )  # fmt: skip
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     host = [owners[g] for g in sorted(owners) if g not in device_groups]
@@ -397,6 +397,7 @@ def host_terms(
         # each buffer holds what one SSD read brings (ssd_bytes_of, with this optimizer's states)
         per = max(optimizer_states * o.state_bytes + (o.update_bytes if ssd_masters else 0) for o in ssd)
         out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", per) for i in range(host_window)]
+        out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", STEP_BYTES * len(ssd)))
     hg = {o.update_group for o in host}
     pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     trainable = sum(o.update_bytes for o in host)
@@ -440,6 +441,7 @@ def _dp_host_terms(
     ssd_groups: frozenset[int] | set[int],
     ranks: int,
     rank: int = 0,
+    host_window: int = 0,
     optimizer: HostOptimizerStates | None = None,
 ) -> list[Change]:
     """:func:`host_terms` per rank with data parallel over ``ranks`` ranks."""
@@ -449,8 +451,6 @@ def _dp_host_terms(
             f"data parallel ({ranks} ranks) shards the host optimizer, but groups {sorted(set(device_groups) & set(owners))} "
             "are updated on the device; use a policy that updates every group on the host"
         )
-    if ssd_groups:
-        raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled (groups {sorted(ssd_groups)} on the SSD)")
     mixed = any(working_bytes or ())
     elt = 2 if mixed else 4  # the device dtype of the local gradient and the working copy
     # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
@@ -461,6 +461,7 @@ def _dp_host_terms(
     part = "whole" if replicated else "shard"
     padded = 0  # the largest group's padded length, ranks x chunk (replicated: T)
     largest_chunk = 0
+    ssd_own = 0  # the largest state shard on the SSD (a host-window buffer holds its m and v)
     for g, o in sorted(owners.items()):
         numel = o.update_bytes // 4
         chunk = numel if replicated else shard_chunk(numel, ranks)
@@ -473,11 +474,23 @@ def _dp_host_terms(
         if not mixed:
             out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
         out.append(Change("host", "gradients (fp32)", f"gradient {part} of group {g}", 4 * own))
-        out += [Change("host", "optimizer states (m, v)", f"optimizer state {i} {part} of group {g}", 4 * own) for i in range(optimizer_states)]
+        # (the NVMe tier: each rank its shard's states on its SSD file, read through the host window)
+        tier = "ssd" if g in ssd_groups else "host"
+        out += [Change(tier, "optimizer states (m, v)", f"optimizer state {i} {part} of group {g}", 4 * own) for i in range(optimizer_states)]
+        if g in ssd_groups:
+            ssd_own = max(ssd_own, 4 * own)
         extra = optimizer.whole_bytes(g) if optimizer is not None and numel else 0
         out.append(Change("host", "optimizer states (m, v)", f"factored states of group {g}", extra))
-        if rollback and numel:
+        if rollback and numel and g in ssd_groups:  # master and step; the states' previous version on the SSD
+            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s {part}", 4 * own + STEP_BYTES))
+            out += [Change("ssd", "optimizer states (m, v)", f"previous version of optimizer state {i} {part} of group {g}", 4 * own)
+                    for i in range(optimizer_states)]  # fmt: skip
+        elif rollback and numel:
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s {part}", 4 * own * (1 + optimizer_states) + extra + STEP_BYTES))
+    if ssd_own:
+        out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", optimizer_states * ssd_own) for i in range(host_window)]
+        n_ssd = sum(1 for g in owners if g in ssd_groups)
+        out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", STEP_BYTES * n_ssd))
     if group_bytes is not None:  # groups nothing updates (frozen parameters, buffers only): whole on every rank
         out += [Change("host", DP_IMAGE, f"image of group {g}", b) for g, b in enumerate(whole) if g not in owners]
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]

@@ -439,8 +439,6 @@ def _check_data_parallel(
             "trainable region mixes dtypes, and data parallel reduces and gathers it as one tensor of one dtype",
             "drop fp32_norms (precision='bf16' casts the norms too), or use precision='fp32'",
         )
-    if offload is not None:
-        raise refuse("the NVMe tier (offload=...)", "drop offload= (the sharded host optimizer already divides its memory by the ranks)")
     if skip_nonfinite and overlap_update:
         raise refuse(
             "skip_nonfinite=True with overlap_update=True yet: the updates of later stages run during backward, before "

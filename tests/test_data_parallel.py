@@ -13,6 +13,7 @@ import copy
 import datetime
 import os
 import socket
+import tempfile
 import sys
 import time
 import traceback
@@ -374,14 +375,19 @@ def _against_ddp(
     shard = sum(hi - lo for lo, hi in (store.shard_of(i) for i in range(len(store.groups))))
     image = sum(b.numel() for b in store.buffers)  # (bf16: the 16-bit working copy, buffers, constants)
     masters = sum(b.numel() for b in store.masters if b is not None)  # (bf16: frozen parameters' fp32; replicated: all)
+    # the NVMe tier: this rank's state shards on its SSD file, the host window's buffers (and step counters) in RAM
+    win = cm.engine.ssd
+    on_ssd = sum(hi - lo for lo, hi in (store.shard_of(i) for i in sorted(win.groups))) if win is not None else 0
     counts = dict(
         host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes - dp.buffer_bytes,
         ledger=sum(
             led.get(t, 0)
-            for t in ("parameter image (whole)", "working copy (16-bit)", "master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)")
+            for t in ("parameter image (whole)", "working copy (16-bit)", "master parameters (fp32)", "gradients (fp32)", "optimizer states (m, v)",
+                      "SSD host window")
         ),
         # image + masters + (fp32 master shard if sharded, gradient, per-element states) per owned element + whole states
-        expected=image + masters + (4 * (not replicated) + 4 + 4 * states.per_element) * shard + sum(states.group_bytes),
+        expected=image + masters + (4 * (not replicated) + 4 + 4 * states.per_element) * shard + sum(states.group_bytes)
+        - 4 * states.per_element * on_ssd + (win.host_bytes if win is not None else 0),
         buffers=dp.buffer_bytes,
         ledger_buffers=sum(led.get(t, 0) for t in ("gradient staging (pinned)", "collective buffers")),
         image=image,
@@ -485,14 +491,18 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float, out: str = "")
     return dict(step=None, error=None)
 
 
-def _checkpoint_resumes(rank: int, world: int, ckpt: str, precisions: list[str], optimizers: tuple[str, ...] = ()) -> dict:
+def _checkpoint_resumes(
+    rank: int, world: int, ckpt: str, precisions: list[str], optimizers: tuple[str, ...] = (), nvme: tuple[str, ...] = (),
+) -> dict:  # fmt: skip
     """:func:`_checkpoint_resume` in each precision (one spawn), into ``<ckpt>-<precision>``,
-    and in fp32 with each of ``optimizers`` (other than AdamW), into ``<ckpt>-<optimizer>``."""
+    in fp32 with each of ``optimizers`` (other than AdamW), into ``<ckpt>-<optimizer>``, and
+    in each of the ``nvme`` precisions with the NVMe tier, into ``<ckpt>-<precision>-nvme``."""
     out = {p: _checkpoint_resume(rank, world, f"{ckpt}-{p}", p) for p in precisions}
+    out |= {f"{p}-nvme": _checkpoint_resume(rank, world, f"{ckpt}-{p}-nvme", p, nvme=True) for p in nvme}
     return out | {o: _checkpoint_resume(rank, world, f"{ckpt}-{o}", optimizer=o) for o in optimizers}
 
 
-def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32", optimizer: str = "adamw") -> dict:
+def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32", optimizer: str = "adamw", nvme: bool = False) -> dict:
     """Train 2 steps, save a checkpoint (every rank), train 2 more; then a model with other
     initial weights loads the checkpoint before its first call and trains the same 2 steps.
     ``precision="bf16"``: the checkpoint holds the sharded fp32 masters as the weights, and
@@ -502,7 +512,11 @@ def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32"
     ``optimizer="sgd"``: the momentum buffers' ranges are the pieces, and the second model
     loads after a first call without a step (the data-parallel path: the states made for the
     load, then past their first step: ``dp.states_loaded``). ``"adafactor"`` (replicated): its
-    whole states are saved once, as the weights, and loaded whole on every rank."""
+    whole states are saved once, as the weights, and loaded whole on every rank.
+
+    ``nvme``: AdamW's states on the NVMe tier (each rank its shards in its own file): saved
+    from the SSD; loaded before the first call (fp32: into RAM, moved to the SSD at the first
+    call) or after a step (bf16: written to the SSD by ``dp.refresh_masters``)."""
     bf16 = precision == "bf16"
 
     def masters(cm) -> dict:
@@ -511,7 +525,8 @@ def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32"
     def run(seed: int, steps: range, save: bool = False, load: bool = False) -> tuple[dict, dict, dict]:
         torch.manual_seed(seed)
         model = _model("gpt_mask")
-        cm = _compile(model, "gpt_mask", 2, optimizer=optimizer, data_parallel=shfx.DataParallel(timeout_s=60), precision=precision)
+        cm = _compile(model, "gpt_mask", 2, optimizer=optimizer, data_parallel=shfx.DataParallel(timeout_s=60), precision=precision,
+                      offload=_nvme(1) if nvme else None)  # fmt: skip
         if load and bf16:  # a step of its own first, then the load
             cm(*_batch("gpt_mask", 9, 10 * rank)).backward()
             cm.step()
@@ -767,6 +782,12 @@ def test_two_ranks_in_fp16_and_with_window_auto_more_configs(tmp_path):
     _check_auto(by_config, SLOW_FP16_AUTO_CONFIGS[1:])
 
 
+def _nvme(host_window: int) -> shfx.Offload:
+    """The NVMe tier in a spawned rank: its store is a file of its own (pid and a random name)
+    under the temporary directory, deleted at close."""
+    return shfx.Offload(optimizer="nvme", path=tempfile.gettempdir(), host_window=host_window)
+
+
 AGREED_CONFIGS = [
     # skip_nonfinite with the updates in step(): rank 1 alone sees inf in its gradient shard;
     # NR0 agrees the finite check, so both ranks skip (no update, no all-gather runs)
@@ -784,6 +805,10 @@ AGREED_CONFIGS = [
     dict(name="gpt_tied", window=2, max_grad_norm=1.0, clip_call=0.05),
     dict(name="gpt_tied", window=2, accum=2, precision="bf16", overlap_update=False, skip_nonfinite=True, clip_call=0.05,
          poison=(1, 1)),
+    # the NVMe tier (issue 25): each rank its shard's AdamW states on its own SSD file, read through
+    # its host window; with the agreed skip, and with bf16 + the overlapped exact clipping
+    dict(name="gpt_mask", window=2, overlap_update=False, skip_nonfinite=True, poison=(1, 1), offload=_nvme(1)),
+    dict(name="gpt_tied", window=2, precision="bf16", max_grad_norm=0.05, offload=_nvme(2)),
 ]  # fmt: skip
 
 
@@ -958,9 +983,11 @@ def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
     the shards, the bf16 image recast and all-gathered) and resumes bitwise (bf16 weights, fp32
     master shards); one process in bf16 loads every rank's master ranges and states."""
     ckpt = str(tmp_path / "ckpt")
-    by_rank = _spawn(tmp_path, 2, "checkpoint", timeout_s=360, ckpt=ckpt, precisions=["fp32", "bf16"])
+    by_rank = _spawn(tmp_path, 2, "checkpoint", timeout_s=360, ckpt=ckpt, precisions=["fp32", "bf16"], nvme=("fp32", "bf16"))
     for precision in ("fp32", "bf16"):
         _checkpoint_check(f"{ckpt}-{precision}", [res[precision] for res in by_rank], precision)
+        # the NVMe tier (issue 25): the states each rank saves from and loads to its SSD file
+        _checkpoint_check(f"{ckpt}-{precision}-nvme", [res[f"{precision}-nvme"] for res in by_rank], precision)
 
 
 def _checkpoint_check(ckpt: str, results: list[dict], precision: str, optimizer: str = "adamw") -> None:
@@ -1062,7 +1089,6 @@ class _Unsharded(shfx.optim.SGD):
         (dict(policy="resident"), "on the device"),
         (dict(policy="l2l"), "on the device"),
         (dict(policy=shfx.ZeroOffload(delayed_update=True)), "delayed_update"),
-        (dict(offload=shfx.Offload(optimizer="nvme", path="/tmp")), "NVMe"),
     ],
 )
 def test_refusals(one_rank_group, kwargs, match):

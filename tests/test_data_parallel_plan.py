@@ -335,6 +335,25 @@ def test_closed_form_is_the_ledger_with_data_parallel(template):
                         assert dev == {k: v for k, v in want.device.items() if v}, where
 
 
+def test_closed_form_is_the_ledger_with_the_nvme_tier(template):
+    """The NVMe tier (issue 25), on one rank and per rank with data parallel, with and without
+    rollback: the states (each rank's shards) on the SSD, the host window's buffers of the
+    largest (shard) and the step counters in RAM; with rollback the journal copies masters and
+    steps, and the SSD holds the states' previous version too."""
+    fam, graph = next(iter(template.items()))
+    specs, _ = repeat_blocks(graph.specs, None, range(1, 3), 3)
+    for ranks in (1, 2, 3):
+        for policy in ("zero-infinity", "stronghold"):
+            for rollback in (False, True):
+                kw = dict(nvme=True, host_window=2) | ({"window": 2} if policy == "stronghold" else {})
+                want = memory_model(policy, fam.with_layers(3), EMU, ranks=ranks, rollback=rollback, **kw)
+                progs = build_programs(specs, make_policy(policy, **kw), verify=True, ranks=ranks)
+                led = replay(progs[0], programs=progs, rollback=rollback)
+                where = (ranks, policy, rollback)
+                assert led.static("host") == {k: v for k, v in want.host.items() if v}, where
+                assert led.static("ssd") == {k: v for k, v in want.ssd.items() if v}, where
+
+
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])  # (fp16: the slow run)
 def test_closed_form_is_the_captured_models_ledger_in_16_bit(precision):
     """In mixed precision the image stays the 16-bit working copy; the fp32 master, gradient and
@@ -364,13 +383,11 @@ def test_host_bytes_per_parameter_fall_as_16_over_n():
         assert bd.device == one.device
 
 
-def test_data_parallel_refuses_device_updates_and_the_nvme_tier():
+def test_data_parallel_refuses_device_updates():
     with pytest.raises(ValueError, match="policy 'resident' updates groups on the device"):
         memory_model("resident", REF.with_layers(4), V100, ranks=2)
     with pytest.raises(ValueError, match="with resident_first=1 updates groups on the device"):
         memory_model("stronghold", REF.with_layers(4), V100, ranks=2, resident_first=1)
-    with pytest.raises(ValueError, match="NVMe tier is not modelled"):
-        memory_model("stronghold", REF.with_layers(4), V100, ranks=2, nvme=True)
     with pytest.raises(ValueError, match="disagrees with the target's 8 ranks"):
         memory_model("stronghold", REF.with_layers(4), with_data_parallel(V100, 8), ranks=4)
 

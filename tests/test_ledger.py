@@ -154,14 +154,16 @@ def test_ledger_of_a_synthetic_chain():
 def test_ssd_tier_ledger_by_hand():
     """chain(4) groups of 1000 B (fp32 state 1000 B each, AdamW m and v): with the NVMe tier the
     SSD holds the 8 states, the host its masters, gradients and H buffers of one group's states
-    (2 x 1000 B) instead of the 8000 B of states; SSD reads and writes allocate nothing."""
+    (2 x 1000 B) and the groups' step counters instead of the 8000 B of states; SSD reads and
+    writes allocate nothing."""
     from shfx.passes.ledger import HOST_WINDOW, SSD_TERMS
 
     specs = chain(4, prefetch_bytes=1000)
     base = replay(shfx.Stronghold(window=2).program(specs))
     assert base.static("host") == {"master parameters (fp32)": 4000, "gradients (fp32)": 4000, "optimizer states (m, v)": 8000}
     assert base.static("ssd") == {}
-    for h, window_bytes in ((1, 2000), (2, 4000), (4, 8000), (9, 8000)):  # 9 clamps to the 4 groups
+    # (+16: the 4 groups' step counters, in host RAM beside the window's buffers)
+    for h, window_bytes in ((1, 2016), (2, 4016), (4, 8016), (9, 8016)):  # 9 clamps to the 4 groups
         led = replay(shfx.Stronghold(window=2, nvme=True, host_window=h).program(specs))
         assert led.static("host") == {"master parameters (fp32)": 4000, "gradients (fp32)": 4000, HOST_WINDOW: window_bytes}
         assert led.static("ssd") == {"optimizer states (m, v)": 8000}
@@ -174,7 +176,7 @@ def test_ssd_tier_ledger_by_hand():
     led = replay(shfx.Stronghold(window=2, resident_first=1, nvme=True, host_window=1).program(specs))
     assert led.static("ssd") == {"optimizer states (m, v)": 6000}
     assert led.static("device")["optimizer states"] == 2000
-    assert led.static("host")[HOST_WINDOW] == 2000
+    assert led.static("host")[HOST_WINDOW] == 2000 + 3 * 4
 
 
 def test_ssd_tier_ledger_with_masters_and_unequal_groups():
@@ -192,7 +194,7 @@ def test_ssd_tier_ledger_with_masters_and_unequal_groups():
     assert led.static("ssd") == {"optimizer states (m, v)": 2 * 6000, "master parameters (fp32)": 6000}
     host = led.static("host")
     assert host["master parameters (fp32)"] == 4 * 500  # buffers and constants stay on the host
-    assert host[HOST_WINDOW] == 2 * 3 * 2000
+    assert host[HOST_WINDOW] == 2 * 3 * 2000 + 4 * 4
     assert p.bytes_moved()["ssd_read"] == 3 * 6000
     with pytest.raises(ValueError, match="only in mixed precision"):
         replay(p, group_bytes=[1500, 2500, 1500, 2500])  # fp32: the master is the image

@@ -80,11 +80,11 @@ class SSDWindow:
         self.ssd = ssd
         grps = [store.groups[g] for g in sorted(self.groups)]
         self.versioned = bool(versioned)
-        want = group_extents(grps, versions=2 if self.versioned else 1)
+        want = SSDWindow.extents(store, sorted(self.groups), versions=2 if self.versioned else 1)
         have = {k: e.nbytes for k, e in ssd.extents.items()}
         if any(have.get(k) != n for k, n in want.items()):
             raise ValueError(f"the SSD store's extents {have} do not hold the states of groups {sorted(self.groups)} ({want})")
-        self.numel = max((g.trainable_numel for g in grps), default=0)
+        self.numel = max((self._numel(g) for g in self.groups), default=0)
         self.dtype = grps[0].dtypes.state if grps else torch.float32
         self.steps = {g: torch.zeros((), dtype=torch.float32) for g in sorted(self.groups)}
         self._cond = threading.Condition()
@@ -98,11 +98,34 @@ class SSDWindow:
         # write of the step in progress went to (committed or discarded at the step's end)
         self._current: dict[int, int] = {g: 0 for g in self.groups}
         self._pending: dict[int, int] = {}
+        # (data parallel's checkpoint load) states handed out to be written into, by group:
+        # flush_loaded() writes them to the SSD
+        self._loading: dict[int, _Snapshot] = {}
         self.ensure(host_window)
         self.read_stream = WorkerStream("ssd_read")
         self.write_stream = WorkerStream("ssd_write")
         optimizer.ssd = self
         self._write_initial()
+
+    @staticmethod
+    def extents(store: Any, groups: Sequence[int], versions: int = 1) -> dict:
+        """The SSD extents the window needs for ``groups`` of the host ``store``: each state as
+        large as the elements the store holds of the group (data parallel: this rank's shard,
+        :meth:`shfx.runtime.host_store.HostStore.shard_of`; each rank its own file)."""
+        grps = [store.groups[g] for g in groups]
+        out = group_extents(grps, versions=versions)
+        for grp in grps:
+            lo, hi = store.shard_of(grp.index)
+            nbytes = (hi - lo) * grp.dtypes.state.itemsize
+            for key in out:
+                if key[1] == grp.index:
+                    out[key] = nbytes
+        return out
+
+    def _numel(self, g: int) -> int:
+        """Elements of group ``g``'s states here (its trainable region, or this rank's shard)."""
+        lo, hi = self.store.shard_of(g)
+        return hi - lo
 
     # ---- buffers -------------------------------------------------------------------------------
     def ensure(self, host_window: int) -> None:
@@ -168,7 +191,7 @@ class SSDWindow:
             raise errors[0]
 
     def _views_of(self, g: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.store.groups[g].trainable_numel
+        n = self._numel(g)
         m, v = self.buffers[b]
         return m[:n], v[:n]
 
@@ -190,6 +213,7 @@ class SSDWindow:
     def read(self, g: int, buffer: int | None = None) -> None:
         """SR g: read ``g``'s ``m`` and ``v`` into a host-window buffer and stage them; returns
         when both reads completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
+        self._loading.pop(g, None)  # (a load's copies not flushed: nothing was written into them)
         b = self._claim(g, buffer)
         self._io("read", g, *self._views_of(g, b), version=self.latest(g))
         self._read_ok[b] = True
@@ -260,7 +284,9 @@ class SSDWindow:
     def snapshot(self, g: int) -> _Snapshot | None:
         """Group ``g``'s state as copies read from the SSD (None before its first update); the
         last group read is kept, so a state_dict reading a group's parameters one after the
-        other reads the group once."""
+        other reads the group once. A group handed out by :meth:`loadable` is that copy."""
+        if g in self._loading:
+            return self._loading[g]
         if int(self.steps[g].item()) == 0:
             return None
         if g in self.where:  # staged (inside a step): its live views
@@ -269,19 +295,49 @@ class SSDWindow:
                 return st
         if self._snap is not None and self._snap[0] == g:
             return self._snap[1]
-        n = self.store.groups[g].trainable_numel
+        n = self._numel(g)
         m, v = torch.empty(n, dtype=self.dtype), torch.empty(n, dtype=self.dtype)
         self._io("read", g, m, v, version=self.latest(g))
         snap = _Snapshot(self.steps[g].clone(), m, v)
         self._snap = (g, snap)
         return snap
 
+    def loadable(self, g: int) -> _Snapshot:
+        """Group ``g``'s state as copies to be written into (data parallel's checkpoint load:
+        :meth:`shfx.runtime.data_parallel.DataParallelRuntime.state_pieces` with ``create``), its
+        current values or zeros at step 0; :meth:`flush_loaded` then writes them to the SSD (its
+        step too: ``cm.optimizer.state``'s ``step`` of the group is this copy's until then)."""
+        if g in self.where:
+            raise RuntimeError(f"group {g}'s optimizer state is in a host-window buffer (a step is running): load it between steps")
+        snap = self._loading.get(g)
+        if snap is None:
+            cur = self.snapshot(g)
+            n = self._numel(g)
+            if cur is None:
+                snap = _Snapshot(torch.zeros((), dtype=torch.float32), torch.zeros(n, dtype=self.dtype), torch.zeros(n, dtype=self.dtype))
+            else:  # (copies: a snapshot's own, or cloned from the live views)
+                snap = _Snapshot(cur.step.clone(), cur.exp_avg.clone(), cur.exp_avg_sq.clone())
+            self._loading[g] = snap
+        return snap
+
+    def flush_loaded(self) -> None:
+        """Write what a load wrote into :meth:`loadable`'s copies to the SSD (the committed
+        version) and the step counters (between steps)."""
+        for g, snap in sorted(self._loading.items()):
+            with self._cond:
+                self._pending.pop(g, None)
+                version = self._current[g]
+            self._io("write", g, snap.exp_avg, snap.exp_avg_sq, version=version)
+            self.steps[g].copy_(snap.step)
+        self._loading.clear()
+        self._snap = None
+
     def load_group(self, g: int, entries: list) -> None:
         """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
         (empty: fresh, zeros and step 0), written to the SSD through one group-sized buffer."""
         if g in self.where:
             raise RuntimeError(f"group {g}'s optimizer state is in a host-window buffer (a step is running): load it between steps")
-        n = self.store.groups[g].trainable_numel
+        n = self._numel(g)
         m, v = torch.zeros(n, dtype=self.dtype), torch.zeros(n, dtype=self.dtype)
         step = 0.0
         if entries:
@@ -291,7 +347,8 @@ class SSDWindow:
             if len(steps) != 1:
                 raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
             step = steps.pop()
-            copy_state_entries(entries, {"exp_avg": m, "exp_avg_sq": v})
+            shard = self.store.shard_of(g) if getattr(self.store, "sharded", False) else None
+            copy_state_entries(entries, {"exp_avg": m, "exp_avg_sq": v}, shard=shard)
         with self._cond:
             self._pending.pop(g, None)  # (between steps: nothing pending; a load replaces the state)
             version = self._current[g]
@@ -307,7 +364,7 @@ class SSDWindow:
             return
         zeros = torch.zeros(self.numel, dtype=self.dtype)
         for g in sorted(self.groups):
-            n = self.store.groups[g].trainable_numel
+            n = self._numel(g)
             with self.optimizer._lock:
                 st = self.optimizer.state.pop(g, None)
             if st is not None and st.max_exp_avg_sq is not None:
