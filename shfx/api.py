@@ -415,6 +415,9 @@ class CompiledModel(StateMethods):
     def _tune(
         self, variant: Variant, tensors: list[torch.Tensor], policy: Policy, how: str, refresh: bool = False
     ) -> WindowReport:
+        # (mixed precision: the profile's steps take the inputs as a call gives them, cast to the
+        # 16-bit dtype; ``tensors`` are the call's own, kept for report() and retune())
+        tensors = cast_inputs(tensors, variant.captured.working_dtype)
         return tune_variant(
             self._engine, self._backend, variant, tensors, policy, how, tolerance=self.tune_tolerance,
             rollback=self._config.rollback, ssd_rates=self._ssd_rates, refresh=refresh,

@@ -192,3 +192,20 @@ def test_retune_profiles_again_for_real():
     cm.step()
     assert len(rep.steps_s) == 1 and len(rep.measured_s) == 2
     cm.close()
+
+
+def test_the_profile_takes_the_inputs_in_16_bits():
+    """Mixed precision with floating-point inputs (issue 25, found under data parallel): the
+    profile's timing steps get the inputs cast to the 16-bit dtype, as a call does (they were
+    given the fp32 inputs, and the first F failed: "mat1 and mat2 must have the same dtype"),
+    for window="auto" at the first call and cm.report() with a fixed window (fp16; bf16 alike)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    kw = dict(device=shfx.EmulatedDevice(memory="16MiB"), precision="fp16", blocks=False, num_stages=4, overlap_update=False)
+    x = torch.randn(4, 16)
+    for window in ("auto", 2):
+        cm = shfx.compile(copy.deepcopy(model), window=window, optimizer=shfx.optim.AdamW(), **kw)
+        cm.scale_loss(cm(x).float().pow(2).mean()).backward()
+        cm.step()
+        assert cm.report().window == cm.program.num_slots
+        cm.close()
