@@ -328,7 +328,8 @@ def test_tuner_chooses_the_host_window_like_the_window():
     assert r.policy == shfx.ZeroInfinity(nvme=True, host_window=r.host_window)
     assert f"Host window {r.host_window} (of 6 groups on the SSD)" in r.reason
     assert f"H={r.host_window - 1} would be" in r.reason and "<- chosen" in r.host_table()
-    assert [row.window_bytes for row in r.host_rows] == [h * 1_000_000 for h in range(1, 7)]
+    # (+24: the 6 groups' step counters, in RAM beside the window's buffers)
+    assert [row.window_bytes for row in r.host_rows] == [h * 1_000_000 + 24 for h in range(1, 7)]
     # a fast drive: every H is as fast, so the smallest
     r = tune_window(specs, _ssd_costs(6, 1e9, 1e9), policy=shfx.ZeroInfinity(nvme=True))
     assert r.host_window == 1
@@ -348,8 +349,8 @@ def test_tuner_chooses_window_and_host_window_together():
 
 def test_host_window_under_a_host_budget():
     specs = chain(6, prefetch_bytes=500_000)
-    # masters 6 x 0.5 MB + gradients 6 x 0.5 MB + H x 1 MB of window buffers
-    r = tune_window(specs, _ssd_costs(6), policy=shfx.ZeroInfinity(nvme=True), host_capacity_bytes=6_000_000 + 1_000_000)
+    # masters 6 x 0.5 MB + gradients 6 x 0.5 MB + H x 1 MB of window buffers + 6 step counters
+    r = tune_window(specs, _ssd_costs(6), policy=shfx.ZeroInfinity(nvme=True), host_capacity_bytes=6_000_000 + 1_000_000 + 24)
     assert r.host_window == 1 and [row.fits for row in r.host_rows] == [True] + [False] * 5
     assert "H>=2 does not fit: it needs" in r.reason
     with pytest.raises(NoWindowFits, match=r"no host window fits the host budget .*even H=1 needs"):
