@@ -345,6 +345,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         "use ZeroOffload() (max_grad_norm turns on its exact deferred update), or drop max_grad_norm",
     ),
     Conflict(
+        "delayed update in step()",
+        lambda c: c.delayed_update and not c.overlap_update,
+        "ZeroOffload(delayed_update=True) runs a step's updates after step() returned, during the next step, and "
+        "overlap_update=False asks for them inside step() (so that code between backward() and step() sees and edits "
+        "the gradients they apply)",
+        "use ZeroOffload() with overlap_update=False, or keep the delayed update with overlap_update=True",
+    ),
+    Conflict(
         "skip_nonfinite with a delayed update",
         lambda c: c.skip_nonfinite and c.delayed_update,
         "skip_nonfinite=True (on with precision='fp16') cannot be combined with ZeroOffload(delayed_update=True): the "

@@ -117,6 +117,7 @@ def _triggers(tmp_path) -> dict[str, dict]:
         # (a policy of one's own: a function without the deferred-update schedule)
         "clipping with updates during the backward": dict(optimizer=opt(), max_grad_norm=1.0, policy=schedule_window),
         "clipping with a delayed update": dict(optimizer=opt(), max_grad_norm=1.0, policy=shfx.ZeroOffload(delayed_update=True)),
+        "delayed update in step()": dict(optimizer=opt(), overlap_update=False, policy=shfx.ZeroOffload(delayed_update=True)),
         "skip_nonfinite with a delayed update": dict(skip_nonfinite=True, policy=shfx.ZeroOffload(delayed_update=True)),
         "skip_nonfinite overlapped without rollback": dict(skip_nonfinite=True, rollback=False),
         "NVMe policy without an Offload spec": dict(optimizer=opt(), policy=shfx.Stronghold(nvme=True, host_window=1)),
@@ -188,6 +189,14 @@ def _fixes(tmp_path) -> list[tuple[str, dict, dict[str, dict]]]:
           "overlap_update=False": dict(overlap_update=False)}),
         ("clipping with a delayed update", t["clipping with a delayed update"],
          {"use ZeroOffload()": dict(policy=shfx.ZeroOffload()), "drop max_grad_norm": dict(max_grad_norm=DROP)}),
+        # issue 25: with overlap_update=False max_grad_norm was silently not applied (the delayed
+        # program has no norms); refused overlapped or not
+        ("clipping with a delayed update", dict(optimizer=opt(), max_grad_norm=1.0, overlap_update=False,
+                                                policy=shfx.ZeroOffload(delayed_update=True)),
+         {"use ZeroOffload()": dict(policy=shfx.ZeroOffload())}),
+        ("delayed update in step()", t["delayed update in step()"],
+         {"use ZeroOffload() with overlap_update=False": dict(policy=shfx.ZeroOffload()),
+          "overlap_update=True": dict(overlap_update=True)}),
         ("skip_nonfinite with a delayed update", t["skip_nonfinite with a delayed update"],
          {"one or the other": dict(skip_nonfinite=DROP), "or the other": dict(policy=shfx.ZeroOffload())}),
         ("skip_nonfinite overlapped without rollback", t["skip_nonfinite overlapped without rollback"], keep_or_in_step),
