@@ -338,7 +338,9 @@ CONFLICTS: tuple[Conflict, ...] = (
     ),
     Conflict(
         "clipping with a delayed update",
-        lambda c: _clipping_overlapped(c) and c.delayed_update,
+        # (overlapped or not: the delayed-update program has no gradient norms; issue 25 found
+        # max_grad_norm with overlap_update=False silently not applied)
+        lambda c: c.max_grad_norm is not None and c.delayed_update,
         "max_grad_norm cannot be combined with ZeroOffload(delayed_update=True) (one-step-stale updates): exact "
         "clipping runs each update after the step's global gradient norm is known (the policy's deferred update), "
         "and a policy runs its updates one way",
