@@ -397,6 +397,14 @@ def _against_ddp(
         replicated=replicated,
         groups=len(store.groups),
         numel={k: p.numel() for k, p in params.items() if p.requires_grad},
+        # the bytes this rank moved: its collectives' by kind (dp.bytes_moved), the device-to-host
+        # copies (the backend's counter: the gradient offloads), the program's static bytes per
+        # step, and what the reduce-scatters and all-gathers give per step: each host group's
+        # N * chunk elements (its padded buffer) of the gradient's and the image's dtype
+        collectives=dict(dp.bytes_moved), calls=dict(dp.collective_calls), d2h=cm._backend.bytes_d2h,
+        program=cm.program.bytes_moved(), reduced_groups=sum(1 for g in store.groups if g.trainable_numel),
+        padded_grads=sum(dp.padded(g) * g.dtypes.device_grad.itemsize for g in store.groups if g.trainable_numel),
+        padded_image=sum(dp.padded(g) * store.image_trainable(i).element_size() for i, g in enumerate(store.groups) if g.trainable_numel),
     )
     cm.close()
     dist.barrier()
@@ -809,7 +817,41 @@ AGREED_CONFIGS = [
     # its host window; with the agreed skip, and with bf16 + the overlapped exact clipping
     dict(name="gpt_mask", window=2, overlap_update=False, skip_nonfinite=True, poison=(1, 1), offload=_nvme(1)),
     dict(name="gpt_tied", window=2, precision="bf16", max_grad_norm=0.05, offload=_nvme(2)),
+    # ... and its fp32 twin (test_bf16_moves_half_the_gradient_bytes_of_fp32 compares their bytes)
+    dict(name="gpt_tied", window=2, max_grad_norm=0.05, offload=_nvme(2)),
 ]  # fmt: skip
+
+
+def test_bf16_moves_half_the_gradient_bytes_of_fp32(agreed_results):
+    """The bytes each rank moves (issue 25), counted by the runtime (``dp.bytes_moved``, the
+    backend's ``bytes_d2h``), for the same model, schedule and steps in fp32 and in bf16 (the
+    NVMe tier and the overlapped exact clipping, :data:`AGREED_CONFIGS`' last two): bf16 moves
+    half the gradient bytes of fp32 per rank, both off the device (d2h: each OG copies the bf16
+    gradient into the local buffer) and in the reduce-scatters (the same ``N * chunk`` padded
+    elements, 2 B instead of 4), and half the all-gathered weights; NR0's norms are fp32 in
+    both. Each counter is what the program says per step, the reduce-scatters and all-gathers
+    with their padding (each host group's ``N * chunk`` elements). Host bytes per rank equal
+    the memory ledger's static host terms of the rank (``cm.variant.ledger(rank=r)``)."""
+    fp32_c = next(c for c in AGREED_CONFIGS if "offload" in c and "precision" not in c and c["name"] == "gpt_tied")
+    bf16_c = next(c for c in AGREED_CONFIGS if "offload" in c and c.get("precision") == "bf16")
+    assert {k: v for k, v in fp32_c.items() if k != "offload"} == {k: v for k, v in bf16_c.items() if k not in ("offload", "precision")}
+    steps = 3
+    for r in range(2):
+        a, b = agreed_results[id(fp32_c)][r]["counts"], agreed_results[id(bf16_c)][r]["counts"]
+        for k in (a, b):
+            assert k["host"] == k["ledger"], k  # (every config's: _check_ddp_results)
+            col = k["collectives"]
+            assert col["reduce"] == steps * k["padded_grads"] and k["calls"]["reduce"] == steps * k["reduced_groups"], k
+            assert col["gather"] == steps * k["padded_image"], k
+            assert k["d2h"] == steps * k["program"]["d2h"], k  # (every d2h byte is a gradient offload)
+            # the program counts each group's unpadded gradient: within N * 16 elements per group
+            pad = 2 * SHARD_ALIGN * 4 * k["reduced_groups"]
+            assert k["program"]["reduce"] <= k["padded_grads"] <= k["program"]["reduce"] + pad, k
+            assert col["norm"] > 0 and col["broadcast"] > 0
+        assert 2 * b["d2h"] == a["d2h"] > 0, (a["d2h"], b["d2h"])
+        assert 2 * b["collectives"]["reduce"] == a["collectives"]["reduce"] > 0
+        assert 2 * b["collectives"]["gather"] == a["collectives"]["gather"] > 0
+        assert b["collectives"]["norm"] == a["collectives"]["norm"]
 
 
 def test_two_ranks_agree_to_skip_and_clip_like_ddp(agreed_results):

@@ -67,6 +67,17 @@ class DataParallelRuntime:
         reduce_group, gather_group: gloo groups over the same ranks, one per queue.
         control_group: a third one, for what every rank decides alike outside the program
             (:meth:`gather_objects`, :meth:`broadcast_object`: the tuner's choice).
+        bytes_moved: bytes of this rank's collectives since compile, by kind: ``"reduce"`` (the
+            gradients' reduce-scatters, or all-reduces of a replicated optimizer: the local
+            buffer given to the collective, ``N * chunk`` elements of the device dtype),
+            ``"gather"`` (the weights' all-gathers: the gathered buffer, ``N * chunk``
+            elements of the image's dtype), ``"norm"`` (NR0's all-reduces and all-gathers of
+            the norms and finite flags), ``"broadcast"`` (rank 0's weights at the first call).
+            Each is the collective's buffer, the convention of the program's ``bytes_moved()``
+            (which counts the unpadded group); a ring sends ``(N - 1) / N`` of a reduce-scatter's
+            or all-gather's buffer from each rank (twice that for an all-reduce) and receives as
+            much.
+        collective_calls: how many collectives of each kind ran.
     """
 
     def __init__(self, process_group: Any, timeout_s: float, replicated: bool = False):
@@ -102,6 +113,9 @@ class DataParallelRuntime:
         self._local_cv = threading.Condition()
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.buffer_bytes = 0  # host bytes of those buffers (Engine.host_bytes counts them)
+        self.bytes_moved = {"reduce": 0, "gather": 0, "norm": 0, "broadcast": 0}
+        self.collective_calls = dict.fromkeys(self.bytes_moved, 0)
+        self._count_lock = threading.Lock()  # (the queues' threads count; NR0 and RS share the reduce queue)
 
     # ---- sharding ------------------------------------------------------------------------------
     def shard(self, group: Any, rank: int | None = None) -> tuple[int, int]:
@@ -134,6 +148,12 @@ class DataParallelRuntime:
                 "rank: restart the job from the last checkpoint."
             ) from e
 
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        """Count a collective of ``kind`` over ``t`` (its buffer) in :attr:`bytes_moved`."""
+        with self._count_lock:
+            self.bytes_moved[kind] += t.numel() * t.element_size()
+            self.collective_calls[kind] += 1
+
     def broadcast(self, buffers: Sequence[torch.Tensor]) -> None:
         """Every rank's host image from rank 0's (parameters, buffers, constants), at the first
         call (as ``DistributedDataParallel``'s constructor broadcasts the module's state)."""
@@ -142,6 +162,7 @@ class DataParallelRuntime:
         def run() -> None:
             for b in buffers:
                 if b.numel():
+                    self._count("broadcast", b)
                     dist.broadcast(b, src=self._src, group=self.gather_group)
 
         self._run("the broadcast of rank 0's weights at the first call", run)
@@ -169,6 +190,7 @@ class DataParallelRuntime:
         # the last when T does not divide); later ones are added from a scratch
         direct = first and hi - lo == chunk and grad.dtype == local.dtype
         out = grad if direct else self._buffer("reduce out", chunk, local.dtype)
+        self._count("reduce", local)
         try:
             self._run(f"the gradient reduce-scatter {label}", lambda: self._dist.reduce_scatter_tensor(out, local, group=self.reduce_group))
         finally:
@@ -184,6 +206,7 @@ class DataParallelRuntime:
         NOTE: DDP all-reduces its buckets the same way; with 2 ranks ``a/2 + b/2`` is the same
         sum in gloo's all-reduce as in DDP's (another bucket layout changes the order of the
         additions only with more ranks, as for the reduce-scatter)."""
+        self._count("reduce", local)
         try:
             self._run(f"the gradient all-reduce {label}", lambda: self._dist.all_reduce(local, group=self.reduce_group))
             self._accumulate(local, grad, first)
@@ -221,6 +244,7 @@ class DataParallelRuntime:
             send[: hi - lo] = image[lo:hi]
             send[hi - lo :].zero_()
         out = self._buffer("gather out", self.ranks * chunk, image.dtype)
+        self._count("gather", out)
         self._run(f"the weights' all-gather {label}", lambda: self._all_gather(out, send, group=self.gather_group))
         image.copy_(out[:t])
 
@@ -393,16 +417,19 @@ class DataParallelRuntime:
     def all_reduce_sum(self, t: torch.Tensor, what: str) -> None:
         """SUM all-reduce of ``t`` in place across the ranks, on the reduce queue's group (NR0
         runs on that queue after every RS of the step, in the same order on every rank)."""
+        self._count("norm", t)
         self._run(what, lambda: self._dist.all_reduce(t, group=self.reduce_group))
 
     def all_reduce_max(self, t: torch.Tensor, what: str) -> None:
         """MAX all-reduce of ``t`` in place across the ranks, on the reduce queue's group (NR0's
         finite checks, agreed so that every rank skips or applies the step alike)."""
+        self._count("norm", t)
         self._run(what, lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.reduce_group))
 
     def all_gather_flat(self, send: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's ``send`` (the same length on each), concatenated in rank order."""
         out = torch.empty(self.ranks * send.numel(), dtype=send.dtype)
+        self._count("norm", out)
         self._run(what, lambda: self._all_gather(out, send, group=self.reduce_group))
         return out
 
