@@ -187,15 +187,20 @@ class AsyncSave:
     """A save running in a background thread (``cm.save_checkpoint(..., async_save=True)``):
     :meth:`wait` joins it and re-raises what it raised."""
 
-    def __init__(self, path: str, tensors: dict[str, Any], meta: dict[str, Any]):
+    def __init__(self, path: str, tensors: dict[str, Any] | None = None, meta: dict[str, Any] | None = None, *,
+                 job: Callable[[], None] | None = None):  # fmt: skip
+        """Write ``tensors`` and ``meta`` to ``path`` atomically in the thread; or run ``job``
+        there instead (data parallel's save of every rank's pieces: :mod:`shfx.dp_checkpoint`)."""
         self.path = path
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(tensors, meta), name="shfx-checkpoint", daemon=True)
+        if job is None:
+            job = lambda: _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))  # noqa: E731
+        self._thread = threading.Thread(target=self._run, args=(job,), name="shfx-checkpoint", daemon=True)
         self._thread.start()
 
-    def _run(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _run(self, job: Callable[[], None]) -> None:
         try:
-            _atomic_write(self.path, lambda d: _write_checkpoint(d, tensors, meta))
+            job()
         except BaseException as e:  # re-raised by wait()
             self.error = e
 

@@ -58,7 +58,9 @@ Saving with a process group is atomic as :func:`shfx.checkpoint.save` is: rank 0
 new directory and tells the others its name, every rank writes its shards through DCP (an
 error on any rank reaches every rank), rank 0 writes ``shfx_state.pt`` and switches the link,
 and every rank returns only once the link is switched (or with rank 0's error). A rank that
-fails or dies before the switch leaves the last good checkpoint.
+fails or dies before the switch leaves the last good checkpoint. With ``async_save=True``
+every rank snapshots its pieces first and the write, the state file and the switch run in a
+background thread on a gloo group of their own (:func:`save`).
 """
 
 from __future__ import annotations
@@ -285,6 +287,38 @@ def _root(group: Any) -> int:
     return dist.get_process_group_ranks(group)[0]
 
 
+def _checkpoint_group(dp: Any) -> Any:
+    """A gloo group over ``dp.group``'s ranks for the saves that run in a background thread
+    (``async_save=True``), made at the first one (every rank calls the save: collective) and
+    kept on ``dp``: a save's collectives then never interleave with the user's on ``dp.group``
+    (their own DDP, a barrier) or the runtime's on its queues' groups while training goes on."""
+    group = getattr(dp, "_checkpoint_group", None)
+    if group is None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=float(getattr(dp, "timeout_s", 600.0)))
+        members = dist.get_process_group_ranks(dp.group)
+        group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        dp._checkpoint_group = group
+    return group
+
+
+def _snapshot(obj: Any, staging: dict[str, torch.Tensor], key: str) -> Any:
+    """A copy of ``obj`` (a tensor, or nested dicts of tensors and other values) whose tensors
+    are host buffers kept in ``staging`` under ``key`` (reused by the next asynchronous save
+    when the shape and dtype match); other values as they are."""
+    if isinstance(obj, dict):
+        return {k: _snapshot(v, staging, f"{key}.{k}") for k, v in obj.items()}
+    if not torch.is_tensor(obj):
+        return obj
+    buf = staging.get(key)
+    if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+        buf = staging[key] = torch.empty(obj.shape, dtype=obj.dtype)
+    return buf.copy_(obj.detach())
+
+
 def _atomic_write_group(path: str, write: Callable[[str], None], finish: Callable[[str], None], group: Any, rank: int) -> None:
     """:func:`shfx.checkpoint._atomic_write` across the ranks of ``group``: rank 0 makes the new
     directory, every rank runs ``write(directory)`` (collective: DCP), rank 0 runs
@@ -361,19 +395,24 @@ def _rng_by_rank(group: Any) -> list[Any]:
     return out
 
 
-def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save: bool = False) -> None:
+def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save: bool = False) -> Any:
     """:func:`shfx.checkpoint.save` of a compiled model under data parallel (every rank calls
     it): the weights (replicated: written once), each rank's ranges of the optimizer states as
     boxes of their global tensors, the other optimizer fields (``step``) and ``shfx_state.pt``
-    (rank 0's RNG states as ``rng``, every rank's as ``rng_by_rank``)."""
+    (rank 0's RNG states as ``rng``, every rank's as ``rng_by_rank``).
+
+    ``async_save=True``: every rank first takes a snapshot of what it writes (its pieces, the
+    weights it offers, ``step``; copied into host buffers kept in ``cm._checkpoint_staging`` for
+    the next asynchronous save) and agrees the pieces' layout with the others (the collective
+    of :func:`sharded_state`, on ``dp.group``, in the caller's thread as a synchronous save
+    does); then DCP's write and the atomic switch run in a background thread on a gloo group of
+    their own (:func:`_checkpoint_group`), and training goes on. Returns the
+    :class:`shfx.checkpoint.AsyncSave` (``cm.wait_checkpoint()``, the next save or load and
+    ``cm.close()`` wait for it, and raise its error on the rank it reached: every rank, for a
+    failure DCP or rank 0 reports)."""
     import torch.distributed.checkpoint as dcp
 
     dp = cm._engine.dp
-    if async_save:
-        raise UsageError(
-            "async_save=True is not supported under data parallel yet (the save is a collective of every rank); "
-            "save with async_save=False"
-        )
     error, pieces = None, {}
     try:
         model_sd = cm.state_dict()  # settles the step
@@ -381,8 +420,15 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
         state, groups = _fmt._optimizer_state(cm.module.named_parameters(), cm.optimizer)
     except UsageError as e:
         error = str(e)
+    staging = cm._checkpoint_staging if async_save else {}
+    if async_save and error is None:  # the pieces' snapshot: the ShardedTensors' shards are views of it
+        pieces = {n: {f: (shape, lo, hi, _snapshot(t, staging, f"piece.{n}.{f}")) for f, (shape, lo, hi, t) in fs.items()}
+                  for n, fs in pieces.items()}  # fmt: skip
     sharded = sharded_state(pieces, dp.group, error)
     masters = _master_targets(cm, sharded)
+    if async_save:  # (bf16: the weights a master replaces are not copied)
+        state = _snapshot(state, staging, "optimizer.state")
+        model_sd = {k: v if k in masters else _snapshot(v, staging, f"model.{k}") for k, v in model_sd.items()}
     for name, fields in sharded.items():  # the ranges replace what cm.optimizer.state may show of them
         state.setdefault(name, {}).update(fields)
     steps = max((int(e["step"]) for e in state.values() if "step" in e and torch.is_tensor(e["step"]) and e["step"].dim() == 0), default=0)
@@ -393,10 +439,11 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
     meta = _fmt._meta(steps, groups, scheduler, cm.scaler, extra, cm.skipped_steps)
     meta["ranks"] = int(dp.ranks)
     meta["rng_by_rank"] = _rng_by_rank(dp.group)
+    group = _checkpoint_group(dp) if async_save else dp.group
 
     def write(d: str) -> None:
         with _failures_named(f"writing the checkpoint {os.path.abspath(path)!r}", "the last checkpoint there is kept"):
-            dcp.save(tensors, storage_writer=_fmt._writer(d), process_group=dp.group)
+            dcp.save(tensors, storage_writer=_fmt._writer(d), process_group=group)
 
     def finish(d: str) -> None:
         with open(os.path.join(d, _fmt.STATE_FILE), "wb") as f:
@@ -404,7 +451,12 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
             f.flush()
             os.fsync(f.fileno())
 
-    _atomic_write_group(path, write, finish, dp.group, int(dp.rank))
+    if async_save:
+        from .checkpoint import AsyncSave
+
+        return AsyncSave(os.path.abspath(path), job=lambda: _atomic_write_group(path, write, finish, group, int(dp.rank)))
+    _atomic_write_group(path, write, finish, group, int(dp.rank))
+    return None
 
 
 def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True) -> Any:

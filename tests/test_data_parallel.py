@@ -501,16 +501,24 @@ def _rank_dies(rank: int, world: int, how: str, timeout_s: float, out: str = "")
 
 def _checkpoint_resumes(
     rank: int, world: int, ckpt: str, precisions: list[str], optimizers: tuple[str, ...] = (), nvme: tuple[str, ...] = (),
+    nvme_async: tuple[str, ...] = (),
 ) -> dict:  # fmt: skip
     """:func:`_checkpoint_resume` in each precision (one spawn), into ``<ckpt>-<precision>``,
-    in fp32 with each of ``optimizers`` (other than AdamW), into ``<ckpt>-<optimizer>``, and
-    in each of the ``nvme`` precisions with the NVMe tier, into ``<ckpt>-<precision>-nvme``."""
+    in fp32 with each of ``optimizers`` (other than AdamW), into ``<ckpt>-<optimizer>``, in
+    each of the ``nvme`` precisions with the NVMe tier, into ``<ckpt>-<precision>-nvme``, and
+    in each of the ``nvme_async`` ones with the tier and ``async_save=True``, into
+    ``<ckpt>-<precision>-nvme-async``."""
     out = {p: _checkpoint_resume(rank, world, f"{ckpt}-{p}", p) for p in precisions}
     out |= {f"{p}-nvme": _checkpoint_resume(rank, world, f"{ckpt}-{p}-nvme", p, nvme=True) for p in nvme}
+    out |= {
+        f"{p}-nvme-async": _checkpoint_resume(rank, world, f"{ckpt}-{p}-nvme-async", p, nvme=True, async_save=True) for p in nvme_async
+    }
     return out | {o: _checkpoint_resume(rank, world, f"{ckpt}-{o}", optimizer=o) for o in optimizers}
 
 
-def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32", optimizer: str = "adamw", nvme: bool = False) -> dict:
+def _checkpoint_resume(
+    rank: int, world: int, ckpt: str, precision: str = "fp32", optimizer: str = "adamw", nvme: bool = False, async_save: bool = False,
+) -> dict:  # fmt: skip
     """Train 2 steps, save a checkpoint (every rank), train 2 more; then a model with other
     initial weights loads the checkpoint before its first call and trains the same 2 steps.
     ``precision="bf16"``: the checkpoint holds the sharded fp32 masters as the weights, and
@@ -524,7 +532,12 @@ def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32"
 
     ``nvme``: AdamW's states on the NVMe tier (each rank its shards in its own file): saved
     from the SSD; loaded before the first call (fp32: into RAM, moved to the SSD at the first
-    call) or after a step (bf16: written to the SSD by ``dp.refresh_masters``)."""
+    call) or after a step (bf16: written to the SSD by ``dp.refresh_masters``).
+
+    ``async_save``: the checkpoint is saved with ``async_save=True`` (each rank's snapshot, then
+    the write in a background thread) and training goes on at once, writing into the states
+    and masters the save snapshotted; the first model waits for the save only when it closes,
+    and the checkpoint must hold the state at the save (the resume is bitwise)."""
     bf16 = precision == "bf16"
 
     def masters(cm) -> dict:
@@ -548,7 +561,10 @@ def _checkpoint_resume(rank: int, world: int, ckpt: str, precision: str = "fp32"
         saved_masters: dict = {}
         for step in steps:
             if save and step == 2:
-                cm.save_checkpoint(ckpt)
+                cm.save_checkpoint(ckpt, async_save=async_save)
+                if async_save:  # in flight while the steps below run, and the user's own collectives on the
+                    assert cm._checkpoint_save is not None  # default group (a barrier here) do not meet the save's
+                    torch.distributed.barrier()
                 saved = {k: {f: (lo, hi, v.clone()) for f, (_, lo, hi, v) in fs.items()} for k, fs in cm.engine.dp.state_pieces().items()}
                 for k, p in model.named_parameters():  # (a replicated optimizer's whole states)
                     for f, v in cm.optimizer.state.get(p, {}).items():
@@ -1023,13 +1039,23 @@ def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
     writes the ranges of its master shard, as of the states: a one-process bf16 checkpoint); a
     model that took a step of its own loads it (the data-parallel path: the masters read into
     the shards, the bf16 image recast and all-gathered) and resumes bitwise (bf16 weights, fp32
-    master shards); one process in bf16 loads every rank's master ranges and states."""
+    master shards); one process in bf16 loads every rank's master ranges and states.
+
+    ``async_save=True`` (bf16 with the NVMe tier, same spawn): each rank snapshots its pieces
+    (master and state ranges, the latter read from its SSD file), the weights and ``step``, then
+    DCP writes them in a background thread on a gloo group of the save's own while both ranks
+    train two more steps (and meet in a barrier on the default group); the checkpoint holds the
+    state at the save: the resume is bitwise and one process loads every rank's ranges."""
     ckpt = str(tmp_path / "ckpt")
-    by_rank = _spawn(tmp_path, 2, "checkpoint", timeout_s=360, ckpt=ckpt, precisions=["fp32", "bf16"], nvme=("fp32", "bf16"))
+    by_rank = _spawn(
+        tmp_path, 2, "checkpoint", timeout_s=420, ckpt=ckpt, precisions=["fp32", "bf16"], nvme=("fp32", "bf16"), nvme_async=("bf16",)
+    )
     for precision in ("fp32", "bf16"):
         _checkpoint_check(f"{ckpt}-{precision}", [res[precision] for res in by_rank], precision)
         # the NVMe tier (issue 25): the states each rank saves from and loads to its SSD file
         _checkpoint_check(f"{ckpt}-{precision}-nvme", [res[f"{precision}-nvme"] for res in by_rank], precision)
+    # async_save=True (issue 25): each rank's snapshot, the write in a background thread while training goes on
+    _checkpoint_check(f"{ckpt}-bf16-nvme-async", [res["bf16-nvme-async"] for res in by_rank], "bf16")
 
 
 def _checkpoint_check(ckpt: str, results: list[dict], precision: str, optimizer: str = "adamw") -> None:
