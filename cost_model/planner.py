@@ -496,13 +496,14 @@ def memory_model(
     own16 = _stage_bytes(fam, elt)
     group16 = {"head": own16["head"], "block": own16["block"], "tail": own16["tail_own"]}  # the working copy
     lay = _layout(policy, L, window, resident_first)
-    if ranks > 1:
-        if policy in ("resident", "l2l") or any(lay.device_groups.values()):
-            raise ValueError(
-                f"data parallel ({ranks} ranks) shards the host optimizer, but policy {policy!r}"
-                + (f" with resident_first={resident_first}" if resident_first else "")
-                + " updates groups on the device; use zero-offload, zero-infinity or stronghold with resident_first=0"
-            )
+    if ranks > 1 and fam.mixed and (policy in ("resident", "l2l") or any(lay.device_groups.values())):
+        # (the runtime refuses it too: shfx.config's _check_data_parallel)
+        raise ValueError(
+            f"data parallel ({ranks} ranks) in mixed precision with policy {policy!r}"
+            + (f" with resident_first={resident_first}" if resident_first else "")
+            + " (groups updated on the device) is not run: their fp32 masters on the device are read from the whole host "
+            "master, which data parallel shards; plan it in fp32, or with a policy updating every group on the host"
+        )
 
     # ---- device
     slot_sizes: tuple[int, ...] = ()
@@ -579,7 +580,7 @@ def memory_model(
         DP_COLLECTIVE: 0,
     }
     if ranks > 1:
-        host = _dp_host(fam, L, ranks, group32, group16 if working else None, rollback, host)
+        host = _dp_host(fam, L, ranks, group32, group16 if working else None, rollback, host, host_groups)
     ssd: dict[str, int] = {}
     tier = bool(nvme) and policy in ("stronghold", "zero-infinity") and host_trainable > 0
     if nvme and policy not in ("stronghold", "zero-infinity"):
@@ -645,18 +646,28 @@ def _ranks(tgt: Target, ranks: int | None) -> int:
     return ranks
 
 
-def _dp_host(fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | None, rollback: bool, host: dict) -> dict[str, int]:
-    """One rank's host terms with data parallel (every group updated on the host): the closed
-    form of :func:`shfx.passes.ledger.host_terms` with ``ranks``."""
+def _dp_host(
+    fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | None, rollback: bool, host: dict,
+    host_groups: dict | None = None,
+) -> dict[str, int]:  # fmt: skip
+    """One rank's host terms with data parallel: the closed form of
+    :func:`shfx.passes.ledger.host_terms` with ``ranks``. ``host_groups``: the groups of each
+    kind updated on the host (default all); the others are updated on the device, replicated:
+    on the host their image and master shard (the store lays one out for every group), and on a
+    GPU the all-reduce's host scratch of the largest one's gradient (``collective buffers``)."""
     counts = {"head": 1, "block": L, "tail": 1}
+    hosted = counts if host_groups is None else host_groups
+    dev = {k: counts[k] - hosted[k] for k in counts}
     chunk = {k: shard_chunk(group32[k] // 4, ranks) for k in counts}
     own = {k: shard_numel(group32[k] // 4, ranks) for k in counts}  # rank 0's: the most
-    shard = sum(4 * own[k] * c for k, c in counts.items())
+    masters = sum(4 * own[k] * c for k, c in counts.items())
+    shard = sum(4 * own[k] * c for k, c in hosted.items())
     elt = fam.param_bytes if group16 is not None else 4
-    padded = max(ranks * chunk[k] for k in counts)
+    padded = max((ranks * chunk[k] for k, c in hosted.items() if c), default=0)
+    largest_dev = max((group32[k] for k, c in dev.items() if c), default=0)
     return {
         **dict.fromkeys(HOST_TERMS, 0),
-        "master parameters (fp32)": shard,
+        "master parameters (fp32)": masters,
         DP_IMAGE: 0 if group16 is not None else host["master parameters (fp32)"],
         "gradients (fp32)": shard,
         "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * shard,
@@ -664,9 +675,10 @@ def _dp_host(fam: GPTShape, L: int, ranks: int, group32: dict, group16: dict | N
         # (+ the store's staging buffer a borrowed, tied, gradient is copied through)
         "gradient staging (pinned)": _STAGING_BUFFERS * padded * elt
         + (max(group32[k] for k in counts) if host["pending tied gradient"] else 0),
-        DP_COLLECTIVE: padded * elt + 2 * max(chunk.values()) * elt,
+        DP_COLLECTIVE: (padded * elt + 2 * max((chunk[k] for k, c in hosted.items() if c), default=0) * elt if padded else 0)
+        + largest_dev // 4 * elt,
         "pending tied gradient": host["pending tied gradient"],
-        "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in counts.items()) if rollback else 0,
+        "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in hosted.items()) if rollback else 0,
     }
 
 

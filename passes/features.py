@@ -131,10 +131,10 @@ def _deferred_behind_gate(p: Program) -> str | None:
 def _collectives(p: Program) -> str | None:
     if p.ranks < 2:
         return f"it runs on {p.ranks} rank"
-    host = {st.update_group for st in p.stages if st.update_group is not None} - p.device_groups()
+    groups = {st.update_group for st in p.stages if st.update_group is not None}
     reduced = sorted(get_meta(n).stage for n in p.nodes if get_meta(n).kind == RS)
-    if reduced != sorted(host):
-        return f"the host groups are {sorted(host)}, the reductions RS {reduced}"
+    if reduced != sorted(groups):
+        return f"the trainable groups are {sorted(groups)}, the reductions RS {reduced}"
     nodes = p.nodes
     for i, n in enumerate(nodes):
         m = get_meta(n)
@@ -320,9 +320,19 @@ UPDATES_IN_STEP = FeaturePass(
 def data_parallel_program(program: Program, ranks: int) -> Program:
     """The train program ``program`` run by ``ranks`` data-parallel processes: its actions with
     :func:`~shfx.passes.lowering.add_collectives` (``RS g`` as soon as group ``g``'s local
-    gradient is complete, ``AG g`` after each ``U g``), lowered again with ``ranks`` (the waits
-    of :func:`~shfx.passes.program.lower_actions`). Any policy's program, a user's too; with
-    ``ranks == 1`` the program is returned as it is.
+    gradient is complete, ``AG g`` after each ``U g``; a group updated on the device is
+    replicated: ``RS g`` all-reduces its device gradient before its ``GN g`` and ``DU g``),
+    lowered again with ``ranks`` (the waits of :func:`~shfx.passes.program.lower_actions`). Any
+    policy's program, a user's too (the delayed update's: ``RS g`` in the backward, ``U g`` and
+    ``AG g`` in phase ``"delayed"``); with ``ranks == 1`` the program is returned as it is.
+
+    >>> from shfx.passes.policies import Resident, ZeroOffload
+    >>> from shfx.passes.stages import chain
+    >>> " ".join(data_parallel_program(Resident().program(chain(2)), 2).actions())
+    'F0 F1 B1 RS1 DU1 B0 RS0 DU0'
+    >>> p = data_parallel_program(ZeroOffload(delayed_update=True).program(chain(2)), 2)
+    >>> " ".join(p.actions("backward")), " ".join(p.actions("delayed"))
+    ('B1 OG1 RS1 B0 OG0 RS0', 'U0 AG0 U1 AG1')
 
     >>> from shfx.passes.stages import chain
     >>> from shfx.passes.policies import Stronghold
@@ -347,10 +357,11 @@ def data_parallel_program(program: Program, ranks: int) -> Program:
 
 DATA_PARALLEL = FeaturePass(
     "data-parallel",
-    requires=(_HOST_ONLY, Condition("one rank", _one_rank, "apply data-parallel once")),
-    ensures=(Condition("every host group's gradient reduced once, every update gathered right after it", _collectives),),
+    requires=(Condition("one rank", _one_rank, "apply data-parallel once"),),
+    ensures=(Condition("every group's gradient reduced once, every host update gathered right after it", _collectives),),
     transform=data_parallel_program,
-    doc="RS g after a group's last OG, AG g after each U g, NR0 before the gate",
+    doc="RS g after a host group's last OG (a device group's last B: its gradient all-reduced), AG g after each U g, "
+    "NR0 before the gate",
 )
 
 
@@ -405,7 +416,7 @@ DELAYED_UPDATE = FeaturePass(
         _HOST_ONLY,
         Condition("updates that finish within the step", _updates_in_program, "apply delayed-update once"),
         Condition("a program that does not clip", _not_clipped, "drop max_grad_norm, or use ZeroOffload() (exact clipping)"),
-        Condition("one rank", _one_rank, "use ZeroOffload() or Stronghold() under data parallel"),
+        Condition("one rank (run it before data-parallel)", _one_rank, "run delayed-update before data-parallel"),
         Condition("updates after the backward", lambda p: None if not p.updates_in_step else "they run in step()",
                   "apply delayed-update instead of updates-in-step"),
     ),

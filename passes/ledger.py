@@ -322,7 +322,7 @@ def host_terms(
     counter only, and the SSD holds a second version of its optimizer states (a step writes the
     version the last committed step did not: :mod:`shfx.runtime.ssd_window`).
 
-    With data parallel (``ranks = N > 1``, every group updated on the host), the terms are those
+    With data parallel (``ranks = N > 1``), the terms are those
     of rank ``rank`` (default 0, the rank that owns the most): each group's trainable region of
     ``T`` elements (``update_bytes / 4``, padding included) is sharded, ``chunk`` elements per
     rank (:func:`shard_chunk`), rank ``r`` owning ``n = `` :func:`shard_numel` ``(T, N, r)`` of
@@ -356,7 +356,10 @@ def host_terms(
     when given, its ``per_element`` replaces ``optimizer_states`` on the host, and its
     ``group_bytes`` are added to each host-updated group's states.
 
-    Groups updated on the device and the NVMe tier are refused (``ValueError``)."""
+    A group updated on the device (``device_groups``) is replicated (:func:`_dp_host_terms`):
+    on the host its image whole and (sharded optimizer) its master shard, no gradient or state
+    terms, and the all-reduce's host scratch of its gradient (``collective buffers``, a GPU's).
+    In 16 bits such groups are refused (``ValueError``)."""
     if optimizer is not None:
         optimizer_states = optimizer.per_element
     if ranks > 1:
@@ -444,12 +447,20 @@ def _dp_host_terms(
     host_window: int = 0,
     optimizer: HostOptimizerStates | None = None,
 ) -> list[Change]:
-    """:func:`host_terms` per rank with data parallel over ``ranks`` ranks."""
+    """:func:`host_terms` per rank with data parallel over ``ranks`` ranks.
+
+    A group updated on the device (``device_groups``) is replicated: its optimizer states and
+    gradient are on the device, whole on every rank (the device terms, as in one process); on
+    the host it keeps its image whole and the rank's fp32 master shard the store lays out for
+    every group (unused while the group is updated on the device), no gradient shard and no
+    optimizer state; its ``RS g`` all-reduces the device gradient through a host scratch of its
+    size on a GPU (``collective buffers``; on the emulated device in place)."""
     owners = {s.update_group: s for s in stages if s.update_group is not None}
-    if set(device_groups) & set(owners):
+    dev = set(device_groups) & set(owners)
+    if dev and any(working_bytes or ()):
         raise ValueError(
-            f"data parallel ({ranks} ranks) shards the host optimizer, but groups {sorted(set(device_groups) & set(owners))} "
-            "are updated on the device; use a policy that updates every group on the host"
+            f"data parallel ({ranks} ranks) in 16 bits with groups {sorted(dev)} updated on the device: not run (their "
+            "fp32 masters on the device are read from the whole host master, which data parallel shards)"
         )
     mixed = any(working_bytes or ())
     elt = 2 if mixed else 4  # the device dtype of the local gradient and the working copy
@@ -462,8 +473,15 @@ def _dp_host_terms(
     padded = 0  # the largest group's padded length, ranks x chunk (replicated: T)
     largest_chunk = 0
     ssd_own = 0  # the largest state shard on the SSD (a host-window buffer holds its m and v)
+    device_scratch = 0  # the largest device-updated group's gradient (the all-reduce's host scratch on a GPU)
     for g, o in sorted(owners.items()):
         numel = o.update_bytes // 4
+        if g in dev:
+            own = 0 if replicated else shard_numel(numel, ranks, rank)  # (replicated: the image is the master)
+            device_scratch = max(device_scratch, numel)
+            out.append(Change("host", "master parameters (fp32)", f"master shard of group {g} (updated on the device)", 4 * own))
+            out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
+            continue
         chunk = numel if replicated else shard_chunk(numel, ranks)
         own = numel if replicated else shard_numel(numel, ranks, rank)
         padded, largest_chunk = max(padded, chunk if replicated else ranks * chunk), max(largest_chunk, chunk)
@@ -500,7 +518,9 @@ def _dp_host_terms(
         out.append(Change("host", DP_COLLECTIVE, "all-gather output (padded)", padded * elt))
         out.append(Change("host", DP_COLLECTIVE, "all-gather send chunk", largest_chunk * elt))
         out.append(Change("host", DP_COLLECTIVE, "reduce-scatter output chunk", largest_chunk * elt))
-    hg = set(owners)
+    if device_scratch:
+        out.append(Change("host", DP_COLLECTIVE, "device gradient all-reduce scratch (GPU)", device_scratch * elt))
+    hg = set(owners) - dev
     pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     if pending:  # a borrowed (tied) contribution is copied through the store's staging buffer, then summed
         largest = max((o.update_bytes for o in owners.values()), default=0)

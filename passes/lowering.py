@@ -37,7 +37,9 @@ With data parallel (:func:`shfx.passes.schedule.data_parallel_program`, any poli
 
 10. :func:`add_collectives` - ``RS g`` right after the ``OG`` of group ``g``'s last gradient
     contributor (the reduction of the rank's local gradient starts as soon as it is complete,
-    while the backward of earlier stages runs), ``AG g`` right after each ``U g``.
+    while the backward of earlier stages runs), ``AG g`` right after each ``U g``; for a group
+    updated on the device, ``RS g`` (an all-reduce of its device gradient) right after its last
+    contributor's ``B``, before its ``GN g`` and ``DU g``.
 
 Each pass inserts its actions at the end of the *trailer* of the compute action they belong
 to: the actions between that ``F``/``B`` and the next compute action. Then
@@ -400,36 +402,39 @@ def add_ssd_transfers(
 
 
 def add_collectives(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list[Action]:
-    """Given a (host-updated) action order, add data parallel's collectives: ``RS g`` right
-    after the ``OG`` of group ``g``'s last gradient contributor in issue order (each rank's local
-    gradient of ``g`` is then complete: the reduce-scatter runs while the backward of earlier
-    stages does), and ``AG g`` right after each ``U g`` (the updated shards are gathered before
-    anything reads the group again); ``NR0`` right before the gate ``CK0``: with clipping every
-    rank's per-parameter norms combined across ranks, without (the gate of updates in
-    ``step()``) every rank's finite check, so all skip or apply the step alike. Device updates
-    (``DU``) are refused: data parallel shards the host optimizer.
+    """Given an action order, add data parallel's collectives: ``RS g`` right after the ``OG``
+    of host group ``g``'s last gradient contributor in issue order (each rank's local gradient
+    of ``g`` is then complete: the reduce-scatter runs while the backward of earlier stages
+    does), and ``AG g`` right after each ``U g`` (the updated shards are gathered before anything
+    reads the group again); ``NR0`` right before the gate ``CK0``: with clipping every rank's
+    per-parameter norms combined across ranks, without (the gate of updates in ``step()``) every
+    rank's finite check, so all skip or apply the step alike.
+
+    A group updated on the device (``DU g``) is replicated, as DDP replicates every parameter:
+    its ``RS g`` comes right after the ``B`` of its last gradient contributor (its gradient is
+    complete in its owner's gradient buffer on the device), before its norm ``GN g`` and its
+    ``DU g``, and all-reduces that gradient (``* 1/N``, SUM); every rank then runs the same
+    ``DU g`` on the same gradient, and nothing is gathered.
 
     >>> from shfx.passes.stages import chain
     >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 OG0 U0".split()]
     >>> " ".join(map(str, add_collectives(acts, chain(2))))
     'F0 F1 B1 OG1 RS1 U1 AG1 B0 OG0 RS0 U0 AG0'
+    >>> acts = [Action.from_str(a) for a in "F0 F1 B1 OG1 U1 B0 DU0".split()]
+    >>> " ".join(map(str, add_collectives(acts, chain(2))))
+    'F0 F1 B1 OG1 RS1 U1 AG1 B0 RS0 DU0'
     """
-    dev = sorted({a.stage for a in acts if a.kind == DU})
-    if dev:
-        raise ScheduleError(
-            f"data parallel shards the host optimizer across ranks, but groups {dev} are updated on the device (DU); "
-            "use a policy that updates every group on the host (Stronghold(resident_first=0), ZeroOffload, ZeroInfinity)"
-        )
     stages = list(stages)
+    dev = {a.stage for a in acts if a.kind == DU}
     owned = {st.update_group for st in stages if st.update_group is not None}
-    last_og: dict[int, int] = {}  # group -> position of its last contributor's OG
+    last_at: dict[int, int] = {}  # group -> position of its last contributor's OG (host) or B (device)
     for i, a in enumerate(acts):
-        if a.kind == OG and 0 <= a.stage < len(stages):
+        if a.kind in (OG, B) and 0 <= a.stage < len(stages):
             for g in stages[a.stage].grad_groups:
-                if g in owned:
-                    last_og[g] = i
+                if g in owned and (a.kind == B) == (g in dev):
+                    last_at[g] = i
     after: dict[int, list[Action]] = {}
-    for g, i in sorted(last_og.items()):
+    for g, i in sorted(last_at.items()):
         after.setdefault(i, []).append(Action(RS, g))
     out: list[Action] = []
     for i, a in enumerate(acts):

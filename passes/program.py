@@ -102,6 +102,8 @@ class ActionMeta:
         device: GRAD_NORM only: the group is updated on the device (``DU``), so its norms are
             computed there, on the compute stream, over the gradient in the gradient buffer of
             its (persistent) owner's slot (``slot``), where the ``DU`` after the gate reads it.
+            REDUCE_GRADS: the all-reduce of a device-updated group's gradient in that buffer
+            (data parallel: the group is replicated, every rank runs its ``DU``).
     """
 
     action: Action
@@ -125,12 +127,13 @@ class ActionMeta:
 
     @property
     def stream(self) -> str:
-        return "compute" if self.device else self.action.kind.stream
+        # (a device REDUCE_GRADS stays on the reduce queue: its collectives run in program order)
+        return "compute" if self.device and self.kind != ActionKind.REDUCE_GRADS else self.action.kind.stream
 
     @property
     def resource(self) -> str:
         """What the simulator charges its time to (a device GRAD_NORM: the compute stream's)."""
-        return "compute" if self.device else KINDS[self.action.kind].resource
+        return "compute" if self.device and self.kind != ActionKind.REDUCE_GRADS else KINDS[self.action.kind].resource
 
 
 class Program:
@@ -413,7 +416,11 @@ def lower_actions(
         gradients to group ``g`` (the rank's whole local gradient); ``U g`` and ``GN g`` wait for
         ``RS g``; ``AG g`` waits for ``U g``; a ``PF`` waits for the last ``AG`` of each group its
         stage reads (as for ``U``). Both move the group's gradient bytes (its trainable region in
-        the device dtype). Groups updated on the device (``DU``) are refused.
+        the device dtype). A group updated on the device (``DU g``) is replicated: its ``RS g``
+        (``meta.device``, in its owner's slot, which it reads) all-reduces the gradient in its
+        owner's gradient buffer and waits for ``B j`` of every stage ``j`` sending it gradients
+        (its ``bytes`` are twice the gradient's: a ring all-reduce moves a reduce-scatter's and an
+        all-gather's); ``GN g`` and ``DU g`` wait for it; it has no ``AG g``.
     ``persistent`` stages are resident before the first action, in slots ``0..k-1``, and stay
     resident (they may not be released). The phase is ``"forward"`` up to the first ``B`` and
     ``"backward"`` after it; updates after the ``GN`` actions end the program and are in phase
@@ -541,10 +548,19 @@ def lower_actions(
                 raise fail(pos, act, f"{KINDS[k].name} is a data-parallel collective, but the program runs on one rank (ranks=1)")
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
-            if s in device_groups:
-                raise fail(pos, act, f"group {s} is updated on the device (DU{s}); data parallel reduces host-updated groups only")
             nbytes = by_index[owner_of[s]].grad_bytes_to({s})
-            if k == RS:
+            if s in device_groups:
+                if k == AG:
+                    raise fail(pos, act, f"group {s} is updated on the device (DU{s}) on every rank: there are no shards to gather")
+                # (replicated: its device gradient, in its owner's gradient buffer, all-reduced; a
+                # ring all-reduce is a reduce-scatter then an all-gather: twice the bytes of one)
+                nbytes *= 2
+                slot, pf, _ = need_resident(pos, act, owner_of[s])
+                for j in contributors(s):
+                    deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+                reader_of = owner_of[s]
+                on_device = True
+            elif k == RS:
                 for j in contributors(s):
                     deps.append(need(pos, act, Action(ActionKind.OFFLOAD_GRAD, j), f"stage {j} sends gradients to group {s}"))
             else:
@@ -608,6 +624,8 @@ def lower_actions(
             slot, pf, _ = need_resident(pos, act, own)
             for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            if ranks > 1:
+                deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient all-reduced across the {ranks} ranks"))
             reader_of = own
             on_device = True
         elif k in (ActionKind.CPU_STEP, ActionKind.GRAD_NORM, SN, US):
@@ -633,14 +651,16 @@ def lower_actions(
         elif k == ActionKind.DEVICE_STEP:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
-            if ranks > 1:
-                raise fail(pos, act, f"data parallel ({ranks} ranks) shards the host optimizer; group {s} cannot be updated on the device")
             own = owner_of[s]
             slot, pf, _ = need_resident(pos, act, own)
             if pf is not None:
                 deps.append(pf)
             for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            if ranks > 1:  # (every rank updates the group whole, from the all-reduced gradient)
+                deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient all-reduced across the {ranks} ranks"))
+            if Action(US, s) in last:  # fp16: after its finite check
+                deps.append(last[Action(US, s)])
             if norms:  # (exact clipping) after the gate, which waits for every norm
                 if gate is None:
                     raise fail(pos, act, "a device update after the gradient norms (GN) runs after the step's gate: CK0 first")

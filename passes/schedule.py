@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from .meta import get_meta, set_meta
 from .policies import schedule_window, window_actions
-from .program import AG, DU, OG, PF, R, U, Action, F, Program, lower_actions
+from .program import AG, DU, OG, PF, RS, R, U, Action, F, Program, lower_actions
 
 __all__ = [
     "eval_program",
@@ -123,6 +123,7 @@ def steady_state_program(program: Program) -> Program:
         return program
     graph = fx.Graph()
     prev: dict[int, fx.Node] = {}
+    prev_update: dict[int, fx.Node] = {}  # group -> the previous step's U (not its AG)
     in_tail: dict[fx.Node, fx.Node] = {}
     for n in tail:
         m = get_meta(n)
@@ -132,6 +133,8 @@ def steady_state_program(program: Program) -> Program:
         in_tail[n] = node
         if m.kind in (U, AG, DU):  # (with data parallel the all-gather after the update is what a PF waits for)
             prev[m.stage] = node
+        if m.kind == U:
+            prev_update[m.stage] = node
     env: dict[fx.Node, fx.Node] = {}
     dev = program.device_groups()
     for n in program.nodes:
@@ -147,6 +150,8 @@ def steady_state_program(program: Program) -> Program:
             deps += [prev[g] for g in sorted(groups_read(program, m.stage) & dev) if g in prev]
         elif m.kind == OG and program.updates_delayed:  # the delayed update reads the buffer the copy writes
             deps += [prev[g] for g in sorted(program.stages[m.stage].grad_groups) if g in prev]
+        elif m.kind == RS and program.updates_delayed:  # (data parallel: the reduction writes the shard the update reads)
+            deps += [prev_update[m.stage]] if m.stage in prev_update else []
         node = graph.create_node("call_function", n.target, (m.stage, *deps), {}, name=n.name)
         set_meta(node, m)
         env[n] = node

@@ -35,7 +35,9 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
    the OFFLOAD_GRAD of every stage sending it gradients), every ``U g``/``GN g`` waits for
    ``RS g``, every ``U g`` is followed by exactly one ``AG g`` that waits for it, and every
    later PREFETCH of a stage reading ``g`` waits for that ``AG g`` (across the step boundary
-   too, in the steady state); no ``RS``/``AG`` with one rank, no DEVICE_STEP with several.
+   too, in the steady state); a group updated on the device has one ``RS g`` (an all-reduce of
+   its device gradient) after its contributors' BACKWARDs, which its ``GN g`` and ``DU g``
+   wait for, and no ``AG g``; no ``RS``/``AG`` with one rank.
 
 Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a PREFETCH of
 one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
@@ -600,8 +602,11 @@ def data_parallel(v: ProgramView) -> Iterator[Violation]:
     followed by exactly one ``AG g`` (before the next ``U g``) that waits for it; and every
     PREFETCH of a stage reading ``g`` issued after an ``AG g`` waits for it, in the program and
     across the step boundary (the steady state, :func:`~shfx.passes.schedule.steady_state_program`,
-    whose previous step's all-gathers a PREFETCH waits for). With one rank, no ``RS``/``AG``;
-    with several, no DEVICE_STEP (the host optimizer is sharded)."""
+    whose previous step's all-gathers a PREFETCH waits for). A group updated on the device is
+    replicated: one ``RS g`` (the all-reduce of its device gradient) per backward that runs its
+    contributors' BACKWARDs, after and waiting for each of them, no BACKWARD sending it
+    gradients after it, ``GN g`` and ``DU g`` waiting for it, and no ``AG g``. With one rank, no
+    ``RS``/``AG``."""
     from .schedule import groups_read, steady_state_program
 
     p = v.program
@@ -611,7 +616,9 @@ def data_parallel(v: ProgramView) -> Iterator[Violation]:
                 yield n, f"{v.act(n)} is a data-parallel collective, but the program runs on one rank (ranks=1)"
         return
     host = {g for g in v.owner_of if g not in v.device_groups}
-    contributors = {g: [s for s, st in v.stages.items() if g in st.grad_groups] for g in host}
+    dev = {g for g in v.owner_of if g in v.device_groups}
+    contributors = {g: [s for s, st in v.stages.items() if g in st.grad_groups] for g in host | dev}
+    backs: dict[int, list[fx.Node]] = {}  # stage -> its Bs so far
     reduced: dict[int, fx.Node] = {}  # group -> its RS
     updated: dict[int, tuple[fx.Node, int]] = {}  # group -> (its last U, AGs after it)
     gathered: dict[int, fx.Node] = {}  # group -> its last AG
@@ -620,18 +627,35 @@ def data_parallel(v: ProgramView) -> Iterator[Violation]:
     for n in v.nodes:
         m = get_meta(n)
         k, g = m.kind, m.stage
-        if k == DU:
-            yield n, f"{v.act(n)} updates group {g} on the device, but data parallel ({p.ranks} ranks) shards the host optimizer"
+        if k == B:
+            backs.setdefault(g, []).append(n)
+            for h in v.stages[g].grad_groups if g in v.stages else ():
+                if h in dev and h in reduced:
+                    yield n, f"{v.act(n)} sends gradients to group {h} after {v.act(reduced[h])} all-reduced it: they are left out"
+        elif k in (DU, GN) and g in dev:
+            if n.name.endswith("_prev"):  # the steady state's previous-step update: reduced in that step
+                pass
+            elif g not in reduced:
+                yield n, f"{v.act(n)} reads group {g}'s device gradient, but no RS{g} before it all-reduced it across the {p.ranks} ranks"
+            elif not v.waits_done(n, reduced[g]):
+                yield n, f"{v.act(n)} does not wait for {v.act(reduced[g])}: it would read a gradient not yet all-reduced"
         elif k == OG:
             ogs.setdefault(g, []).append(n)
             for h in v.stages[g].grad_groups if g in v.stages else ():
-                if h in reduced:
+                if h in host and h in reduced:
                     yield n, f"{v.act(n)} sends gradients to group {h} after {v.act(reduced[h])} reduced it: they are left out"
         elif k == RS:
             counts[g] = counts.get(g, 0) + 1
+            if g in dev:  # (replicated: the device gradient all-reduced after every contributor's B)
+                for j in contributors[g]:
+                    if not backs.get(j):
+                        yield n, f"{v.act(n)} all-reduces group {g}'s gradient before B{j} (stage {j} sends gradients to it) has run"
+                    elif not v.waits_done(n, backs[j][-1]):
+                        yield n, f"{v.act(n)} does not wait for {v.act(backs[j][-1])}: it would reduce a gradient still being computed"
+                reduced[g] = n
+                continue
             if g not in host:
-                why = "no stage owns it" if g not in v.owner_of else f"DU{g} updates it on the device"
-                yield n, f"{v.act(n)} reduces group {g}'s gradient, but {why}"
+                yield n, f"{v.act(n)} reduces group {g}'s gradient, but no stage owns it"
                 continue
             for j in contributors[g]:
                 if not ogs.get(j):
@@ -651,6 +675,9 @@ def data_parallel(v: ProgramView) -> Iterator[Violation]:
                     yield updated[g][0], f"{v.act(updated[g][0])} is not followed by an AG{g}: the other ranks never see its shard"
                 updated[g] = (n, 0)
         elif k == AG:
+            if g in dev:
+                yield n, f"{v.act(n)} gathers group {g}, but DU{g} updates it whole on every rank (nothing to gather)"
+                continue
             if g not in updated:
                 yield n, f"{v.act(n)} gathers group {g}'s shards, but no U{g} before it updated them"
                 continue
@@ -668,8 +695,8 @@ def data_parallel(v: ProgramView) -> Iterator[Violation]:
     for g, (u, c) in sorted(updated.items()):
         if c == 0:
             yield u, f"{v.act(u)} is not followed by an AG{g}: the other ranks never see its shard"
-    for g in sorted(host):
-        sends = any(ogs.get(j) for j in contributors[g])
+    for g in sorted(host | dev):
+        sends = any((backs if g in dev else ogs).get(j) for j in contributors[g])
         c = counts.get(g, 0)
         if sends and c != 1:
             yield None, f"RS{g} appears {c} times; each backward reduces group {g}'s gradient exactly once"

@@ -466,8 +466,8 @@ def _check_data_parallel(
             "and data parallel shards the optimizer on the host",
             "use resident_first=0 (the default; window='auto' runs under data parallel)",
         )
-    if getattr(pol, "delayed_update", False):
-        raise refuse("ZeroOffload(delayed_update=True)", "use ZeroOffload() or Stronghold()")
+    # (ZeroOffload(delayed_update=True) runs: its RS in the backward, U and AG in the delayed phase;
+    # a policy updating groups on the device runs them replicated: RS all-reduces the device gradient)
     try:  # a probe: does the policy update some groups on the device (DU)?
         from shfx.passes.stages import chain
 
@@ -475,11 +475,12 @@ def _check_data_parallel(
         dev = sorted(probe.device_groups())
     except Exception:  # noqa: BLE001 - a user's function policy: checked when its program is built
         dev = []
-    if dev:
+    if dev and precision != "fp32":
         raise refuse(
-            f"{pol!r}: it updates some parameter groups on the device (DU), and data parallel shards the optimizer on the host",
-            "use a policy that updates every group on the host: Stronghold(resident_first=0) (the default), ZeroOffload() or "
-            "ZeroInfinity()",
+            f"{pol!r} with precision={precision!r} yet: a group updated on the device in 16 bits keeps its fp32 master on "
+            "the device, read from the host's whole fp32 master, and data parallel holds only a shard of it on each rank",
+            "use precision='fp32' with this policy, or a policy that updates every group on the host "
+            "(Stronghold(resident_first=0), ZeroOffload(), ZeroInfinity())",
         )
 
 

@@ -249,6 +249,8 @@ def _against_ddp(
         cm.optimizer.load_state_dict(opt.state_dict())
     ddp = nn.parallel.DistributedDataParallel(work, process_group=group)
     losses, ref_losses, mism, outcomes = [], [], [], []
+    delayed = getattr(kw.get("policy"), "delayed_update", False)
+    prev: dict | None = None
     scales, windows = [], []
     for step in range(steps):
         if step == retune_at:  # every rank calls it (collective with window="auto"): rank 0's choice again
@@ -261,7 +263,8 @@ def _against_ddp(
             loss = _loss(name, _forward(name, cm, args), args) / accum
             if step == 0 and micro == 0 and not resume:  # the states a checkpoint load fills before the first step
                 pieces = cm.engine.dp.state_pieces(create=True)
-                assert bool(pieces) != replicated  # (replicated: whole states, none in pieces)
+                # (replicated, or every group updated on the device: whole states, none in pieces)
+                assert bool(pieces) != (replicated or len(cm.variant.device_groups) == len(cm.engine.param_keys_by_group))
                 assert all(not v.any() for f in pieces.values() for _, _, _, v in f.values())
             cm.scale_loss(loss).backward()  # (fp16: as GradScaler.scale(loss); else loss itself)
             if not replicated and any(p.grad is not None for p in model.parameters()):
@@ -316,6 +319,13 @@ def _against_ddp(
             scales.append(cm.scaler.scale)
             if cm.scaler.state_dict() != scaler.state_dict():
                 mism.append(f"step {step}: loss scaler {cm.scaler.state_dict()} != GradScaler {scaler.state_dict()}")
+        elif delayed:  # DDP with the one-step-delayed update: step i's reduced gradients applied after step i+1's backward
+            cur = {p: p.grad.clone() for p in ref.parameters() if p.grad is not None}
+            if prev is not None:
+                for p in ref.parameters():
+                    p.grad = prev.get(p)
+                opt.step()
+            prev = cur
         elif not poisoned:  # (the eager side skips the poisoned step)
             opt.step()
         opt.zero_grad()
@@ -323,6 +333,11 @@ def _against_ddp(
             with torch.no_grad():
                 for p16, p in master_of.items():
                     p16.copy_(p)
+    if delayed and prev is not None:  # the last step's delayed update, which cm.sync() waits for
+        for p in ref.parameters():
+            p.grad = prev.get(p)
+        opt.step()
+        opt.zero_grad()
     cm.sync()  # (with clipping the last step's updates run on into the next forward: done before reading the weights)
     auto = None
     if fake_links is not None:  # window="auto": rank 0's choice; this rank's own profile's; the report's
@@ -372,7 +387,10 @@ def _against_ddp(
     # with this optimizer's states (SGD: one per element, sharded; Adafactor: factored, whole)
     states = cm.optimizer.host_states(cm.variant.graph.groups)
     led = cm.variant.ledger(rank=rank, optimizer=states).static("host")
-    shard = sum(hi - lo for lo, hi in (store.shard_of(i) for i in range(len(store.groups))))
+    # (groups updated on the device are replicated: on the host only their image and (sharded) master shard)
+    dev = cm.variant.device_groups
+    shard = sum(hi - lo for lo, hi in (store.shard_of(i) for i in range(len(store.groups)) if i not in dev))
+    dev_shard = sum(hi - lo for lo, hi in (store.shard_of(i) for i in dev))
     image = sum(b.numel() for b in store.buffers)  # (bf16: the 16-bit working copy, buffers, constants)
     masters = sum(b.numel() for b in store.masters if b is not None)  # (bf16: frozen parameters' fp32; replicated: all)
     # the NVMe tier: this rank's state shards on its SSD file, the host window's buffers (and step counters) in RAM
@@ -387,14 +405,17 @@ def _against_ddp(
         ),
         # image + masters + (fp32 master shard if sharded, gradient, per-element states) per owned element + whole states
         expected=image + masters + (4 * (not replicated) + 4 + 4 * states.per_element) * shard + sum(states.group_bytes)
+        + 4 * (not replicated) * dev_shard
         - 4 * states.per_element * on_ssd + (win.host_bytes if win is not None else 0),
         buffers=dp.buffer_bytes,
         ledger_buffers=sum(led.get(t, 0) for t in ("gradient staging (pinned)", "collective buffers")),
         image=image,
         frozen_masters=masters,
         trainable=sum(g.trainable_numel for g in store.groups),
-        shard=shard,
+        shard=shard + dev_shard,
         replicated=replicated,
+        host_groups=sum(1 for i, g in enumerate(store.groups) if g.trainable_numel and i not in dev),
+        device_keys=sorted(k for g in dev for k, _ in cm.engine.param_keys_by_group.get(g, [])),
         groups=len(store.groups),
         numel={k: p.numel() for k, p in params.items() if p.requires_grad},
         # the bytes this rank moved: its collectives' by kind (dp.bytes_moved), the device-to-host
@@ -609,6 +630,8 @@ def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: in
         # optimizer has no ranges: every rank holds the whole states)
         numel = {} if per_rank[0]["counts"]["replicated"] else per_rank[0]["counts"]["numel"]
         for key, n in numel.items():
+            if key in per_rank[0]["counts"]["device_keys"]:
+                continue  # (updated on the device: its states whole on every rank, compared with torch's)
             spans = sorted(res["ranges"][key] for res in per_rank if key in res["ranges"])
             assert spans and spans[0][0] == 0 and spans[-1][1] == n, (key, spans)
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (key, spans)
@@ -622,7 +645,8 @@ def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: in
             k = res["counts"]
             assert k["host"] == k["expected"] == k["ledger"], k
             # the reused local-gradient and collective buffers: within the ledger's constant terms
-            assert 0 < k["buffers"] <= k["ledger_buffers"], k
+            # (groups updated on the device only, on the emulated device: all-reduced in place, none)
+            assert (0 < k["buffers"] or not k["host_groups"]) and k["buffers"] <= k["ledger_buffers"], k
         shards = [res["counts"]["shard"] for res in per_rank]
         k = per_rank[0]["counts"]
         if k["replicated"]:
@@ -736,9 +760,9 @@ def _spawn_by_config(tmp_path: Path, configs: list[dict], timeout_s: float) -> d
 @pytest.fixture(scope="module")
 def agreed_results(tmp_path_factory):
     """One spawn (2 ranks: starting them costs seconds) for :data:`AGREED_CONFIGS`,
-    :data:`FP16_CONFIGS` and :data:`AUTO_CONFIGS`."""
-    configs = AGREED_CONFIGS + FP16_CONFIGS + AUTO_CONFIGS
-    return _spawn_by_config(tmp_path_factory.mktemp("agreed"), configs, timeout_s=420)
+    :data:`FP16_CONFIGS`, :data:`AUTO_CONFIGS` and :data:`DEVICE_CONFIGS`."""
+    configs = AGREED_CONFIGS + FP16_CONFIGS + AUTO_CONFIGS + DEVICE_CONFIGS
+    return _spawn_by_config(tmp_path_factory.mktemp("agreed"), configs, timeout_s=480)
 
 
 def _check_fp16(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
@@ -894,6 +918,68 @@ def test_two_ranks_agree_to_skip_and_clip_like_ddp(agreed_results):
             else:
                 assert out[step].startswith("NonFiniteGradient") and f"rank {bad} of 2" in out[step], (c, r, out[step])
 
+
+DEVICE_CONFIGS = [
+    # groups updated on the device (issue 25), replicated as DDP replicates every parameter: RS g
+    # all-reduces the device gradient (* 1/2, SUM) after its last B, every rank runs the same DU g
+    dict(name="gpt_tied", window=None, policy=shfx.Resident()),  # (a tied embedding: a borrowed device gradient)
+    dict(name="mlp", window=None, policy=shfx.L2L()),  # streamed: RS, DU, OP before the slot is released
+    # one device group beside sharded host groups, with exact clipping: GN on the device after
+    # its RS, NR0 takes rank 0's norms of it
+    dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1), max_grad_norm=0.05),
+    # ZeRO-Offload's delayed update: RS in the backward, U and AG in the delayed phase (vs DDP with
+    # the one-step-delayed update)
+    dict(name="mlp", window=None, policy=shfx.ZeroOffload(delayed_update=True), steps=4),
+]  # fmt: skip
+
+DEVICE_CONFIGS_SLOW = [
+    dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1)),
+    dict(name="gpt_tied", window=None, policy=shfx.ZeroOffload(delayed_update=True), steps=4),
+    dict(name="gpt_tied", window=None, policy=shfx.L2L()),
+    dict(name="gpt_mask", window=None, policy=shfx.Stronghold(window=2, resident_first=2), max_grad_norm=0.05),
+    dict(name="gpt_tied", window=None, policy=shfx.Resident(), max_grad_norm=0.05, norm_type=float("inf")),
+    # clipping and the agreed skip in step(): the device gradients' finite check agreed by NR0
+    dict(name="mlp", window=None, policy=shfx.Resident(), overlap_update=False, max_grad_norm=0.05, skip_nonfinite=True,
+         poison=(1, 0, "batch")),
+    dict(name="gpt_mask", window=None, policy=shfx.Stronghold(window=2, resident_first=1), overlap_update=False,
+         clip_call=0.05),
+    dict(name="mlp_frozen", window=None, policy=shfx.ZeroOffload(delayed_update=True), steps=4),
+]  # fmt: skip
+
+
+def _check_device(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
+    """Bitwise as DDP (:func:`_check_ddp_results`); every step applied, but a poisoned one skipped by both ranks."""
+    _check_ddp_results([list(r) for r in zip(*(by_config[id(c)] for c in configs))], configs, 2)
+    for c in configs:
+        skipped = c["poison"][0] if "poison" in c else None
+        for r, res in enumerate(by_config[id(c)]):
+            assert res["outcomes"] == [i != skipped for i in range(c.get("steps", 3))], (c, r, res["outcomes"])
+
+
+def test_two_ranks_with_device_updates_and_the_delayed_update_match_ddp_bitwise(agreed_results):
+    """Policies that update groups on the device under data parallel (issue 25), 2 ranks against
+    eager DDP + ``torch.optim.AdamW(fused=True)``, bitwise (losses, weights, the device groups'
+    AdamW states whole, the host groups' ranges): a device-updated group is replicated as DDP
+    replicates every parameter: its ``RS g`` multiplies the gradient in its owner's device
+    gradient buffer by 1/2 and SUM-all-reduces it (``a/2 + b/2``, DDP's sum), and every rank runs
+    the same ``DU g`` on it; host groups stay sharded. ``Resident`` (a tied embedding), one
+    device stage of ``Stronghold(resident_first=1)`` beside sharded ones, ``L2L`` (streamed: the
+    all-reduce before the ``DU`` and the copy back), and the overlapped exact clipping with a
+    device group (its norms counted once: rank 0's). ``ZeroOffload(delayed_update=True)``: the
+    ``RS`` in the backward, each ``U g`` and its ``AG g`` in the delayed phase, against DDP with
+    the one-step-delayed update (step i's reduced gradients applied after step i+1's backward).
+    Host bytes per rank equal the ledger's (a device group holds its image and master shard on
+    the host)."""
+    _check_device(agreed_results, DEVICE_CONFIGS)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_device_updates_more_configs(tmp_path):
+    """:data:`DEVICE_CONFIGS_SLOW`: resident_first=1 unclipped, the delayed update on the tied
+    GPT, L2L with a tied embedding, resident_first=2 and Resident with
+    exact clipping (L2 and inf norms), clipping and the agreed skip in step() with device groups,
+    cm.clip_grad_norm_ with a device group, the delayed update with a frozen layer."""
+    _check_device(_spawn_by_config(tmp_path, DEVICE_CONFIGS_SLOW, timeout_s=400), DEVICE_CONFIGS_SLOW)
 
 OPTIMIZER_CONFIGS = [
     # SGD, sharded as AdamW: nesterov momentum and weight decay with a tied embedding (a
@@ -1153,10 +1239,10 @@ class _Unsharded(shfx.optim.SGD):
         (dict(skip_nonfinite=True), "skip_nonfinite=True with overlap_update=True.*overlap_update=False"),
         (dict(rollback=True), "rollback"),
         (dict(policy=shfx.Stronghold(window="auto", resident_first="auto")), "resident_first='auto'.*resident_first=0"),
-        (dict(policy=shfx.Stronghold(window=2, resident_first=1)), "on the device"),
-        (dict(policy="resident"), "on the device"),
-        (dict(policy="l2l"), "on the device"),
-        (dict(policy=shfx.ZeroOffload(delayed_update=True)), "delayed_update"),
+        # (device updates and the delayed update run: DEVICE_CONFIGS; in 16 bits a device group's
+        # fp32 master would be read from the whole host master, which data parallel shards)
+        (dict(policy="resident", precision="bf16"), "precision='bf16' yet.*fp32 master on the device.*precision='fp32'"),
+        (dict(policy=shfx.Stronghold(window=2, resident_first=1), precision="bf16"), "precision='bf16' yet"),
     ],
 )
 def test_refusals(one_rank_group, kwargs, match):

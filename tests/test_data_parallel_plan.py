@@ -133,15 +133,21 @@ def test_the_next_steps_prefetch_waits_for_the_deferred_gather():
         verify_program(steady, "auto", rules=[data_parallel])
 
 
-def test_collectives_need_ranks_and_device_updates_refuse_them():
+def test_collectives_need_ranks_and_device_updates_are_all_reduced_first():
     p = dp()
     p.ranks = 1
     with pytest.raises(VerificationError, match=r"RS3 \(#\d+\) is a data-parallel collective, but the program runs on one rank"):
         verify_program(p, "train", rules=[data_parallel])
-    r = Resident().program(chain(3))
-    r.ranks = 2
-    with pytest.raises(VerificationError, match=r"DU\d \(#\d+\) updates group \d on the device, but data parallel \(2 ranks\)"):
-        verify_program(r, "train", rules=[data_parallel])
+    # a device-updated group is replicated: RS g (its device gradient all-reduced) after its last
+    # B, before its DU g; no AG
+    r = data_parallel_program(Resident().program(chain(3)), 2)
+    assert " ".join(r.actions()) == "F0 F1 F2 B2 RS2 DU2 B1 RS1 DU1 B0 RS0 DU0"
+    verify_program(r, "train")
+    assert get_meta(r.find("RS1")).stream == "reduce" and get_meta(r.find("RS1")).bytes == 2 * chain(3)[1].grad_bytes_to({1})
+    bare = Resident().program(chain(3))
+    bare.ranks = 2
+    with pytest.raises(VerificationError, match=r"DU2 \(#\d+\) reads group 2's device gradient, but no RS2 before it"):
+        verify_program(bare, "train", rules=[data_parallel])
 
 
 # ---- the ledger ----------------------------------------------------------------------------------
@@ -184,11 +190,22 @@ def test_host_terms_per_rank_by_hand(ranks):
     assert total == sum(one.values())
 
 
-def test_host_terms_refuse_device_groups():
+def test_host_terms_of_device_groups_per_rank():
+    """A group updated on the device (resident_first=1) is replicated: on the host its image and
+    the master shard the store lays out, no gradient or state; the all-reduce's host scratch of
+    its gradient (a GPU's) among the collective buffers. In 16 bits: refused."""
     from shfx.passes.ledger import host_terms
 
-    with pytest.raises(ValueError, match=r"groups \[0\] are updated on the device"):
-        host_terms(chain(2), {0}, ranks=2)
+    p = data_parallel_program(Stronghold(window=2, resident_first=1).program(chain(3, prefetch_bytes=1000)), 2)
+    host = replay(p, rank=0).static("host")
+    n = 128  # shard_numel(250, 2, 0)
+    assert host == {
+        "master parameters (fp32)": 3 * 4 * n, DP_IMAGE: 3000, "gradients (fp32)": 2 * 4 * n,
+        "optimizer states (m, v)": 2 * 2 * 4 * n, "gradient staging (pinned)": STAGING_BUFFERS * 2 * n * 4,
+        DP_COLLECTIVE: 2 * n * 4 + 2 * n * 4 + 250 * 4,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"16 bits with groups \[0\] updated on the device"):
+        host_terms(chain(2), {0}, ranks=2, working_bytes=[100, 100])
 
 
 # ---- links and the ring formula --------------------------------------------------------------------
@@ -323,7 +340,10 @@ def test_closed_form_is_the_ledger_with_data_parallel(template):
         for L in (1, 2, 5):
             specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
             for ranks in (2, 3, 4, 8):
-                for policy, kw in [("zero-offload", {}), ("zero-infinity", {})] + [("stronghold", {"window": w}) for w in (1, 2, 3)]:
+                # (resident, l2l, resident_first: groups updated on the device, replicated)
+                pols = [("zero-offload", {}), ("zero-infinity", {})] + [("stronghold", {"window": w}) for w in (1, 2, 3)]
+                pols += [("resident", {}), ("l2l", {}), ("stronghold", {"window": 2, "resident_first": 1})]
+                for policy, kw in pols:
                     for rollback in (False, True):
                         want = memory_model(policy, fam.with_layers(L), EMU, ranks=ranks, rollback=rollback, **kw)
                         progs = build_programs(specs, make_policy(policy, **kw), verify=True, ranks=ranks)
@@ -383,11 +403,17 @@ def test_host_bytes_per_parameter_fall_as_16_over_n():
         assert bd.device == one.device
 
 
-def test_data_parallel_refuses_device_updates():
-    with pytest.raises(ValueError, match="policy 'resident' updates groups on the device"):
-        memory_model("resident", REF.with_layers(4), V100, ranks=2)
-    with pytest.raises(ValueError, match="with resident_first=1 updates groups on the device"):
-        memory_model("stronghold", REF.with_layers(4), V100, ranks=2, resident_first=1)
+def test_data_parallel_with_device_updates():
+    """resident, l2l and resident_first=k per rank: the device terms those of one process (the
+    device states whole on every rank), on the host the image whole and a master shard for
+    every group; refused in mixed precision (as the runtime refuses it)."""
+    fam = REF.with_layers(4)
+    for policy, kw in (("resident", {}), ("l2l", {}), ("stronghold", {"resident_first": 2})):
+        one, bd = memory_model(policy, fam, V100, **kw), memory_model(policy, fam, V100, ranks=4, **kw)
+        assert bd.device == one.device, policy
+        assert bd.host[DP_IMAGE] == one.host["master parameters (fp32)"], policy
+    with pytest.raises(ValueError, match="mixed precision with policy 'resident'"):
+        memory_model("resident", GPTShape(hidden=64, heads=2, seq=16, batch=2, vocab=64, layers=2, precision="bf16"), V100, ranks=2)
     with pytest.raises(ValueError, match="disagrees with the target's 8 ranks"):
         memory_model("stronghold", REF.with_layers(4), with_data_parallel(V100, 8), ranks=4)
 

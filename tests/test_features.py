@@ -59,8 +59,11 @@ def test_requirements_refuse_naming_pass_condition_and_fix():
     dp = DATA_PARALLEL(Stronghold(window=2).program(chain(3)), ranks=2)
     with pytest.raises(PassRefused, match="run exact-clipping before data-parallel"):
         EXACT_CLIPPING(dp)
-    with pytest.raises(PassRefused, match="data-parallel .* every parameter group updated on the host"):
-        DATA_PARALLEL(Stronghold(window=2, resident_first=1).program(chain(3)), ranks=2)
+    with pytest.raises(PassRefused, match="data-parallel .* requires one rank, but it is data parallel already"):
+        DATA_PARALLEL(dp, ranks=2)
+    # (a device-updated group runs replicated: its gradient all-reduced by RS before its DU; issue 25)
+    dev = DATA_PARALLEL(Stronghold(window=2, resident_first=1).program(chain(3)), ranks=2)
+    assert dev.actions()[-3:] == ["B0", "RS0", "DU0"]
 
 
 def test_a_broken_guarantee_names_the_pass():

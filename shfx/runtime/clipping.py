@@ -17,7 +17,9 @@
   whole gradient), then one SUM all-reduce of the per-parameter norm vector, to which each
   parameter's norm is contributed by exactly one rank (``x + 0 = x``: exact). With a replicated
   optimizer (Adafactor) every rank holds every gradient whole, all-reduced, and norms every
-  parameter: rank 0 alone contributes them (N contributions would count each norm N times).
+  parameter: rank 0 alone contributes them (N contributions would count each norm N times); so
+  it does for a group updated on the device, replicated whatever the optimizer (its ``RS g``
+  all-reduced its device gradient before its ``GN g``).
 - ``CK0`` (the step's gate): the total norm over every parameter in the model's order and the
   clip coefficient; ``step()`` reads it, skips or fails a non-finite step, then starts the
   clipped updates (each scales its group's gradient by the coefficient first).
@@ -150,16 +152,20 @@ class Clipping:
         eng = self._engine
         dp, store = eng.dp, eng.store
         p = self.norm_type if norm_type is None else norm_type
-        for grp in store.groups:  # norms not recorded yet (no GN ran: updates in step()) are computed now
-            have = self.grad_norms.get(grp.index)
-            if grp.trainable_numel and store.grad_state[grp.index] == GRAD_VALID and (have is None or have[0] != p):
-                self.record(grp.index, p)
+        valid = self._valid_groups()
+        for gi in sorted(valid):  # norms not recorded yet (no GN ran: updates in step()) are computed now
+            have = self.grad_norms.get(gi)
+            if store.groups[gi].trainable_numel and (have is None or have[0] != p):
+                self.record(gi, p)
         split = self._split_norms(dp, store, p)
         index = {gk: i for i, gk in enumerate(self.clip_order)}
         vec = torch.zeros(len(self.clip_order), dtype=torch.float32)
-        # (replicated: every rank normed the same whole gradients; rank 0's count once)
-        mine = self.grad_norms.items() if dp.rank == 0 or not dp.replicated else ()
-        for g, (_, norms) in mine:
+        # (replicated: every rank normed the same whole gradients, and so it does for a group
+        # updated on the device, whose gradient every rank holds all-reduced; rank 0's count once)
+        dev = self._device_groups()
+        for g, (_, norms) in self.grad_norms.items():
+            if dp.rank != 0 and (dp.replicated or g in dev):
+                continue
             for k, v in norms.items():
                 if (g, k) in index:
                     vec[index[(g, k)]] = v
@@ -170,9 +176,24 @@ class Clipping:
         dp.all_reduce_sum(vec, "the gradient norms' reduction NR0")
         out: dict[int, dict[str, torch.Tensor]] = {}
         for (g, k), i in index.items():
-            if store.grad_state[g] == GRAD_VALID:
+            if g in valid:
                 out.setdefault(g, {})[k] = vec[i]
         self.grad_norms = {g: (p, norms) for g, norms in out.items()}
+
+    def _device_groups(self) -> frozenset[int]:
+        v = self._engine.current
+        return v.device_groups if v is not None else frozenset()
+
+    def _valid_groups(self) -> set[int]:
+        """The groups holding a gradient this step: on the host (this rank's shard), or on the
+        device for a group updated there."""
+        eng = self._engine
+        dev = self._device_groups()
+        state = eng.gradients.device_state
+        return {
+            gi for gi in range(len(eng.store.groups))
+            if (state.get(gi) == GRAD_VALID if gi in dev else eng.store.grad_state[gi] == GRAD_VALID)
+        }  # fmt: skip
 
     def agree_finite(self, dp: Any, first_bad: int | None) -> None:
         """``NR0`` of a step whose norms it does not reduce: this rank's finite check
@@ -188,8 +209,9 @@ class Clipping:
         """The norm of every parameter split between ranks' shards, whole: each rank sends its
         pieces of them (zero-padded to the longest rank's), all-gathered."""
         split: list[tuple[int, Any, int, int]] = []  # (group, info, offset, numel)
+        dev = self._device_groups()  # (whole on every rank: normed by GN)
         for grp in store.groups:
-            if not grp.trainable_numel or store.grad_state[grp.index] != GRAD_VALID:
+            if not grp.trainable_numel or grp.index in dev or store.grad_state[grp.index] != GRAD_VALID:
                 continue
             bounds = [dp.shard(grp, r) for r in range(dp.ranks)]
             for info, o, n in _trainable(grp):

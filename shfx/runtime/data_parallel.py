@@ -28,6 +28,14 @@ update, as every rank of DDP runs its optimizer, and ``AG g`` has nothing to gat
 rank's image is already the updated one). The program is the same; only what its collectives
 move differs.
 
+A group a policy updates on the device (``Resident``, ``L2L``, the first stages of
+``Stronghold(resident_first=k)``: ``DU g``) is replicated likewise, whatever the host
+optimizer: its ``RS g`` all-reduces (``* 1/N``, SUM) the gradient waiting in its owner's
+device gradient buffer (:meth:`all_reduce_device_grads`), every rank runs the same ``DU g``
+over it, and nothing is gathered. Under ``grad_accum_steps`` the device gradient accumulates
+the micro-steps on the device and is reduced once, in the backward that completes the step (as
+DDP under ``no_sync``).
+
 A rank that dies makes the others' collectives fail (gloo: connection closed) or time out
 (:attr:`shfx.DataParallel.timeout_s`): the step then fails with :class:`RankLost`, saying which
 collective, never a hang.
@@ -102,6 +110,9 @@ class DataParallelRuntime:
         self.control_group = dist.new_group(members, backend="gloo", timeout=timeout, use_local_synchronization=True)
         self.store: Any = None
         self.optimizer: Any = None
+        # the groups the current program updates on the device (replicated: the engine sets it
+        # with the program); they have no host states, gradient shard or local-gradient buffer
+        self.device_groups: frozenset[int] = frozenset()
         # NOTE: reused, not allocated per step (pinned allocations are slow on CUDA, and the
         # memory ledger counts them as a constant): local-gradient buffers sized for the largest
         # group's padded length, returned after the reduce-scatter (one in flight per group
@@ -213,6 +224,26 @@ class DataParallelRuntime:
         finally:
             self.release_local(local)
 
+    def all_reduce_device_grads(self, label: str, grads: torch.Tensor) -> None:
+        """``RS g`` of a group updated on the device (replicated, as DDP replicates every
+        parameter): its gradient ``grads`` (in its owner's gradient buffer, the device dtype)
+        multiplied by ``1/N`` and SUM-all-reduced in place, as DDP's bucket, so every rank's
+        ``DU g`` reads the same gradient. On the emulated device the gradient is a CPU tensor,
+        reduced where it is; on a GPU it goes through a host scratch of the reduce queue and
+        back (gloo reduces host tensors)."""
+        scale = 1.0 / self.ranks
+        if grads.device.type == "cpu":
+            grads.mul_(scale)
+            self._run(f"the device gradient's all-reduce {label}", lambda: self._dist.all_reduce(grads, group=self.reduce_group))
+            return
+        host = self._buffer("device reduce", grads.numel(), grads.dtype)
+        host.copy_(grads)  # (synchronous: the host reads it next)
+        host.mul_(scale)
+        self._run(f"the device gradient's all-reduce {label}", lambda: self._dist.all_reduce(host, group=self.reduce_group))
+        grads.copy_(host)
+        if grads.device.type == "cuda":  # (the DU on the compute stream reads it after this task's token)
+            torch.cuda.current_stream(grads.device).synchronize()
+
     @staticmethod
     def _accumulate(mine: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
         """This rank's reduced gradient ``mine`` (the device dtype) into its fp32 ``grad``:
@@ -271,7 +302,7 @@ class DataParallelRuntime:
             if self._local_free:
                 base = self._local_free.pop()
             else:
-                size = max(self.padded(gr) * gr.dtypes.device_grad.itemsize for gr in store.groups)
+                size = max(self.padded(gr) * gr.dtypes.device_grad.itemsize for gr in store.groups if gr.index not in self.device_groups)
                 # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
                 base = store.backend.alloc_host(size, store.pin)
                 self._local_count += 1
@@ -351,6 +382,8 @@ class DataParallelRuntime:
             args = (bool(first["amsgrad"]),) if "amsgrad" in first else ()
         ssd = getattr(opt, "ssd", None)  # the NVMe tier: its groups' states are read from (and loaded to) the SSD
         for grp in self.store.groups:
+            if grp.index in self.device_groups:  # (its states are on the device, whole: cm.optimizer.state)
+                continue
             if ssd is not None and grp.index in ssd.groups:
                 self._ssd_pieces(ssd, grp, create, out)
                 continue

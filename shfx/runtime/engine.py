@@ -457,6 +457,8 @@ class Engine:
             self.await_deferred()
         with self.backend.during("setup"):
             self.residency.ensure_pool(variant.slot_sizes, variant.grad_buffer_sizes)
+            if self.dp is not None:  # (its device groups are replicated: no host states, no local-gradient buffer)
+                self.dp.device_groups = frozenset(variant.device_groups)
             if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
                 self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)], self.optimizer)
             self.residency.ensure_persistent(variant)

@@ -144,12 +144,37 @@ class ActionHandlers:
         first micro-step, added at later ones)."""
         eng = self.engine
         dp, store, g = self._data_parallel(m), eng.store, m.stage
+        if g in ctx.variant.device_groups:
+            return self._reduce_device_grads(ctx, m, deps)
+        if eng.delayed:  # the previous step's delayed update still reads the gradient shard this writes
+            deps = deps + eng.delayed.deps_for([g])
 
         def run() -> None:
             acc = ctx.accumulation
             local = acc.local.pop(g, None) if acc is not None else None
             dp.reduce_grads(str(m.action), g, local, first=store.grad_state[g] == GRAD_NONE)
             store.grad_state[g] = GRAD_VALID
+
+        return self._submit(m, run, deps)
+
+    def _reduce_device_grads(self, ctx: StepContext, m: ActionMeta, deps: list[Token]) -> Token:
+        """RS g of a group updated on the device (replicated): its gradient in its owner's
+        gradient buffer (slot ``m.slot``) all-reduced, ``* 1/N`` and SUM, in the backward that
+        completes the step (the device gradient holds the micro-steps' sum: reduced once, as DDP
+        under ``no_sync``); the other micro-steps' RS is a no-op on every rank alike."""
+        eng = self.engine
+        dp, g = self._data_parallel(m), m.stage
+        if eng.backward_calls != eng.grad_accum_steps:
+            return self._submit(m, lambda: None, deps)
+        owner, base = self.group_base(ctx.variant, g)
+        grp = eng.store.groups[g]
+
+        def run() -> None:
+            grads = eng.gradients.device_grads(m.slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
+            if eng.gradients.device_state.get(g, GRAD_NONE) != GRAD_VALID:  # (no gradient this step: zeros, as DDP's)
+                grads.zero_()
+                eng.gradients.device_state[g] = GRAD_VALID
+            dp.all_reduce_device_grads(str(m.action), grads)
 
         return self._submit(m, run, deps)
 
@@ -226,11 +251,19 @@ class ActionHandlers:
         return self._submit(m, lambda: eng.clipping.agree_finite(dp, self.first_nonfinite_host()), deps)
 
     def first_nonfinite_host(self) -> int | None:
-        """The first host group (forward order) whose gradient holds inf or NaN, or None."""
+        """The first group (forward order) whose gradient holds inf or NaN, or None: this rank's
+        shard of a host group's, a device group's whole (all-reduced) gradient."""
         eng = self.engine
+        v = eng.current
         for gi in self.clip_groups():
+            if v is not None and gi in v.device_groups:
+                owner, base = self.group_base(v, gi)
+                grp = eng.store.groups[gi]
+                grad = eng.gradients.device_grads(v.train.persistent.index(owner), base, grp.trainable_bytes, grp.dtypes.device_grad)
+            else:
+                grad = eng.store.grad(gi)
             try:
-                require_finite(eng.store.grad(gi), gi, "")
+                require_finite(grad, gi, "")
             except NonFiniteGradient:
                 return gi
         return None
