@@ -444,6 +444,22 @@ def rollback_program(program: Program) -> Program:
     >>> from shfx.passes.policies import Stronghold
     >>> " ".join(rollback_program(Stronghold(window=2).program(chain(2))).actions())
     'PF0 PF1 F0 F1 B1 OG1 SN1 U1 R1 B0 OG0 SN0 U0 R0'
+
+    Under data parallel, a program whose host updates run during the backward (the overlap,
+    not clipped: no gate before them) ends with ``NR0``, the step's verdict: it waits for every
+    update, copy, unscale and all-gather of the step (whether they failed or not: each rank's
+    all-gathers run even when its own update failed, so the collectives still match) and agrees
+    every rank's outcome (a non-finite gradient, an fp16 overflow, a failed update) with one MAX
+    all-reduce, so every rank commits the step or every rank undoes it, its own shards from the
+    copies and the whole groups' images with one all-gather each (:mod:`shfx.runtime.journal`).
+    A program with a gate (clipping, or the updates in ``step()``) has agreed the finite check
+    before any update already.
+
+    >>> p = rollback_program(data_parallel_program(Stronghold(window=2).program(chain(2)), 2))
+    >>> " ".join(p.actions()[-6:])
+    'RS0 SN0 U0 AG0 R0 NR0'
+    >>> sorted(d.name for d in p.deps(p.find("NR0")))
+    ['ag0', 'ag1', 'sn0', 'sn1', 'u0', 'u1']
     """
     acts: list[Action] = []
     for n in program.nodes:
@@ -451,7 +467,14 @@ def rollback_program(program: Program) -> Program:
         if m.kind == U:
             acts.append(Action(SN, m.stage))
         acts.append(m.action)
+    if _needs_verdict(program):
+        acts.append(Action(NR, 0))
     return _relowered(program, acts)
+
+
+def _needs_verdict(p: Program) -> bool:
+    """Data parallel with host updates during the backward (nothing agreed before them)."""
+    return p.ranks > 1 and any(get_meta(n).kind == U and get_meta(n).phase == "backward" for n in p.nodes)
 
 
 def _relowered(program: Program, acts: list[Action]) -> Program:
@@ -478,15 +501,30 @@ def _snapshotted(p: Program) -> str | None:
     return None
 
 
+def _agreed(p: Program) -> str | None:
+    if p.ranks < 2 or not any(get_meta(n).phase == "backward" and get_meta(n).kind == U for n in p.nodes):
+        return None
+    last = get_meta(p.nodes[-1])
+    if last.kind != NR or last.phase != "backward":
+        return f"it ends with {last.action}, not with the step's verdict NR0"
+    waits = set(p.deps(p.nodes[-1]))
+    missing = [str(get_meta(n).action) for n in p.nodes if get_meta(n).kind in (U, AG, SN) and n not in waits]
+    return f"NR0 does not wait for {', '.join(missing)}" if missing else None
+
+
 ROLLBACK = FeaturePass(
     "rollback",
     requires=(
         Condition("a program that does not copy its groups yet", _no_snapshots, "apply rollback once"),
-        Condition("one rank (undoing a step would have to be agreed across ranks)", _one_rank, "rollback=False"),
     ),
-    ensures=(Condition("every host update waiting for its group's copy SN, in the same phase", _snapshotted),),
+    ensures=(
+        Condition("every host update waiting for its group's copy SN, in the same phase", _snapshotted),
+        Condition("data parallel with updates during the backward: the step's verdict NR0 last, waiting for every "
+                  "update, copy and all-gather", _agreed),
+    ),
     transform=rollback_program,
-    doc="SN g (the journal's copy) before each host update U g",
+    doc="SN g (the journal's copy) before each host update U g; under data parallel with updates during the backward, "
+    "NR0 (every rank's outcome, agreed) ending the step",
 )  # fmt: skip
 
 

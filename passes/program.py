@@ -473,6 +473,8 @@ def lower_actions(
     gate: fx.Node | None = None  # the step's CHECK: an update after it waits for it (and so for every norm)
     reduced_norms: fx.Node | None = None  # data parallel: the NORM_REDUCE the CHECK waits for
     deferred = False  # an update after the GRAD_NORMs was seen: it runs in the next forward
+    verdict: fx.Node | None = None  # data parallel with rollback: the overlapped step's NR0, after every update
+    order: dict[fx.Node, int] = {}  # node -> its position
 
     def fail(pos: int, act: Action, msg: str) -> ScheduleError:
         around = " ".join(str(a) for a in seq[max(0, pos - 4) : pos]) + f" [{act}] " + " ".join(
@@ -520,7 +522,24 @@ def lower_actions(
                 pos, act, "the updates after the gradient norms (GN) run in the next step's forward: they (and their SSD "
                 "reads and writes, their all-gathers) must end the program"
             )
-        if k in (NR, CK):
+        if verdict is not None and (KINDS[k].update or k == CK):
+            raise fail(
+                pos, act, "the overlapped step's verdict NR0 (every rank's outcome of its updates, agreed) ends the step: "
+                "every update, copy and all-gather comes before it"
+            )
+        if k == NR and not norms and not updates_in_step and any(a.kind == ActionKind.CPU_STEP for a in last):
+            # the overlapped step's verdict (rollback under data parallel: the rollback pass):
+            # after every update of the backward, every rank's outcome of them (a non-finite or
+            # overflowing gradient, a failed update) agreed, so all commit or all undo the step
+            if ranks < 2:
+                raise fail(pos, act, "norm_reduce combines the outcomes of several data-parallel ranks, but the program runs on one (ranks=1)")
+            if s != 0:
+                raise fail(pos, act, f"{KINDS[k].name} is one action of the whole step: its index is 0 ({k.value}0)")
+            if reduced_norms is not None:
+                raise fail(pos, act, "the outcomes are combined across ranks once a step (NR0)")
+            ups = [n for a, n in last.items() if a.kind in (ActionKind.CPU_STEP, US, SN, AG, SR, SW)]
+            deps.extend(sorted(ups, key=lambda n: order[n]))
+        elif k in (NR, CK):
             step_phase = True
             if s != 0:
                 raise fail(pos, act, f"{KINDS[k].name} is one action of the whole step: its index is 0 ({k.value}0)")
@@ -787,6 +806,9 @@ def lower_actions(
             gate = node
         elif k == NR:
             reduced_norms = node
+            if not step_phase:
+                verdict = node
+        order[node] = pos
         if k == ActionKind.PREFETCH:
             resident[s] = (slot, node, [])
         elif reader_of is not None:

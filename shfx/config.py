@@ -429,16 +429,6 @@ def _check_data_parallel(
             f"{got} as the optimizer (the host optimizer runs sharded or replicated across ranks)",
             "pass optimizer=shfx.optim.AdamW(...), SGD(...) or Adafactor(...)",
         )
-    if precision == "fp16" and overlap_update:
-        # (with overlap_update=False fp16 runs: every rank's unscale check US is agreed by NR0
-        # before any update, so all skip and back the scale off alike; shfx.runtime.clipping)
-        raise refuse(
-            "precision='fp16' with overlap_update=True yet: fp16 skips a step whose scaled gradients overflow, and with the "
-            "overlap the updates of later stages run during backward, before every rank's gradients are checked; undoing "
-            "them needs rollback, which is not run under data parallel",
-            "compile with overlap_update=False (the updates run in step(), after every rank's overflow check, agreed "
-            "across ranks: all skip the step and back the loss scale off alike), or use precision='bf16'",
-        )
     if precision not in ("fp32", "bf16", "fp16"):
         raise refuse(f"precision={precision!r}", "use precision='bf16', 'fp16' or 'fp32'")
     if fp32_norms and precision != "fp32":
@@ -449,15 +439,6 @@ def _check_data_parallel(
             "trainable region mixes dtypes, and data parallel reduces and gathers it as one tensor of one dtype",
             "drop fp32_norms (precision='bf16' casts the norms too), or use precision='fp32'",
         )
-    if skip_nonfinite and overlap_update:
-        raise refuse(
-            "skip_nonfinite=True with overlap_update=True yet: the updates of later stages run during backward, before "
-            "every rank's gradients are checked, and undoing them (rollback) is not run under data parallel",
-            "compile with overlap_update=False (the updates run in step(), after every rank's finite check, agreed "
-            "across ranks: all skip or apply the step)",
-        )
-    if rollback:
-        raise refuse("rollback=True yet: undoing a step would have to be agreed across ranks", "drop rollback= (off by default)")
     pol = resolve_policy(policy, window)
     # (window="auto" runs: every rank profiles, rank 0's choice is broadcast, shfx._tuning)
     if "resident_first" in pol.auto:

@@ -222,7 +222,8 @@ def test_updates_in_step_golden():
 def test_a_data_parallel_gate_needs_the_reduction_first():
     """Under data parallel every gate reduces across ranks first (NR0: the norms, or without
     them the finite check), also the unclipped gate of updates in step(); NR0 without norms is
-    only for that gate (elsewhere it has nothing to combine)."""
+    only for that gate, or the verdict after the overlapped updates (rollback: the test below);
+    elsewhere it has nothing to combine."""
     from shfx.passes.program import lower_actions
 
     tail = "F0 F1 B1 OG1 RS1 R1 B0 OG0 RS0 R0"
@@ -299,10 +300,38 @@ def test_rollback_refusals_live_with_the_pass():
     acts = ssd.actions()
     assert all(acts.index(f"SR{g}") < acts.index(f"SN{g}") < acts.index(f"U{g}") < acts.index(f"SW{g}") for g in range(3))
     verify_program(ssd)
-    with pytest.raises(PassRefused, match="rollback cannot run .* one rank .* Fix: rollback=False"):
-        ROLLBACK(DATA_PARALLEL(Stronghold(window=2).program(chain(3)), ranks=2))
     with pytest.raises(PassRefused, match="does not copy its groups yet"):
         ROLLBACK(ROLLBACK(Stronghold(window=2).program(chain(3))))
+
+
+def test_rollback_under_data_parallel_ends_the_overlapped_step_with_its_verdict():
+    """Data parallel with the updates during the backward (issue 25): the rollback pass ends the
+    program with NR0, the step's verdict, waiting for every copy, update and all-gather (each
+    rank's outcome agreed before any rank commits); with a gate before the updates (clipping, the
+    updates in step()) the finite check is agreed there already: no second NR0. An action after
+    the verdict is refused by the lowering."""
+    from shfx.passes.features import LOSS_SCALING, ROLLBACK, UPDATES_IN_STEP
+    from shfx.passes.program import lower_actions
+
+    p = ROLLBACK(DATA_PARALLEL(Stronghold(window=2).program(chain(3)), ranks=2))
+    verify_program(p)
+    acts = p.actions()
+    assert acts[-1] == "NR0" and acts.count("NR0") == 1 and p.actions("backward")[-1] == "NR0"
+    waits = {d.name for d in p.deps(p.find("NR0"))}
+    assert {f"{k}{g}" for k in ("sn", "u", "ag") for g in range(3)} <= waits
+    fp16 = ROLLBACK(LOSS_SCALING(DATA_PARALLEL(ZeroOffload().program(chain(2)), ranks=2)))
+    verify_program(fp16)
+    assert fp16.actions()[-1] == "NR0" and {"us0", "us1"} <= {d.name for d in fp16.deps(fp16.find("NR0"))}
+    for gated in (
+        ROLLBACK(DATA_PARALLEL(EXACT_CLIPPING(Stronghold(window=2).program(chain(3))), ranks=2)),
+        ROLLBACK(DATA_PARALLEL(UPDATES_IN_STEP(Stronghold(window=2).program(chain(3))), ranks=2)),
+    ):
+        verify_program(gated)
+        assert gated.actions().count("NR0") == 1 and gated.actions("step")[:2] == ["NR0", "CK0"]
+    one = ROLLBACK(Stronghold(window=2).program(chain(2)))
+    assert "NR0" not in one.actions()
+    with pytest.raises(ScheduleError, match="verdict NR0 .* ends the step"):
+        lower_actions(["PF0", "F0", "B0", "OG0", "RS0", "U0", "AG0", "NR0", "SN0"], chain(1), 1, ranks=2)
 
 
 def test_a_program_without_the_copy_is_refused_by_the_verifier():

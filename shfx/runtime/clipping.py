@@ -61,6 +61,8 @@ class Clipping:
         nonfinite: the finite check ``NR0`` agreed across ranks (a step whose norms it does not
             reduce): ``(rank, group)`` of each rank's first non-finite gradient, empty when every
             one is finite; None before it ran.
+        outcome: the verdict ``NR0`` of an overlapped step with rollback under data parallel
+            (:meth:`agree_outcome`), or None.
     """
 
     def __init__(self, engine: Any, max_grad_norm: float | None, norm_type: float) -> None:
@@ -73,6 +75,7 @@ class Clipping:
         self.last_grad_norm: torch.Tensor | None = None
         self.requested: tuple[float, float] | None = None
         self.nonfinite: list[tuple[int, int]] | None = None
+        self.outcome: dict[str, list] | None = None  # the overlapped step's verdict NR0 (agree_outcome)
 
     @property
     def norm_type(self) -> float:
@@ -204,6 +207,46 @@ class Clipping:
         flags[dp.rank] = 0 if first_bad is None else first_bad + 1
         dp.all_reduce_max(flags, "the finite checks' reduction NR0")
         self.nonfinite = [(r, int(f) - 1) for r, f in enumerate(flags.tolist()) if f]
+
+    def agree_outcome(self, dp: Any, tokens: Any) -> None:
+        """``NR0`` ending an overlapped step with rollback (the rollback pass's verdict under data
+        parallel): this rank's outcome of the step's updates, copies, unscales and all-gathers
+        (``tokens``, in program order, all finished: ``NR0`` waits for them whether they failed
+        or not) and every other rank's, by one MAX all-reduce of a vector of 3N integers: per
+        rank its first group whose gradient shard is non-finite (a ``NonFiniteGradient``: an
+        inf or NaN, an fp16 overflow; 0: none, else group + 1), its first group whose update
+        failed otherwise (likewise), and whether one of its all-gathers failed (the gather group
+        is then broken: the step cannot be undone collectively). ``outcome`` then holds the same
+        ``{"nonfinite": [(rank, group)], "failed": [(rank, group)], "lost": [rank]}`` on every rank."""
+        from ..errors import NonFiniteGradient
+        from .streams import root_cause
+
+        bad = failed = None
+        lost = False
+        for t in tokens:
+            if t.error is None:
+                continue
+            err = root_cause(t.error)
+            label = t.label or ""
+            if label.startswith("AG"):
+                lost = True
+            elif isinstance(err, NonFiniteGradient):
+                bad = err.group if bad is None else bad
+            elif failed is None:
+                digits = "".join(ch for ch in label if ch.isdigit())
+                failed = int(digits) if digits else 0
+        n, r = dp.ranks, dp.rank
+        flags = torch.zeros(3 * n, dtype=torch.int64)
+        flags[r] = 0 if bad is None else bad + 1
+        flags[n + r] = 0 if failed is None else failed + 1
+        flags[2 * n + r] = int(lost)
+        dp.all_reduce_max(flags, "the step's verdict NR0 (every rank's outcome of its updates)")
+        f = flags.tolist()
+        self.outcome = {
+            "nonfinite": [(i, f[i] - 1) for i in range(n) if f[i]],
+            "failed": [(i, f[n + i] - 1) for i in range(n) if f[n + i]],
+            "lost": [i for i in range(n) if f[2 * n + i]],
+        }
 
     def _split_norms(self, dp: Any, store: Any, p: float) -> dict[tuple[int, str], torch.Tensor]:
         """The norm of every parameter split between ranks' shards, whole: each rank sends its

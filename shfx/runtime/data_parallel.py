@@ -279,6 +279,20 @@ class DataParallelRuntime:
         self._run(f"the weights' all-gather {label}", lambda: self._all_gather(out, send, group=self.gather_group))
         image.copy_(out[:t])
 
+    def restore_images(self, groups: Sequence[int]) -> None:
+        """An undone step (rollback, agreed by every rank): the image of each of ``groups``
+        (whose ``AG`` ran this step, writing every rank's updated shard into it) rebuilt from
+        the restored master shards: this rank's shard recast from its master shard, then one
+        all-gather per group, in the order given (the same on every rank; collective, from the
+        user's thread once the step's actions have all finished). The image was the gathered
+        cast of the masters before the step, so it is again, bitwise. (Replicated: nothing was
+        gathered, and the rollback restored each group whole.)"""
+        if self.replicated:
+            return
+        for g in groups:
+            self.store.working_from_master_shards(g)
+            self.gather_params(f"the all-gather of group {g}'s restored weights (the step undone)", g)
+
     def local_grad_buffer(self, g: int) -> torch.Tensor:
         """A host buffer (uint8) for group ``g``'s local gradient, padded to ``N * chunk``
         elements of the device dtype (fp32, or 16-bit in mixed precision) for :meth:`reduce_grads`."""

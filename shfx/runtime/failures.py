@@ -27,8 +27,17 @@ from .streams import Cancelled, DependencyFailed, Token, root_cause
 __all__ = ["StepFailures", "oom_in", "state_note", "with_note"]
 
 
-def state_note(phase: str, restored: list[int], applied: list[int], gradients: str) -> str:
-    """What a failed or interrupted step left behind, and how to go on."""
+def state_note(phase: str, restored: list[int], applied: list[int], gradients: str, unagreed: bool = False) -> str:
+    """What a failed or interrupted step left behind, and how to go on. ``unagreed``: data
+    parallel with rollback, but the ranks could not agree the undo (a collective failed: a rank
+    was lost, or failed outside its updates)."""
+    if unagreed:
+        return (
+            f"The {phase} failed under data parallel without every rank agreeing to undo it (a collective failed: "
+            "another rank died, failed outside its optimizer updates, or stopped answering; see its error)"
+            + (f", after the updates of parameter groups {applied} had run on this rank" if applied else "")
+            + ": the ranks' weights and optimizer states may differ. Restart the job from the last checkpoint."
+        )
     if applied:
         return (
             f"The {phase} failed after the updates of parameter groups {applied} had run, and rollback is off "
@@ -89,6 +98,7 @@ class StepFailures:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.interrupted = False  # Ctrl-C came while a phase ran (see deferred_interrupt)
+        self.unagreed = False  # the last undo_step: data parallel, the ranks could not agree it (not undone)
 
     def failure(self, program: Program, issued: list[tuple[fx.Node, Token]]) -> BaseException | None:
         """The error to raise for a phase whose tasks have all finished, or None: the root
@@ -166,14 +176,29 @@ class StepFailures:
                 ctx.accumulation.local.clear()
             eng.dp.reclaim()
 
-    def undo_step(self) -> tuple[list[int], list[int]]:
+    def undo_step(self, agreed: bool = False, gathered: Sequence[int] = ()) -> tuple[list[int], list[int]]:
         """Roll back the current step's updates (the journal's copies) when rollback is on;
-        returns (groups restored, groups updated and left applied)."""
+        returns (groups restored, groups updated and left applied).
+
+        Data parallel: only a step every rank undoes (``agreed``: the verdict ``NR0`` of an
+        overlapped step) is rolled back; each rank restores its own shards from its copies,
+        then the image of every group all-gathered this step (``gathered``, the same on every
+        rank), which the all-gather overwrote with the other ranks' updated shards, is rebuilt
+        with one all-gather of the restored shards per group (:meth:`~shfx.runtime.data_parallel.
+        DataParallelRuntime.restore_images`). A failure the ranks did not agree on (a lost rank)
+        is not undone (``unagreed`` is set: the note says to restart from a checkpoint)."""
         eng = self.engine
+        self.unagreed = False
         if eng.ssd is not None:
             eng.ssd.reset()  # a group read for an update that did not finish goes back to the SSD
+        if eng.journal.enabled and eng.dp is not None and not agreed and eng.journal.updated_groups():
+            self.unagreed = True
+            return [], eng.journal.updated_groups()
         if eng.journal.enabled:
             restored = eng.journal.rollback(eng.pool.region if eng.pool is not None else None)
+            if eng.dp is not None and eng.store.sharded and gathered:
+                eng.dp.restore_images(sorted(gathered))
+                restored = sorted(set(restored) | set(gathered))
             if restored:
                 # the persistent slots may hold updated weights (a refresh after the host update,
                 # a tied copy of a device-updated group): write the device-updated groups (restored
@@ -208,7 +233,7 @@ class StepFailures:
         self.clear_grads()
         eng.drop_step_clock()
         self.fail_cleanup(ctx)
-        return with_note(failure, state_note("backward", restored, applied, gradients="cleared"))
+        return with_note(failure, state_note("backward", restored, applied, gradients="cleared", unagreed=self.unagreed))
 
     def finish_interrupted(
         self, ctx: StepContext, program: Program, issued: list[tuple[fx.Node, Token]], interrupt: BaseException

@@ -27,7 +27,7 @@ from .context import StepContext
 from .data_parallel import DataParallelRuntime
 from .host_store import GRAD_NONE, GRAD_VALID
 from .ssd_window import SSDWindow
-from .streams import Cancelled, JoinToken, Token
+from .streams import Cancelled, JoinToken, Settled, Token
 
 __all__ = ["ActionHandlers", "require_finite"]
 
@@ -182,6 +182,11 @@ class ActionHandlers:
         """AG g (queue ``gather``, after U g): the updated shards of the group's working copy
         from every rank into the host image."""
         dp = self._data_parallel(m)
+        if m.phase == "backward" and self.engine.journal.enabled:
+            # rollback, the update during the backward: the step's verdict NR0 decides after every
+            # rank's all-gathers, so this one runs even when this rank's update failed (every rank
+            # reaches it; a failed update sends its shard unchanged, and an undone step rebuilds it)
+            deps = [Settled(d) for d in deps]
         return self._submit(m, lambda: dp.gather_params(str(m.action), m.stage), deps)
 
     def run_cpu_step(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
@@ -246,6 +251,8 @@ class ActionHandlers:
         ranks skip or apply the step alike)."""
         eng = self.engine
         dp = self._data_parallel(m)
+        if m.phase == "backward":  # the overlapped step's verdict (rollback): every rank's outcome of its updates
+            return self._submit(m, lambda: eng.clipping.agree_outcome(dp, deps), [Settled(d) for d in deps])
         if eng.clipping.reduces_norms():
             return self._submit(m, eng.clipping.reduce_across_ranks, deps)
         return self._submit(m, lambda: eng.clipping.agree_finite(dp, self.first_nonfinite_host()), deps)

@@ -21,6 +21,13 @@ With the NVMe tier (``ssd``: the :class:`~shfx.runtime.ssd_window.SSDWindow`, ve
 whose optimizer states live on the SSD is copied without them: its ``SN`` copies the master
 weights and the step counter (in RAM), and its states' undo is the SSD's previous version, which
 the window keeps until :meth:`StepJournal.commit` (``discard`` on :meth:`StepJournal.rollback`).
+
+Under data parallel each rank's journal copies its own shards (master, states, step); the image
+is not copied. A step is undone only when every rank agreed it (the overlapped step's verdict
+``NR0``: :meth:`shfx.runtime.failures.StepFailures.undo_step`): each rank restores its shards
+and recasts its shard of the image from its master shard, then one all-gather per group rebuilds
+the rest of the image, which the step's all-gathers had overwritten with the other ranks'
+updated shards (:meth:`shfx.runtime.data_parallel.DataParallelRuntime.restore_images`).
 """
 
 from __future__ import annotations
@@ -193,7 +200,12 @@ class StepJournal:
     def _restore_host(self, g: int) -> None:
         rec = self._host[g]
         self.store.master(g).copy_(rec.tensors[0])
-        self.store.refresh_working(g)  # mixed precision: the 16-bit copy the update wrote too
+        if self.store.sharded:
+            # data parallel: this rank's shard of the image from its master shard (the other
+            # ranks' shards, which the all-gather wrote, come back with the undo's all-gather)
+            self.store.working_from_master_shards(g)
+        else:
+            self.store.refresh_working(g)  # mixed precision: the 16-bit copy the update wrote too
         if self._on_ssd(g):  # the step counter; the states: the version before this step's write
             self.ssd.steps[g].copy_(rec.tensors[1])
             self.ssd.discard(g)

@@ -147,8 +147,8 @@ class StepRunner:
         wanted = []
         for n in nodes:
             m = get_meta(n)
-            if m.kind in (ActionKind.NORM_REDUCE, ActionKind.CHECK, ActionKind.GRAD_NORM):
-                continue
+            if m.kind in (ActionKind.CHECK, ActionKind.GRAD_NORM) or (m.kind == ActionKind.NORM_REDUCE and m.phase == "step"):
+                continue  # (the gate, passed above; an overlapped step's verdict NR0 is issued again with a retry)
             if m.kind == ActionKind.DEVICE_STEP and m.stage not in device:
                 continue
             if m.kind in _HOST_GROUP_KINDS and m.stage not in host:
@@ -248,15 +248,19 @@ class StepRunner:
         causes += self._device_nonfinite()
         nonfinite = [(label, e) for label, e in causes if isinstance(e, NonFiniteGradient)]
         real = [(label, e) for label, e in causes if not isinstance(e, (NonFiniteGradient, Cancelled, DependencyFailed))]
+        agreed, gathered = False, []
+        verdict = next((tok for label, tok in pending if label == "NR0"), None)
+        if verdict is not None and interrupt is None:  # data parallel, rollback, the overlap: every rank's outcome
+            agreed, gathered, nonfinite, real = self._agreed_outcome(verdict, pending, nonfinite, real)
         if interrupt is None:
             interrupt = next((e for _, e in real if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
         if interrupt is not None or real:
-            restored, applied = self.failures.undo_step()
+            restored, applied = self.failures.undo_step(agreed=agreed, gathered=gathered)
             retry = self._gradients_survive()
             if not retry:
                 self.failures.clear_grads()
             eng.drop_step_clock()
-            note = state_note("step", restored, applied, gradients="kept" if retry else "cleared")
+            note = state_note("step", restored, applied, gradients="kept" if retry else "cleared", unagreed=self.failures.unagreed)
             if interrupt is not None:
                 raise with_note(interrupt, note)
             label, err = real[0]
@@ -273,10 +277,10 @@ class StepRunner:
             raise with_note(e, note) from err
         if nonfinite:
             if not eng.skip_nonfinite:
-                restored, applied = self.failures.undo_step()
+                restored, applied = self.failures.undo_step(agreed=agreed, gathered=gathered)
                 raise self._nonfinite_error(nonfinite[0][1], restored, applied)
             if eng.journal.enabled:
-                self.failures.undo_step()
+                self.failures.undo_step(agreed=agreed, gathered=gathered)
             elif eng.journal.applied:  # pragma: no cover - refused at compile (skip_nonfinite needs rollback)
                 raise AssertionError("a non-finite step was partly applied without rollback")
             return self._skip_step()
@@ -286,6 +290,35 @@ class StepRunner:
         if eng.scaler is not None:
             eng.scaler.update(False)
         return True
+
+    def _agreed_outcome(self, verdict: Token, pending: list, nonfinite: list, real: list) -> tuple[bool, list[int], list, list]:
+        """An overlapped step with rollback under data parallel, its verdict ``NR0`` done
+        (:meth:`~shfx.runtime.clipping.Clipping.agree_outcome`): whether every rank agreed the
+        outcome (``NR0`` ran, and no rank's all-gather failed), the groups all-gathered this step
+        (the same on every rank: an undo rebuilds their images), and the step's non-finite
+        gradients and failures, every rank's: a rank that saw no inf in its own shard, or whose
+        own updates ran, undoes the step all the same, and says which rank's shard or update."""
+        eng = self.engine
+        outcome, eng.clipping.outcome = eng.clipping.outcome, None
+        if verdict.error is not None or outcome is None or outcome["lost"]:
+            return False, [], nonfinite, real
+        gathered = sorted(int(label[2:]) for label, tok in pending if label.startswith("AG") and tok.error is None)
+        n = eng.dp.ranks
+        if outcome["failed"]:
+            rank, g = outcome["failed"][0]
+            if not real:  # another rank's update failed: every rank undoes the step and raises
+                err = RuntimeError(
+                    f"the optimizer update of {self.handlers.whose(g, 'host')} failed on rank {rank} of {n} (see that rank's "
+                    "error); every rank's outcome was agreed by NR0, so every rank undoes the step"
+                )
+                real = [(f"U{g}", err)]
+        elif outcome["nonfinite"]:
+            rank, g = outcome["nonfinite"][0]
+            nonfinite = [(f"U{g}", NonFiniteGradient(
+                f"the gradient of {self.handlers.whose(g, 'host')} holds inf or NaN in the shard of rank {rank} of {n} "
+                "(every rank's outcome agreed by NR0: all ranks undo this step)", g,
+            ))]  # fmt: skip
+        return True, gathered, nonfinite, real
 
     # ---- ZeRO-Offload's delayed update (shfx.runtime.delayed) ------------------------------------
     def _delayed_step(self) -> None:
@@ -469,7 +502,7 @@ class StepRunner:
         what = {"SR": "SSD read of optimizer states", "SW": "SSD write of optimizer states",
                 "AG": "data-parallel all-gather of the updated weights"}.get(label[:2], "host optimizer update")  # fmt: skip
         e = ActionError(f"{what} {label} (clipped, started by step()) failed: {type(err).__name__}: {err}", label)
-        raise with_note(e, state_note("step", restored, applied, gradients="cleared")) from err
+        raise with_note(e, state_note("step", restored, applied, gradients="cleared", unagreed=self.failures.unagreed)) from err
 
     def _wait_norms(self) -> None:
         """Wait for the GRAD_NORMs the backward started; a failure drops the step's gradients."""

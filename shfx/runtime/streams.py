@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
-    "Token", "DoneToken", "JoinToken", "DeviceToken", "DependencyFailed", "Cancelled", "root_cause", "HostStream",
+    "Token", "DoneToken", "JoinToken", "Settled", "DeviceToken", "DependencyFailed", "Cancelled", "root_cause", "HostStream",
     "WorkerStream", "PoolStream", "InlineStream", "DeviceStream", "current_device_stream", "single_omp_thread",
 ]  # fmt: skip
 
@@ -133,6 +133,28 @@ class JoinToken(Token):
     @property
     def is_launched(self) -> bool:
         return self._event.is_set() or all(p.is_launched for p in self.parts)
+
+
+class Settled(Token):
+    """Completes when ``part`` completes, failed or not (never failed itself): a dependency on
+    a task having *run*, whatever its outcome. Data parallel with rollback: a rank's all-gather
+    and the step's verdict ``NR0`` run after its update even when the update failed, so every
+    rank still reaches every collective, and the verdict reads ``part.error``."""
+
+    __slots__ = ("part",)
+
+    def __init__(self, part: Token):
+        super().__init__(part.label)
+        self.part = part
+
+    def wait(self) -> None:
+        if not self._event.is_set():
+            self.part.wait()
+            self.set(None)
+
+    @property
+    def is_done(self) -> bool:
+        return self._event.is_set() or self.part.is_done
 
 
 def wait_deps(deps: Sequence[Token]) -> BaseException | None:
