@@ -487,10 +487,11 @@ def memory_model(
     rollback = fam.rollback_default if rollback is None else rollback
     L, h, a, s, b, V = fam.layers, fam.hidden, fam.heads, fam.seq, fam.batch, fam.vocab
     elt = fam.param_bytes
-    # NOTE: l2l updates each stage on the device and copies it back (OP): in mixed precision the
-    # slot carries the fp32 master it updates, so its slot and gradient buffer are fp32.
-    slot_elt = 4 if policy == "l2l" else elt
-    size = _stage_bytes(fam, slot_elt)
+    # NOTE: l2l updates each stage on the device and copies its 16-bit working copy back (OP);
+    # in mixed precision its fp32 masters stay on the device with m and v (per_group below), as
+    # every policy updating on the device keeps them (shfx.runtime.device_optim): its slot and
+    # gradient buffer are 16-bit like the others'
+    size = _stage_bytes(fam, elt)
     own32 = _stage_bytes(fam, 4)
     group32 = {"head": own32["head"], "block": own32["block"], "tail": own32["tail_own"]}
     own16 = _stage_bytes(fam, elt)
@@ -512,9 +513,8 @@ def memory_model(
         sz = max(size[k] for k in kinds)
         slot_sizes += (sz,) * count
         grad_sizes += (sz if grad else 0,) * count
-    # device AdamW: m and v (fp32) per group; in mixed precision its fp32 master too, except in
-    # l2l, whose fp32 master is what the slot holds
-    per_group = 3 if fam.mixed and policy != "l2l" else 2
+    # device AdamW: m and v (fp32) per group; in mixed precision its fp32 master too
+    per_group = 3 if fam.mixed else 2
     states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
     A = b * s * h * elt  # one boundary activation [b, s, h]
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
@@ -555,9 +555,9 @@ def memory_model(
     host_trainable = sum(group32[k] * c for k, c in host_groups.items())
     # NOTE: in mixed precision the host store keeps every group's image (what a PREFETCH sends:
     # the parameters in the working dtype) beside its fp32 master, persistent stages' included
-    # (loaded once, refreshed from the master after their host update); l2l's slot carries the
-    # fp32 master it updates on the device (see above), so it needs no 16-bit image.
-    working = sum(group16[k] * c for k, c in all_groups.items()) if fam.mixed and policy != "l2l" else 0
+    # (loaded once, refreshed from the master after their host update; a device update's OP or
+    # sync writes it from the slot).
+    working = sum(group16[k] * c for k, c in all_groups.items()) if fam.mixed else 0
     largest_group = max(group32.values())
     rollback_bytes = 0
     if rollback:  # shfx.passes.ledger.host_terms(rollback=True): master, step, m, v; + slot weights on the device

@@ -532,23 +532,29 @@ ROLLBACK = FeaturePass(
 
 
 def loss_scaling_program(program: Program) -> Program:
-    """fp16's loss scaling on the host: before the first action that reads group ``g``'s host
-    gradient in the step (its norm ``GN g``, the journal's copy ``SN g`` or its update
-    ``U g``), ``US g`` checks the scaled gradient is finite and divides it by the loss scale (as
+    """fp16's loss scaling: before the first action that reads group ``g``'s gradient in the
+    step (its norm ``GN g``, the journal's copy ``SN g``, its update ``U g`` or device update
+    ``DU g``), ``US g`` checks the scaled gradient is finite and divides it by the loss scale (as
     ``GradScaler.unscale_``), in that action's phase, waiting for what it waits for; the
     gradient's readers wait for it. (The check is the step's gate's where the gate has a norm:
-    clipping, and the in-``step()`` finite check's with ``overlap_update=False``.)
+    clipping, and the in-``step()`` finite check's with ``overlap_update=False``.) A group
+    updated on the device is checked on the compute stream, in its owner's slot (a device flag
+    that ``step()`` reads with every other group's verdict: one skip decision for the step);
+    its 16-bit gradient cannot hold the unscaled values, so the division by the scale is made
+    where its fp32 gradient is (its ``GN`` and ``DU``).
 
     >>> from shfx.passes.stages import chain
     >>> from shfx.passes.policies import Stronghold
     >>> " ".join(loss_scaling_program(Stronghold(window=2).program(chain(2))).actions())
     'PF0 PF1 F0 F1 B1 OG1 US1 U1 R1 B0 OG0 US0 U0 R0'
+    >>> " ".join(loss_scaling_program(Stronghold(window=2, resident_first=1).program(chain(3))).actions()[-4:])
+    'R1 B0 US0 DU0'
     """
     acts: list[Action] = []
     done: set[int] = set()
     for n in program.nodes:
         m = get_meta(n)
-        if m.kind in (GN, SN, U) and m.stage not in done:
+        if m.kind in (GN, SN, U, DU) and m.stage not in done:
             acts.append(Action(US, m.stage))
             done.add(m.stage)
         acts.append(m.action)
@@ -565,7 +571,7 @@ def _unscaled_first(p: Program) -> str | None:
         m = get_meta(n)
         if m.kind == US:
             seen.add(m.stage)
-        elif m.kind in (GN, SN, U):
+        elif m.kind in (GN, SN, U, DU):
             if m.stage not in seen:
                 return f"{m.action} reads group {m.stage}'s gradient before US{m.stage}"
             if not any(get_meta(d).action == Action(US, m.stage) for d in p.deps(n)):
@@ -576,15 +582,15 @@ def _unscaled_first(p: Program) -> str | None:
 LOSS_SCALING = FeaturePass(
     "loss-scaling",
     requires=(
-        _HOST_ONLY,
         Condition("a program that does not unscale yet", _not_unscaled, "apply loss-scaling once"),
         Condition("a program without the journal's copies yet (run it before rollback)",
                   lambda p: "it has them (SN)" if any(get_meta(n).kind == SN for n in p.nodes) else None,
                   "run loss-scaling before rollback"),
     ),
-    ensures=(Condition("every reader of a host gradient after its group's US, waiting for it", _unscaled_first),),
+    ensures=(Condition("every reader of a gradient after its group's US, waiting for it", _unscaled_first),),
     transform=loss_scaling_program,
-    doc="US g (finite check, divide by the loss scale) before the first reader of group g's host gradient",
+    doc="US g (finite check, divide by the loss scale) before the first reader of group g's gradient (on the device "
+    "for a group updated there)",
 )  # fmt: skip
 
 

@@ -243,7 +243,8 @@ def pool_sizes(programs: Sequence[Program]) -> tuple[tuple[int, ...], tuple[int,
 
 def static_device(programs: Sequence[Program], optimizer_states: int = 2) -> list[Change]:
     """The device memory of the setup for ``programs`` (a variant's train, eval and cold
-    programs share one pool): slots, gradient buffers, optimizer states."""
+    programs share one pool): slots, gradient buffers, optimizer states (in mixed precision the
+    fp32 master of each group updated on the device too, under the same term)."""
     slots, grads = pool_sizes(programs)
     out = [Change("device", "parameters (slots)", f"slot {k}", b) for k, b in enumerate(slots)]
     out += [Change("device", "gradients", f"gradient buffer of slot {k}", b) for k, b in enumerate(grads)]
@@ -251,6 +252,8 @@ def static_device(programs: Sequence[Program], optimizer_states: int = 2) -> lis
     for g in sorted(set().union(*(p.device_groups() for p in programs))):
         if g in owners:
             out += [Change("device", "optimizer states", f"optimizer state {i} of group {g}", owners[g].state_bytes) for i in range(optimizer_states)]
+            # mixed precision: the fp32 master the device update steps (shfx.runtime.device_optim)
+            out.append(Change("device", "optimizer states", f"master weights (fp32) of group {g}", owners[g].device_master_bytes))
     return [c for c in out if c.nbytes]
 
 
@@ -428,7 +431,9 @@ def host_terms(
             if optimizer is not None:
                 n += optimizer.whole_bytes(g)
             if g in device_groups:
-                n += o.update_bytes  # the weights in the slot, beside the host master
+                # the weights in the slot, beside the master (mixed precision: the 16-bit working
+                # copy, and the master copied is the device's)
+                n += o.grad_bytes_to({g}) if o.device_master_bytes else o.update_bytes
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
     return [c for c in out if c.nbytes]
 

@@ -1123,6 +1123,7 @@ def build_stages(
             activation_bytes=sum(values[v].nbytes for v in outs),
             slot_bytes=slot.nbytes,
             update_bytes=groups[update_group].master_bytes if update_group is not None else 0,
+            device_master_bytes=_device_master_bytes(groups, update_group),
             grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
             grad_wire_bytes=tuple(sorted((c.group, groups[c.group].grad_bytes) for c in slot.grads if c.group in cast)),
         )
@@ -1159,8 +1160,16 @@ def assign_update_groups(stages: Sequence[Stage], groups: Sequence[Group]) -> li
             users = [st for st in out if grp.index in st.spec.grad_groups]
             if users and users[0].spec.update_group is None:
                 st = users[0]
-                out[st.index] = replace(st, spec=replace(st.spec, update_group=grp.index, update_bytes=grp.master_bytes))
+                out[st.index] = replace(st, spec=replace(
+                    st.spec, update_group=grp.index, update_bytes=grp.master_bytes,
+                    device_master_bytes=_device_master_bytes(groups, grp.index),
+                ))  # fmt: skip
     return out
+
+
+def _device_master_bytes(groups: Sequence[Group], g: int | None) -> int:
+    """The fp32 master a device update of group ``g`` keeps on the device (mixed precision)."""
+    return groups[g].master_bytes if g is not None and groups[g].dtypes.mixed else 0
 
 
 def collect_user_inputs(captured: Captured, values: dict[str, ValueInfo]) -> tuple[list[str], dict[str, ValueInfo]]:

@@ -315,13 +315,5 @@ def compile_variant(
         graph.specs, policy, verify=verify, ranks=options.ranks, updates_in_step=options.updates_in_step,
         clip_in_step=options.clip_in_step, rollback=options.rollback, loss_scaling=options.loss_scaling,
     )  # fmt: skip
-    if captured.working_dtype is not None and train.device_groups():
-        groups_ = sorted(train.device_groups())
-        raise ScheduleError(
-            f"{train.name} updates parameter groups {groups_} on the device, which precision={options.precision!r} does "
-            "not support yet (the device would need fp32 master weights beside the 16-bit working copy). Use a "
-            "policy that updates on the host: stronghold with resident_first=0, zero-offload or zero-infinity, or "
-            "precision='fp32'."
-        )
     passes += ["lower", "derive"] + (["verify"] if verify else [])
     return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes))

@@ -102,6 +102,8 @@ class ActionMeta:
         device: GRAD_NORM only: the group is updated on the device (``DU``), so its norms are
             computed there, on the compute stream, over the gradient in the gradient buffer of
             its (persistent) owner's slot (``slot``), where the ``DU`` after the gate reads it.
+            UNSCALE (fp16) likewise: the finite check of a device-updated group's gradient, on
+            the compute stream, in its owner's slot (``slot``).
             REDUCE_GRADS: the all-reduce of a device-updated group's gradient in that buffer
             (data parallel: the group is replicated, every rank runs its ``DU``).
     """
@@ -276,9 +278,12 @@ class Program:
 
     def device_state_bytes(self, optimizer_states: int = 2) -> int:
         """Device bytes of optimizer states (AdamW's two: m and v) of the groups updated on the
-        device: ``optimizer_states x StageSpec.state_bytes`` of each."""
+        device: ``optimizer_states x StageSpec.state_bytes`` of each, plus its fp32 master in
+        mixed precision (``StageSpec.device_master_bytes``)."""
         owners = {s.update_group: s for s in self.stages if s.update_group is not None}
-        return sum(optimizer_states * owners[g].state_bytes for g in self.device_groups() if g in owners)
+        return sum(
+            optimizer_states * owners[g].state_bytes + owners[g].device_master_bytes for g in self.device_groups() if g in owners
+        )
 
     def static_device_bytes(self) -> int:
         """Device bytes the program holds for the whole step: the slot pool, the gradient
@@ -611,6 +616,21 @@ def lower_actions(
                     raise fail(pos, act, f"it writes back group {s}'s state, but U{s} has not updated it since SR{s}")
             if norms and not deferred and not updates_in_step:
                 deferred = True
+        elif k == US and s in device_groups:
+            # fp16, a group updated on the device: its scaled gradient checked on the compute
+            # stream where it is (its owner's slot: the gradient buffer), after every backward
+            # sending it gradients; after the gate where the update waits for one
+            if s not in owner_of:
+                raise fail(pos, act, f"no stage owns trainable parameter group {s}")
+            own = owner_of[s]
+            slot, pf, _ = need_resident(pos, act, own)
+            for j in contributors(s):
+                deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            if gate is not None:
+                deps.append(gate)
+                deferred = deferred or (not updates_in_step and bool(norms))
+            reader_of = own
+            on_device = True
         elif (k in (ActionKind.CPU_STEP, SN) and norms) or (k == US and gate is not None):  # (a US before a GN: below)
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
@@ -643,6 +663,8 @@ def lower_actions(
             slot, pf, _ = need_resident(pos, act, own)
             for j in contributors(s):
                 deps.append(need(pos, act, Action(ActionKind.BACKWARD, j), f"stage {j} sends gradients to group {s}"))
+            if Action(US, s) in last:  # fp16: after its finite check
+                deps.append(last[Action(US, s)])
             if ranks > 1:
                 deps.append(need(pos, act, Action(RS, s), f"group {s}'s gradient all-reduced across the {ranks} ranks"))
             reader_of = own
@@ -764,7 +786,8 @@ def lower_actions(
                 if spec.update_group is None:
                     raise fail(pos, act, f"stage {s} owns no trainable parameters")
                 deps.append(need(pos, act, Action(ActionKind.DEVICE_STEP, spec.update_group), "the updated parameters it copies"))
-                nbytes = spec.update_bytes
+                # (mixed precision: the 16-bit working copy; the fp32 master stays on the device)
+                nbytes = spec.grad_bytes_to({spec.update_group}) if spec.device_master_bytes else spec.update_bytes
                 reader_of = s
             elif k == ActionKind.RELEASE:
                 if s in persistent:

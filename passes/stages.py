@@ -61,6 +61,9 @@ class StageSpec:
             (empty: all of ``grad_bytes`` to its own); an OFFLOAD_GRAD moves only those of groups
             updated on the host.
         state_bytes: bytes of one optimizer state (AdamW's m, or v) of the group it updates.
+        device_master_bytes: mixed precision: bytes of the fp32 master of the group it updates
+            (its ``update_bytes``), which an update on the device (``DU``) keeps on the device
+            beside the optimizer states; 0 in fp32 (the slot's parameters are the master).
         inputs, outputs: the boundary values it reads and produces (empty on a synthetic spec:
             then one output of ``activation_bytes``, read by the stages that list this one as a
             producer).
@@ -96,6 +99,7 @@ class StageSpec:
     recompute_buffer_bytes: int = 0
     borrowed_grads: tuple[tuple[str, int, int], ...] = ()
     grad_wire_bytes: tuple[tuple[int, int], ...] = ()
+    device_master_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.update_bytes and not self.state_bytes:  # a state as large as the parameters (fp32)

@@ -297,10 +297,7 @@ def test_precision_arguments_are_checked():
         _compile(gpt(layers=2), "bf16", scaler=shfx.LossScaler())
     with pytest.raises(ValueError, match="rollback=True"):
         _compile(gpt(layers=2), "fp16", rollback=False)
-    cm = _compile(gpt(layers=2), "fp16", policy="resident")
-    with pytest.raises(shfx.passes.program.ScheduleError, match="on the device"):
-        cm(*_tokens())
-    cm.close()
+    # (policies updating on the device run in 16-bit: tests/test_mixed_device.py)
 
 
 @pytest.mark.parametrize("tied", [False, True])

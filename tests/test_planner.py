@@ -452,16 +452,17 @@ def test_fp16_trains_fewer_layers_than_bf16_on_a_host_bound_machine():
 
 def test_closed_form_is_the_ledger_in_16_bit():
     """In bf16 and fp16 the GPT closed form is the ledger of the real 16-bit capture (the
-    compile pipeline's precision=), for the policies that update on the host (device updates
-    are not supported in 16-bit): the 16-bit image, two staging buffers for the casts, the
-    16-bit loss and pending gradient, and fp16's rollback copies."""
+    compile pipeline's precision=), for every policy: the 16-bit image, two staging buffers for
+    the casts, the 16-bit loss and pending gradient, fp16's rollback copies, and for the groups
+    updated on the device their fp32 master beside m and v (l2l's too: its slots are 16-bit)."""
     fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=3)
     with torch.device("meta"):
         model = GPT(fam)
         idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
     for precision in ("bf16", "fp16"):
         for policy, kw in (("stronghold", {"window": 2}), ("stronghold", {"window": 3}), ("zero-offload", {}),
-                           ("zero-infinity", {})):  # fmt: skip
+                           ("zero-infinity", {}), ("resident", {}), ("l2l", {}),
+                           ("stronghold", {"window": 2, "resident_first": 1})):  # fmt: skip
             want = memory_model(policy, replace(fam, precision=precision), EMU, **kw)
             got = memory_for_model(policy, model, (idx, idx), EMU, precision=precision, **kw)
             assert got.device == want.device, (precision, policy, kw)

@@ -135,7 +135,10 @@ class Clipping:
         if owner not in v.train.persistent:  # (the lowering refuses it: the gradient left with the slot)
             raise RuntimeError(f"group {group} is updated on the device by streamed stage {owner}: its gradient is gone")
         grp = eng.store.groups[group]
-        flat = eng.gradients.device_grads(v.train.persistent.index(owner), base, grp.trainable_bytes, grp.dtypes.device_grad)
+        # (mixed precision: the 16-bit gradient widened to fp32, as the recipe's master.grad, and
+        # unscaled in fp16, as GradScaler.unscale_ before clip_grad_norm_)
+        scale = eng.scaler.scale_tensor() if eng.scaler is not None and grp.dtypes.mixed else None
+        flat = eng.handlers.device_grad32(v, group, v.train.persistent.index(owner), scale)
         keys, views = [], []
         for info, o, n in _trainable(grp):
             keys.append(info.key)

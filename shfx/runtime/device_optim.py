@@ -7,6 +7,18 @@ in the slot's gradient buffer, with the same per-parameter (merged) views as the
 optimizer (one kernel call per parameter group), so results are bitwise those of the host
 update on the emulated device. Only :class:`shfx.optim.AdamW` runs here; another optimizer with a
 policy that updates stages on the device is refused at the first call (:meth:`DeviceAdamW.ensure`).
+
+Mixed precision (bf16/fp16): a group's fp32 master weights live on the device too, beside its
+m and v (counted with them, ledger term ``optimizer states``), laid out like the host master
+(element offsets). An update is the eager recipe's: the 16-bit gradient widened to fp32
+(``master.grad = p16.grad.float()``, part by part: a BatchNorm part stays fp32), divided by the
+loss scale (fp16) and multiplied by the clip coefficient where asked, AdamW on the fp32 master,
+then the 16-bit working copy in the slot rebuilt from it (``p16.copy_(master)``). The widened
+gradient is a transient of the group's size (4 B/param of one group, on the compute stream).
+The device master is the newer copy: the host master (the model's parameters) is written from
+it by :meth:`DeviceAdamW.sync_masters` (``cm.sync()``, ``state_dict``, checkpoints; the
+residency's ``sync_to_host``), and read into it again when the host weights change
+(:meth:`DeviceAdamW.invalidate_masters`: a load, ``p.data = t``).
 """
 
 from __future__ import annotations
@@ -21,13 +33,18 @@ from ..errors import UsageError
 from .backend import Backend
 from .host_optim import _hp_of, _layout, _spans
 
-__all__ = ["DeviceAdamW"]
+__all__ = ["DeviceAdamW", "widen", "master_label"]
 
 STATES = "optimizer states"  # the memory-ledger term
 
 
+def master_label(g: int) -> str:
+    """The allocation name of group ``g``'s fp32 master weights on the device."""
+    return f"master weights (fp32) of group {g}"
+
+
 class _DevState:
-    __slots__ = ("step", "m", "v", "spans", "group")
+    __slots__ = ("step", "m", "v", "spans", "group", "master")
 
     def __init__(self, backend: Backend, group: Group, config: Any = None):
         dt = group.dtypes.state
@@ -36,6 +53,11 @@ class _DevState:
         self.group = group.index
         self.m.zero_()
         self.v.zero_()
+        # mixed precision: the fp32 master on the device (read from the host master before the
+        # first update: DeviceAdamW.stale)
+        self.master: torch.Tensor | None = None
+        if group.dtypes.mixed:
+            self.master = backend.alloc_device(group.master_bytes, master_label(group.index), STATES).view(group.dtypes.master)
         self.step = torch.zeros((), dtype=torch.float32, device=backend.device)
         # per parameter group: (index, views' spans), as the host optimizer's
         self.spans = [(k, sp) for k, s in _layout(config, group) if (sp := _spans(s))]
@@ -44,10 +66,13 @@ class _DevState:
 class DeviceAdamW:
     """Device-side AdamW states per group; ``update`` steps one group in place."""
 
-    def __init__(self, backend: Backend, config: Any = None):
+    def __init__(self, backend: Backend, config: Any = None, store: Any = None):
         self.backend = backend
         self.config = config  # the shfx.optim optimizer (its parameter groups)
+        self.store = store  # the host store (mixed precision: the host masters)
         self.state: dict[int, _DevState] = {}
+        self.stale: set[int] = set()  # device masters older than the host's: read before the next update
+        self.dirty: set[int] = set()  # device masters newer than the host's: written back by sync_masters
 
     def ensure(self, groups: list[Group], host: Any = None) -> None:
         """Allocate the states of ``groups`` now (they are the steady state's memory: a budget
@@ -63,24 +88,42 @@ class DeviceAdamW:
             )
         for g in groups:
             if g.index not in self.state and g.trainable_bytes:
-                self.state[g.index] = _DevState(self.backend, g, self.config)
+                self._new(g)
                 moved = host.take(g.index) if host is not None and g.index in host.state else None
                 if moved is not None:
                     self.put(g, *moved)
 
-    def update(self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict, found_inf: torch.Tensor | None = None) -> None:
+    def _new(self, group: Group) -> _DevState:
+        st = self.state[group.index] = _DevState(self.backend, group, self.config)
+        if st.master is not None:
+            self.stale.add(group.index)
+        return st
+
+    def update(
+        self, group: Group, params: torch.Tensor, grads: torch.Tensor, hp: dict, found_inf: torch.Tensor | None = None,
+        wide: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         """Step ``group`` given views over its trainable region in the slot (``params``, the
         working dtype) and in the gradient buffer (``grads``, the device gradient dtype), both
         laid out like the host group. ``found_inf``: a device flag (1.0: the gradient holds inf
         or NaN) that makes the update a no-op on the device, step count included, without the
-        host reading it (as ``GradScaler`` steps fused AdamW)."""
+        host reading it (as ``GradScaler`` steps fused AdamW).
+
+        Mixed precision: ``params`` and ``grads`` are the raw bytes of the region (its parts
+        have their own dtypes), ``wide`` the fp32 gradient (:func:`widen`, unscaled and clipped
+        by the caller); AdamW steps the device master, then the working copy is its cast."""
         if _hp_of(hp, 0)["amsgrad"]:
             raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
         st = self.state.get(group.index)
         if st is None:
-            st = self.state[group.index] = _DevState(self.backend, group, self.config)
+            st = self._new(group)
         if not st.spans:
             return
+        if st.master is not None:
+            self.load_master(group.index)
+            if wide is None:
+                raise RuntimeError(f"group {group.index} is mixed precision: its update needs the fp32 gradient (wide=)")
+            working, params, grads = params, st.master, wide
         if found_inf is None:
             st.step += 1
         else:
@@ -101,6 +144,42 @@ class DeviceAdamW:
                 maximize=h["maximize"],
                 found_inf=found_inf,
             )
+        if st.master is not None:
+            with torch.no_grad():
+                for p in group.parts:  # p16.copy_(master), part by part
+                    working[p.offset : p.offset + p.nbytes].view(p.dtype).copy_(st.master[p.elem : p.elem + p.numel])
+            self.dirty.add(group.index)
+
+    # ---- mixed precision: the device masters ----------------------------------------------------
+    def load_master(self, g: int) -> None:
+        """Read group ``g``'s host master into its device master if the device's is older."""
+        if g not in self.stale:
+            return
+        st = self.state[g]
+        self.backend.h2d_copy(st.master, self.store.master(g))
+        self.stale.discard(g)
+
+    def invalidate_masters(self) -> None:
+        """The host masters changed (a load, ``p.data = t``): the device masters are read from
+        them again before their next update."""
+        self.dirty.clear()
+        self.stale.update(g for g, st in self.state.items() if st.master is not None)
+
+    def sync_masters(self) -> None:
+        """Write the device masters newer than the host's into the host masters (the model's
+        parameters); called from a ``d2h`` task or with the device idle."""
+        for g in sorted(self.dirty):
+            self.backend.d2h_copy(self.store.master(g), self.state[g].master)
+        self.dirty.clear()
+
+    def master_of(self, g: int) -> torch.Tensor | None:
+        """Group ``g``'s fp32 master on the device (mixed precision; None otherwise or before
+        its state exists), current (read from the host first if older)."""
+        st = self.state.get(g)
+        if st is None or st.master is None:
+            return None
+        self.load_master(g)
+        return st.master
 
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Group ``g``'s ``(step, m, v)`` copied to the host, its device states freed (the group
@@ -109,9 +188,20 @@ class DeviceAdamW:
         if st is None:
             return None
         out = (st.step.cpu(), st.m.cpu(), st.v.cpu())
+        if st.master is not None:  # (the caller synced the masters to the host first)
+            if g in self.dirty:
+                self.backend.d2h_copy(self.store.master(g), st.master)
+            self.dirty.discard(g)
+            self.stale.discard(g)
+        self._free(st)
+        return out
+
+    def _free(self, st: _DevState) -> None:
+        g = st.group
         self.backend.free_device(st.m.view(torch.uint8), f"optimizer state 0 of group {g}", STATES)
         self.backend.free_device(st.v.view(torch.uint8), f"optimizer state 1 of group {g}", STATES)
-        return out
+        if st.master is not None:
+            self.backend.free_device(st.master.view(torch.uint8), master_label(g), STATES)
 
     def put(self, group: Group, step: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
         """Take over group ``group``'s states from the host (it is updated on the device from now on)."""
@@ -123,6 +213,23 @@ class DeviceAdamW:
 
     def close(self) -> None:
         for st in self.state.values():
-            self.backend.free_device(st.m.view(torch.uint8), f"optimizer state 0 of group {st.group}", STATES)
-            self.backend.free_device(st.v.view(torch.uint8), f"optimizer state 1 of group {st.group}", STATES)
+            self._free(st)
         self.state.clear()
+        self.stale.clear()
+        self.dirty.clear()
+
+
+def widen(group: Group, grads: torch.Tensor, scale: torch.Tensor | None = None, coef: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixed precision: group ``group``'s device gradient (``grads``: the raw bytes of its
+    trainable region in the gradient buffer, each part in its dtype) as a new fp32 tensor laid
+    out like the master (``master.grad = p16.grad.float()``), divided by the loss ``scale``
+    (fp16, as the host's unscale and the fused kernel's ``grad_scale``) and multiplied by the
+    clip ``coef`` (as ``clip_grad_norm_``'s ``_foreach_mul_``) when given."""
+    out = torch.empty(group.trainable_numel, dtype=group.dtypes.master, device=grads.device)
+    for p in group.parts:
+        out[p.elem : p.elem + p.numel].copy_(grads[p.offset : p.offset + p.nbytes].view(p.dtype))
+    if scale is not None:
+        out.div_(scale.to(out.device))
+    if coef is not None:
+        out.mul_(coef.to(out.device))
+    return out

@@ -146,7 +146,7 @@ class Engine:
         self.recompute = recompute
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list] = dict(param_keys_by_group or {})
-        self.device_optimizer = DeviceAdamW(backend, optimizer.config) if optimizer is not None else None
+        self.device_optimizer = DeviceAdamW(backend, optimizer.config, store) if optimizer is not None else None
         # what the updates of the current step changed, to undo a step that fails or is skipped
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
         # the NVMe tier's host window (shfx.runtime.ssd_window): attach_ssd() at the first program

@@ -25,11 +25,18 @@ from shfx.passes.program import ActionMeta, ScheduleError
 from ..errors import NonFiniteGradient, UsageError
 from .context import StepContext
 from .data_parallel import DataParallelRuntime
+from .device_optim import widen
 from .host_store import GRAD_NONE, GRAD_VALID
 from .ssd_window import SSDWindow
 from .streams import Cancelled, JoinToken, Settled, Token
 
 __all__ = ["ActionHandlers", "require_finite"]
+
+
+def device_nonfinite(grad: torch.Tensor) -> torch.Tensor:
+    """A device flag (0-dim fp32, 1.0: ``grad`` holds inf or NaN), computed where ``grad`` is
+    without the host reading it."""
+    return torch.isfinite(grad.sum(dtype=torch.float32)).logical_not().to(torch.float32)
 
 
 def require_finite(grad: torch.Tensor, group: int, where: str) -> None:
@@ -231,6 +238,8 @@ class ActionHandlers:
         eng, g = self.engine, m.stage
         delayed = m.phase == "delayed"  # (zero_grad() may run before it: checked when issued)
         check = eng.check_finite and eng.clipping.clip is None and eng.step_checked is None
+        if g in ctx.variant.device_groups:
+            return self._unscale_device(ctx, m, deps, check)
         whose = self.whose(g, "host")
 
         def run() -> None:
@@ -244,6 +253,34 @@ class ActionHandlers:
             eng.unscaled.add(g)
 
         return self._submit(m, run, deps)
+
+    def _unscale_device(self, ctx: StepContext, m: ActionMeta, deps: list[Token], check: bool) -> Token:
+        """US g of a group updated on the device (fp16), on the compute stream: its scaled
+        gradient (widened to fp32, as the recipe's ``master.grad``) checked finite into a device
+        flag, which its ``DU`` passes to AdamW as ``found_inf`` and ``step()`` reads with every
+        other verdict (one skip decision, the scale backed off once). The 16-bit buffer cannot
+        hold the unscaled gradient: ``GN g`` and ``DU g`` divide the fp32 gradient they make."""
+        eng, g = self.engine, m.stage
+
+        def run() -> None:
+            if eng.gradients.device_state.get(g, GRAD_NONE) != GRAD_VALID:
+                return
+            if check and g not in eng.unscaled:
+                eng.nonfinite_flags[g] = device_nonfinite(self.device_grad32(ctx.variant, g, m.slot))
+            eng.unscaled.add(g)
+
+        return self._submit(m, run, deps)
+
+    def device_grad32(self, variant: Variant, g: int, slot: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Device group ``g``'s gradient in slot ``slot``'s gradient buffer (its owner's), in
+        fp32: mixed precision widens it (a new tensor, divided by ``scale`` when given); in
+        fp32 it is the buffer's view itself."""
+        eng = self.engine
+        _, base = self.group_base(variant, g)
+        grp = eng.store.groups[g]
+        if grp.dtypes.mixed:
+            return widen(grp, eng.gradients.device_grads(slot, base, grp.trainable_bytes, torch.uint8), scale)
+        return eng.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
 
     def run_norm_reduce(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         """NR0 (data parallel, the reduce queue, after every RS): with norms to reduce (clipping),
@@ -387,23 +424,41 @@ class ActionHandlers:
         persistent = owner in variant.train.persistent
         finite = eng.check_finite if finite is None else finite
 
+        mixed = grp.dtypes.mixed
+        scaler = eng.scaler
+
         def run() -> None:
             if eng.gradients.device_state.get(group, GRAD_NONE) != GRAD_VALID:
                 return
             n = grp.trainable_bytes
-            params = eng.pool.region(slot, base, n).view(grp.dtypes.working)
-            grads = eng.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
-            if coef is not None:
-                grads.mul_(coef.to(grads.device))
-            flag = None
-            if finite:
+            wide = None
+            if mixed:
+                # the eager recipe: master.grad = p16.grad.float(), unscaled (fp16) and clipped in
+                # fp32; AdamW on the device's fp32 master; then p16.copy_(master) (DeviceAdamW)
+                params = eng.pool.region(slot, base, n)
+                grads = eng.gradients.device_grads(slot, base, n, torch.uint8)
+                wide = widen(grp, grads)
+                checked = wide
+            else:
+                params = eng.pool.region(slot, base, n).view(grp.dtypes.working)
+                grads = eng.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
+                if coef is not None:
+                    grads.mul_(coef.to(grads.device))
+                checked = grads
+            flag = eng.nonfinite_flags.get(group) if mixed and group in eng.unscaled else None  # (its US checked it)
+            if finite and flag is None:
                 # NOTE: the check stays on the device (a host read here would synchronize the
                 # issuing thread with the GPU once per group): a non-finite gradient makes the
                 # update a no-op there, and step() reads every group's flag at once
-                flag = torch.isfinite(grads.sum(dtype=torch.float32)).logical_not().to(torch.float32)
+                flag = device_nonfinite(checked)
                 eng.nonfinite_flags[group] = flag
+            if wide is not None:
+                if scaler is not None:
+                    wide.div_(scaler.scale_tensor().to(wide.device))
+                if coef is not None:
+                    wide.mul_(coef.to(wide.device))
             eng.journal.before_device_update(group, params, (slot, base) if persistent else None)
-            eng.device_optimizer.update(grp, params, grads, hp, found_inf=flag)
+            eng.device_optimizer.update(grp, params, grads, hp, found_inf=flag, wide=wide)
             eng.journal.done("device", group)
             eng.dirty.add(group)
             self._refresh_borrowers(variant, group)

@@ -151,9 +151,11 @@ class StepJournal:
         if st is not None:
             for i, t in enumerate((st.step, st.m, st.v)):
                 _save(rec.states, i, t)
-        master = self.store.master(g)
+        # mixed precision: the fp32 master the update steps is the device's (the host's is older)
+        dev_master = self.device_optimizer.master_of(g) if self.device_optimizer is not None else None
+        master = self.store.master(g) if dev_master is None else dev_master
         if rec.master is None or rec.master.shape != master.shape:
-            rec.master = torch.empty_like(master)
+            rec.master = torch.empty(master.shape, dtype=master.dtype)
         rec.master.copy_(master)
         with self._lock:
             self.saved.add(("device", g))
@@ -221,10 +223,17 @@ class StepJournal:
 
     def _restore_device(self, g: int, region: Any) -> None:
         rec = self._device[g]
-        self.store.master(g).copy_(rec.master)
+        dev_master = self.device_optimizer.master_of(g) if self.device_optimizer is not None else None
+        if dev_master is None:
+            self.store.master(g).copy_(rec.master)
+        else:  # mixed precision: the device master; the host's was not written this step
+            dev_master.copy_(rec.master)
         if rec.where is not None:
             slot, offset = rec.where
             region(slot, offset, rec.params.numel() * rec.params.element_size()).view(rec.params.dtype).copy_(rec.params)
+        elif dev_master is not None:  # a transient slot (L2L) whose OP wrote the 16-bit image: put it back
+            image = self.store.group_bytes(g)
+            image[: rec.params.numel() * rec.params.element_size()].copy_(rec.params.view(torch.uint8))
         st = self.device_optimizer.state.get(g) if self.device_optimizer is not None else None
         if st is None:
             return

@@ -62,13 +62,16 @@ class Residency:
             eng.holder = None
 
     def sync_to_host(self) -> None:
-        """Copy the weights updated on the device (persistent stages) back to the host store."""
+        """Copy the weights updated on the device (persistent stages) back to the host store;
+        in mixed precision also the fp32 masters the device updated (every device group, a
+        streamed L2L stage's too), into the host masters the model's parameters are."""
         eng = self.engine
         v = eng.loaded
-        if v is None or not eng.dirty:
-            return
+        dev = eng.device_optimizer
         toks = []
-        for g in sorted(eng.dirty):
+        if dev is not None and dev.dirty:
+            toks.append(eng.backend.d2h.submit(dev.sync_masters))
+        for g in sorted(eng.dirty) if v is not None else ():
             st = v.graph.stages[v.owner_of[g]]
             slot = v.train.persistent.index(st.index)
             toks.append(eng.backend.d2h.submit(lambda st=st, slot=slot: eng.handlers.offload_params(st, slot)))
@@ -134,6 +137,8 @@ class Residency:
         eng.wait_delayed()
         eng.delayed.clear()
         eng.dirty.clear()
+        if eng.device_optimizer is not None:  # (mixed precision: the device masters are read again)
+            eng.device_optimizer.invalidate_masters()
         eng.loaded = None
 
     def host_bytes(self) -> int:

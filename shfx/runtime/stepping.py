@@ -584,10 +584,7 @@ class StepRunner:
             for gi in groups:
                 require_finite(eng.store.grad(gi), gi, self.handlers.whose(gi, "host"))
             for gi, slot in dev_groups:
-                _, base = self.handlers.group_base(v, gi)
-                grp = eng.store.groups[gi]
-                dgrad = eng.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
-                require_finite(dgrad, gi, self.handlers.whose(gi, "device"))
+                require_finite(self.handlers.device_grad32(v, gi, slot), gi, self.handlers.whose(gi, "device"))
         except NonFiniteGradient as e:
             return e
         return None
