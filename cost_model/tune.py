@@ -414,7 +414,7 @@ def tune_window(
     )
     if tune_h:
         assert chosen.policy is not None
-        h = chosen.policy.placement(specs).host_window
+        h = chosen.policy.program(specs).host_window  # (a function policy has no placement: its program says)
         result.reason = f"At the largest host window (H={h}): " + result.reason
         return _tune_host_window(specs, costs, chosen.policy, tolerance, host_windows, host_capacity_bytes, rollback, result, features)
     return result
@@ -435,7 +435,7 @@ def _tune_host_window(
     ``tolerance`` of the fastest H that fits ``host_capacity_bytes``."""
     from shfx.passes.ledger import HOST_WINDOW, replay
 
-    groups = len(pol.placement(specs).ssd_groups)
+    groups = len(pol.replace(host_window=1).program(specs).ssd_groups)
     if not groups:
         raise ValueError(f"{pol!r} puts no optimizer state on the SSD (every group is updated on the device): no host window to tune")
     hs = sorted(set(host_windows)) if host_windows is not None else list(range(1, groups + 1))

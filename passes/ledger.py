@@ -275,6 +275,8 @@ class HostOptimizerStates:
         replicated: under data parallel every rank holds each group whole (master, gradient,
             states) and updates it from the all-reduced gradient, instead of its shard
             (``HostOptimizer.data_parallel == "replicated"``: Adafactor).
+        step_counters: per group (by group index; missing: 1), its step counters (fp32 scalars:
+            Adafactor keeps one per parameter); the NVMe tier keeps them in RAM beside its window.
 
     >>> HostOptimizerStates(per_element=1).per_element   # SGD
     1
@@ -283,10 +285,29 @@ class HostOptimizerStates:
     per_element: int = 2
     group_bytes: tuple[int, ...] = ()
     replicated: bool = False
+    step_counters: tuple[int, ...] = ()
 
     def whole_bytes(self, g: int) -> int:
         """Group ``g``'s states that are not per element."""
         return self.group_bytes[g] if 0 <= g < len(self.group_bytes) else 0
+
+    def steps_of(self, g: int) -> int:
+        """Group ``g``'s step counters."""
+        return self.step_counters[g] if 0 <= g < len(self.step_counters) else 1
+
+
+def _states_of(o: StageSpec, optimizer_states: int, optimizer: HostOptimizerStates | None) -> int:
+    """Bytes of the optimizer states of the group ``o`` owns, as the NVMe tier holds them on the
+    SSD (and reads into a host-window buffer): the optimizer's when given, else the stage spec's
+    (``ssd_state_bytes``, which the compile pipeline sizes by the optimizer), else
+    ``optimizer_states`` per-element states."""
+    if optimizer is not None:
+        return optimizer_states * o.state_bytes + optimizer.whole_bytes(o.update_group)
+    return o.ssd_state_bytes if o.ssd_state_bytes is not None else optimizer_states * o.state_bytes
+
+
+def _step_bytes(g: int, optimizer: HostOptimizerStates | None) -> int:
+    return STEP_BYTES * (optimizer.steps_of(g) if optimizer is not None else 1)
 
 
 def host_terms(
@@ -387,9 +408,15 @@ def host_terms(
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
     out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host]
     out += [
-        Change("host" if o not in ssd else "ssd", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
+        Change("host", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
         for o in host
+        if o not in ssd
         for i in range(optimizer_states)
+    ]
+    # the NVMe tier: each group's states on the SSD (AdamW's m and v, SGD's momentum, Adafactor's factored moments)
+    out += [
+        Change("ssd", "optimizer states (m, v)", f"optimizer states of group {o.update_group}", _states_of(o, optimizer_states, optimizer))
+        for o in ssd
     ]
     if optimizer is not None:
         out += [
@@ -401,9 +428,10 @@ def host_terms(
         out += [Change("ssd", "master parameters (fp32)", f"master weights of group {o.update_group}", o.update_bytes) for o in ssd]
     if ssd:
         # each buffer holds what one SSD read brings (ssd_bytes_of, with this optimizer's states)
-        per = max(optimizer_states * o.state_bytes + (o.update_bytes if ssd_masters else 0) for o in ssd)
+        per = max(_states_of(o, optimizer_states, optimizer) + (o.update_bytes if ssd_masters else 0) for o in ssd)
         out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", per) for i in range(host_window)]
-        out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", STEP_BYTES * len(ssd)))
+        steps = sum(_step_bytes(o.update_group, optimizer) for o in ssd)
+        out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", steps))
     hg = {o.update_group for o in host}
     pending = [(key, nb) for s in stages for key, g, nb in _borrowed(s) if g in hg]
     trainable = sum(o.update_bytes for o in host)
@@ -421,11 +449,9 @@ def host_terms(
             if not o.update_bytes:
                 continue
             if o in ssd:  # the states' undo is their previous version on the SSD
-                out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", o.update_bytes + STEP_BYTES))
-                out += [
-                    Change("ssd", "optimizer states (m, v)", f"previous version of optimizer state {i} of group {g}", o.state_bytes)
-                    for i in range(optimizer_states)
-                ]
+                out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", o.update_bytes + _step_bytes(g, optimizer)))
+                out.append(Change("ssd", "optimizer states (m, v)", f"previous version of the optimizer states of group {g}",
+                                  _states_of(o, optimizer_states, optimizer)))  # fmt: skip
                 continue
             n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes
             if optimizer is not None:
@@ -500,20 +526,21 @@ def _dp_host_terms(
         # (the NVMe tier: each rank its shard's states on its SSD file, read through the host window)
         tier = "ssd" if g in ssd_groups else "host"
         out += [Change(tier, "optimizer states (m, v)", f"optimizer state {i} {part} of group {g}", 4 * own) for i in range(optimizer_states)]
-        if g in ssd_groups:
-            ssd_own = max(ssd_own, 4 * own)
         extra = optimizer.whole_bytes(g) if optimizer is not None and numel else 0
-        out.append(Change("host", "optimizer states (m, v)", f"factored states of group {g}", extra))
+        out.append(Change(tier, "optimizer states (m, v)", f"factored states of group {g}", extra))
+        if g in ssd_groups:  # (a host-window buffer holds what one SSD read brings)
+            ssd_own = max(ssd_own, optimizer_states * 4 * own + extra)
         if rollback and numel and g in ssd_groups:  # master and step; the states' previous version on the SSD
-            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s {part}", 4 * own + STEP_BYTES))
+            out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s {part}", 4 * own + _step_bytes(g, optimizer)))
             out += [Change("ssd", "optimizer states (m, v)", f"previous version of optimizer state {i} {part} of group {g}", 4 * own)
                     for i in range(optimizer_states)]  # fmt: skip
+            out.append(Change("ssd", "optimizer states (m, v)", f"previous version of the factored states of group {g}", extra))
         elif rollback and numel:
             out.append(Change("host", ROLLBACK, f"rollback copy of group {g}'s {part}", 4 * own * (1 + optimizer_states) + extra + STEP_BYTES))
     if ssd_own:
-        out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", optimizer_states * ssd_own) for i in range(host_window)]
-        n_ssd = sum(1 for g in owners if g in ssd_groups)
-        out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", STEP_BYTES * n_ssd))
+        out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", ssd_own) for i in range(host_window)]
+        steps = sum(_step_bytes(g, optimizer) for g in owners if g in ssd_groups)
+        out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", steps))
     if group_bytes is not None:  # groups nothing updates (frozen parameters, buffers only): whole on every rank
         out += [Change("host", DP_IMAGE, f"image of group {g}", b) for g, b in enumerate(whole) if g not in owners]
     out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]

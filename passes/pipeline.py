@@ -81,6 +81,9 @@ class PipelineOptions:
             be undone: the rollback feature pass (:data:`~shfx.passes.features.ROLLBACK`).
         loss_scaling: fp16: each host gradient checked and unscaled by its own action (``US g``):
             the loss-scaling feature pass (:data:`~shfx.passes.features.LOSS_SCALING`).
+        optimizer: the host optimizer (:class:`shfx.optim.HostOptimizer`; not compared): the
+            stage specs' ``ssd_state_bytes`` are sized by its states (``host_states``), what the
+            NVMe tier's SSD reads and writes move (None: AdamW's m and v).
     """
 
     policy: Any = "stronghold"
@@ -98,6 +101,7 @@ class PipelineOptions:
     clip_in_step: bool = False
     rollback: bool = False
     loss_scaling: bool = False
+    optimizer: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", dtype_name(precision_dtype(self.precision)))
@@ -214,6 +218,18 @@ def build_programs(
     return train, ev, cold
 
 
+def size_optimizer_states(graph: StageGraph, optimizer: Any) -> None:
+    """Each owner's ``StageSpec.ssd_state_bytes``: the bytes of its group's states under
+    ``optimizer`` (its ``host_states``: per-element states times the state bytes, plus the
+    states that are not per element), what an SSD read or write of the NVMe tier moves."""
+    states = optimizer.host_states(graph.groups)
+    for i, st in enumerate(graph.stages):
+        g = st.spec.update_group
+        if g is not None:
+            nbytes = states.per_element * st.spec.state_bytes + states.whole_bytes(g)
+            graph.stages[i] = dataclasses.replace(st, spec=dataclasses.replace(st.spec, ssd_state_bytes=nbytes))
+
+
 def _check_specs(specs: Sequence[StageSpec]) -> None:
     """After partitioning: stages indexed 0..n-1, producers earlier, every trainable group
     updated by exactly one stage."""
@@ -296,6 +312,8 @@ def compile_variant(
         passes.append("capture")
     graph = partition_stages(captured, blocks=options.blocks, num_stages=options.num_stages, groups=groups, model=module)
     passes.append("partition")
+    if options.optimizer is not None:
+        size_optimizer_states(graph, options.optimizer)
     if options.verify_each_pass:
         _check_specs(graph.specs)
     if options.device is not None and torch.device(options.device).type != "cpu":

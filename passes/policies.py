@@ -50,7 +50,7 @@ from .lowering import (
     checked_stages,
     compute_order,
 )
-from .actions import Action
+from .actions import Action, U
 from .features import clip_program, delayed_update
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
@@ -60,6 +60,7 @@ __all__ = [
     "Placement",
     "Policy",
     "FunctionPolicy",
+    "add_ssd_tier",
     "Stronghold",
     "Resident",
     "L2L",
@@ -326,11 +327,13 @@ class L2L(Policy):
         return Placement((), tuple(range(len(stages))), 1, 1, _update_groups(stages), "backward")
 
 
-@dataclass(frozen=True)
-class ZeroOffload(Policy):
+@dataclass(frozen=True, repr=False)
+class ZeroOffload(_NVMe, Policy):
     """ZeRO-Offload: parameters and gradients on the device (every stage persistent); each
     stage's gradients go to the host after its backward; the host updates every group after the
-    backward and the updated parameters are copied back into the resident slots.
+    backward and the updated parameters are copied back into the resident slots. With
+    ``nvme=True`` the optimizer states live on the SSD, ``host_window`` groups' at a time on the
+    host (:class:`_NVMe`), the delayed update included.
 
     With ``delayed_update`` (ZeRO-Offload's DPU) the program ends with the gradient copies: the
     runtime starts the host update of step i in ``step()`` and lets it run during step i+1's
@@ -343,16 +346,22 @@ class ZeroOffload(Policy):
     'F0 F1 B1 OG1 B0 OG0 U0 U1 PF0 PF1'
     >>> " ".join(ZeroOffload(delayed_update=True).program(chain(2)).actions())
     'F0 F1 B1 OG1 B0 OG0 PF0 PF1 U0 U1'
+    >>> " ".join(ZeroOffload(nvme=True, host_window=1).program(chain(2)).actions())
+    'F0 F1 B1 SR0 OG1 B0 OG0 U0 SW0 SR1 U1 SW1 PF0 PF1'
     """
 
     name: ClassVar[str] = "zero-offload"
     delayed_update: bool = False
     deferred_update: bool = False
+    nvme: bool = False
+    host_window: int | Literal["auto"] = "auto"
+    nvme_masters: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.delayed_update, bool):
             raise TypeError(f"ZeroOffload(delayed_update=...) must be True or False, got {self.delayed_update!r}")
         _check_flag("ZeroOffload", "deferred_update", self.deferred_update)
+        self._check_nvme("ZeroOffload")
         if self.delayed_update and self.deferred_update:
             raise ValueError(
                 "ZeroOffload(delayed_update=True, deferred_update=True): the delayed update trains on one-step-stale "
@@ -361,14 +370,19 @@ class ZeroOffload(Policy):
             )
 
     def placement(self, stages: Sequence[StageSpec]) -> Placement:
+        _concrete(self)
         n = len(stages)
         when: Updates = "next-step" if self.delayed_update else "next-forward" if self.deferred_update else "after-backward"
-        return Placement(tuple(range(n)), (), 0, 0, frozenset(), when, refresh=not self.delayed_update)
+        ssd = self._ssd(stages, _update_groups(stages))
+        return Placement(tuple(range(n)), (), 0, 0, frozenset(), when, refresh=not self.delayed_update, **ssd)
 
     def program_name(self, placement: Placement) -> str:
         if self.deferred_update:
-            return "zero-offload(deferred update)"
-        return "zero-offload(delayed update)" if self.delayed_update else "zero-offload"
+            name = "zero-offload(deferred update)"
+        else:
+            name = "zero-offload(delayed update)" if self.delayed_update else "zero-offload"
+        nv = self._nvme_name(placement)
+        return name + f"({nv[2:]})" if nv else name
 
 
 @dataclass(frozen=True, repr=False)
@@ -413,26 +427,34 @@ class ZeroInfinity(_NVMe, Policy):
         return name + f"({nv[2:]})" if nv else name
 
 
-@dataclass(frozen=True)
-class FunctionPolicy(Policy):
+@dataclass(frozen=True, repr=False)
+class FunctionPolicy(_NVMe, Policy):
     """A policy written as a function ``fn(stage_specs, window) -> Program`` (an action order
     lowered with :func:`shfx.passes.program.lower_actions`, say); ``shfx.compile(policy=fn)``
-    wraps it in one. Its window may be ``"auto"`` like any other.
+    wraps it in one. Its window may be ``"auto"`` like any other. With ``nvme=True`` (an NVMe
+    ``Offload`` spec sets it) the optimizer states of the groups its program updates on the host
+    (``U``) live on the SSD: :func:`add_ssd_tier` places their reads and write-backs.
 
     >>> from shfx.passes.stages import chain
     >>> FunctionPolicy(schedule_window, window=3).program(chain(3)).name
     'stronghold(W=3)'
+    >>> FunctionPolicy(schedule_window, window=3, nvme=True, host_window=1).program(chain(3)).name
+    'stronghold(W=3)(nvme H=1)'
     """
 
     name: ClassVar[str] = "custom"
     windowed: ClassVar[bool] = True
     fn: Callable[..., Program] = None  # type: ignore[assignment]
     window: int | Literal["auto"] = 2
+    nvme: bool = False
+    host_window: int | Literal["auto"] = "auto"
+    nvme_masters: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
             raise TypeError(f"FunctionPolicy needs a function (stage_specs, window) -> Program, got {self.fn!r}")
         _positive_or_auto("FunctionPolicy", "window", self.window, 1)
+        self._check_nvme("FunctionPolicy")
 
     def program(self, stages: Sequence[StageSpec]) -> Program:
         _concrete(self)
@@ -440,7 +462,33 @@ class FunctionPolicy(Policy):
         prog = self.fn(stages, check_window(self.window, len(stages)))
         if not isinstance(prog, Program):
             raise TypeError(f"policy {self.fn!r} returned {type(prog).__name__}, not a shfx.passes.Program")
+        if self.nvme:
+            prog = add_ssd_tier(prog, self.host_window, self.nvme_masters)
         return prog
+
+
+def add_ssd_tier(program: Program, host_window: int, ssd_masters: bool = False) -> Program:
+    """The NVMe tier as a pass over any program that updates on the host: every group with a
+    host update (``U g``) keeps its optimizer states on the SSD, read into one of
+    ``host_window`` host buffers before the update and written back after it
+    (:func:`shfx.passes.lowering.add_ssd_transfers`), the program lowered again with them. A
+    program without host updates, or with the tier already, is returned as it is.
+
+    >>> from shfx.passes.stages import chain
+    >>> " ".join(add_ssd_tier(schedule_zero_offload(chain(2)), 1).actions())
+    'F0 F1 B1 SR0 OG1 B0 OG0 U0 SW0 SR1 U1 SW1 PF0 PF1'
+    """
+    if program.ssd_groups:
+        return program
+    acts = [get_meta(n).action for n in program.nodes]
+    host = frozenset(a.stage for a in acts if a.kind == U)
+    if not host:
+        return program
+    hw = check_host_window(host_window, len(host))
+    tier = {**program.tier, "ssd_groups": host, "host_window": hw, "ssd_masters": ssd_masters}
+    name = f"{program.name}(nvme H={hw}" + (" with masters" if ssd_masters else "") + ")"
+    return lower_actions(add_ssd_transfers(acts, host, hw), program.stages, program.num_slots, name=name,
+                         persistent=program.persistent, **tier)  # fmt: skip
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Resident, L2L, ZeroOffload, ZeroInfinity, Stronghold)}

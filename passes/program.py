@@ -55,19 +55,25 @@ __all__ = [
 ]
 
 OPTIMIZER_STATES = 2
-"""Optimizer states per parameter group (AdamW's m and v): what an SSD read or write moves."""
+"""Optimizer states per parameter group (AdamW's m and v): what an SSD read or write moves
+unless the stage spec says otherwise (``StageSpec.ssd_state_bytes``)."""
 
 
 def ssd_bytes_of(spec: StageSpec, masters: bool = False) -> int:
     """Bytes one SSD read (or write-back) of the group ``spec`` owns moves: its optimizer states
-    (``OPTIMIZER_STATES`` x ``state_bytes``, in the state dtype the layout gives: fp32 AdamW m and
-    v) and, with ``masters``, its master weights (``update_bytes``: fp32).
+    (``spec.ssd_state_bytes``, the host optimizer's: SGD's momentum, Adafactor's factored
+    moments; by default AdamW's, ``OPTIMIZER_STATES`` x ``state_bytes``, in the state dtype the
+    layout gives: fp32 m and v) and, with ``masters``, its master weights (``update_bytes``: fp32).
 
+    >>> import dataclasses
     >>> from shfx.passes.stages import chain
     >>> ssd_bytes_of(chain(1, prefetch_bytes=1000)[0]), ssd_bytes_of(chain(1, prefetch_bytes=1000)[0], masters=True)
     (2000, 3000)
+    >>> ssd_bytes_of(dataclasses.replace(chain(1, prefetch_bytes=1000)[0], ssd_state_bytes=1000))  # SGD's momentum
+    1000
     """
-    return OPTIMIZER_STATES * spec.state_bytes + (spec.update_bytes if masters else 0)
+    states = OPTIMIZER_STATES * spec.state_bytes if spec.ssd_state_bytes is None else spec.ssd_state_bytes
+    return states + (spec.update_bytes if masters else 0)
 
 
 class ScheduleError(ValueError):

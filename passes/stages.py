@@ -64,6 +64,10 @@ class StageSpec:
         device_master_bytes: mixed precision: bytes of the fp32 master of the group it updates
             (its ``update_bytes``), which an update on the device (``DU``) keeps on the device
             beside the optimizer states; 0 in fp32 (the slot's parameters are the master).
+        ssd_state_bytes: bytes of all the optimizer states of the group it updates, as the NVMe
+            tier reads and writes them (SGD's momentum buffer, Adafactor's factored moments:
+            the host optimizer's, set by the compile pipeline); None: AdamW's, 2 x ``state_bytes``
+            (:func:`shfx.passes.program.ssd_bytes_of`).
         inputs, outputs: the boundary values it reads and produces (empty on a synthetic spec:
             then one output of ``activation_bytes``, read by the stages that list this one as a
             producer).
@@ -100,6 +104,7 @@ class StageSpec:
     borrowed_grads: tuple[tuple[str, int, int], ...] = ()
     grad_wire_bytes: tuple[tuple[int, int], ...] = ()
     device_master_bytes: int = 0
+    ssd_state_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.update_bytes and not self.state_bytes:  # a state as large as the parameters (fp32)

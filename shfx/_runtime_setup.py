@@ -72,7 +72,7 @@ def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, varian
         groups = sorted(g for g, grp in enumerate(store.groups) if grp.trainable_bytes and g not in variant.device_groups)
         # (rollback: two versions of each state, the step's write-back beside the committed one)
         versions = 2 if eng.journal.enabled else 1
-        extents = SSDWindow.extents(store, groups, versions=versions)  # (data parallel: this rank's shards)
+        extents = SSDWindow.extents(store, groups, versions=versions, optimizer=eng.optimizer)  # (data parallel: this rank's shards)
         ssd = SSDStore.from_offload(offload, extents)
         try:
             eng.attach_ssd(SSDWindow(store, eng.optimizer, groups, prog.host_window, ssd, versioned=versions == 2))

@@ -143,7 +143,7 @@ class Config:
             verify_each_pass=self.verify_each_pass, device=device, precision=self.precision,
             fp32_norms=self.fp32_norms, ranks=ranks, updates_in_step=not self.overlap_update,
             clip_in_step=self.max_grad_norm is not None and not self.overlap_update, rollback=self.rollback,
-            loss_scaling=self.precision == "fp16",
+            loss_scaling=self.precision == "fp16", optimizer=self.optimizer,
         )  # fmt: skip
 
     def replace(self, **changes: Any) -> Config:
@@ -381,6 +381,17 @@ CONFLICTS: tuple[Conflict, ...] = (
         "pass optimizer=shfx.optim.AdamW(...), or drop offload=",
     ),
     Conflict(
+        # NOTE: a true conflict (issue 25): the tier stages the states of host updates (SR g
+        # before U g, SW g after it); Resident and L2L update every group on the device (DU), so
+        # their optimizer states never reach the host and there is nothing for it to hold
+        "NVMe tier with device updates",
+        lambda c: c.nvme and c.policy.name in ("resident", "l2l"),
+        "Offload(optimizer='nvme') keeps the states of the host optimizer's updates on an SSD, and policy "
+        "{c.policy.name!r} updates every group on the device (its optimizer states live there): no state would go "
+        "to the SSD",
+        "use policy='stronghold', 'zero-offload' or 'zero-infinity' (they update on the host), or drop offload=",
+    ),
+    Conflict(
         "host window given twice",
         lambda c: c.nvme
         and c.offload.host_window != "auto"
@@ -475,19 +486,25 @@ def _check_nvme_supported(c: Config) -> None:
             "runtime keeps the masters in host RAM, where the model's parameters are views of them. Use params='host' "
             "(optimizer='nvme' moves AdamW's m and v, 8 of the 12-16 host bytes per parameter, to the SSD)"
         )
-    from .optim import AdamW
+    from .optim import SGD, AdamW, Adafactor
 
-    if not isinstance(c.optimizer, AdamW):
+    # (each host runner says what its states are: shfx.runtime.ssd_window.SSDWindow's protocol)
+    if not isinstance(c.optimizer, (AdamW, SGD, Adafactor)):
         raise UsageError(
-            f"the NVMe tier holds AdamW's m and v; {type(c.optimizer).__name__} is not supported with it: use "
-            "optimizer=shfx.optim.AdamW(...), or offload=None"
+            f"the NVMe tier holds the optimizer states of shfx.optim.AdamW, SGD and Adafactor; {type(c.optimizer).__name__} "
+            "is not supported with it: use one of those, or offload=None"
         )
-    if any(g.get("amsgrad") for g in c.optimizer.param_groups):
+    if isinstance(c.optimizer, AdamW) and any(g.get("amsgrad") for g in c.optimizer.param_groups):
         raise UsageError("the NVMe tier holds AdamW's m and v, not amsgrad's third state: use amsgrad=False with it")
+    if isinstance(c.optimizer, SGD) and not any(g.get("momentum") for g in c.optimizer.param_groups):
+        raise UsageError(
+            "SGD without momentum keeps no optimizer state, so the NVMe tier would hold nothing: drop offload= (or give "
+            "SGD a momentum > 0, whose buffers the tier then holds)"
+        )
     if not hasattr(pol, "nvme"):
         raise UsageError(
             f"policy {getattr(pol, 'name', pol)!r} has no NVMe tier (its updates are not host updates the tier can stage): "
-            "use policy='stronghold' or 'zero-infinity' with offload=shfx.Offload(optimizer='nvme', ...)"
+            "use policy='stronghold', 'zero-offload' or 'zero-infinity' with offload=shfx.Offload(optimizer='nvme', ...)"
         )
 
 

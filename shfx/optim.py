@@ -134,12 +134,16 @@ class HostOptimizer(torch.optim.Optimizer):
 
         return HostOptimizerStates(
             per_element=self.per_element_states, group_bytes=tuple(self._whole_state_bytes(g) for g in groups),
-            replicated=self.data_parallel == "replicated",
+            replicated=self.data_parallel == "replicated", step_counters=tuple(self._step_counters(g) for g in groups),
         )  # fmt: skip
 
     def _whole_state_bytes(self, group: Any) -> int:
         """Bytes of group ``group``'s states that are not per element (none by default)."""
         return 0
+
+    def _step_counters(self, group: Any) -> int:
+        """Step counters of group ``group`` (one by default: shfx keeps one per stage)."""
+        return 1
 
     def hyperparams(self) -> dict | tuple[dict, ...]:
         """A snapshot of the hyperparameters, taken when an update is issued: one dict
@@ -578,6 +582,10 @@ class Adafactor(HostOptimizer):
 
         shapes = [tuple(i.shape) for i in group.infos if i.kind == "param" and i.trainable]
         return sum(_factored_numel(sh) for sh in shapes) * group.dtypes.state.itemsize
+
+    def _step_counters(self, group: Any) -> int:
+        """One per trainable parameter, as torch keeps them."""
+        return sum(1 for i in group.infos if i.kind == "param" and i.trainable and torch.Size(i.shape).numel())
 
     def __init__(
         self,

@@ -122,6 +122,7 @@ def _triggers(tmp_path) -> dict[str, dict]:
         "skip_nonfinite overlapped without rollback": dict(skip_nonfinite=True, rollback=False),
         "NVMe policy without an Offload spec": dict(optimizer=opt(), policy=shfx.Stronghold(nvme=True, host_window=1)),
         "NVMe tier without an optimizer": dict(offload=shfx.Offload(**nvme)),
+        "NVMe tier with device updates": dict(optimizer=opt(), offload=shfx.Offload(**nvme), policy="resident"),
         "host window given twice": dict(
             optimizer=opt(), offload=shfx.Offload(**nvme, host_window=3), policy=shfx.Stronghold(nvme=True, host_window=2)
         ),
@@ -205,6 +206,11 @@ def _fixes(tmp_path) -> list[tuple[str, dict, dict[str, dict]]]:
          {"offload=shfx.Offload(optimizer='nvme'": dict(offload=nvme["offload"])}),
         ("NVMe tier without an optimizer", t["NVMe tier without an optimizer"],
          {"optimizer=shfx.optim.AdamW(...)": dict(optimizer=opt()), "drop offload=": dict(offload=DROP)}),
+        ("NVMe tier with device updates", t["NVMe tier with device updates"],
+         {"policy='stronghold'": dict(policy="stronghold"), "'zero-offload'": dict(policy="zero-offload"),
+          "'zero-infinity'": dict(policy="zero-infinity"), "drop offload=": dict(offload=DROP)}),
+        ("NVMe tier with device updates", dict(t["NVMe tier with device updates"], policy="l2l"),
+         {"policy='stronghold'": dict(policy="stronghold"), "drop offload=": dict(offload=DROP)}),
         ("host window given twice", t["host window given twice"],
          {"give it in one place": dict(policy=shfx.Stronghold()), "in one place": dict(offload=nvme["offload"])}),
     ]  # fmt: skip
@@ -239,6 +245,12 @@ def test_every_fix_a_conflict_suggests_is_accepted(tmp_path, monkeypatch):
     nvme = shfx.Offload(optimizer="nvme", path=str(tmp_path))
     for kw in (dict(precision="fp16"), dict(skip_nonfinite=True), dict(rollback=True)):
         assert _config(optimizer=shfx.optim.AdamW(), offload=nvme, **kw).rollback is True
+    # issue 25: the tier composes with every policy updating on the host (a function policy's
+    # program too) and with SGD (momentum) and Adafactor
+    for policy in ("zero-offload", shfx.ZeroOffload(delayed_update=True), "zero-infinity", schedule_window):
+        assert _config(optimizer=shfx.optim.AdamW(), offload=nvme, policy=policy).policy.nvme
+    for opt_ in (shfx.optim.SGD(momentum=0.9), shfx.optim.Adafactor()):
+        assert _config(optimizer=opt_, offload=nvme).policy.nvme
 
 
 def test_replace_checks_the_table_again():

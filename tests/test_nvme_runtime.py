@@ -16,8 +16,17 @@ from shfx.errors import ActionError, SSDSpaceError, UsageError
 from shfx.runtime import ssd as ssd_mod
 
 
-def train(make_model, make_batch, *, offload=None, steps=3, accum=1, window=2, policy="stronghold", keep=False, **kw):
+OPTIMIZERS = {
+    "adamw": lambda: shfx.optim.AdamW(lr=1e-2, weight_decay=0.01),
+    "sgd": lambda: shfx.optim.SGD(lr=1e-2, momentum=0.9, weight_decay=0.01),
+    "nesterov": lambda: shfx.optim.SGD(lr=1e-2, momentum=0.9, nesterov=True),
+    "adafactor": lambda: shfx.optim.Adafactor(lr=1e-2, weight_decay=0.01),
+}
+
+
+def train(make_model, make_batch, *, offload=None, steps=3, accum=1, window=2, policy="stronghold", keep=False, optimizer="adamw", **kw):
     """``steps`` optimizer steps; returns (losses, model state, optimizer state_dict, cm or None).
+    ``optimizer``: a name in :data:`OPTIMIZERS`.
 
     NOTE: ``recompute="full"``, not ``"auto"``: auto picks early stop per stage from measured
     forward times, and the two recompute ways draw dropout masks differently, so a run whose
@@ -28,7 +37,7 @@ def train(make_model, make_batch, *, offload=None, steps=3, accum=1, window=2, p
     pol = shfx.Stronghold(window=window) if policy == "stronghold" else policy
     cm = shfx.compile(
         model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=pol,
-        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), grad_accum_steps=accum, offload=offload, **kw,
+        optimizer=OPTIMIZERS[optimizer](), grad_accum_steps=accum, offload=offload, **kw,
     )  # fmt: skip
     losses = []
     for step in range(steps):
@@ -98,7 +107,7 @@ def test_bf16_mixed_precision(tmp_path):
     assert_bitwise(got, ref)
 
 
-def _fp16_with_an_overflow(offload):
+def _fp16_with_an_overflow(offload, optimizer="adamw", policy=None):
     """fp16, overlapped update (rollback on: its default), 4 steps; the second one's first-stage
     gradient overflows after the later stages' updates ran (they are undone). Returns train()'s
     tuple and the groups each rollback restored."""
@@ -106,8 +115,8 @@ def _fp16_with_an_overflow(offload):
 
     torch.manual_seed(0)
     cm = shfx.compile(
-        gpt(), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
-        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), precision="fp16", scaler=shfx.LossScaler(init_scale=256.0),
+        gpt(), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=policy or shfx.Stronghold(window=2),
+        optimizer=OPTIMIZERS[optimizer](), precision="fp16", scaler=shfx.LossScaler(init_scale=256.0),
         recompute="full", offload=offload,
     )  # fmt: skip
     restored = []
@@ -148,6 +157,119 @@ def test_fp16_overlapped_rolls_back_with_the_states_on_the_ssd(tmp_path):
     for c in (cm, ref[3]):
         c.close()
     assert_bitwise(got, ref)
+
+
+def _window_matches_the_ledger(cm) -> None:
+    """The tier's bytes: each step's SSD reads and writes are the program's, the window's host
+    bytes (buffers and step counters) and the SSD's extents the ledger's, with this optimizer's
+    states (``cm.optimizer.host_states``)."""
+    store, win = cm._engine.ssd.ssd, cm._engine.ssd
+    moved = cm.variant.train.bytes_moved()
+    r0, w0 = store.bytes_read, store.bytes_written
+    args, kwargs, aux = token_batch(0)
+    loss_of(cm(*args, **kwargs), aux).backward()
+    cm.step()
+    cm.zero_grad()
+    assert moved["ssd_read"] > 0 and (store.bytes_read - r0, store.bytes_written - w0) == (moved["ssd_read"], moved["ssd_write"])
+    led = cm.variant.ledger(rollback=cm.config.rollback, optimizer=cm.optimizer.host_states(cm.variant.graph.groups))
+    assert led.static("host")["SSD host window"] == win.host_bytes
+    assert led.static("ssd")["optimizer states (m, v)"] == sum(e.nbytes for e in store.extents.values())
+    # (without the optimizer the ledger sizes the buffers by the program's specs, and counts one step per group)
+    default = cm.variant.ledger(rollback=cm.config.rollback).static("host")["SSD host window"]
+    assert win.host_bytes - default == 4 * sum(win.steps[g].numel() - 1 for g in win.groups)
+
+
+@pytest.mark.parametrize(
+    "optimizer, policy",
+    [("nesterov", shfx.ZeroOffload()), ("adafactor", shfx.Stronghold(window=2))],
+    ids=["sgd-nesterov-zero-offload", "adafactor-stronghold"],
+)
+def test_sgd_adafactor_and_zero_offload(tmp_path, optimizer, policy):
+    # issue 25: the tier holds each optimizer's states (SGD's momentum buffer, Adafactor's factored
+    # second moments and full ones for vectors, its per-parameter steps in RAM) and runs with every
+    # policy updating on the host; the same bits as the run with every state in RAM, and the
+    # tier's bytes are the program's and the ledger's
+    ref = train(gpt, token_batch, optimizer=optimizer, policy=policy)
+    got = train(gpt, token_batch, optimizer=optimizer, policy=policy, offload=nvme(tmp_path, 1), keep=True)
+    cm = got[3]
+    names = {k[0] for k in cm._engine.ssd.ssd.extents}
+    assert names == ({"momentum"} if optimizer == "nesterov" else {"factors"}), names
+    _window_matches_the_ledger(cm)
+    cm.close()
+    assert_bitwise(got, ref)
+
+
+def test_adafactor_fp16_rolls_back(tmp_path):
+    # rollback with the tier and another optimizer: fp16's overflow undoes the later groups'
+    # updates (versioned extents of Adafactor's factors, its per-parameter steps from the journal)
+    ref, ref_restored = _fp16_with_an_overflow(None, "adafactor")
+    got, restored = _fp16_with_an_overflow(nvme(tmp_path, 2), "adafactor")
+    cm = got[3]
+    assert cm._engine.ssd.versioned and cm.skipped_steps == ref[3].skipped_steps == 1
+    assert restored == ref_restored and restored[0], restored
+    for c in (cm, ref[3]):
+        c.close()
+    assert_bitwise(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adafactor"])
+@pytest.mark.parametrize(
+    "policy", ["stronghold", "zero-offload", "delayed", "zero-infinity", "function"],
+)
+def test_optimizers_and_policies_grid(tmp_path, optimizer, policy):
+    # every host-updating policy (ZeroOffload's delayed update, a function policy's program) with
+    # each optimizer, and gradient accumulation, overlap_update=False and exact clipping for SGD
+    from shfx.passes.policies import schedule_window
+
+    pol = {"stronghold": shfx.Stronghold(window=2), "zero-offload": shfx.ZeroOffload(),
+           "delayed": shfx.ZeroOffload(delayed_update=True), "zero-infinity": shfx.ZeroInfinity(),
+           "function": lambda specs, w: schedule_window(specs, w)}[policy]  # fmt: skip
+    ref = train(gpt, token_batch, optimizer=optimizer, policy=pol)
+    got = train(gpt, token_batch, optimizer=optimizer, policy=pol, offload=nvme(tmp_path, 2), keep=True)
+    assert got[3].variant.train.ssd_groups and "nvme H=2" in got[3].variant.train.name
+    got[3].close()
+    assert_bitwise(got, ref)
+    if optimizer == "sgd" and policy == "stronghold":
+        for kw in (dict(accum=2), dict(overlap_update=False), dict(max_grad_norm=0.5), dict(precision="bf16")):
+            assert_bitwise(train(gpt, token_batch, optimizer=optimizer, offload=nvme(tmp_path, 1), **kw),
+                           train(gpt, token_batch, optimizer=optimizer, **kw))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adafactor"])
+def test_rollback_and_checkpoints_of_the_other_optimizers(tmp_path, optimizer):
+    # fp16's rollback (SGD's momentum; Adafactor's: the default suite); a checkpoint of an NVMe run
+    # loaded into another NVMe run (written to the SSD before the first call) resumes bitwise as
+    # the RAM run
+    if optimizer == "sgd":
+        ref, ref_restored = _fp16_with_an_overflow(None, optimizer)
+        got, restored = _fp16_with_an_overflow(nvme(tmp_path, 1), optimizer)
+        assert restored == ref_restored and restored[0], restored
+        for c in (got[3], ref[3]):
+            c.close()
+        assert_bitwise(got, ref)
+    *_, cm = train(gpt, token_batch, optimizer=optimizer, offload=nvme(tmp_path, 1), steps=2, keep=True)
+    ckpt = str(tmp_path / "ckpt")
+    cm.save_checkpoint(ckpt)
+    cm.close()
+    ref = train(gpt, token_batch, optimizer=optimizer, steps=3)
+    torch.manual_seed(0)
+    cm2 = shfx.compile(gpt(), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+                       optimizer=OPTIMIZERS[optimizer](), offload=nvme(tmp_path / "b", 2), recompute="full")  # fmt: skip
+    cm2.load_checkpoint(ckpt)
+    args, kwargs, aux = token_batch(2)
+    torch.manual_seed(10_000 + 200)
+    loss = loss_of(cm2(*args, **kwargs), aux)
+    loss.backward()
+    cm2.step()
+    assert torch.equal(loss, ref[0][2])
+    assert all(torch.equal(v, ref[1][k]) for k, v in cm2.state_dict().items())
+    opt = cm2.optimizer.state_dict()["state"]
+    assert opt and all(torch.equal(opt[i][f], ref[2]["state"][i][f]) for i in opt for f in opt[i])
+    cm2.load_checkpoint(ckpt)  # into the running model: written to the SSD
+    assert all(int(e["step"]) == 2 for e in cm2.optimizer.state_dict()["state"].values() if "step" in e)
+    cm2.close()
 
 
 def test_a_skip_undoes_the_updates_whose_states_are_on_the_ssd(tmp_path):
@@ -325,8 +447,8 @@ def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
     "kw, match",
     [
         (dict(offload="params"), "params='nvme'"),
-        (dict(optimizer="sgd"), "SGD is not supported"),
-        (dict(policy=shfx.ZeroOffload()), "has no NVMe tier"),
+        (dict(optimizer="sgd"), "SGD without momentum keeps no optimizer state"),
+        (dict(policy=shfx.Resident()), "updates every group on the device"),
         (dict(policy=shfx.Stronghold(nvme=True, host_window=2)), "give it in one place"),
         (dict(optimizer=None), "there is no optimizer"),
     ],

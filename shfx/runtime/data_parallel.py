@@ -425,8 +425,8 @@ class DataParallelRuntime:
         infos = [i for i in grp.infos if i.kind == "param" and i.trainable]
         for info, (o, n) in zip(infos, grp.trainable_spans()):
             a, b = max(o, lo), min(o + n, hi)
-            if a < b:
-                fields = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+            fields = self.optimizer.shard_states(grp.index, o, st) if a < b else {}
+            if fields:
                 out[info.key] = {f: (tuple(info.shape), a - o, b - o, buf[a - lo : b - lo]) for f, buf in fields.items()}
 
     def states_loaded(self) -> None:
@@ -435,7 +435,8 @@ class DataParallelRuntime:
         that exists is used, as torch's loaded one is)."""
         mark = getattr(self.optimizer, "loaded", None)
         if mark is not None:
-            for g in list(self.optimizer.state):
+            ssd = getattr(self.optimizer, "ssd", None)  # (the NVMe tier: the copies the load wrote into)
+            for g in sorted(set(self.optimizer.state) | (set(ssd._loading) if ssd is not None else set())):
                 mark(g)
 
     def master_pieces(self) -> dict[str, tuple[tuple[int, ...], int, int, torch.Tensor]]:

@@ -381,12 +381,8 @@ class HostAdamW:
     def _state(self, g: int, amsgrad: bool) -> _State:
         with self._lock:
             st = self.state.get(g)
-            if st is None and self.ssd is not None and g in self.ssd.groups:
-                raise RuntimeError(
-                    f"group {g}'s optimizer state lives on the SSD and is not in a host-window buffer: its update must "
-                    f"come between its SSD read (SR{g}) and write (SW{g})"
-                )
             if st is None:
+                _on_ssd_refusal(self, g)
                 st = _State(self.store, g, amsgrad, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]))
                 self.state[g] = st
             elif amsgrad and st.max_exp_avg_sq is None:
@@ -398,10 +394,11 @@ class HostAdamW:
         into before the first update (data parallel's checkpoint pieces)."""
         return self._state(g, amsgrad)
 
-    def shard_states(self, g: int, off: int) -> dict[str, torch.Tensor]:
+    def shard_states(self, g: int, off: int, st: Any = None) -> dict[str, torch.Tensor]:
         """Data parallel's checkpoint pieces: the per-element state buffers (this rank's shard
-        of group ``g``) of the parameter at element ``off``, by torch's field names."""
-        st = self.state[g]
+        of group ``g``) of the parameter at element ``off``, by torch's field names. ``st``: a
+        state of the group other than its live one (the NVMe tier's copies read from the SSD)."""
+        st = self.state[g] if st is None else st
         return {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
 
     def take(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -566,9 +563,61 @@ class HostAdamW:
 
     def steps(self, g: int) -> int:
         if self.ssd is not None and g in self.ssd.groups:
-            return int(self.ssd.steps[g].item())
+            return self.ssd.step_count(g)
         st = self.state.get(g)
         return 0 if st is None else int(st.step.item())
+
+    # ---- the NVMe tier (shfx.runtime.ssd_window.SSDWindow: its protocol, one per runner) ----------
+    def ssd_states(self, g: int) -> list[tuple[str, int]]:
+        """``(name, numel)`` of the flat state buffers of group ``g`` the NVMe tier keeps on the
+        SSD, in the state dtype: ``m`` and ``v`` (this rank's shard under data parallel)."""
+        lo, hi = _bounds(self.store, g)
+        return [("m", hi - lo), ("v", hi - lo)]
+
+    def ssd_steps(self, g: int) -> torch.Tensor:
+        """A fresh step counter of group ``g`` (the tier keeps it in RAM): one 0-dim fp32."""
+        return torch.zeros((), dtype=torch.float32)
+
+    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> _State:
+        """Group ``g``'s state over ``bufs`` (:meth:`ssd_states`' buffers: a host-window
+        buffer's views, or copies) and ``steps``: the same views and kernel calls as a state of
+        its own, so an update there is bitwise the same."""
+        m, v = bufs
+        return _State(self.store, g, False, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]),
+                      step=steps, exp_avg=m, exp_avg_sq=v)  # fmt: skip
+
+    def ssd_buffers(self, st: _State) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The flat buffers (:meth:`ssd_states`' order) and steps of a state."""
+        if st.max_exp_avg_sq is not None:
+            raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
+        return [st.exp_avg, st.exp_avg_sq], st.step
+
+    def ssd_load(self, g: int, st: _State, entries: list) -> None:
+        """Write torch-format entries (all of group ``g``'s parameters) into ``st``."""
+        if any("max_exp_avg_sq" in e for _, e in entries):
+            raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
+        steps = {float(e["step"]) for _, e in entries}
+        if len(steps) != 1:
+            raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
+        st.step.fill_(steps.pop())
+        shard = self.store.shard_of(g) if getattr(self.store, "sharded", False) else None
+        copy_state_entries(entries, {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}, shard=shard)
+
+
+def _bounds(store: Any, g: int) -> tuple[int, int]:
+    """``[lo, hi)``: the elements of group ``g``'s trainable region a state holds (data
+    parallel: this rank's shard)."""
+    return store.shard_of(g) if hasattr(store, "shard_of") else (0, store.groups[g].trainable_numel)
+
+
+def _on_ssd_refusal(runner: Any, g: int) -> None:
+    """Raise when group ``g``'s state lives on the SSD and is not staged (an update outside its
+    ``SR g`` .. ``SW g``: a program error, never read inline)."""
+    if runner.ssd is not None and g in runner.ssd.groups:
+        raise RuntimeError(
+            f"group {g}'s optimizer state lives on the SSD and is not in a host-window buffer: its update must "
+            f"come between its SSD read (SR{g}) and write (SW{g})"
+        )
 
 
 # ---- the other optimizers ------------------------------------------------------------------------
@@ -604,6 +653,9 @@ class _HostRunner:
         self.store = store
         self.state: dict[int, Any] = {}
         self._lock = threading.Lock()
+        # the NVMe tier (shfx.runtime.ssd_window.SSDWindow), as for HostAdamW: the states of its
+        # groups are in ``state`` only while a host-window buffer holds them
+        self.ssd: Any = None
 
     def _working(self, g: int, spans: list[tuple[int, int]]) -> list[torch.Tensor] | None:
         wv = getattr(self.store, "working_view", None)
@@ -618,9 +670,13 @@ class _HostRunner:
 
     def steps(self, g: int) -> int:
         if self.ssd is not None and g in self.ssd.groups:
-            return int(self.ssd.steps[g].item())
+            return self.ssd.step_count(g)
         st = self.state.get(g)
         return 0 if st is None else int(st.step.item())
+
+    def ssd_steps(self, g: int) -> torch.Tensor:
+        """A fresh step counter of group ``g`` for the NVMe tier (one 0-dim fp32)."""
+        return torch.zeros((), dtype=torch.float32)
 
     def scratch(self, g: int) -> list[torch.Tensor]:
         grp = self.store.groups[g]
@@ -650,14 +706,18 @@ class _HostRunner:
 class _SGDState:
     __slots__ = ("step", "momentum_buffer", "pgs")
 
-    def __init__(self, store: HostStore, g: int, layout) -> None:
+    def __init__(
+        self, store: HostStore, g: int, layout, *, step: torch.Tensor | None = None, momentum_buffer: torch.Tensor | None = None
+    ) -> None:  # fmt: skip
+        # step / momentum_buffer: the NVMe tier's (a host-window buffer's views, or copies)
         grp = store.groups[g]
-        self.step = torch.zeros((), dtype=torch.float32)  # updates so far (torch's first-step test)
+        # updates so far (torch's first-step test)
+        self.step = torch.zeros((), dtype=torch.float32) if step is None else step
         # data parallel: the buffers hold the rank's shard [lo, hi) (momentum is elementwise, and
         # the shard's bounds keep every element's position modulo 16 in its parameter: bitwise
         # the update over whole parameters, as for AdamW); spans stay group element offsets
-        lo, hi = store.shard_of(g) if hasattr(store, "shard_of") else (0, grp.trainable_numel)
-        self.momentum_buffer = torch.zeros(hi - lo, dtype=grp.dtypes.state)
+        lo, hi = _bounds(store, g)
+        self.momentum_buffer = torch.zeros(hi - lo, dtype=grp.dtypes.state) if momentum_buffer is None else momentum_buffer
         bufs = [store.master(g), store.grad(g), self.momentum_buffer]
         self.pgs = []
         for k, spans in layout:
@@ -679,6 +739,7 @@ class HostSGD(_HostRunner):
         with self._lock:
             st = self.state.get(g)
             if st is None:
+                _on_ssd_refusal(self, g)
                 st = self.state[g] = _SGDState(self.store, g, _layout(self.config, self.store.groups[g]))
             return st
 
@@ -716,16 +777,20 @@ class HostSGD(_HostRunner):
 
     def loaded(self, g: int) -> None:
         """A load wrote group ``g``'s momentum buffers: past the first step (torch uses a
-        loaded buffer at its next step), as :meth:`load_group` marks it."""
+        loaded buffer at its next step), as :meth:`load_group` marks it (the NVMe tier: the
+        copies the load wrote into, :meth:`shfx.runtime.ssd_window.SSDWindow.loadable`)."""
         st = self.state.get(g)
+        if st is None and self.ssd is not None and g in self.ssd.groups:
+            st = self.ssd.loading(g)
         if st is not None:
             st.step.clamp_(min=1.0)
 
-    def shard_states(self, g: int, off: int) -> dict[str, torch.Tensor]:
+    def shard_states(self, g: int, off: int, st: Any = None) -> dict[str, torch.Tensor]:
         """Data parallel's checkpoint pieces: this rank's shard of group ``g``'s momentum buffer
-        for the parameter at element ``off``; none where its parameter group has no momentum
-        (torch keeps no state then)."""
-        return {"momentum_buffer": self.state[g].momentum_buffer} if self._momentum(g, off) else {}
+        for the parameter at element ``off`` (of ``st``, when given: the NVMe tier's copies);
+        none where its parameter group has no momentum (torch keeps no state then)."""
+        st = self.state[g] if st is None else st
+        return {"momentum_buffer": st.momentum_buffer} if self._momentum(g, off) else {}
 
     def _momentum(self, g: int, off: int) -> bool:
         lay = _layout(self.config, self.store.groups[g])
@@ -736,6 +801,8 @@ class HostSGD(_HostRunner):
 
     def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
         st = self.state.get(g)
+        if st is None and self.ssd is not None and g in self.ssd.groups:
+            st = self.ssd.snapshot(g)  # NOTE: copies read from the SSD, not views of a live buffer
         if st is None or int(st.step.item()) == 0 or not self._momentum(g, off):
             return {}  # torch.optim.SGD keeps no state without momentum
         if getattr(self.store, "sharded", False):
@@ -743,12 +810,32 @@ class HostSGD(_HostRunner):
         return {"momentum_buffer": st.momentum_buffer[off : off + n].view(shape)}
 
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
+        if self.ssd is not None and g in self.ssd.groups:
+            self.ssd.load_group(g, entries)
+            return
         with self._lock:
             self.state.pop(g, None)
         entries = [(w, e) for w, e in entries if e.get("momentum_buffer") is not None]
         if not entries:
             return
-        st = self._state(g)
+        self.ssd_load(g, self._state(g), entries)
+
+    # ---- the NVMe tier (HostAdamW's protocol) ---------------------------------------------------
+    def ssd_states(self, g: int) -> list[tuple[str, int]]:
+        """The momentum buffer (this rank's shard under data parallel)."""
+        lo, hi = _bounds(self.store, g)
+        return [("momentum", hi - lo)]
+
+    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> _SGDState:
+        return _SGDState(self.store, g, _layout(self.config, self.store.groups[g]), step=steps, momentum_buffer=bufs[0])
+
+    def ssd_buffers(self, st: _SGDState) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return [st.momentum_buffer], st.step
+
+    def ssd_load(self, g: int, st: _SGDState, entries: list) -> None:
+        entries = [(w, e) for w, e in entries if e.get("momentum_buffer") is not None]
+        if not entries:  # (no momentum state: fresh, zeros and step 0)
+            return
         st.step.fill_(1.0)  # past the first step: the momentum buffers exist
         # (data parallel: whole states, of which this rank keeps its shard's range)
         shard = self.store.shard_of(g) if getattr(self.store, "sharded", False) else None
@@ -756,16 +843,21 @@ class HostSGD(_HostRunner):
 
 
 class _AdafactorState:
-    __slots__ = ("steps", "factors", "pgs", "index")
+    __slots__ = ("steps", "factors", "pgs", "index", "flat_steps")
 
-    def __init__(self, store: HostStore, g: int, layout) -> None:
+    def __init__(
+        self, store: HostStore, g: int, layout, *, factors: torch.Tensor | None = None, steps: torch.Tensor | None = None
+    ) -> None:  # fmt: skip
+        # factors / steps: the NVMe tier's (a host-window buffer's views, or copies; ``steps`` one
+        # element per parameter, in this order: each parameter's step is a 0-dim view of it)
         grp = store.groups[g]
         pgs = _param_views(store, g, layout, [store.master(g), store.grad(g)], shaped=True)
         size = 0
         for _, _, shapes, _ in pgs:
             for sh in shapes:
                 size += _factored_numel(sh)
-        self.factors = torch.zeros(size, dtype=grp.dtypes.state)
+        self.factors = torch.zeros(size, dtype=grp.dtypes.state) if factors is None else factors
+        self.flat_steps = steps
         self.steps: list[torch.Tensor] = []
         self.index: dict[int, int] = {}  # element offset of a parameter -> its position in steps
         self.pgs = []
@@ -778,7 +870,7 @@ class _AdafactorState:
                 cols.append(c)
                 variances.append(v)
                 self.index[o] = len(self.steps)
-                self.steps.append(torch.zeros((), dtype=torch.float32))
+                self.steps.append(torch.zeros((), dtype=torch.float32) if self.flat_steps is None else self.flat_steps[len(self.steps)])
                 steps.append(self.steps[-1])
             self.pgs.append((k, params, grads, rows, cols, variances, steps, spans))
 
@@ -825,6 +917,7 @@ class HostAdafactor(_HostRunner):
         with self._lock:
             st = self.state.get(g)
             if st is None:
+                _on_ssd_refusal(self, g)
                 st = self.state[g] = _AdafactorState(self.store, g, _layout(self.config, self.store.groups[g]))
             return st
 
@@ -860,7 +953,7 @@ class HostAdafactor(_HostRunner):
 
     def steps(self, g: int) -> int:
         if self.ssd is not None and g in self.ssd.groups:
-            return int(self.ssd.steps[g].item())
+            return self.ssd.step_count(g)
         st = self.state.get(g)
         return 0 if st is None or not st.steps else int(st.steps[0].item())
 
@@ -874,6 +967,8 @@ class HostAdafactor(_HostRunner):
 
     def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
         st = self.state.get(g)
+        if st is None and self.ssd is not None and g in self.ssd.groups:
+            st = self.ssd.snapshot(g)  # NOTE: copies read from the SSD, not views of a live buffer
         if st is None or off not in st.index:
             return {}
         step, r, c, v = self._views_at(st, off)
@@ -882,11 +977,44 @@ class HostAdafactor(_HostRunner):
         return {"step": step, "row_var": r, "col_var": c} if v is None else {"step": step, "variance": v}
 
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
+        if self.ssd is not None and g in self.ssd.groups:
+            self.ssd.load_group(g, entries)
+            return
         with self._lock:
             self.state.pop(g, None)
         if not entries:
             return
-        st = self._state(g)
+        self.ssd_load(g, self._state(g), entries)
+
+    # ---- the NVMe tier (HostAdamW's protocol) ---------------------------------------------------
+    # NOTE: Adafactor's states are small (a row and a column vector per matrix, a full second
+    # moment per vector), but the tier holds them too: every state of a group on the SSD
+    def _counts(self, g: int) -> tuple[int, int]:
+        """Elements of group ``g``'s factored states, and its parameters (step counters)."""
+        lay = _layout(self.config, self.store.groups[g])
+        size = nparams = 0
+        for _, _, shapes, _ in _param_views(self.store, g, lay, [], shaped=True):
+            size += sum(_factored_numel(sh) for sh in shapes)
+            nparams += len(shapes)
+        return size, nparams
+
+    def ssd_states(self, g: int) -> list[tuple[str, int]]:
+        """The factored second moments of every parameter of the group, as one flat buffer
+        (replicated under data parallel: whole on every rank)."""
+        return [("factors", self._counts(g)[0])]
+
+    def ssd_steps(self, g: int) -> torch.Tensor:
+        """The group's step counters: one per parameter, as torch keeps them."""
+        return torch.zeros(self._counts(g)[1], dtype=torch.float32)
+
+    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> _AdafactorState:
+        return _AdafactorState(self.store, g, _layout(self.config, self.store.groups[g]), factors=bufs[0], steps=steps)
+
+    def ssd_buffers(self, st: _AdafactorState) -> tuple[list[torch.Tensor], torch.Tensor]:
+        steps = st.flat_steps if st.flat_steps is not None else torch.stack(st.steps) if st.steps else torch.zeros(0)
+        return [st.factors], steps
+
+    def ssd_load(self, g: int, st: _AdafactorState, entries: list) -> None:
         for (_, off, n, shape), e in entries:
             step, r, c, v = self._views_at(st, off)
             step.copy_(e["step"])

@@ -67,7 +67,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -118,11 +118,14 @@ def check_space(path: str | os.PathLike, nbytes: int) -> int:
 
 
 def group_extents(
-    groups: Sequence[Group], *, states: Sequence[str] = ("m", "v"), master: bool = False, versions: int = 1,
+    groups: Sequence[Group], *, states: Sequence[str] | Callable[[Group], Sequence[tuple[str, int]]] = ("m", "v"),
+    master: bool = False, versions: int = 1,
 ) -> dict:  # fmt: skip
     """The extents the NVMe tier needs for host-updated groups (:class:`shfx.passes.layout.Group`):
     ``(name, group.index) -> group.state_bytes`` for each optimizer state in ``states`` (AdamW's
-    ``m`` and ``v``) and, with ``master`` (``Offload(params="nvme")``),
+    ``m`` and ``v``; a function ``group -> [(name, nbytes)]`` instead gives each group's states
+    and their sizes: SGD's ``momentum``, Adafactor's ``factors``, data parallel's shards,
+    :meth:`shfx.runtime.ssd_window.SSDWindow.extents`) and, with ``master`` (``Offload(params="nvme")``),
     ``("master", group.index) -> group.master_bytes`` (the trainable region of the master weights
     the host update reads and writes). In group order, states before the master.
 
@@ -136,16 +139,19 @@ def group_extents(
     {('m', 0): 256, ('v', 0): 256, ('master', 0): 256}
     >>> list(group_extents(groups, versions=2))
     [('m', 0), ('v', 0), ('m', 0, 1), ('v', 0, 1)]
+    >>> group_extents(groups, states=lambda g: [("momentum", g.state_bytes)])
+    {('momentum', 0): 256}
     """
     if versions not in (1, 2):
         raise ValueError(f"versions must be 1 or 2, got {versions!r}")
     out: dict = {}
     for g in groups:
-        for name in states:
-            out[(name, g.index)] = g.state_bytes
+        sized = list(states(g)) if callable(states) else [(name, g.state_bytes) for name in states]
+        for name, nbytes in sized:
+            out[(name, g.index)] = nbytes
         if versions == 2:
-            for name in states:
-                out[(name, g.index, 1)] = g.state_bytes
+            for name, nbytes in sized:
+                out[(name, g.index, 1)] = nbytes
         if master:
             out[("master", g.index)] = g.master_bytes
     return out

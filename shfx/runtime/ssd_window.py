@@ -49,27 +49,23 @@ from typing import Any
 
 import torch
 
-from .host_optim import copy_state_entries
 from .ssd import SSDStore, group_extents
 from .streams import WorkerStream
 
 __all__ = ["SSDWindow"]
 
 
-class _Snapshot:
-    """A group's state read from the SSD (copies), shaped like a host optimizer state."""
-
-    __slots__ = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-    def __init__(self, step: torch.Tensor, m: torch.Tensor, v: torch.Tensor):
-        self.step, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq = step, m, v, None
-
-
 class SSDWindow:
-    """``groups``' AdamW states on ``ssd`` (an :class:`SSDStore` with the extents
-    :func:`shfx.runtime.ssd.group_extents` gives them), ``host_window`` of them in host RAM at a
-    time. ``optimizer``: the :class:`shfx.runtime.host_optim.HostAdamW` running their updates
-    (its ``ssd`` is set to this window)."""
+    """``groups``' optimizer states on ``ssd`` (an :class:`SSDStore` with the extents
+    :meth:`extents` gives them), ``host_window`` of them in host RAM at a time. ``optimizer``:
+    the host runner running their updates (:class:`shfx.runtime.host_optim.HostAdamW`,
+    ``HostSGD`` or ``HostAdafactor``; its ``ssd`` is set to this window), which says what its
+    states are: ``ssd_states(g)``, the ``(name, numel)`` of group ``g``'s flat state buffers
+    (AdamW's ``m`` and ``v``, SGD's ``momentum``, Adafactor's ``factors``: its row and column
+    factors and full second moments, one flat buffer), ``ssd_steps(g)`` its step counters,
+    ``ssd_state(g, buffers, steps)`` the runner's state over given buffers, ``ssd_buffers(state)``
+    and ``ssd_load(g, state, entries)``. Each buffer of the window holds one tensor per state
+    name, as large as the largest group's."""
 
     def __init__(self, store: Any, optimizer: Any, groups: Sequence[int], host_window: int, ssd: SSDStore, versioned: bool = False):
         if host_window < 1:
@@ -80,27 +76,32 @@ class SSDWindow:
         self.ssd = ssd
         grps = [store.groups[g] for g in sorted(self.groups)]
         self.versioned = bool(versioned)
-        want = SSDWindow.extents(store, sorted(self.groups), versions=2 if self.versioned else 1)
+        want = SSDWindow.extents(store, sorted(self.groups), versions=2 if self.versioned else 1, optimizer=optimizer)
         have = {k: e.nbytes for k, e in ssd.extents.items()}
         if any(have.get(k) != n for k, n in want.items()):
             raise ValueError(f"the SSD store's extents {have} do not hold the states of groups {sorted(self.groups)} ({want})")
-        self.numel = max((self._numel(g) for g in self.groups), default=0)
+        # each group's flat states (name, numel), and the names in the order the buffers hold them
+        self.layout: dict[int, list[tuple[str, int]]] = {g: list(optimizer.ssd_states(g)) for g in sorted(self.groups)}
+        self.names: list[str] = []
+        for lay in self.layout.values():
+            self.names += [name for name, _ in lay if name not in self.names]
+        self.numels = {name: max((n for lay in self.layout.values() for k, n in lay if k == name), default=0) for name in self.names}
         self.dtype = grps[0].dtypes.state if grps else torch.float32
-        self.steps = {g: torch.zeros((), dtype=torch.float32) for g in sorted(self.groups)}
+        self.steps = {g: optimizer.ssd_steps(g) for g in sorted(self.groups)}
         self._cond = threading.Condition()
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.buffers: list[dict[str, torch.Tensor]] = []
         self._holder: list[int | None] = []  # buffer -> the group in it
         self._read_ok: list[bool] = []
         self.where: dict[int, int] = {}  # group -> its buffer
         self._views: dict[tuple[int, int], Any] = {}  # (group, buffer) -> the optimizer state over it
-        self._snap: tuple[int, _Snapshot] | None = None  # the last group read for state_dict()
+        self._snap: tuple[int, Any] | None = None  # the last group read for state_dict()
         # (versioned) the extents' version holding each group's committed state, and the one a
         # write of the step in progress went to (committed or discarded at the step's end)
         self._current: dict[int, int] = {g: 0 for g in self.groups}
         self._pending: dict[int, int] = {}
         # (data parallel's checkpoint load) states handed out to be written into, by group:
         # flush_loaded() writes them to the SSD
-        self._loading: dict[int, _Snapshot] = {}
+        self._loading: dict[int, Any] = {}
         self.ensure(host_window)
         self.read_stream = WorkerStream("ssd_read")
         self.write_stream = WorkerStream("ssd_write")
@@ -108,31 +109,42 @@ class SSDWindow:
         self._write_initial()
 
     @staticmethod
-    def extents(store: Any, groups: Sequence[int], versions: int = 1) -> dict:
-        """The SSD extents the window needs for ``groups`` of the host ``store``: each state as
-        large as the elements the store holds of the group (data parallel: this rank's shard,
-        :meth:`shfx.runtime.host_store.HostStore.shard_of`; each rank its own file)."""
+    def extents(store: Any, groups: Sequence[int], versions: int = 1, optimizer: Any = None) -> dict:
+        """The SSD extents the window needs for ``groups`` of the host ``store``: one per state
+        of ``optimizer`` (its ``ssd_states``; None: AdamW's ``m`` and ``v``), each as large as
+        the elements the store holds of the group (data parallel: this rank's shard,
+        :meth:`shfx.runtime.host_store.HostStore.shard_of`, for a sharded optimizer; each rank
+        its own file)."""
         grps = [store.groups[g] for g in groups]
-        out = group_extents(grps, versions=versions)
-        for grp in grps:
+
+        def states(grp: Any) -> list[tuple[str, int]]:
+            if optimizer is not None:
+                return [(name, n * grp.dtypes.state.itemsize) for name, n in optimizer.ssd_states(grp.index)]
             lo, hi = store.shard_of(grp.index)
-            nbytes = (hi - lo) * grp.dtypes.state.itemsize
-            for key in out:
-                if key[1] == grp.index:
-                    out[key] = nbytes
-        return out
+            return [(name, (hi - lo) * grp.dtypes.state.itemsize) for name in ("m", "v")]
+
+        return group_extents(grps, states=states, versions=versions)
 
     def _numel(self, g: int) -> int:
-        """Elements of group ``g``'s states here (its trainable region, or this rank's shard)."""
+        """Elements of group ``g``'s trainable region here (or this rank's shard)."""
         lo, hi = self.store.shard_of(g)
         return hi - lo
+
+    def step_count(self, g: int) -> int:
+        """Group ``g``'s step (its first counter: they move together)."""
+        t = self.steps[g]
+        return int(t.reshape(-1)[0].item()) if t.numel() else 0
+
+    def loading(self, g: int) -> Any:
+        """The copies of group ``g``'s state a load is writing into (:meth:`loadable`), or None."""
+        return self._loading.get(g)
 
     # ---- buffers -------------------------------------------------------------------------------
     def ensure(self, host_window: int) -> None:
         """At least ``host_window`` staging buffers (a program with a larger window)."""
         with self._cond:
             while len(self.buffers) < host_window:
-                self.buffers.append((torch.zeros(self.numel, dtype=self.dtype), torch.zeros(self.numel, dtype=self.dtype)))
+                self.buffers.append({name: torch.zeros(n, dtype=self.dtype) for name, n in self.numels.items()})
                 self._holder.append(None)
                 self._read_ok.append(False)
             self._cond.notify_all()
@@ -144,7 +156,8 @@ class SSDWindow:
     @property
     def host_bytes(self) -> int:
         """Host bytes of the staging buffers (and the step counters)."""
-        return sum(m.numel() * m.element_size() + v.numel() * v.element_size() for m, v in self.buffers) + 4 * len(self.steps)
+        bufs = sum(t.numel() * t.element_size() for b in self.buffers for t in b.values())
+        return bufs + sum(t.numel() * t.element_size() for t in self.steps.values())
 
     def _claim(self, g: int, b: int | None) -> int:
         """Put group ``g`` in buffer ``b`` (the program's), or the first free one (waiting)."""
@@ -175,64 +188,68 @@ class SSDWindow:
             self.optimizer.state.pop(g, None)
             self._cond.notify_all()
 
-    def _io(self, direction: str, g: int, m: torch.Tensor, v: torch.Tensor, version: int = 0) -> None:
-        """Read (``"read"``) or write group ``g``'s ``m`` and ``v`` extents (of ``version``) into /
-        from ``m`` and ``v``; returns when both requests ended, raising the first one's error
-        (never leaving one in flight, which would block the next request on its key)."""
+    def _io(self, direction: str, g: int, bufs: Sequence[torch.Tensor], version: int = 0) -> None:
+        """Read (``"read"``) or write group ``g``'s state extents (of ``version``) into / from
+        ``bufs`` (in the order of its ``ssd_states``); returns when every request ended,
+        raising the first one's error (never leaving one in flight, which would block the next
+        request on its key)."""
         io = self.ssd.read_into if direction == "read" else self.ssd.write_from
-        keys = [("m", g), ("v", g)] if version == 0 else [("m", g, version), ("v", g, version)]
+        names = [name for name, _ in self.layout[g]]
+        keys = [(name, g) if version == 0 else (name, g, version) for name in names]
         errors = []
-        for r in (io(keys[0], m), io(keys[1], v)):
+        reqs = []
+        for key, buf in zip(keys, bufs):
+            try:
+                reqs.append(io(key, buf))
+            except BaseException as e:  # noqa: BLE001 - the others still end before raising
+                errors.append(e)
+        for r in reqs:
             try:
                 r.wait()
-            except BaseException as e:  # noqa: BLE001 - both requests end before raising
+            except BaseException as e:  # noqa: BLE001 - every request ends before raising
                 errors.append(e)
         if errors:
             raise errors[0]
 
-    def _views_of(self, g: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self._numel(g)
-        m, v = self.buffers[b]
-        return m[:n], v[:n]
+    def _views_of(self, g: int, b: int) -> list[torch.Tensor]:
+        buf = self.buffers[b]
+        return [buf[name][:n] for name, n in self.layout[g]]
 
     def _stage(self, g: int, b: int) -> None:
         """Group ``g``'s optimizer state becomes the views of buffer ``b`` (built once per pair)."""
-        from .host_optim import _State, _layout
-
         st = self._views.get((g, b))
         if st is None:
-            m, v = self._views_of(g, b)
-            opt = self.optimizer
-            st = _State(self.store, g, False, opt.merge_views, opt.chunk, _layout(opt.config, self.store.groups[g]),
-                        step=self.steps[g], exp_avg=m, exp_avg_sq=v)  # fmt: skip
-            self._views[(g, b)] = st
+            st = self._views[(g, b)] = self.optimizer.ssd_state(g, self._views_of(g, b), self.steps[g])
         with self.optimizer._lock:
             self.optimizer.state[g] = st
 
+    def _zeros(self, g: int) -> list[torch.Tensor]:
+        return [torch.zeros(n, dtype=self.dtype) for _, n in self.layout[g]]
+
     # ---- the actions ---------------------------------------------------------------------------
     def read(self, g: int, buffer: int | None = None) -> None:
-        """SR g: read ``g``'s ``m`` and ``v`` into a host-window buffer and stage them; returns
-        when both reads completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
+        """SR g: read ``g``'s states into a host-window buffer and stage them; returns when
+        every read completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
         self._loading.pop(g, None)  # (a load's copies not flushed: nothing was written into them)
         b = self._claim(g, buffer)
-        self._io("read", g, *self._views_of(g, b), version=self.latest(g))
+        self._io("read", g, self._views_of(g, b), version=self.latest(g))
         self._read_ok[b] = True
         self._snap = None
         self._stage(g, b)
 
     def write(self, g: int) -> None:
-        """SW g: write ``g``'s staged ``m`` and ``v`` back; the buffer is free when both writes
+        """SW g: write ``g``'s staged states back; the buffer is free when every write
         completed (a failed write keeps it: :meth:`reset` retries)."""
         b = self.where.get(g)
         if b is None:
             raise RuntimeError(f"group {g}'s optimizer state is not in a host-window buffer: SW{g} has nothing to write")
         if self.versioned:  # the version the last committed step did not write (kept until commit)
             version = 1 - self._current[g]
-            self._io("write", g, *self._views_of(g, b), version=version)
+            self._io("write", g, self._views_of(g, b), version=version)
             with self._cond:
                 self._pending[g] = version
         else:
-            self._io("write", g, *self._views_of(g, b))
+            self._io("write", g, self._views_of(g, b))
         self._snap = None
         self._free(g)
 
@@ -281,13 +298,14 @@ class SSDWindow:
             raise errors[0]
 
     # ---- reading and loading the states (state_dict, checkpoints) --------------------------------
-    def snapshot(self, g: int) -> _Snapshot | None:
-        """Group ``g``'s state as copies read from the SSD (None before its first update); the
-        last group read is kept, so a state_dict reading a group's parameters one after the
-        other reads the group once. A group handed out by :meth:`loadable` is that copy."""
+    def snapshot(self, g: int) -> Any:
+        """Group ``g``'s state as copies read from the SSD (the runner's state object over
+        them; None before its first update); the last group read is kept, so a state_dict
+        reading a group's parameters one after the other reads the group once. A group handed
+        out by :meth:`loadable` is that copy."""
         if g in self._loading:
             return self._loading[g]
-        if int(self.steps[g].item()) == 0:
+        if self.step_count(g) == 0:
             return None
         if g in self.where:  # staged (inside a step): its live views
             st = self.optimizer.state.get(g)
@@ -295,14 +313,13 @@ class SSDWindow:
                 return st
         if self._snap is not None and self._snap[0] == g:
             return self._snap[1]
-        n = self._numel(g)
-        m, v = torch.empty(n, dtype=self.dtype), torch.empty(n, dtype=self.dtype)
-        self._io("read", g, m, v, version=self.latest(g))
-        snap = _Snapshot(self.steps[g].clone(), m, v)
+        bufs = [torch.empty(n, dtype=self.dtype) for _, n in self.layout[g]]
+        self._io("read", g, bufs, version=self.latest(g))
+        snap = self.optimizer.ssd_state(g, bufs, self.steps[g].clone())
         self._snap = (g, snap)
         return snap
 
-    def loadable(self, g: int) -> _Snapshot:
+    def loadable(self, g: int) -> Any:
         """Group ``g``'s state as copies to be written into (data parallel's checkpoint load:
         :meth:`shfx.runtime.data_parallel.DataParallelRuntime.state_pieces` with ``create``), its
         current values or zeros at step 0; :meth:`flush_loaded` then writes them to the SSD (its
@@ -312,12 +329,12 @@ class SSDWindow:
         snap = self._loading.get(g)
         if snap is None:
             cur = self.snapshot(g)
-            n = self._numel(g)
             if cur is None:
-                snap = _Snapshot(torch.zeros((), dtype=torch.float32), torch.zeros(n, dtype=self.dtype), torch.zeros(n, dtype=self.dtype))
+                bufs, steps = self._zeros(g), self.optimizer.ssd_steps(g)
             else:  # (copies: a snapshot's own, or cloned from the live views)
-                snap = _Snapshot(cur.step.clone(), cur.exp_avg.clone(), cur.exp_avg_sq.clone())
-            self._loading[g] = snap
+                bufs, steps = self.optimizer.ssd_buffers(cur)
+                bufs, steps = [t.clone() for t in bufs], steps.clone()
+            snap = self._loading[g] = self.optimizer.ssd_state(g, bufs, steps)
         return snap
 
     def flush_loaded(self) -> None:
@@ -327,52 +344,41 @@ class SSDWindow:
             with self._cond:
                 self._pending.pop(g, None)
                 version = self._current[g]
-            self._io("write", g, snap.exp_avg, snap.exp_avg_sq, version=version)
-            self.steps[g].copy_(snap.step)
+            bufs, steps = self.optimizer.ssd_buffers(snap)
+            self._io("write", g, bufs, version=version)
+            self.steps[g].copy_(steps)
         self._loading.clear()
         self._snap = None
 
     def load_group(self, g: int, entries: list) -> None:
         """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
-        (empty: fresh, zeros and step 0), written to the SSD through one group-sized buffer."""
+        (empty: fresh, zeros and step 0), written to the SSD through one group-sized buffer
+        (the runner's ``ssd_load`` fills it)."""
         if g in self.where:
             raise RuntimeError(f"group {g}'s optimizer state is in a host-window buffer (a step is running): load it between steps")
-        n = self._numel(g)
-        m, v = torch.zeros(n, dtype=self.dtype), torch.zeros(n, dtype=self.dtype)
-        step = 0.0
+        bufs, steps = self._zeros(g), self.optimizer.ssd_steps(g)
         if entries:
-            if any("max_exp_avg_sq" in e for _, e in entries):
-                raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
-            steps = {float(e["step"]) for _, e in entries}
-            if len(steps) != 1:
-                raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
-            step = steps.pop()
-            shard = self.store.shard_of(g) if getattr(self.store, "sharded", False) else None
-            copy_state_entries(entries, {"exp_avg": m, "exp_avg_sq": v}, shard=shard)
+            self.optimizer.ssd_load(g, self.optimizer.ssd_state(g, bufs, steps), entries)
         with self._cond:
             self._pending.pop(g, None)  # (between steps: nothing pending; a load replaces the state)
             version = self._current[g]
-        self._io("write", g, m, v, version=version)
-        self.steps[g].fill_(step)
+        self._io("write", g, bufs, version=version)
+        self.steps[g].copy_(steps)
         self._snap = None
 
     def _write_initial(self) -> None:
-        """Every extent starts as the group's state: zeros (fresh AdamW), or the state the
+        """Every extent starts as the group's state: zeros (fresh states), or the state the
         optimizer already holds in RAM (one loaded before the first call, as from
         ``cm.load_checkpoint``), which then leaves RAM."""
-        if not self.groups:
-            return
-        zeros = torch.zeros(self.numel, dtype=self.dtype)
         for g in sorted(self.groups):
-            n = self._numel(g)
             with self.optimizer._lock:
                 st = self.optimizer.state.pop(g, None)
-            if st is not None and st.max_exp_avg_sq is not None:
-                raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
-            m, v = (zeros[:n], zeros[:n]) if st is None else (st.exp_avg, st.exp_avg_sq)
-            self._io("write", g, m, v)
-            if st is not None:
-                self.steps[g].copy_(st.step)
+            if st is None:
+                bufs = self._zeros(g)
+            else:
+                bufs, steps = self.optimizer.ssd_buffers(st)  # (amsgrad: refused there)
+                self.steps[g].copy_(steps)
+            self._io("write", g, bufs)
 
     def close(self) -> None:
         """Stop the streams and delete the store's file (the SSD is scratch for one run)."""
