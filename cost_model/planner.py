@@ -582,9 +582,13 @@ def memory_model(
     if ranks > 1:
         host = _dp_host(fam, L, ranks, group32, group16 if working else None, rollback, host, host_groups)
     ssd: dict[str, int] = {}
-    tier = bool(nvme) and policy in ("stronghold", "zero-infinity") and host_trainable > 0
-    if nvme and policy not in ("stronghold", "zero-infinity"):
-        raise ValueError(f"the NVMe tier is a field of the 'stronghold' and 'zero-infinity' policies, not of {policy!r}")
+    host_updating = ("stronghold", "zero-offload", "zero-infinity")  # (resident and l2l update on the device)
+    tier = bool(nvme) and policy in host_updating and host_trainable > 0
+    if nvme and policy not in host_updating:
+        raise ValueError(
+            f"the NVMe tier is a field of the policies updating on the host ('stronghold', 'zero-offload', 'zero-infinity'), "
+            f"not of {policy!r}"
+        )
     if tier:
         # the NVMe tier as the programs place it (shfx.passes.ledger.host_terms): the host-updated
         # groups' AdamW m and v (and fp32 masters) on the SSD, H buffers of the largest on the host

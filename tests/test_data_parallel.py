@@ -434,7 +434,8 @@ def _against_ddp(
         # image + masters + (fp32 master shard if sharded, gradient, per-element states) per owned element + whole states
         expected=image + masters + (4 * (not replicated) + 4 + 4 * states.per_element) * shard + sum(states.group_bytes)
         + 4 * (not replicated) * dev_shard
-        - 4 * states.per_element * on_ssd + (win.host_bytes if win is not None else 0),
+        - 4 * states.per_element * on_ssd + (win.host_bytes if win is not None else 0)
+        - (sum(states.whole_bytes(g) for g in win.groups) if win is not None else 0),  # (Adafactor's, on the SSD)
         buffers=dp.buffer_bytes,
         ledger_buffers=sum(led.get(t, 0) for t in ("gradient staging (pinned)", "collective buffers")),
         image=image,
@@ -1119,6 +1120,10 @@ OPTIMIZER_CONFIGS = [
     dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="adafactor"),
     dict(name="mlp", window=2, optimizer="adafactor", overlap_update=False, max_grad_norm=0.05, skip_nonfinite=True,
          poison=(2, 0, "batch")),
+    # the NVMe tier (issue 25): SGD's momentum shard on each rank's SSD file (resumed from torch's
+    # state dict: the load written to the SSD), Adafactor's whole factored states
+    dict(name="mlp_frozen", window=2, optimizer="sgd", resume=True, offload=_nvme(1)),
+    dict(name="mlp", window=2, optimizer="adafactor", offload=_nvme(2)),
 ]  # fmt: skip
 
 # the same on the GPT in bf16, SGD with dampening, and Adafactor's clipping in step()

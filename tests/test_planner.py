@@ -499,7 +499,7 @@ def test_nvme_closed_form_is_the_ledger(template):
             specs, _ = repeat_blocks(graph.specs, None, range(1, 3), L)
             for pol in [shfx.Stronghold(window=w, resident_first=k, nvme=True, host_window=h) for w in (1, 2) for k in (0, 1) for h in (1, 2, 3)] + [
                 shfx.ZeroInfinity(nvme=True, host_window=h) for h in (1, 4)
-            ]:
+            ] + [shfx.ZeroOffload(nvme=True, host_window=h) for h in (1, 3)]:
                 want = memory_model(pol, fam.with_layers(L), EMU)
                 progs = build_programs(specs, pol, verify=False)
                 led = replay(progs[0], programs=progs)
