@@ -452,7 +452,9 @@ def memory_model(
         nvme_masters: the NVMe tier holds the fp32 masters too (default: the policy object's, else
             False); needs mixed precision (in fp32 the master is what a PREFETCH sends).
         grad_accum_steps: with more than one, gradients are added on the host through up to two
-            staging buffers (one otherwise, for the tied embedding's gradient from the tail).
+            staging buffers (one otherwise, for the tied embedding's gradient from the tail); in
+            mixed precision each group updated on the device sums its micro-steps in an fp32
+            accumulator on the device (4 B/param, device term ``gradients``).
         rollback: count the step journal's copies (``shfx.compile(rollback=...)``, the host term
             ``rollback copies``: per group its fp32 master, step counter and AdamW m and v, and
             for a group updated on the device its weights in the slot too). Default: what
@@ -516,6 +518,9 @@ def memory_model(
     # device AdamW: m and v (fp32) per group; in mixed precision its fp32 master too
     per_group = 3 if fam.mixed else 2
     states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
+    # mixed precision under accumulation: an fp32 gradient accumulator per device group (the
+    # micro-steps' 16-bit gradients widened and summed there, shfx.runtime.gradients)
+    accumulators = sum(group32[k] * c for k, c in lay.device_groups.items()) if fam.mixed and grad_accum_steps > 1 else 0
     A = b * s * h * elt  # one boundary activation [b, s, h]
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
     out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (a scalar, in fp32 as the GPT computes it) or the logits
@@ -536,7 +541,7 @@ def memory_model(
     pending_dev = V * h * elt if lay.device_groups["head"] else 0
     device = {
         "parameters (slots)": sum(slot_sizes),
-        "gradients": sum(grad_sizes),
+        "gradients": sum(grad_sizes) + accumulators,
         "optimizer states": states,
         "activations (checkpoints)": int(acts),
         "activation gradients": int(act_grads),

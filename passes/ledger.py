@@ -241,10 +241,11 @@ def pool_sizes(programs: Sequence[Program]) -> tuple[tuple[int, ...], tuple[int,
     return per_slot(Program.slot_sizes), per_slot(Program.grad_buffer_sizes)
 
 
-def static_device(programs: Sequence[Program], optimizer_states: int = 2) -> list[Change]:
+def static_device(programs: Sequence[Program], optimizer_states: int = 2, grad_accum_steps: int = 1) -> list[Change]:
     """The device memory of the setup for ``programs`` (a variant's train, eval and cold
     programs share one pool): slots, gradient buffers, optimizer states (in mixed precision the
-    fp32 master of each group updated on the device too, under the same term)."""
+    fp32 master of each group updated on the device too, under the same term; with
+    ``grad_accum_steps > 1`` its fp32 gradient accumulator as well, under ``gradients``)."""
     slots, grads = pool_sizes(programs)
     out = [Change("device", "parameters (slots)", f"slot {k}", b) for k, b in enumerate(slots)]
     out += [Change("device", "gradients", f"gradient buffer of slot {k}", b) for k, b in enumerate(grads)]
@@ -254,6 +255,8 @@ def static_device(programs: Sequence[Program], optimizer_states: int = 2) -> lis
             out += [Change("device", "optimizer states", f"optimizer state {i} of group {g}", owners[g].state_bytes) for i in range(optimizer_states)]
             # mixed precision: the fp32 master the device update steps (shfx.runtime.device_optim)
             out.append(Change("device", "optimizer states", f"master weights (fp32) of group {g}", owners[g].device_master_bytes))
+            if grad_accum_steps > 1:  # mixed precision: the micro-steps' 16-bit gradients summed in fp32 (runtime.gradients)
+                out.append(Change("device", "gradients", f"gradient accumulator (fp32) of group {g}", owners[g].device_master_bytes))
     return [c for c in out if c.nbytes]
 
 
@@ -721,7 +724,8 @@ def replay(
             trainable bytes).
         working_bytes: mixed precision: bytes of every group's 16-bit working copy on the host
             (the image a PREFETCH sends, beside the fp32 master).
-        grad_accum_steps: backward calls per step (gradient staging on the host).
+        grad_accum_steps: backward calls per step (gradient staging on the host; in mixed
+            precision an fp32 accumulator on the device per group updated there).
         rollback: the step journal keeps copies to undo a step (``shfx.compile(rollback=...)``);
             a program with the journal's copies as actions (``SN``, the rollback pass) keeps
             them whatever this says.
@@ -733,7 +737,7 @@ def replay(
     rp = _Replay(program)
     rollback = rollback or any(get_meta(n).kind == SN for n in program.nodes)
     pool = list(programs) if programs is not None else [program]
-    setup = static_device(pool, optimizer_states)
+    setup = static_device(pool, optimizer_states, grad_accum_steps)
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,

@@ -27,8 +27,9 @@ def capacity_bytes(backend: Backend) -> int | None:
 
 def check_deferrable(variant: Variant, grad_accum_steps: int, overlap_update: bool) -> None:
     """A group updated on the device while its stage is streamed must be updated during the
-    backward that has it resident: no gradient accumulation, no deferred updates. In 16-bit
-    precision no group updated on the device accumulates (its device gradient is 16-bit)."""
+    backward that has it resident: no gradient accumulation, no deferred updates. (In 16-bit
+    precision a group updated on the device accumulates its micro-steps in an fp32 accumulator
+    on the device: :meth:`shfx.runtime.gradients.GradientRouter.ensure_accumulators`.)"""
     train, graph = variant.train, variant.graph
     transient_du = [
         get_meta(n).stage
@@ -41,17 +42,6 @@ def check_deferrable(variant: Variant, grad_accum_steps: int, overlap_update: bo
             f"policy {train.name!r} updates groups {transient_du} on the device while their stage is resident "
             "during the backward, so it cannot defer updates: use grad_accum_steps=1 and overlap_update=True, "
             "or another policy"
-        )
-    mixed = sorted(g for g in variant.device_groups if graph.groups[g].dtypes.mixed)
-    if mixed and grad_accum_steps > 1:
-        # NOTE: the device gradient buffer is 16-bit; the eager recipe adds each micro-batch's
-        # p16.grad.float() into an fp32 master.grad: an fp32 accumulator on the device (4 B/param
-        # of every device group) is not built
-        raise UsageError(
-            f"policy {train.name!r} updates groups {mixed} on the device in 16-bit precision, and grad_accum_steps="
-            f"{grad_accum_steps} would sum their micro-batches' gradients in the 16-bit device buffer, where mixed "
-            "precision sums them in fp32 (master.grad += p16.grad.float()). Use grad_accum_steps=1 with this policy, "
-            "a policy updating on the host (Stronghold(resident_first=0), ZeroOffload, ZeroInfinity), or precision='fp32'"
         )
 
 

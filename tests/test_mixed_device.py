@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shfx
-from mixed_reference import cast_inputs, make_working_copy
+from mixed_reference import bits_of, cast_inputs, make_working_copy
 from zoo import ZOO, loss_of
 
 POLICIES = {
@@ -191,15 +191,118 @@ def test_bf16_clipping_with_device_updates_is_exact(policy):
     assert all(n > 0.05 for n in got["ref"]["norms"])  # (the clip bites)
 
 
-def test_gradient_accumulation_is_refused_in_16_bit_with_device_updates():
+def _accumulated(policy: str, precision: str, steps: int = 3, accum: int = 2, inf_at: int | None = None) -> dict:
+    """shfx with ``grad_accum_steps=accum`` as :func:`mixed_reference.train_mixed_eager` trains
+    (its seeds, data and loss; fp16 with ``init_scale=1024``); ``inf_at``: inf in the first
+    parameter's gradient at the last micro-step of that step (the eager side's ``inject_inf``)."""
+    from zoo import gpt, token_batch
+
     torch.manual_seed(0)
-    model = ZOO["gpt_tied"][0]()
-    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy="resident",
-                      precision="bf16", optimizer=shfx.optim.AdamW(lr=LR), grad_accum_steps=2)  # fmt: skip
-    args, kwargs, aux = ZOO["gpt_tied"][1](0, 0)
-    with pytest.raises(shfx.UsageError, match="sums them in fp32"):
-        cm(*args, **kwargs)
-    cm.close()
+    model = gpt(layers=2, tie_weights=True)
+    kw = {"scaler": shfx.LossScaler(init_scale=1024.0)} if precision == "fp16" else {}
+    cm = shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=POLICIES[policy](),
+        precision=precision, optimizer=shfx.optim.AdamW(lr=LR, weight_decay=WD), grad_accum_steps=accum, **kw,
+    )  # fmt: skip
+    out: dict = {"loss_bits": [], "skipped": [], "scales": [], "cm": cm}
+    for step in range(steps):
+        for micro in range(accum):
+            args, kwargs, aux = token_batch(step, micro)
+            torch.manual_seed(10_000 + 100 * step + micro)
+            loss = loss_of(cm(*args, **kwargs), aux) / accum
+            if inf_at == step and micro == accum - 1:
+                _poison_next_backward(cm)
+            loss.backward()
+            out["loss_bits"].append(bits_of(loss))
+            if step == 0 and micro == 0:  # the device peak and host bytes of the first micro-step: the ledger's
+                led = cm.variant.ledger(accum, rollback=cm.engine.journal.enabled)
+                out["ledger"] = (cm.backend.peak_bytes, led.peak(), led.static("device"))
+        cm.step()
+        out["skipped"].append(cm.last_step_skipped)
+        out["scales"].append(cm.scaler.scale if cm.scaler is not None else None)
+        cm.zero_grad()
+    cm.sync()
+    out["master"] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return out
+
+
+ACCUM = [("k1", "fp16")]  # (a tied embedding: its head's borrowed 16-bit contribution summed before the widening)
+ACCUM_GRID = [(p, q) for p in ("resident", "k1") for q in ("bf16", "fp16") if (p, q) not in ACCUM]
+
+
+@pytest.mark.parametrize("policy,precision", ACCUM + [pytest.param(*c, marks=pytest.mark.slow) for c in ACCUM_GRID])
+def test_gradient_accumulation_with_device_updates_sums_in_fp32(policy, precision):
+    """grad_accum_steps=2 with groups updated on the device in 16 bits: each micro-step's 16-bit
+    device gradient is widened into an fp32 accumulator on the device (copied at the first
+    micro-step, added at the next: the recipe's ``master.grad += p16.grad.float()``), which the
+    DU reads; losses and fp32 masters bitwise the eager recipe's. The accumulators are device
+    memory the ledger counts (term ``gradients``, 4 B/param of each device group): the emulated
+    device's peak is the ledger's, and the closed form's device terms are the ledger's too."""
+    from mixed_reference import train_mixed_eager
+    from zoo import gpt, token_batch
+
+    make = lambda: gpt(layers=2, tie_weights=True)  # noqa: E731
+    ref = train_mixed_eager(make, token_batch, precision, 3, grad_accum=2, lr=LR, weight_decay=WD,
+                            scaler_kwargs={"init_scale": 1024.0} if precision == "fp16" else None)  # fmt: skip
+    got = _accumulated(policy, precision)
+    cm = got["cm"]
+    try:
+        assert got["loss_bits"] == ref["loss_bits"]
+        assert got["skipped"] == ref["skipped"] and got["scales"] == ref["scales"]
+        for k, v in ref["master"].items():
+            assert torch.equal(got["master"][k], v), k
+        peak, led_peak, static = got["ledger"]
+        assert peak == led_peak
+        dev = [grp for grp in cm.variant.graph.groups if grp.index in cm.variant.device_groups and grp.trainable_bytes]
+        assert sorted(cm.engine.gradients.acc32) == [grp.index for grp in dev]
+        assert static["gradients"] == sum(cm.variant.grad_buffer_sizes) + sum(grp.master_bytes for grp in dev)
+    finally:
+        cm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["resident", "k1"])
+def test_fp16_overflow_under_accumulation_with_device_updates(policy):
+    """An inf in the last micro-step's gradient (the accumulator holds it): the step is skipped on
+    every side, rolled back, the scale backed off once, as GradScaler does."""
+    from mixed_reference import train_mixed_eager
+    from zoo import gpt, token_batch
+
+    make = lambda: gpt(layers=2, tie_weights=True)  # noqa: E731
+    first = next(n for n, _ in make().named_parameters())
+    ref = train_mixed_eager(make, token_batch, "fp16", 3, grad_accum=2, lr=LR, weight_decay=WD,
+                            scaler_kwargs={"init_scale": 1024.0}, inject_inf={1: first})  # fmt: skip
+    got = _accumulated(policy, "fp16", inf_at=1)
+    try:
+        assert got["loss_bits"] == ref["loss_bits"]
+        assert got["skipped"] == ref["skipped"] == [False, True, False]
+        assert got["scales"] == ref["scales"]
+        for k, v in ref["master"].items():
+            assert torch.equal(got["master"][k], v), k
+    finally:
+        got["cm"].close()
+
+
+def test_the_closed_form_counts_the_fp32_accumulators():
+    """The GPT closed form under accumulation in 16 bits (the device groups' fp32 accumulators
+    among the device gradients) is the ledger of the real capture."""
+    from dataclasses import replace
+
+    from shfx.cost_model.planner import Target, memory_for_model, memory_model
+    from shfx.models import GPT, GPTShape
+
+    emu = Target("emulated", 1 << 40, emulated=True)
+    fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=3)
+    with torch.device("meta"):
+        model = GPT(fam)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    for policy, kw in (("resident", {}), ("stronghold", {"window": 2, "resident_first": 1})):
+        one = memory_model(policy, replace(fam, precision="bf16"), emu, **kw)
+        want = memory_model(policy, replace(fam, precision="bf16"), emu, grad_accum_steps=2, **kw)
+        got = memory_for_model(policy, model, (idx, idx), emu, precision="bf16", grad_accum_steps=2, **kw)
+        assert (got.device, got.host) == (want.device, want.host), policy
+        masters = want.device["optimizer states"] // 3  # (fp32 master, m, v: one accumulator's bytes)
+        assert want.device["gradients"] == one.device["gradients"] + masters > one.device["gradients"]
 
 
 @pytest.mark.slow

@@ -34,9 +34,14 @@ if TYPE_CHECKING:
     from .context import StepContext
     from .protocols import GradientEngine
 
-__all__ = ["GradientRouter", "Accumulation"]
+__all__ = ["GradientRouter", "Accumulation", "accumulator_label"]
 
 GRAD_BUFFERS = "gradients"  # the memory-ledger term of the device gradient buffers
+
+
+def accumulator_label(g: int) -> str:
+    """The allocation name of group ``g``'s fp32 gradient accumulator on the device."""
+    return f"gradient accumulator (fp32) of group {g}"
 
 
 class Accumulation:
@@ -62,6 +67,9 @@ class GradientRouter:
         self.backend = engine.backend
         self.buffers: list[torch.Tensor | None] = []  # per slot, for backwards that keep params
         self.device_state: dict[int, int] = {}  # group -> GRAD_NONE/GRAD_VALID of its device gradient
+        # mixed precision under grad_accum_steps > 1: group -> the fp32 sum of its micro-steps'
+        # 16-bit device gradients (the recipe's master.grad += p16.grad.float()), on the device
+        self.acc32: dict[int, torch.Tensor] = {}
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] = {}  # parameter -> its slice of the host gradient buffer
         # after an overlapped backward: (parameter, its .grad, that .grad's version) as exposed
@@ -86,11 +94,23 @@ class GradientRouter:
             raise AssertionError(f"slot {slot} has no gradient buffer")
         return buf
 
+    def ensure_accumulators(self, groups: Sequence[Any]) -> None:
+        """Mixed precision with ``grad_accum_steps > 1``: an fp32 accumulator on the device for
+        each of ``groups`` (updated on the device, 16-bit gradients), laid out like its master
+        (``master_bytes``, ledger term ``gradients``); allocated once, as the steady state."""
+        for grp in groups:
+            if grp.dtypes.mixed and grp.trainable_bytes and grp.index not in self.acc32:
+                buf = self.backend.alloc_device(grp.master_bytes, accumulator_label(grp.index), GRAD_BUFFERS)
+                self.acc32[grp.index] = buf.view(grp.dtypes.master)
+
     def close(self) -> None:
         for k, buf in enumerate(self.buffers):
             if buf is not None:
                 self.backend.free_device(buf, f"gradient buffer of slot {k}", GRAD_BUFFERS)
         self.buffers = []
+        for g, acc in self.acc32.items():
+            self.backend.free_device(acc.view(torch.uint8), accumulator_label(g), GRAD_BUFFERS)
+        self.acc32 = {}
 
     # ---- after a backward -------------------------------------------------------------------------
     def write(
@@ -103,13 +123,20 @@ class GradientRouter:
         parameters stay: the stage is persistent or updated on the device). Gradients of groups
         updated on the device accumulate there across backward calls; a borrowed parameter whose
         owner is updated on the device waits in the context (``keep_pending``) and is added to
-        the owner's contribution first (``G += own + borrowed``, as on the host)."""
+        the owner's contribution first (``G += own + borrowed``, as on the host).
+
+        Mixed precision under accumulation (the group has an fp32 accumulator, ``acc32``): the
+        16-bit buffer holds each micro-step's gradient alone (the recipe's ``p16.grad``, its
+        borrowed contributions summed in 16 bits as autograd sums them), widened exactly into
+        the accumulator after the owner's backward: copied at the first micro-step, added at
+        the next ones (``master.grad += p16.grad.float()``)."""
         v = ctx.variant
         dev = v.device_groups
         owner = v.graph.owner
         own_group = stage.spec.update_group
         ctx.grad_src[stage.index] = grads_to
         first = self.device_state.get(own_group, GRAD_NONE) == GRAD_NONE
+        acc32 = self.acc32.get(own_group) if own_group in dev and grads_to == "buffer" else None
         gbuf = self.buffer(slot) if grads_to == "buffer" else None
         with torch.no_grad():
             for key, gr in zip(keys, grads):
@@ -131,15 +158,38 @@ class GradientRouter:
                     info = v.graph.tensors[key]
                     off = stage.slot.offsets[key]
                     dst = gbuf[off : off + info.nbytes].view(info.dtype).view(info.shape)
-                if grp in dev and not first:
+                if grp in dev and not first and acc32 is None:
                     if gr is not None:
                         dst.add_(gr)
                 elif gr is None:
                     dst.zero_()
                 else:
                     dst.copy_(gr)
+            if acc32 is not None:
+                self._accumulate32(stage, gbuf, own_group, acc32, first)
         if own_group in dev:
             self.device_state[own_group] = GRAD_VALID
+
+    def _accumulate32(self, stage: Stage, gbuf: torch.Tensor, g: int, acc: torch.Tensor, first: bool) -> None:
+        """Group ``g``'s micro-step gradient (16-bit, in ``gbuf``) widened into its fp32
+        accumulator, part by part (a BatchNorm part is fp32 already): ``acc = g16.float()`` at
+        the first micro-step, ``acc += g16`` after (the 16-bit value widens exactly, then one fp32
+        addition: the recipe's ``master.grad += p16.grad.float()``)."""
+        grp = self.store.groups[g]
+        key = grp.infos[0].key
+        base = stage.slot.offsets[key] - grp.offsets[key]
+        for p in grp.parts:
+            src = gbuf[base + p.offset : base + p.offset + p.nbytes].view(p.dtype)
+            dst = acc[p.elem : p.elem + p.numel]
+            if first:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+
+    def device_grad32(self, g: int) -> torch.Tensor | None:
+        """Group ``g``'s accumulated fp32 gradient (mixed precision under accumulation), or
+        None: its device gradient is the 16-bit buffer's."""
+        return self.acc32.get(g)
 
     def device_grads(self, slot: int, base: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A group's gradient in slot ``slot``'s gradient buffer (a device update reads it)."""

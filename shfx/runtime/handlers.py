@@ -273,11 +273,16 @@ class ActionHandlers:
 
     def device_grad32(self, variant: Variant, g: int, slot: int, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Device group ``g``'s gradient in slot ``slot``'s gradient buffer (its owner's), in
-        fp32: mixed precision widens it (a new tensor, divided by ``scale`` when given); in
-        fp32 it is the buffer's view itself."""
+        fp32: mixed precision widens it (a new tensor, divided by ``scale`` when given), or
+        under accumulation copies its fp32 accumulator (the micro-steps' widened sum); in fp32
+        it is the buffer's view itself."""
         eng = self.engine
         _, base = self.group_base(variant, g)
         grp = eng.store.groups[g]
+        acc = eng.gradients.device_grad32(g)
+        if acc is not None:
+            out = acc.clone()
+            return out.div_(scale.to(out.device)) if scale is not None else out
         if grp.dtypes.mixed:
             return widen(grp, eng.gradients.device_grads(slot, base, grp.trainable_bytes, torch.uint8), scale)
         return eng.gradients.device_grads(slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
@@ -301,9 +306,8 @@ class ActionHandlers:
         v = eng.current
         for gi in self.clip_groups():
             if v is not None and gi in v.device_groups:
-                owner, base = self.group_base(v, gi)
-                grp = eng.store.groups[gi]
-                grad = eng.gradients.device_grads(v.train.persistent.index(owner), base, grp.trainable_bytes, grp.dtypes.device_grad)
+                owner, _ = self.group_base(v, gi)
+                grad = self.device_grad32(v, gi, v.train.persistent.index(owner))
             else:
                 grad = eng.store.grad(gi)
             try:
@@ -437,7 +441,7 @@ class ActionHandlers:
                 # fp32; AdamW on the device's fp32 master; then p16.copy_(master) (DeviceAdamW)
                 params = eng.pool.region(slot, base, n)
                 grads = eng.gradients.device_grads(slot, base, n, torch.uint8)
-                wide = widen(grp, grads)
+                wide = self.device_grad32(variant, group, slot)  # (accumulating: the fp32 sum's copy)
                 checked = wide
             else:
                 params = eng.pool.region(slot, base, n).view(grp.dtypes.working)
