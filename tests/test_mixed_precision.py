@@ -254,6 +254,34 @@ def test_fp16_overflow_in_a_late_stage_is_skipped_and_training_goes_on_as_eager(
     cm.close()
 
 
+def test_fp16_overflow_with_zero_offload_skips_as_eager():
+    """ZeRO-Offload keeps every stage persistent and refreshes it after its update, in the
+    backward: an overflow in stage 0 fails its update, and with it the refresh waiting for that
+    update, which is not the backward's failure (it failed the backward, issue 25): step()
+    skips the step, the scale backs off, and training equals the eager recipe's."""
+    make, batch = ZOO["gpt_tied"]
+    torch.manual_seed(0)
+    model = make()
+    cm = _compile(model, "fp16", policy="zero-offload", scaler=shfx.LossScaler(init_scale=1024.0))
+    counter, losses = [0], []
+    for step in range(3):
+        args, _, _ = batch(step)
+        torch.manual_seed(10_000 + 100 * step)
+        loss = cm(*args)
+        if step == 0:
+            first = _poison_stage0(cm, {1}, counter)[0]
+        loss.backward()
+        cm.step()
+        losses.append(loss.item())
+        assert cm.last_step_skipped == (step == 1)
+        cm.zero_grad()
+    ref = train_mixed_eager(make, batch, "fp16", 3, scaler_kwargs={"init_scale": 1024.0}, inject_inf={1: first})
+    assert ref["skipped"] == [False, True, False] and losses == ref["losses"]
+    for k, v in ref["master"].items():
+        assert torch.equal(dict(model.named_parameters())[k], v), k
+    cm.close()
+
+
 @pytest.mark.parametrize("rollback,overlap", [(True, True), (None, False)], ids=["rollback", "no-overlap"])
 def test_bf16_nonfinite_gradient_names_the_stage_and_changes_nothing(rollback, overlap):
     torch.manual_seed(0)

@@ -270,7 +270,7 @@ class Engine:
             tok.label = str(meta.action)
             ctx.env[node] = tok
             issued.append((node, tok))
-            if KINDS[meta.kind].update:
+            if _after_update(meta):
                 self.pending_updates.append((str(meta.action), tok))
             if serial:
                 tok.wait()
@@ -571,7 +571,7 @@ class Engine:
                                 gr = (gr.to(torch.float32) * scale).to(gr.dtype)
                             ctx.add_grad(v, gr)
                 self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
-                compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
+                compute = [(n, t) for n, t in issued if not _after_update(get_meta(n))]
                 for _, tok in compute:
                     _settle(tok)
             failure = self.failures.failure(program, compute)
@@ -674,3 +674,10 @@ class Engine:
         b = self.backend
         cap = "unlimited" if b.capacity_bytes is None else format_bytes(b.capacity_bytes)
         return f"device memory: {format_bytes(b.used_bytes)} in use, peak {format_bytes(b.peak_bytes)}, capacity {cap}"
+
+
+def _after_update(m: ActionMeta) -> bool:
+    """An update, or the refresh of a persistent stage's weights after one (ZeRO-Offload's
+    ``PF`` in the backward): ``step()`` waits for them and judges their failures (a skipped
+    non-finite update fails its refresh too: not the backward's error, issue 25)."""
+    return KINDS[m.kind].update or (m.kind.value == "PF" and bool(m.refresh))
