@@ -466,7 +466,8 @@ def memory_model(
             master, gradient and AdamW m and v of each group sharded to rank 0's ``min(T, chunk)``, ``chunk = ceil(T / N)`` rounded up to 16
             elements, the image whole, the staging buffers and the collectives' buffers at the
             largest group's padded length. Policies that update groups on the device
-            (``resident``, ``l2l``, stronghold's first k) and the NVMe tier are refused.
+            (``resident``, ``l2l``, stronghold's first k) replicate those groups (their device
+            terms whole on every rank; in 16 bits the fp32 master shard on the host).
 
     >>> m = memory_model("resident", GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304, layers=30), "V100-32GB-PCIe3")
     >>> round(m.device["optimizer states"] / m.family.num_params(), 2)   # AdamW m and v, fp32
@@ -499,15 +500,6 @@ def memory_model(
     own16 = _stage_bytes(fam, elt)
     group16 = {"head": own16["head"], "block": own16["block"], "tail": own16["tail_own"]}  # the working copy
     lay = _layout(policy, L, window, resident_first)
-    if ranks > 1 and fam.mixed and (policy in ("resident", "l2l") or any(lay.device_groups.values())):
-        # (the runtime refuses it too: shfx.config's _check_data_parallel)
-        raise ValueError(
-            f"data parallel ({ranks} ranks) in mixed precision with policy {policy!r}"
-            + (f" with resident_first={resident_first}" if resident_first else "")
-            + " (groups updated on the device) is not run: their fp32 masters on the device are read from the whole host "
-            "master, which data parallel shards; plan it in fp32, or with a policy updating every group on the host"
-        )
-
     # ---- device
     slot_sizes: tuple[int, ...] = ()
     grad_sizes: tuple[int, ...] = ()
@@ -687,7 +679,10 @@ def _dp_host(
         DP_COLLECTIVE: (padded * elt + 2 * max((chunk[k] for k, c in hosted.items() if c), default=0) * elt if padded else 0)
         + largest_dev // 4 * elt,
         "pending tied gradient": host["pending tied gradient"],
-        "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in hosted.items()) if rollback else 0,
+        # (16 bits: a device group's journal copies its whole device master, m, v, step and 16-bit slot weights)
+        "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in hosted.items())
+        + (sum((3 * group32[k] + _STEP_BYTES + group16[k]) * c for k, c in dev.items()) if group16 is not None else 0)
+        if rollback else 0,
     }
 
 

@@ -385,8 +385,9 @@ def host_terms(
 
     A group updated on the device (``device_groups``) is replicated (:func:`_dp_host_terms`):
     on the host its image whole and (sharded optimizer) its master shard, no gradient or state
-    terms, and the all-reduce's host scratch of its gradient (``collective buffers``, a GPU's).
-    In 16 bits such groups are refused (``ValueError``)."""
+    terms, and the all-reduce's host scratch of its gradient (``collective buffers``, a GPU's);
+    in 16 bits its image is the working copy, and with rollback the journal's copies of its
+    device master, states and 16-bit slot weights are whole."""
     if optimizer is not None:
         optimizer_states = optimizer.per_element
     if ranks > 1:
@@ -491,11 +492,6 @@ def _dp_host_terms(
     size on a GPU (``collective buffers``; on the emulated device in place)."""
     owners = {s.update_group: s for s in stages if s.update_group is not None}
     dev = set(device_groups) & set(owners)
-    if dev and any(working_bytes or ()):
-        raise ValueError(
-            f"data parallel ({ranks} ranks) in 16 bits with groups {sorted(dev)} updated on the device: not run (their "
-            "fp32 masters on the device are read from the whole host master, which data parallel shards)"
-        )
     mixed = any(working_bytes or ())
     elt = 2 if mixed else 4  # the device dtype of the local gradient and the working copy
     # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
@@ -511,10 +507,20 @@ def _dp_host_terms(
     for g, o in sorted(owners.items()):
         numel = o.update_bytes // 4
         if g in dev:
-            own = 0 if replicated else shard_numel(numel, ranks, rank)  # (replicated: the image is the master)
+            # (replicated: the master whole, in fp32 the image itself)
+            own = (numel if mixed else 0) if replicated else shard_numel(numel, ranks, rank)
             device_scratch = max(device_scratch, numel)
-            out.append(Change("host", "master parameters (fp32)", f"master shard of group {g} (updated on the device)", 4 * own))
-            out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
+            # (16 bits: the image is the working copy, counted below; the fp32 master shard is
+            # what the device master is all-gathered from, and what a sync writes back)
+            rest = whole[at[g]] - o.update_bytes if mixed else 0
+            out.append(Change("host", "master parameters (fp32)", f"master shard of group {g} (updated on the device)", 4 * own + rest))
+            if not mixed:
+                out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
+            if rollback and numel and mixed:
+                # the journal's copies, as in one process: the device master, step, m and v (whole)
+                # and the 16-bit weights in the slot
+                n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes + o.grad_bytes_to({g})
+                out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
             continue
         chunk = numel if replicated else shard_chunk(numel, ranks)
         own = numel if replicated else shard_numel(numel, ranks, rank)

@@ -460,20 +460,8 @@ def _check_data_parallel(
         )
     # (ZeroOffload(delayed_update=True) runs: its RS in the backward, U and AG in the delayed phase;
     # a policy updating groups on the device runs them replicated: RS all-reduces the device gradient)
-    try:  # a probe: does the policy update some groups on the device (DU)?
-        from shfx.passes.stages import chain
-
-        probe = pol.program(chain(int(getattr(pol, "resident_first", 0) or 0) + 4))
-        dev = sorted(probe.device_groups())
-    except Exception:  # noqa: BLE001 - a user's function policy: checked when its program is built
-        dev = []
-    if dev and precision != "fp32":
-        raise refuse(
-            f"{pol!r} with precision={precision!r} yet: a group updated on the device in 16 bits keeps its fp32 master on "
-            "the device, read from the host's whole fp32 master, and data parallel holds only a shard of it on each rank",
-            "use precision='fp32' with this policy, or a policy that updates every group on the host "
-            "(Stronghold(resident_first=0), ZeroOffload(), ZeroInfinity())",
-        )
+    # (in 16 bits a device group's fp32 master on the device is all-gathered once from the ranks'
+    # master shards, DeviceAdamW.gather_masters; with grad_accum_steps > 1 refused at the first call)
 
 
 def _check_nvme_supported(c: Config) -> None:

@@ -1011,6 +1011,14 @@ DEVICE_CONFIGS = [
     # ZeRO-Offload's delayed update: RS in the backward, U and AG in the delayed phase (vs DDP with
     # the one-step-delayed update)
     dict(name="mlp", window=None, policy=shfx.ZeroOffload(delayed_update=True), steps=4),
+    # in 16 bits: each device group's fp32 master on the device all-gathered from the ranks' master
+    # shards at the first call, its RS all-reduces the 16-bit device gradient (DDP on the 16-bit
+    # copy); cm.sync() writes each rank's shard of the device master into its host master shard
+    dict(name="gpt_tied", window=None, policy=shfx.Resident(), precision="bf16"),
+    # fp16 with one device group beside sharded host ones: rank 0's inf batch makes the all-reduced
+    # device gradient and the host shards overflow; both ranks undo, skip and back the scale off
+    dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1), precision="fp16",
+         scaler=dict(init_scale=1024.0), poison=(1, 0, "batch")),
 ]  # fmt: skip
 
 DEVICE_CONFIGS_SLOW = [
@@ -1049,8 +1057,12 @@ def test_two_ranks_with_device_updates_and_the_delayed_update_match_ddp_bitwise(
     device group (its norms counted once: rank 0's). ``ZeroOffload(delayed_update=True)``: the
     ``RS`` in the backward, each ``U g`` and its ``AG g`` in the delayed phase, against DDP with
     the one-step-delayed update (step i's reduced gradients applied after step i+1's backward).
-    Host bytes per rank equal the ledger's (a device group holds its image and master shard on
-    the host)."""
+    In 16 bits (``Resident`` bf16, ``resident_first=1`` fp16 with an overflowing batch): the
+    device masters start from the whole fp32 master all-gathered from the shards, the 16-bit
+    device gradient is all-reduced as DDP's on the 16-bit copy, the fp16 skip is agreed, and
+    each rank's host master shard (``dp.master_pieces()``) is the eager master's range after
+    ``cm.sync()``. Host bytes per rank equal the ledger's (a device group holds its image and
+    master shard on the host; fp16: the journal's whole copies of its device master and states)."""
     _check_device(agreed_results, DEVICE_CONFIGS)
 
 

@@ -193,7 +193,7 @@ def test_host_terms_per_rank_by_hand(ranks):
 def test_host_terms_of_device_groups_per_rank():
     """A group updated on the device (resident_first=1) is replicated: on the host its image and
     the master shard the store lays out, no gradient or state; the all-reduce's host scratch of
-    its gradient (a GPU's) among the collective buffers. In 16 bits: refused."""
+    its gradient (a GPU's) among the collective buffers."""
     from shfx.passes.ledger import host_terms
 
     p = data_parallel_program(Stronghold(window=2, resident_first=1).program(chain(3, prefetch_bytes=1000)), 2)
@@ -204,8 +204,10 @@ def test_host_terms_of_device_groups_per_rank():
         "optimizer states (m, v)": 2 * 2 * 4 * n, "gradient staging (pinned)": STAGING_BUFFERS * 2 * n * 4,
         DP_COLLECTIVE: 2 * n * 4 + 2 * n * 4 + 250 * 4,
     }  # fmt: skip
-    with pytest.raises(ValueError, match=r"16 bits with groups \[0\] updated on the device"):
-        host_terms(chain(2), {0}, ranks=2, working_bytes=[100, 100])
+    # in 16 bits: the working copy is the image, the master shard is the store's (the device master
+    # is all-gathered from the shards), no refusal
+    terms = host_terms(chain(2), {0}, ranks=2, working_bytes=[100, 100])
+    assert not any(c.term == DP_IMAGE for c in terms)
 
 
 # ---- links and the ring formula --------------------------------------------------------------------
@@ -387,6 +389,12 @@ def test_closed_form_is_the_captured_models_ledger_in_16_bit(precision):
         got = memory_for_model("stronghold", model, (idx, idx), EMU, precision=precision, ranks=ranks)
         assert got.host == want.host, (precision, ranks)
         assert got.host["working copy (16-bit)"] > 0 and got.host[DP_IMAGE] == 0
+    # groups updated on the device in 16 bits (replicated: the device masters all-gathered from the
+    # fp32 master shards; fp16: the journal's whole copies of them), per rank
+    for policy, kw in (("resident", {}), ("stronghold", {"window": 2, "resident_first": 1})):
+        want = memory_model(policy, fam, EMU, ranks=2, **kw)
+        got = memory_for_model(policy, model, (idx, idx), EMU, precision=precision, ranks=2, **kw)
+        assert (got.host, got.device) == (want.host, want.device), (precision, policy)
 
 
 def test_host_bytes_per_parameter_fall_as_16_over_n():
@@ -406,14 +414,15 @@ def test_host_bytes_per_parameter_fall_as_16_over_n():
 def test_data_parallel_with_device_updates():
     """resident, l2l and resident_first=k per rank: the device terms those of one process (the
     device states whole on every rank), on the host the image whole and a master shard for
-    every group; refused in mixed precision (as the runtime refuses it)."""
+    every group; in mixed precision too."""
     fam = REF.with_layers(4)
     for policy, kw in (("resident", {}), ("l2l", {}), ("stronghold", {"resident_first": 2})):
         one, bd = memory_model(policy, fam, V100, **kw), memory_model(policy, fam, V100, ranks=4, **kw)
         assert bd.device == one.device, policy
         assert bd.host[DP_IMAGE] == one.host["master parameters (fp32)"], policy
-    with pytest.raises(ValueError, match="mixed precision with policy 'resident'"):
-        memory_model("resident", GPTShape(hidden=64, heads=2, seq=16, batch=2, vocab=64, layers=2, precision="bf16"), V100, ranks=2)
+    # in 16 bits too (the device masters all-gathered from the shards): the device terms one process's
+    fam16 = GPTShape(hidden=64, heads=2, seq=16, batch=2, vocab=64, layers=2, precision="bf16")
+    assert memory_model("resident", fam16, V100, ranks=2).device == memory_model("resident", fam16, V100).device
     with pytest.raises(ValueError, match="disagrees with the target's 8 ranks"):
         memory_model("stronghold", REF.with_layers(4), with_data_parallel(V100, 8), ranks=4)
 

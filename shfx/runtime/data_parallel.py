@@ -279,6 +279,23 @@ class DataParallelRuntime:
         self._run(f"the weights' all-gather {label}", lambda: self._all_gather(out, send, group=self.gather_group))
         image.copy_(out[:t])
 
+    def whole_master(self, g: int) -> torch.Tensor:
+        """Group ``g``'s whole fp32 master (its trainable region), all-gathered from every rank's
+        master shard (mixed precision, a group updated on the device: its device master starts
+        from it). Collective, on the control group, from the user's thread at a point every rank
+        reaches alike (the setup of a training call); the result is a new host tensor."""
+        store = self.store
+        grp = store.groups[g]
+        chunk, t = self.chunk(grp), grp.trainable_numel
+        lo, hi = store.shard_of(g)
+        send = torch.zeros(chunk, dtype=grp.dtypes.master)
+        send[: hi - lo] = store.master(g)
+        out = torch.empty(self.ranks * chunk, dtype=grp.dtypes.master)
+        self._count("gather", out)
+        self._run(f"the fp32 master's all-gather of group {g} (updated on the device)",
+                  lambda: self._all_gather(out, send, group=self.control_group))  # fmt: skip
+        return out[:t]
+
     def restore_images(self, groups: Sequence[int]) -> None:
         """An undone step (rollback, agreed by every rank): the image of each of ``groups``
         (whose ``AG`` ran this step, writing every rank's updated shard into it) rebuilt from

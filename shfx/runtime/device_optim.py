@@ -156,8 +156,26 @@ class DeviceAdamW:
         if g not in self.stale:
             return
         st = self.state[g]
+        if self.store.sharded:  # (data parallel: the host holds a shard; gather_masters reads the whole)
+            raise RuntimeError(f"group {g}'s device master was not gathered from the ranks' master shards before its update")
         self.backend.h2d_copy(st.master, self.store.master(g))
         self.stale.discard(g)
+
+    def gather_masters(self, dp: Any) -> None:
+        """Data parallel (the host's fp32 masters sharded): the device masters older than the
+        host's read from the whole master, all-gathered from every rank's shard (collective:
+        every rank calls it at the same point; nothing to do once they are current)."""
+        if not self.store.sharded:
+            return
+        for g in sorted(g for g in self.stale if self.state[g].master is not None):
+            self.backend.h2d_copy(self.state[g].master, dp.whole_master(g))
+            self.stale.discard(g)
+
+    def _write_host_master(self, g: int, master: torch.Tensor) -> None:
+        """The device master ``master`` of group ``g`` into the host's (data parallel: the range
+        of this rank's shard of it)."""
+        lo, hi = self.store.shard_of(g)
+        self.backend.d2h_copy(self.store.master(g), master[lo:hi] if self.store.sharded else master)
 
     def invalidate_masters(self) -> None:
         """The host masters changed (a load, ``p.data = t``): the device masters are read from
@@ -169,7 +187,7 @@ class DeviceAdamW:
         """Write the device masters newer than the host's into the host masters (the model's
         parameters); called from a ``d2h`` task or with the device idle."""
         for g in sorted(self.dirty):
-            self.backend.d2h_copy(self.store.master(g), self.state[g].master)
+            self._write_host_master(g, self.state[g].master)
         self.dirty.clear()
 
     def master_of(self, g: int) -> torch.Tensor | None:

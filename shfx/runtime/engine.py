@@ -463,6 +463,9 @@ class Engine:
                 self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)], self.optimizer)
             if self.grad_accum_steps > 1:  # mixed precision: the device groups' fp32 gradient accumulators
                 self.gradients.ensure_accumulators([self.store.groups[g] for g in sorted(variant.device_groups)])
+            if self.dp is not None and grad and self.device_optimizer is not None:
+                # data parallel in mixed precision: device masters from the ranks' fp32 master shards
+                self.device_optimizer.gather_masters(self.dp)
             self.residency.ensure_persistent(variant)
         if not serial:
             self.current = variant
