@@ -241,18 +241,27 @@ def pool_sizes(programs: Sequence[Program]) -> tuple[tuple[int, ...], tuple[int,
     return per_slot(Program.slot_sizes), per_slot(Program.grad_buffer_sizes)
 
 
-def static_device(programs: Sequence[Program], optimizer_states: int = 2, grad_accum_steps: int = 1) -> list[Change]:
+def static_device(
+    programs: Sequence[Program], optimizer_states: int = 2, grad_accum_steps: int = 1, optimizer: HostOptimizerStates | None = None
+) -> list[Change]:
     """The device memory of the setup for ``programs`` (a variant's train, eval and cold
     programs share one pool): slots, gradient buffers, optimizer states (in mixed precision the
     fp32 master of each group updated on the device too, under the same term; with
-    ``grad_accum_steps > 1`` its fp32 gradient accumulator as well, under ``gradients``)."""
+    ``grad_accum_steps > 1`` its fp32 gradient accumulator as well, under ``gradients``).
+    ``optimizer``: the optimizer's states (:class:`HostOptimizerStates`; default AdamW's
+    ``optimizer_states`` per element): the device runner of a group keeps what its host runner
+    would (SGD's momentum buffer, Adafactor's factored second moments)."""
     slots, grads = pool_sizes(programs)
     out = [Change("device", "parameters (slots)", f"slot {k}", b) for k, b in enumerate(slots)]
     out += [Change("device", "gradients", f"gradient buffer of slot {k}", b) for k, b in enumerate(grads)]
     owners = {s.update_group: s for s in programs[0].stages if s.update_group is not None}
+    if optimizer is not None:  # the device runner keeps the host runner's states (shfx.runtime.device_optim)
+        optimizer_states = optimizer.per_element
     for g in sorted(set().union(*(p.device_groups() for p in programs))):
         if g in owners:
             out += [Change("device", "optimizer states", f"optimizer state {i} of group {g}", owners[g].state_bytes) for i in range(optimizer_states)]
+            if optimizer is not None:  # Adafactor's factored second moments, one flat device buffer
+                out.append(Change("device", "optimizer states", f"factored states of group {g}", optimizer.whole_bytes(g)))
             # mixed precision: the fp32 master the device update steps (shfx.runtime.device_optim)
             out.append(Change("device", "optimizer states", f"master weights (fp32) of group {g}", owners[g].device_master_bytes))
             if grad_accum_steps > 1:  # mixed precision: the micro-steps' 16-bit gradients summed in fp32 (runtime.gradients)
@@ -457,7 +466,7 @@ def host_terms(
                 out.append(Change("ssd", "optimizer states (m, v)", f"previous version of the optimizer states of group {g}",
                                   _states_of(o, optimizer_states, optimizer)))  # fmt: skip
                 continue
-            n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes
+            n = o.update_bytes + _step_bytes(g, optimizer) + optimizer_states * o.state_bytes  # (Adafactor: a step per parameter)
             if optimizer is not None:
                 n += optimizer.whole_bytes(g)
             if g in device_groups:
@@ -743,7 +752,7 @@ def replay(
     rp = _Replay(program)
     rollback = rollback or any(get_meta(n).kind == SN for n in program.nodes)
     pool = list(programs) if programs is not None else [program]
-    setup = static_device(pool, optimizer_states, grad_accum_steps)
+    setup = static_device(pool, optimizer_states, grad_accum_steps, optimizer)
     setup += host_terms(
         program.stages, set().union(*(p.device_groups() for p in pool)), group_bytes=group_bytes,
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,

@@ -8,12 +8,14 @@ then hold the model's own parameters) and, at the first call, to the host store:
 on the store's flat per-stage buffers, one fused call per (stage, parameter group), each starting
 as soon as that stage's gradients are on the host.
 
-- :class:`AdamW`: ``torch.optim.AdamW(fused=True)``'s kernel, bitwise equal to it; also on the
-  device for policies that keep stages resident.
+- :class:`AdamW`: ``torch.optim.AdamW(fused=True)``'s kernel, bitwise equal to it.
 - :class:`SGD`: ``torch.optim.SGD(fused=True)``'s kernel (momentum, dampening, nesterov, weight
-  decay), bitwise equal to it; host only.
+  decay), bitwise equal to it.
 - :class:`Adafactor`: ``torch.optim.Adafactor(foreach=True)``'s functional update over views of
-  the flat buffers, bitwise equal to it; host only.
+  the flat buffers, bitwise equal to it.
+
+Each also runs on the device (:mod:`shfx.runtime.device_optim`) for the groups a policy updates
+there (``Resident``, ``L2L``, ``Stronghold(resident_first=k)``), its states in device memory.
 
 Parameter groups the torch way (lists of dicts whose ``"params"`` are the model's parameters or
 their names) or by a function of the name::
@@ -509,7 +511,8 @@ class AdamW(HostOptimizer):
 
 
 class SGD(HostOptimizer):
-    """SGD with momentum on the host, as ``torch.optim.SGD(fused=True)`` (its kernel, bitwise).
+    """SGD with momentum, as ``torch.optim.SGD(fused=True)`` (its kernel, bitwise), on the host
+    or on the device.
 
     >>> SGD(lr=0.1, momentum=0.9, nesterov=True).momentum
     0.9
@@ -517,6 +520,7 @@ class SGD(HostOptimizer):
 
     torch_class = torch.optim.SGD
     torch_options = {"fused": True}
+    on_device = True  # (shfx.runtime.device_optim.DeviceSGD)
     host_runner = "sgd"
     data_parallel = "sharded"  # (momentum is elementwise: a flat range of it is exact)
     per_element_states = 1  # the momentum buffer (the runner keeps one whatever the momentum)
@@ -559,7 +563,7 @@ class SGD(HostOptimizer):
 
 
 class Adafactor(HostOptimizer):
-    """Adafactor on the host, as ``torch.optim.Adafactor(foreach=True)`` (its update function
+    """Adafactor, as ``torch.optim.Adafactor(foreach=True)`` (its update function
     over views of the flat buffers, bitwise). Parameters of two or more dimensions keep a row
     and a column factor of the second moment (``row_var``, ``col_var``), others a full
     ``variance``; every parameter keeps its own ``step``.
@@ -570,6 +574,7 @@ class Adafactor(HostOptimizer):
 
     torch_class = torch.optim.Adafactor
     torch_options = {"foreach": True}
+    on_device = True  # (shfx.runtime.device_optim.DeviceAdafactor)
     host_runner = "adafactor"
     # NOTE: replicated, not sharded: a matrix's factored second moment is the mean of its
     # squared gradient over whole rows and whole columns, which a flat range of the group cuts;

@@ -375,13 +375,33 @@ def test_sgd_without_momentum_and_param_groups():
     cm.close()
 
 
-@pytest.mark.parametrize("kind", ["SGD", "Adafactor"])
-def test_host_only_optimizers_refuse_device_updates(kind):
+@pytest.mark.parametrize("kind", [pytest.param("SGD", marks=pytest.mark.slow), "Adafactor"])
+def test_sgd_and_adafactor_groups_on_device_updated_stages(kind):
+    """SGD and Adafactor on the device (issue 25; once refused there): parameter groups with
+    their own lr and weight decay and a scheduler, on ``resident``'s device updates, bitwise."""
+    pairs = {
+        "SGD": (lambda m: shfx.optim.SGD(_groups(m), lr=LR, momentum=0.9),
+                lambda r: torch.optim.SGD(_groups(r), lr=LR, momentum=0.9, fused=True)),
+        "Adafactor": (lambda m: shfx.optim.Adafactor(_groups(m), lr=LR),
+                      lambda r: torch.optim.Adafactor(_groups(r), lr=LR, foreach=True)),
+    }  # fmt: skip
+    losses, ref_losses, _, cm, model, ref, _ = train_pair(
+        "bn_net", *pairs[kind], steps=3, window=None, policy="resident", sched=lambda o: L.StepLR(o, 1, 0.5),
+    )  # fmt: skip
+    assert cm.variant.device_groups
+    assert_bitwise(losses, ref_losses, model, ref)
+    cm.close()
+
+
+def test_an_optimizer_without_a_device_runner_refuses_device_updates():
+    class HostOnlySGD(shfx.optim.SGD):
+        on_device = False
+
     make_model, make_batch = ZOO["bn_net"]
     model = make_model()
-    cm = shfx.compile(model, device=_device(), policy="resident", optimizer=OPTIMIZERS[kind][0](model))
+    cm = shfx.compile(model, device=_device(), policy="resident", optimizer=HostOnlySGD(lr=LR))
     args, kwargs, _ = make_batch(0, 0)
-    with pytest.raises(UsageError, match=f"shfx.optim.{kind} runs on the host only"):
+    with pytest.raises(UsageError, match="shfx.optim.HostOnlySGD runs on the host only"):
         cm(*args, **kwargs)
     cm.close()
 

@@ -45,7 +45,7 @@ from .clipping import Clipping
 from .context import StepContext, fork_rng
 from .data_parallel import DataParallelRuntime
 from .delayed import DelayedUpdates
-from .device_optim import DeviceAdamW
+from .device_optim import DeviceAdamW, device_runner_for
 from .failures import StepFailures, with_note
 from .gradients import GradientRouter
 from .handlers import ActionHandlers
@@ -146,7 +146,7 @@ class Engine:
         self.recompute = recompute
         self._forward_s: dict[int, float] = {}  # id(stage) -> last measured forward seconds
         self.param_keys_by_group: dict[int, list] = dict(param_keys_by_group or {})
-        self.device_optimizer = DeviceAdamW(backend, optimizer.config, store) if optimizer is not None else None
+        self.device_optimizer: DeviceAdamW | None = device_runner_for(backend, optimizer.config, store) if optimizer is not None else None
         # what the updates of the current step changed, to undo a step that fails or is skipped
         self.journal = StepJournal(store, optimizer, self.device_optimizer, enabled=rollback)
         # the NVMe tier's host window (shfx.runtime.ssd_window): attach_ssd() at the first program

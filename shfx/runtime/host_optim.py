@@ -646,7 +646,8 @@ def _param_views(store: HostStore, g: int, layout, bufs: list[torch.Tensor], sha
 class _HostRunner:
     """What the engine, the journal and :class:`shfx.optim.HostOptimizer` need of a host
     optimizer other than AdamW: per-group ``state`` (objects with ``tensors()``), ``update``,
-    per-parameter state, and timing for the profiler. Host only: ``take`` refuses."""
+    per-parameter state, timing for the profiler, and ``take``/``put`` to move a group's
+    states to and from the device runner (:mod:`shfx.runtime.device_optim`)."""
 
     def __init__(self, config: Any, store: HostStore):
         self.config = config
@@ -662,10 +663,27 @@ class _HostRunner:
         work = [wv(g, o, n) for o, n in spans] if wv is not None else []
         return work if work and all(w is not None for w in work) else None
 
-    def take(self, g: int):
-        raise NotImplementedError(f"{type(self.config).__name__} runs on the host only")
+    def take(self, g: int) -> tuple[torch.Tensor, ...] | None:
+        """Group ``g``'s states (:meth:`_export`'s tuple, what the device runner's ``put``
+        takes), dropped here (the group is updated on the device from now on); None when it
+        has none."""
+        if self.ssd is not None and g in self.ssd.groups:
+            raise NotImplementedError(f"group {g}'s optimizer state is on the SSD: it cannot move to the device-side optimizer")
+        with self._lock:
+            st = self.state.pop(g, None)
+        return None if st is None else self._export(st)
 
     def put(self, g: int, *states: torch.Tensor) -> None:
+        """Take over group ``g``'s states from the device runner (its ``take``'s tuple): it is
+        updated on the host from now on."""
+        if self.ssd is not None and g in self.ssd.groups:
+            raise NotImplementedError(f"group {g}'s optimizer state is on the SSD: it cannot take a device-side state")
+        self._import(self._state(g), states)
+
+    def _export(self, st: Any) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError(f"{type(self.config).__name__} runs on the host only")
+
+    def _import(self, st: Any, states: tuple[torch.Tensor, ...]) -> None:
         raise NotImplementedError(f"{type(self.config).__name__} runs on the host only")
 
     def steps(self, g: int) -> int:
@@ -770,6 +788,14 @@ class HostSGD(_HostRunner):
             lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=h["maximize"], is_first_step=False,
         )  # fmt: skip
 
+    def _export(self, st: _SGDState) -> tuple[torch.Tensor, ...]:
+        return st.step, st.momentum_buffer  # (shfx.runtime.device_optim.DeviceSGD's order)
+
+    def _import(self, st: _SGDState, states: tuple[torch.Tensor, ...]) -> None:
+        step, buf = states
+        st.step.copy_(step)
+        st.momentum_buffer.copy_(buf)
+
     def ensure(self, g: int) -> _SGDState:
         """Group ``g``'s state, created (zeros, step 0) if it has none yet (data parallel's
         checkpoint pieces, for a load to write into; :meth:`loaded` after it)."""
@@ -800,9 +826,15 @@ class HostSGD(_HostRunner):
         return False
 
     def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
-        st = self.state.get(g)
+        """As :meth:`HostAdamW.param_state` (``dev``: the group's device state, a group updated
+        on the device: views of its momentum buffer there)."""
+        st = self.state.get(g) if dev is None else dev
         if st is None and self.ssd is not None and g in self.ssd.groups:
             st = self.ssd.snapshot(g)  # NOTE: copies read from the SSD, not views of a live buffer
+        if dev is not None:
+            if int(dev.step.item()) == 0 or not self._momentum(g, off):
+                return {}
+            return {"momentum_buffer": dev.momentum_buffer[off : off + n].view(shape)}
         if st is None or int(st.step.item()) == 0 or not self._momentum(g, off):
             return {}  # torch.optim.SGD keeps no state without momentum
         if getattr(self.store, "sharded", False):
@@ -810,6 +842,15 @@ class HostSGD(_HostRunner):
         return {"momentum_buffer": st.momentum_buffer[off : off + n].view(shape)}
 
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
+        if dev is not None:  # a group updated on the device: into its device state
+            entries = [(w, e) for w, e in entries if e.get("momentum_buffer") is not None]
+            for t in dev.tensors():
+                t.zero_()
+            if entries:
+                dev.step.fill_(1.0)  # past the first step: the momentum buffers exist
+                copy_state_entries(entries, {"momentum_buffer": dev.momentum_buffer})
+            dev.restored()
+            return
         if self.ssd is not None and g in self.ssd.groups:
             self.ssd.load_group(g, entries)
             return
@@ -957,6 +998,16 @@ class HostAdafactor(_HostRunner):
         st = self.state.get(g)
         return 0 if st is None or not st.steps else int(st.steps[0].item())
 
+    def _export(self, st: _AdafactorState) -> tuple[torch.Tensor, ...]:
+        # (shfx.runtime.device_optim.DeviceAdafactor's order: the steps as one 1-D tensor, the factors)
+        return (torch.stack(st.steps) if st.steps else torch.zeros(0)), st.factors
+
+    def _import(self, st: _AdafactorState, states: tuple[torch.Tensor, ...]) -> None:
+        steps, factors = states
+        for i, s in enumerate(st.steps):
+            s.copy_(steps[i])
+        st.factors.copy_(factors)
+
     def _views_at(self, st: _AdafactorState, off: int):
         i = st.index[off]
         for _, params, _, rows, cols, variances, steps, spans in st.pgs:
@@ -966,17 +1017,25 @@ class HostAdafactor(_HostRunner):
         raise KeyError(off)
 
     def param_state(self, g: int, off: int, n: int, shape: tuple[int, ...], dev: Any = None) -> dict:
-        st = self.state.get(g)
+        """As :meth:`HostAdamW.param_state` (``dev``: the group's device state, a group updated
+        on the device: views of its factored states there, its steps)."""
+        st = self.state.get(g) if dev is None else dev
         if st is None and self.ssd is not None and g in self.ssd.groups:
             st = self.ssd.snapshot(g)  # NOTE: copies read from the SSD, not views of a live buffer
         if st is None or off not in st.index:
             return {}
-        step, r, c, v = self._views_at(st, off)
+        step, r, c, v = dev.views_at(off) if dev is not None else self._views_at(st, off)
         if int(step.item()) == 0:
             return {}
         return {"step": step, "row_var": r, "col_var": c} if v is None else {"step": step, "variance": v}
 
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
+        if dev is not None:  # a group updated on the device: into its device state
+            for t in dev.tensors():
+                t.zero_()
+            _load_factored(entries, dev.views_at)
+            dev.restored()
+            return
         if self.ssd is not None and g in self.ssd.groups:
             self.ssd.load_group(g, entries)
             return
@@ -1015,19 +1074,25 @@ class HostAdafactor(_HostRunner):
         return [st.factors], steps
 
     def ssd_load(self, g: int, st: _AdafactorState, entries: list) -> None:
-        for (_, off, n, shape), e in entries:
-            step, r, c, v = self._views_at(st, off)
-            step.copy_(e["step"])
-            for name, dst in (("row_var", r), ("col_var", c), ("variance", v)):
-                if dst is None:
-                    continue
-                src = e.get(name)
-                if src is None or tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"Adafactor state {name!r} of a parameter of shape {tuple(shape)} is "
-                        f"{'missing' if src is None else tuple(src.shape)} in the state dict"
-                    )
-                dst.copy_(src)
+        _load_factored(entries, lambda off: self._views_at(st, off))
+
+
+def _load_factored(entries: list, views_at) -> None:
+    """Write torch-format Adafactor entries into the states ``views_at(offset)`` gives
+    (``(step, row_var, col_var, variance)`` of the parameter there)."""
+    for (_, off, n, shape), e in entries:
+        step, r, c, v = views_at(off)
+        step.copy_(e["step"])
+        for name, dst in (("row_var", r), ("col_var", c), ("variance", v)):
+            if dst is None:
+                continue
+            src = e.get(name)
+            if src is None or tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"Adafactor state {name!r} of a parameter of shape {tuple(shape)} is "
+                    f"{'missing' if src is None else tuple(src.shape)} in the state dict"
+                )
+            dst.copy_(src)
 
 
 #: the runners by the name a :class:`shfx.optim.HostOptimizer` class gives as its ``host_runner``

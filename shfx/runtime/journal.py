@@ -149,7 +149,7 @@ class StepJournal:
             rec.params = torch.empty(params.shape, dtype=params.dtype)
         rec.params.copy_(params)
         if st is not None:
-            for i, t in enumerate((st.step, st.m, st.v)):
+            for i, t in enumerate(st.tensors()):  # (the step first; AdamW's m and v, SGD's momentum, Adafactor's factors)
                 _save(rec.states, i, t)
         # mixed precision: the fp32 master the update steps is the device's (the host's is older)
         dev_master = self.device_optimizer.master_of(g) if self.device_optimizer is not None else None
@@ -238,12 +238,12 @@ class StepJournal:
         if st is None:
             return
         if not rec.had_state:  # never updated before: start from zero states again
-            st.step.zero_()
-            st.m.zero_()
-            st.v.zero_()
-            return
-        for dst, src in zip((st.step, st.m, st.v), rec.states):
-            dst.copy_(src)
+            for t in st.tensors():
+                t.zero_()
+        else:
+            for dst, src in zip(st.tensors(), rec.states):
+                dst.copy_(src)
+        st.restored()
 
     @property
     def host_bytes(self) -> int:
