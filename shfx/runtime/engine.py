@@ -270,7 +270,7 @@ class Engine:
             tok.label = str(meta.action)
             ctx.env[node] = tok
             issued.append((node, tok))
-            if _after_update(meta):
+            if _after_update(meta, skip_updates):
                 self.pending_updates.append((str(meta.action), tok))
             if serial:
                 tok.wait()
@@ -574,7 +574,7 @@ class Engine:
                                 gr = (gr.to(torch.float32) * scale).to(gr.dtype)
                             ctx.add_grad(v, gr)
                 self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
-                compute = [(n, t) for n, t in issued if not _after_update(get_meta(n))]
+                compute = [(n, t) for n, t in issued if not _after_update(get_meta(n), not final)]
                 for _, tok in compute:
                     _settle(tok)
             failure = self.failures.failure(program, compute)
@@ -679,8 +679,10 @@ class Engine:
         return f"device memory: {format_bytes(b.used_bytes)} in use, peak {format_bytes(b.peak_bytes)}, capacity {cap}"
 
 
-def _after_update(m: ActionMeta) -> bool:
-    """An update, or the refresh of a persistent stage's weights after one (ZeRO-Offload's
-    ``PF`` in the backward): ``step()`` waits for them and judges their failures (a skipped
-    non-finite update fails its refresh too: not the backward's error, issue 25)."""
-    return KINDS[m.kind].update or (m.kind.value == "PF" and bool(m.refresh))
+def _after_update(m: ActionMeta, skip_updates: bool = False) -> bool:
+    """An update, or (in a backward that runs the updates: not ``skip_updates``) the refresh of
+    a persistent stage's weights after one (ZeRO-Offload's ``PF`` in the backward): ``step()``
+    waits for them and judges their failures (a skipped non-finite update fails its refresh
+    too: not the backward's error, issue 25). A backward of an earlier micro-step runs no
+    update: its refreshes are the backward's own."""
+    return KINDS[m.kind].update or (not skip_updates and m.kind.value == "PF" and bool(m.refresh))
