@@ -363,6 +363,10 @@ def _against_ddp(
             p.grad = prev.get(p)
         opt.step()
         opt.zero_grad()
+        if mixed:  # (and the 16-bit copy written from the masters it updated)
+            with torch.no_grad():
+                for p16, p in master_of.items():
+                    p16.copy_(p)
     cm.sync()  # (with clipping the last step's updates run on into the next forward: done before reading the weights)
     auto = None
     if fake_links is not None:  # window="auto": rank 0's choice; this rank's own profile's; the report's
