@@ -280,6 +280,17 @@ def _clip_policy_fix(c: Config) -> str:
     )
 
 
+def _l2l_clip_fix(c: Config) -> str:
+    """Clipping with L2L: a policy keeping the stages (and their gradients) on the device; drop
+    the clipping only with the overlapped update (L2L cannot update in step() either: the row
+    "L2L with updates in step()")."""
+    fix = (
+        "use policy='resident' or 'stronghold' (Stronghold(resident_first=k) keeps k stages and their optimizer on the "
+        "device; max_grad_norm defers their updates behind the norm)"
+    )
+    return fix + (", or drop max_grad_norm" if c.overlap_update else ", or drop max_grad_norm and use overlap_update=True")
+
+
 def _rollback_needed_fix(c: Config) -> str:
     """Skipping with overlapped updates needs rollback: keep it, or start the updates in step()."""
     return "keep rollback=True, or use overlap_update=False (updates start in step(), after the check)"
@@ -326,8 +337,16 @@ CONFLICTS: tuple[Conflict, ...] = (
         "max_grad_norm with policy 'l2l': L2L updates each stage on the device while it is the one stage resident, and "
         "its gradient leaves the device with the slot before every gradient's norm is known (holding them all until the "
         "step's gate would keep every stage's gradient on the device, which its one-stage window rules out)",
-        "use policy='resident' or 'stronghold' (Stronghold(resident_first=k) keeps k stages and their optimizer on the "
-        "device; max_grad_norm defers their updates behind the norm), or drop max_grad_norm",
+        _l2l_clip_fix,
+    ),
+    Conflict(
+        "L2L with updates in step()",
+        lambda c: c.policy.name == "l2l" and not c.overlap_update,
+        "overlap_update=False with policy 'l2l': L2L updates each stage on the device while it is the one stage "
+        "resident and copies it back before the next comes in; updates in step() would wait for every stage's "
+        "gradient, which its one-stage window does not keep on the device",
+        "use overlap_update=True with policy='l2l', or policy='resident' or 'stronghold' (Stronghold(resident_first=k) "
+        "keeps k stages and their optimizer on the device, updated in step())",
     ),
     Conflict(
         "clipping with updates during the backward",
