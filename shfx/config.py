@@ -340,6 +340,15 @@ CONFLICTS: tuple[Conflict, ...] = (
         _l2l_clip_fix,
     ),
     Conflict(
+        "L2L with gradient accumulation",
+        lambda c: c.policy.name == "l2l" and c.grad_accum_steps > 1,
+        "grad_accum_steps={c.grad_accum_steps} with policy 'l2l': L2L updates each stage on the device while it is the "
+        "one stage resident during the backward; summing the gradients of several backwards would keep every stage's "
+        "gradient until the last, which its one-stage window does not keep on the device",
+        "use grad_accum_steps=1 (a larger batch) with policy='l2l', or policy='resident' or 'stronghold' "
+        "(Stronghold(resident_first=k) accumulates k stages' gradients on the device)",
+    ),
+    Conflict(
         "L2L with updates in step()",
         lambda c: c.policy.name == "l2l" and not c.overlap_update,
         "overlap_update=False with policy 'l2l': L2L updates each stage on the device while it is the one stage "

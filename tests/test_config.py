@@ -114,6 +114,7 @@ def _triggers(tmp_path) -> dict[str, dict]:
         "fp16 overlapped without rollback": dict(precision="fp16", rollback=False),
         "clipping without an optimizer": dict(max_grad_norm=1.0),
         "clipping with L2L": dict(optimizer=opt(), max_grad_norm=1.0, policy="l2l"),
+        "L2L with gradient accumulation": dict(optimizer=opt(), grad_accum_steps=2, policy="l2l"),
         "L2L with updates in step()": dict(optimizer=opt(), overlap_update=False, policy="l2l"),
         # (a policy of one's own: a function without the deferred-update schedule)
         "clipping with updates during the backward": dict(optimizer=opt(), max_grad_norm=1.0, policy=schedule_window),
@@ -186,6 +187,9 @@ def _fixes(tmp_path) -> list[tuple[str, dict, dict[str, dict]]]:
         ("clipping with L2L", dict(t["clipping with L2L"], overlap_update=False),  # (a true conflict, in step() too)
          {"policy='resident'": dict(policy="resident"),
           "drop max_grad_norm and use overlap_update=True": dict(max_grad_norm=DROP, overlap_update=True)}),
+        ("L2L with gradient accumulation", t["L2L with gradient accumulation"],
+         {"grad_accum_steps=1": dict(grad_accum_steps=1), "policy='resident'": dict(policy="resident"),
+          "'stronghold'": dict(policy="stronghold")}),
         ("L2L with updates in step()", t["L2L with updates in step()"],
          {"overlap_update=True": dict(overlap_update=True), "policy='resident'": dict(policy="resident"),
           "'stronghold'": dict(policy="stronghold")}),

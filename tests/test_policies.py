@@ -53,11 +53,10 @@ def test_policy_gradient_accumulation(policy):
 
 
 def test_l2l_refuses_deferred_updates():
-    cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(), policy="l2l", grad_accum_steps=2, optimizer=shfx.optim.AdamW())
-    (x, y), _, _ = token_batch(0)
-    with pytest.raises(shfx.UsageError, match="cannot defer updates"):
-        cm(x, y)
-    cm.close()
+    # (a conflict row since issue 25: refused at compile, with its reason and fix)
+    for kw in (dict(grad_accum_steps=2), dict(overlap_update=False)):
+        with pytest.raises(shfx.errors.ConfigConflict, match="policy 'l2l'.*one stage resident"):
+            shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(), policy="l2l", optimizer=shfx.optim.AdamW(), **kw)
 
 
 def test_resident_state_dict_syncs_device_weights():
