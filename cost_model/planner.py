@@ -453,8 +453,8 @@ def memory_model(
             False); needs mixed precision (in fp32 the master is what a PREFETCH sends).
         grad_accum_steps: with more than one, gradients are added on the host through up to two
             staging buffers (one otherwise, for the tied embedding's gradient from the tail); in
-            mixed precision each group updated on the device sums its micro-steps in an fp32
-            accumulator on the device (4 B/param, device term ``gradients``).
+            mixed precision (or under data parallel) each group updated on the device sums its
+            micro-steps in an fp32 accumulator on the device (4 B/param, device term ``gradients``).
         rollback: count the step journal's copies (``shfx.compile(rollback=...)``, the host term
             ``rollback copies``: per group its fp32 master, step counter and AdamW m and v, and
             for a group updated on the device its weights in the slot too). Default: what
@@ -512,7 +512,8 @@ def memory_model(
     states = sum(per_group * group32[k] * c for k, c in lay.device_groups.items())
     # mixed precision under accumulation: an fp32 gradient accumulator per device group (the
     # micro-steps' 16-bit gradients widened and summed there, shfx.runtime.gradients)
-    accumulators = sum(group32[k] * c for k, c in lay.device_groups.items()) if fam.mixed and grad_accum_steps > 1 else 0
+    # (data parallel, fp32 too: the sum of the all-reduced micro-step gradients, apart from the next local one)
+    accumulators = sum(group32[k] * c for k, c in lay.device_groups.items()) if (fam.mixed or ranks > 1) and grad_accum_steps > 1 else 0
     A = b * s * h * elt  # one boundary activation [b, s, h]
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
     out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (a scalar, in fp32 as the GPT computes it) or the logits

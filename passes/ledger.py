@@ -265,7 +265,9 @@ def static_device(
             # mixed precision: the fp32 master the device update steps (shfx.runtime.device_optim)
             out.append(Change("device", "optimizer states", f"master weights (fp32) of group {g}", owners[g].device_master_bytes))
             if grad_accum_steps > 1:  # mixed precision: the micro-steps' 16-bit gradients summed in fp32 (runtime.gradients)
-                out.append(Change("device", "gradients", f"gradient accumulator (fp32) of group {g}", owners[g].device_master_bytes))
+                # (data parallel, fp32 too: the all-reduced micro-step gradients' sum, apart from the next local one)
+                acc = owners[g].device_master_bytes or (owners[g].update_bytes if programs[0].ranks > 1 else 0)
+                out.append(Change("device", "gradients", f"gradient accumulator (fp32) of group {g}", acc))
     return [c for c in out if c.nbytes]
 
 

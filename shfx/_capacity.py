@@ -29,7 +29,8 @@ def check_deferrable(variant: Variant, grad_accum_steps: int, overlap_update: bo
     """A group updated on the device while its stage is streamed must be updated during the
     backward that has it resident: no gradient accumulation, no deferred updates. (In 16-bit
     precision a group updated on the device accumulates its micro-steps in an fp32 accumulator
-    on the device: :meth:`shfx.runtime.gradients.GradientRouter.ensure_accumulators`.)"""
+    on the device: :meth:`shfx.runtime.gradients.GradientRouter.ensure_accumulators`; under data
+    parallel every device group does, summing its RS's all-reduced micro-step gradients.)"""
     train, graph = variant.train, variant.graph
     transient_du = [
         get_meta(n).stage
@@ -42,17 +43,6 @@ def check_deferrable(variant: Variant, grad_accum_steps: int, overlap_update: bo
             f"policy {train.name!r} updates groups {transient_du} on the device while their stage is resident "
             "during the backward, so it cannot defer updates: use grad_accum_steps=1 and overlap_update=True, "
             "or another policy"
-        )
-    mixed = sorted(g for g in variant.device_groups if graph.groups[g].dtypes.mixed)
-    if mixed and grad_accum_steps > 1 and train.ranks > 1:
-        # NOTE: one process sums the micro-steps in an fp32 device accumulator (the recipe's
-        # master.grad += p16.grad.float()); DDP's 16-bit recipe sums the reduced 16-bit gradients
-        # (as the host groups' RS does): the device groups' RS would have to reduce every micro-step
-        raise UsageError(
-            f"data parallel ({train.ranks} ranks) with policy {train.name!r} updating groups {mixed} on the device in 16-bit "
-            f"precision does not run with grad_accum_steps={grad_accum_steps} yet (their fp32 accumulator sums the "
-            "micro-steps before the all-reduce, where DDP's 16-bit recipe reduces each). Use grad_accum_steps=1, "
-            "precision='fp32', or a policy updating every group on the host"
         )
 
 

@@ -1023,9 +1023,23 @@ DEVICE_CONFIGS = [
     # device gradient and the host shards overflow; both ranks undo, skip and back the scale off
     dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1), precision="fp16",
          scaler=dict(init_scale=1024.0), poison=(1, 0, "batch")),
+    # gradient accumulation: a device group's RS all-reduces every micro-step's gradient and sums
+    # the reduced ones in its fp32 accumulator on the device (fp32: an fp32 sum, a tied embedding;
+    # bf16: the sum in bf16, widened), as the recipe sums DDP's reduced micro-step gradients
+    dict(name="gpt_tied", window=None, policy=shfx.Resident(), accum=2),
+    dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1), precision="bf16", accum=2),
 ]  # fmt: skip
 
 DEVICE_CONFIGS_SLOW = [
+    # gradient accumulation with device groups: 3 micro-steps, bf16 with a tied embedding, fp16
+    # with an overflowing micro-step (the reduced fp16 sum is inf: both ranks skip), exact clipping
+    dict(name="mlp", window=None, policy=shfx.Resident(), accum=3),
+    dict(name="gpt_tied", window=None, policy=shfx.Resident(), precision="bf16", accum=2),
+    dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1), precision="fp16",
+         scaler=dict(init_scale=1024.0), poison=(1, 0, "batch"), accum=2),
+    dict(name="gpt_mask", window=None, policy=shfx.Stronghold(window=2, resident_first=1), accum=2, max_grad_norm=0.05),
+    dict(name="gpt_tied", window=None, policy=shfx.Stronghold(window=2, resident_first=2), precision="bf16", accum=2,
+         overlap_update=False),
     dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1)),
     dict(name="gpt_tied", window=None, policy=shfx.ZeroOffload(delayed_update=True), steps=4),
     dict(name="gpt_tied", window=None, policy=shfx.L2L()),
@@ -1065,14 +1079,19 @@ def test_two_ranks_with_device_updates_and_the_delayed_update_match_ddp_bitwise(
     device masters start from the whole fp32 master all-gathered from the shards, the 16-bit
     device gradient is all-reduced as DDP's on the 16-bit copy, the fp16 skip is agreed, and
     each rank's host master shard (``dp.master_pieces()``) is the eager master's range after
-    ``cm.sync()``. Host bytes per rank equal the ledger's (a device group holds its image and
+    ``cm.sync()``. With gradient accumulation (``Resident`` fp32 on the tied GPT,
+    ``resident_first=1`` bf16) a device group's ``RS`` all-reduces every micro-step's gradient
+    and sums the reduced ones on the device (bf16: in bf16), as the recipe sums DDP's reduced
+    micro-step gradients. Host bytes per rank equal the ledger's (a device group holds its image and
     master shard on the host; fp16: the journal's whole copies of its device master and states)."""
     _check_device(agreed_results, DEVICE_CONFIGS)
 
 
 @pytest.mark.slow
 def test_two_ranks_with_device_updates_more_configs(tmp_path):
-    """:data:`DEVICE_CONFIGS_SLOW`: resident_first=1 unclipped, the delayed update on the tied
+    """:data:`DEVICE_CONFIGS_SLOW`: accumulation with device groups (3 micro-steps, bf16 tied,
+    fp16 with an overflowing micro-step, exact clipping, resident_first=2 bf16 with updates in
+    step()), resident_first=1 unclipped, the delayed update on the tied
     GPT, L2L with a tied embedding, resident_first=2 and Resident with
     exact clipping (L2 and inf norms), clipping and the agreed skip in step() with device groups,
     cm.clip_grad_norm_ with a device group, the delayed update with a frozen layer."""
@@ -1381,10 +1400,7 @@ class _Unsharded(shfx.optim.SGD):
         (dict(optimizer=None), "no optimizer"),
         # (fp16, skip_nonfinite and rollback run, with the overlap too: the verdict NR0, AGREED_CONFIGS)
         (dict(policy=shfx.Stronghold(window="auto", resident_first="auto")), "resident_first='auto'.*resident_first=0"),
-        # (device updates and the delayed update run: DEVICE_CONFIGS; in 16 bits a device group's
-        # fp32 master would be read from the whole host master, which data parallel shards)
-        (dict(policy="resident", precision="bf16"), "precision='bf16' yet.*fp32 master on the device.*precision='fp32'"),
-        (dict(policy=shfx.Stronghold(window=2, resident_first=1), precision="bf16"), "precision='bf16' yet"),
+        # (device updates, in fp32 and 16 bits, with accumulation, and the delayed update: DEVICE_CONFIGS)
     ],
 )
 def test_refusals(one_rank_group, kwargs, match):

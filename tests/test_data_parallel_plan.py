@@ -376,6 +376,26 @@ def test_closed_form_is_the_ledger_with_the_nvme_tier(template):
                 assert led.static("ssd") == {k: v for k, v in want.ssd.items() if v}, where
 
 
+def test_closed_form_is_the_ledger_with_device_groups_accumulating(template):
+    """Data parallel with ``grad_accum_steps > 1`` (issue 25): each group updated on the device
+    keeps the sum of its all-reduced micro-step gradients in an fp32 accumulator on the device
+    (4 B/param, term ``gradients``), in fp32 too (one process in fp32 accumulates in the
+    gradient buffer): the closed form equals the ledger's replay, per rank."""
+    fam, graph = next(iter(template.items()))
+    specs, _ = repeat_blocks(graph.specs, None, range(1, 3), 2)
+    for policy, kw in (("resident", {}), ("stronghold", {"window": 2, "resident_first": 1})):
+        want = memory_model(policy, fam.with_layers(2), EMU, ranks=2, grad_accum_steps=2, **kw)
+        progs = build_programs(specs, make_policy(policy, **kw), verify=True, ranks=2)
+        led = replay(progs[0], programs=progs, grad_accum_steps=2)
+        assert led.static("host") == {k: v for k, v in want.host.items() if v}, policy
+        assert {k: v for k, v in led.terms_at_peak("device").items() if v} == {k: v for k, v in want.device.items() if v}, policy
+        owners = {s.update_group: s for s in progs[0].stages if s.update_group is not None}
+        accs = {c.what: c.nbytes for c in led.changes("device") if c.what.startswith("gradient accumulator")}
+        assert accs == {f"gradient accumulator (fp32) of group {g}": owners[g].update_bytes for g in sorted(progs[0].device_groups())}
+        one = memory_model(policy, fam.with_layers(2), EMU, grad_accum_steps=2, **kw)
+        assert want.device["gradients"] - one.device["gradients"] == sum(accs.values()), policy
+
+
 @pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])  # (fp16: the slow run)
 def test_closed_form_is_the_captured_models_ledger_in_16_bit(precision):
     """In mixed precision the image stays the 16-bit working copy; the fp32 master, gradient and

@@ -32,9 +32,11 @@ A group a policy updates on the device (``Resident``, ``L2L``, the first stages 
 ``Stronghold(resident_first=k)``: ``DU g``) is replicated likewise, whatever the host
 optimizer: its ``RS g`` all-reduces (``* 1/N``, SUM) the gradient waiting in its owner's
 device gradient buffer (:meth:`all_reduce_device_grads`), every rank runs the same ``DU g``
-over it, and nothing is gathered. Under ``grad_accum_steps`` the device gradient accumulates
-the micro-steps on the device and is reduced once, in the backward that completes the step (as
-DDP under ``no_sync``).
+over it, and nothing is gathered. Under ``grad_accum_steps`` its ``RS g`` runs in every
+backward, as a host group's does: the micro-step's gradient all-reduced in the gradient buffer,
+then copied (first micro-step) or added into the group's fp32 accumulator on the device
+(:meth:`accumulate_device_grads`: in 16 bits the sum in the device dtype, widened), which the
+``DU g`` reads, as DDP's recipe sums the reduced micro-step gradients.
 
 A rank that dies makes the others' collectives fail (gloo: connection closed) or time out
 (:attr:`shfx.DataParallel.timeout_s`): the step then fails with :class:`RankLost`, saying which
@@ -243,6 +245,15 @@ class DataParallelRuntime:
         grads.copy_(host)
         if grads.device.type == "cuda":  # (the DU on the compute stream reads it after this task's token)
             torch.cuda.current_stream(grads.device).synchronize()
+
+    def accumulate_device_grads(self, grp: Any, grads: torch.Tensor, acc: torch.Tensor, first: bool) -> None:
+        """Under ``grad_accum_steps``: a device group's all-reduced micro-step gradient ``grads``
+        (its bytes in its owner's gradient buffer) into its fp32 accumulator ``acc`` on the
+        device, part by part, as :meth:`_accumulate` adds a host group's reduced chunk: copied
+        at the first micro-step, added at later ones (fp32: an fp32 sum; 16 bits: the sum in
+        the device dtype, widened), as DDP's recipe sums the reduced micro-step gradients."""
+        for p in grp.parts:
+            self._accumulate(grads[p.offset : p.offset + p.nbytes].view(p.dtype), acc[p.elem : p.elem + p.numel], first)
 
     @staticmethod
     def _accumulate(mine: torch.Tensor, grad: torch.Tensor, first: bool) -> None:

@@ -461,8 +461,8 @@ class Engine:
                 self.dp.device_groups = frozenset(variant.device_groups)
             if self.device_optimizer is not None:  # the states are part of the steady state: allocate them now
                 self.device_optimizer.ensure([self.store.groups[g] for g in sorted(variant.device_groups)], self.optimizer)
-            if self.grad_accum_steps > 1:  # mixed precision: the device groups' fp32 gradient accumulators
-                self.gradients.ensure_accumulators([self.store.groups[g] for g in sorted(variant.device_groups)])
+            if self.grad_accum_steps > 1:  # mixed precision (or data parallel): the device groups' fp32 gradient accumulators
+                self.gradients.ensure_accumulators([self.store.groups[g] for g in sorted(variant.device_groups)], replicated=self.dp is not None)
             if self.dp is not None and grad and self.device_optimizer is not None:
                 # data parallel in mixed precision: device masters from the ranks' fp32 master shards
                 self.device_optimizer.gather_masters(self.dp)

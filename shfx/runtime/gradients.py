@@ -70,6 +70,10 @@ class GradientRouter:
         # mixed precision under grad_accum_steps > 1: group -> the fp32 sum of its micro-steps'
         # 16-bit device gradients (the recipe's master.grad += p16.grad.float()), on the device
         self.acc32: dict[int, torch.Tensor] = {}
+        # data parallel (the device groups replicated): each micro-step's device gradient is
+        # all-reduced by its RS, which sums the reduced gradients into ``acc32`` (fp32 groups
+        # too); the backward only writes the micro-step's local gradient into the buffer
+        self.summed_by_reduce = False
         self._pending_bufs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] = {}  # parameter -> its slice of the host gradient buffer
         # after an overlapped backward: (parameter, its .grad, that .grad's version) as exposed
@@ -94,12 +98,18 @@ class GradientRouter:
             raise AssertionError(f"slot {slot} has no gradient buffer")
         return buf
 
-    def ensure_accumulators(self, groups: Sequence[Any]) -> None:
+    def ensure_accumulators(self, groups: Sequence[Any], replicated: bool = False) -> None:
         """Mixed precision with ``grad_accum_steps > 1``: an fp32 accumulator on the device for
         each of ``groups`` (updated on the device, 16-bit gradients), laid out like its master
-        (``master_bytes``, ledger term ``gradients``); allocated once, as the steady state."""
+        (``master_bytes``, ledger term ``gradients``); allocated once, as the steady state.
+
+        ``replicated`` (data parallel: the groups' RS all-reduces every micro-step's gradient):
+        fp32 groups get one too, and the sum of the reduced micro-step gradients is the RS's
+        (:meth:`~shfx.runtime.data_parallel.DataParallelRuntime.accumulate_device_grads`), the
+        gradient buffer keeping each micro-step's local gradient apart from it."""
+        self.summed_by_reduce = replicated
         for grp in groups:
-            if grp.dtypes.mixed and grp.trainable_bytes and grp.index not in self.acc32:
+            if (grp.dtypes.mixed or replicated) and grp.trainable_bytes and grp.index not in self.acc32:
                 buf = self.backend.alloc_device(grp.master_bytes, accumulator_label(grp.index), GRAD_BUFFERS)
                 self.acc32[grp.index] = buf.view(grp.dtypes.master)
 
@@ -129,7 +139,9 @@ class GradientRouter:
         16-bit buffer holds each micro-step's gradient alone (the recipe's ``p16.grad``, its
         borrowed contributions summed in 16 bits as autograd sums them), widened exactly into
         the accumulator after the owner's backward: copied at the first micro-step, added at
-        the next ones (``master.grad += p16.grad.float()``)."""
+        the next ones (``master.grad += p16.grad.float()``). Under data parallel
+        (``summed_by_reduce``) the buffer holds each micro-step's local gradient alone, in fp32
+        too, and the group's RS sums the reduced ones into the accumulator."""
         v = ctx.variant
         dev = v.device_groups
         owner = v.graph.owner
@@ -165,7 +177,7 @@ class GradientRouter:
                     dst.zero_()
                 else:
                     dst.copy_(gr)
-            if acc32 is not None:
+            if acc32 is not None and not self.summed_by_reduce:
                 self._accumulate32(stage, gbuf, own_group, acc32, first)
         if own_group in dev:
             self.device_state[own_group] = GRAD_VALID

@@ -166,15 +166,17 @@ class ActionHandlers:
 
     def _reduce_device_grads(self, ctx: StepContext, m: ActionMeta, deps: list[Token]) -> Token:
         """RS g of a group updated on the device (replicated): its gradient in its owner's
-        gradient buffer (slot ``m.slot``) all-reduced, ``* 1/N`` and SUM, in the backward that
-        completes the step (the device gradient holds the micro-steps' sum: reduced once, as DDP
-        under ``no_sync``); the other micro-steps' RS is a no-op on every rank alike."""
+        gradient buffer (slot ``m.slot``) all-reduced, ``* 1/N`` and SUM, in every backward.
+        Under ``grad_accum_steps`` the buffer holds this micro-step's local gradient alone, and
+        the reduced one is copied (first micro-step) or added into the group's fp32 accumulator
+        on the device, which GN, US and DU read (DDP's recipe: each micro-step reduced, the
+        reduced gradients summed; in 16 bits in the device dtype)."""
         eng = self.engine
         dp, g = self._data_parallel(m), m.stage
-        if eng.backward_calls != eng.grad_accum_steps:
-            return self._submit(m, lambda: None, deps)
         owner, base = self.group_base(ctx.variant, g)
         grp = eng.store.groups[g]
+        first = eng.backward_calls <= 1  # (counted before this backward's actions are issued)
+        acc = eng.gradients.acc32.get(g) if eng.grad_accum_steps > 1 else None
 
         def run() -> None:
             grads = eng.gradients.device_grads(m.slot, base, grp.trainable_bytes, grp.dtypes.device_grad)
@@ -182,6 +184,9 @@ class ActionHandlers:
                 grads.zero_()
                 eng.gradients.device_state[g] = GRAD_VALID
             dp.all_reduce_device_grads(str(m.action), grads)
+            if acc is not None:
+                raw = eng.gradients.device_grads(m.slot, base, grp.trainable_bytes, torch.uint8)
+                dp.accumulate_device_grads(grp, raw, acc, first)
 
         return self._submit(m, run, deps)
 
@@ -280,6 +285,8 @@ class ActionHandlers:
         _, base = self.group_base(variant, g)
         grp = eng.store.groups[g]
         acc = eng.gradients.device_grad32(g)
+        if acc is not None and not grp.dtypes.mixed:  # (data parallel, fp32: the reduced micro-steps' sum itself)
+            return acc
         if acc is not None:
             out = acc.clone()
             return out.div_(scale.to(out.device)) if scale is not None else out
@@ -445,7 +452,7 @@ class ActionHandlers:
                 checked = wide
             else:
                 params = eng.pool.region(slot, base, n).view(grp.dtypes.working)
-                grads = eng.gradients.device_grads(slot, base, n, grp.dtypes.device_grad)
+                grads = self.device_grad32(variant, group, slot)  # (data parallel accumulating: the reduced sum)
                 if coef is not None:
                     grads.mul_(coef.to(grads.device))
                 checked = grads
