@@ -698,6 +698,17 @@ class CompiledModel(StateMethods):
         if how == "auto" and report.tune.policy != v.policy:
             verify = self._config.verify or self._config.verify_each_pass
             new = dataclasses.replace(with_policy(v, report.tune.policy, verify=verify), passes=v.passes)
+            moved = sorted(set(new.device_groups) ^ set(v.device_groups))
+            if eng.dp is not None and moved:
+                # NOTE: every rank has rank 0's choice, so every rank refuses alike. Moving a group
+                # between the device (whole states, replicated) and the host (this rank's shard of
+                # them) would need its states gathered or sliced across ranks: not built
+                raise UsageError(
+                    f"cm.retune() under data parallel chose {report.tune.policy!r}, which moves groups {moved} between "
+                    f"the device and the host (the current policy is {v.policy!r}); moving their optimizer states "
+                    "between the device (whole on every rank) and the host (sharded) is not built yet. Compile with a "
+                    "fixed resident_first (window='auto' may stay) to retune under data parallel"
+                )
             self._check_capacity(new)
             self._check_deferrable(new)
             eng.replace_variant(v, new)

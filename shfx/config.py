@@ -40,7 +40,7 @@ import torch
 
 from shfx.passes.layout import dtype_name, precision_dtype
 from shfx.passes.pipeline import PipelineOptions
-from shfx.passes.policies import Policy, resolve_policy
+from shfx.passes.policies import Policy
 
 from .amp import LossScaler
 from .devices import CudaDevice, EmulatedDevice
@@ -478,18 +478,14 @@ def _check_data_parallel(
             "trainable region mixes dtypes, and data parallel reduces and gathers it as one tensor of one dtype",
             "drop fp32_norms (precision='bf16' casts the norms too), or use precision='fp32'",
         )
-    pol = resolve_policy(policy, window)
-    # (window="auto" runs: every rank profiles, rank 0's choice is broadcast, shfx._tuning)
-    if "resident_first" in pol.auto:
-        raise refuse(
-            f"{pol!r}: resident_first='auto' lets the tuner keep the first stages on the device with their optimizer (DU), "
-            "and data parallel shards the optimizer on the host",
-            "use resident_first=0 (the default; window='auto' runs under data parallel)",
-        )
+    # (window="auto" and resident_first="auto" run: every rank profiles, rank 0's choice, its
+    # policy with the window and k, is broadcast, shfx._tuning; the first k stages' groups are
+    # then updated on the device on every rank, replicated)
     # (ZeroOffload(delayed_update=True) runs: its RS in the backward, U and AG in the delayed phase;
     # a policy updating groups on the device runs them replicated: RS all-reduces the device gradient)
     # (in 16 bits a device group's fp32 master on the device is all-gathered once from the ranks'
-    # master shards, DeviceAdamW.gather_masters; with grad_accum_steps > 1 refused at the first call)
+    # master shards, DeviceAdamW.gather_masters; with grad_accum_steps > 1 its RS sums the
+    # all-reduced micro-step gradients in the device dtype, as DDP's recipe does)
 
 
 def _check_nvme_supported(c: Config) -> None:

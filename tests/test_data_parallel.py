@@ -238,6 +238,7 @@ def _against_ddp(
         kw["scaler"] = shfx.LossScaler(**(scaler_kw or {}))
     scaler = torch.amp.GradScaler("cpu", **(scaler_kw or {})) if half == torch.float16 else None
     fake_links, retune_at = kw.pop("fake_links", None), kw.pop("retune_at", None)
+    retune_links = kw.pop("retune_links", None)  # (each rank's links for the profile of retune())
     restore_profile, profiled = _fake_profile(fake_links[rank]) if fake_links is not None else (lambda: None, [])
     work = ref  # what DDP trains: the model, or in 16 bits its working copy (ref: the fp32 masters)
     if mixed:
@@ -267,7 +268,14 @@ def _against_ddp(
     prev: dict | None = None
     scales, windows = [], []
     for step in range(steps):
-        if step == retune_at:  # every rank calls it (collective with window="auto"): rank 0's choice again
+        if step == retune_at and retune_links is not None:  # other links: rank 0 may choose another k
+            restore_profile()
+            restore_profile, profiled = _fake_profile(retune_links[rank])
+            try:
+                windows.append(cm.retune().window)
+            except UsageError as e:
+                windows.append(f"UsageError: {e}")
+        elif step == retune_at:  # every rank calls it (collective with window="auto"): rank 0's choice again
             windows.append(cm.retune().window)
         summed: dict[nn.Parameter, torch.Tensor] = {}
         for micro in range(accum):
@@ -372,10 +380,13 @@ def _against_ddp(
     if fake_links is not None:  # window="auto": rank 0's choice; this rank's own profile's; the report's
         from shfx.cost_model.tune import tune_window
 
-        own = tune_window(cm.variant.graph.specs, profiled[0], tolerance=cm.tune_tolerance, policy=shfx.Stronghold(window="auto"))
+        # (resident_first="auto" too: the policy given, its k chosen with the window)
+        asked = kw.get("policy", shfx.Stronghold(window="auto"))
+        own = tune_window(cm.variant.graph.specs, profiled[0], tolerance=cm.tune_tolerance, policy=asked)
         report = cm.report() if rank == world - 1 else None  # (any rank alone: no collective)
         auto = dict(window=cm.variant.policy.window, slots=cm.program.num_slots, own=own.window, retuned=windows,
-                    report=None if report is None else (report.how, report.window, report.tune.window))  # fmt: skip
+                    report=None if report is None else (report.how, report.window, report.tune.window),
+                    k=cm.variant.policy.resident_first, own_k=own.resident_first, device_groups=sorted(cm.variant.device_groups))  # fmt: skip
         restore_profile()
     mism += [f"loss {i}: {a.item()!r} != {b.item()!r}" for i, (a, b) in enumerate(zip(losses, ref_losses)) if not torch.equal(a, b)]
     # (bf16: shfx's trainable parameters are the bf16 working copy, its frozen ones fp32 masters)
@@ -828,8 +839,8 @@ def _spawn_by_config(tmp_path: Path, configs: list[dict], timeout_s: float) -> d
 @pytest.fixture(scope="module")
 def agreed_results(tmp_path_factory):
     """One spawn (2 ranks: starting them costs seconds) for :data:`AGREED_CONFIGS`,
-    :data:`FP16_CONFIGS`, :data:`AUTO_CONFIGS` and :data:`DEVICE_CONFIGS`."""
-    configs = AGREED_CONFIGS + FP16_CONFIGS + AUTO_CONFIGS + DEVICE_CONFIGS
+    :data:`FP16_CONFIGS`, :data:`AUTO_CONFIGS`, :data:`DEVICE_CONFIGS` and :data:`AUTO_K_CONFIGS`."""
+    configs = AGREED_CONFIGS + FP16_CONFIGS + AUTO_CONFIGS + DEVICE_CONFIGS + AUTO_K_CONFIGS
     return _spawn_by_config(tmp_path_factory.mktemp("agreed"), configs, timeout_s=480)
 
 
@@ -1096,6 +1107,46 @@ def test_two_ranks_with_device_updates_more_configs(tmp_path):
     exact clipping (L2 and inf norms), clipping and the agreed skip in step() with device groups,
     cm.clip_grad_norm_ with a device group, the delayed update with a frozen layer."""
     _check_device(_spawn_by_config(tmp_path, DEVICE_CONFIGS_SLOW, timeout_s=400), DEVICE_CONFIGS_SLOW)
+
+
+AUTO_K_CONFIGS = [
+    # resident_first="auto": rank 0's profile sees slow links (on its own it keeps the first 3
+    # stages on the device), rank 1's fast ones (on its own none); both train rank 0's k
+    dict(name="mlp", window=None, policy=shfx.Stronghold(window="auto", resident_first="auto"), fake_links={0: 1e3, 1: 1e12}),
+]
+
+
+def test_two_ranks_with_resident_first_auto_train_rank_0s_k_like_ddp(agreed_results):
+    """``Stronghold(window="auto", resident_first="auto")`` under data parallel (issue 25): every
+    rank profiles, rank 0's choice (its policy: the window and k) is broadcast, so the ranks whose
+    own profiles choose different k train the same program, its first k stages' groups updated
+    on the device and replicated; bitwise as DDP, host bytes = the ledger."""
+    _check_device(agreed_results, AUTO_K_CONFIGS)
+    _check_auto_k(agreed_results, AUTO_K_CONFIGS)
+
+
+def _check_auto_k(by_config: dict[int, list[dict]], configs: list[dict]) -> None:
+    """The ranks' own profiles choose different k; both trained rank 0's, with its device groups."""
+    for c in configs:
+        a0, a1 = (res["auto"] for res in by_config[id(c)])
+        assert a0["own_k"] != a1["own_k"], (a0, a1)  # (the profiles do disagree)
+        assert a0["k"] == a1["k"] == a0["own_k"] > 0 and a0["window"] == a1["window"], (a0, a1)
+        assert a0["device_groups"] == a1["device_groups"] and len(a0["device_groups"]) == a0["k"], (a0, a1)
+
+
+@pytest.mark.slow
+def test_two_ranks_refuse_a_retune_that_moves_groups_between_device_and_host(tmp_path):
+    """resident_first="auto" under data parallel, then ``cm.retune()`` with profiles on which rank
+    0 chooses k=0: moving the groups' states between the device (whole) and the host (sharded)
+    is not built, so every rank refuses alike (``UsageError``) and trains on with the first k,
+    bitwise as DDP."""
+    c = dict(name="mlp", window=None, policy=shfx.Stronghold(window="auto", resident_first="auto"),
+             fake_links={0: 1e3, 1: 1e12}, retune_at=1, retune_links={0: 1e12, 1: 1e12})  # fmt: skip
+    res = _spawn_by_config(tmp_path, [c], timeout_s=300)
+    _check_device(res, [c])
+    for r in res[id(c)]:
+        assert r["auto"]["k"] > 0 and len(r["auto"]["retuned"]) == 1, r["auto"]
+        assert "moves groups" in r["auto"]["retuned"][0] and "not built yet" in r["auto"]["retuned"][0], r["auto"]
 
 
 def _check_failed_update(c: dict, outcomes: list[list]) -> None:
@@ -1398,9 +1449,9 @@ class _Unsharded(shfx.optim.SGD):
     [
         (dict(optimizer=_Unsharded(lr=0.1)), "_Unsharded as the optimizer"),  # (SGD and Adafactor run: OPTIMIZER_CONFIGS)
         (dict(optimizer=None), "no optimizer"),
-        # (fp16, skip_nonfinite and rollback run, with the overlap too: the verdict NR0, AGREED_CONFIGS)
-        (dict(policy=shfx.Stronghold(window="auto", resident_first="auto")), "resident_first='auto'.*resident_first=0"),
-        # (device updates, in fp32 and 16 bits, with accumulation, and the delayed update: DEVICE_CONFIGS)
+        # (fp16, skip_nonfinite and rollback run, with the overlap too: the verdict NR0, AGREED_CONFIGS;
+        # device updates, in fp32 and 16 bits, with accumulation, and the delayed update: DEVICE_CONFIGS;
+        # resident_first="auto": AUTO_K_CONFIGS)
     ],
 )
 def test_refusals(one_rank_group, kwargs, match):

@@ -114,7 +114,7 @@ class DataParallelRuntime:
         self.optimizer: Any = None
         # the groups the current program updates on the device (replicated: the engine sets it
         # with the program); they have no host states, gradient shard or local-gradient buffer
-        self.device_groups: frozenset[int] = frozenset()
+        self._device_groups: frozenset[int] = frozenset()
         # NOTE: reused, not allocated per step (pinned allocations are slow on CUDA, and the
         # memory ledger counts them as a constant): local-gradient buffers sized for the largest
         # group's padded length, returned after the reduce-scatter (one in flight per group
@@ -320,6 +320,30 @@ class DataParallelRuntime:
         for g in groups:
             self.store.working_from_master_shards(g)
             self.gather_params(f"the all-gather of group {g}'s restored weights (the step undone)", g)
+
+    @property
+    def device_groups(self) -> frozenset[int]:
+        """The groups the current program updates on the device (replicated)."""
+        return self._device_groups
+
+    @device_groups.setter
+    def device_groups(self, groups: frozenset[int]) -> None:
+        """A program with other device groups (``resident_first="auto"``: the tuner's probes
+        update every group on the host, its choice keeps the first k on the device): the idle
+        local-gradient buffers and scratches, sized for the largest host group, are dropped and
+        sized again for the new program's host groups (as the memory ledger counts them)."""
+        groups = frozenset(groups)
+        if groups == self._device_groups:
+            return
+        self._device_groups = groups
+        with self._local_cv:
+            if self._local_base:  # (some handed out: kept, a setup between steps gives them back first)
+                return
+            self.buffer_bytes -= sum(b.numel() for b in self._local_free)
+            self._local_count -= len(self._local_free)
+            self._local_free = []
+            self.buffer_bytes -= sum(t.numel() * t.element_size() for t in self._scratch.values())
+            self._scratch = {}
 
     def local_grad_buffer(self, g: int) -> torch.Tensor:
         """A host buffer (uint8) for group ``g``'s local gradient, padded to ``N * chunk``
