@@ -254,6 +254,8 @@ class DataParallelRuntime:
         the device dtype, widened), as DDP's recipe sums the reduced micro-step gradients."""
         for p in grp.parts:
             self._accumulate(grads[p.offset : p.offset + p.nbytes].view(p.dtype), acc[p.elem : p.elem + p.numel], first)
+        if acc.device.type == "cuda":  # (the GN/US/DU on the compute stream read it after this task's token)
+            torch.cuda.current_stream(acc.device).synchronize()
 
     @staticmethod
     def _accumulate(mine: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
