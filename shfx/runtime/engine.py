@@ -39,7 +39,7 @@ from shfx.passes.pipeline import Variant
 from shfx.passes.program import ActionMeta, Program
 from shfx.passes.units import format_bytes
 
-from ..errors import UsageError
+from ..errors import NonFiniteGradient, UsageError
 from .backend import Backend, MemoryEvent
 from .clipping import Clipping
 from .context import StepContext, fork_rng
@@ -56,7 +56,7 @@ from .residency import Residency
 from .slots import SlotPool
 from .ssd_window import SSDWindow
 from .stepping import StepRunner
-from .streams import DeviceToken, DoneToken, JoinToken, Token
+from .streams import DeviceToken, DoneToken, JoinToken, Token, root_cause
 from .tracing import StepTrace
 
 __all__ = ["Engine", "StepContext", "MemoryEvent"]
@@ -270,7 +270,7 @@ class Engine:
             tok.label = str(meta.action)
             ctx.env[node] = tok
             issued.append((node, tok))
-            if _after_update(meta, skip_updates):
+            if KINDS[meta.kind].update:
                 self.pending_updates.append((str(meta.action), tok))
             if serial:
                 tok.wait()
@@ -574,10 +574,10 @@ class Engine:
                                 gr = (gr.to(torch.float32) * scale).to(gr.dtype)
                             ctx.add_grad(v, gr)
                 self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
-                compute = [(n, t) for n, t in issued if not _after_update(get_meta(n), not final)]
+                compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
                 for _, tok in compute:
                     _settle(tok)
-            failure = self.failures.failure(program, compute)
+            failure = self.failures.failure(program, [(n, t) for n, t in compute if not _skipped_refresh(n, t)])
             if self.failures.interrupted:
                 failure = KeyboardInterrupt() if failure is None or not finish else failure
         except BaseException as e:  # an interrupt while waiting (not deferred), or a failure issuing
@@ -679,10 +679,11 @@ class Engine:
         return f"device memory: {format_bytes(b.used_bytes)} in use, peak {format_bytes(b.peak_bytes)}, capacity {cap}"
 
 
-def _after_update(m: ActionMeta, skip_updates: bool = False) -> bool:
-    """An update, or (in a backward that runs the updates: not ``skip_updates``) the refresh of
-    a persistent stage's weights after one (ZeRO-Offload's ``PF`` in the backward): ``step()``
-    waits for them and judges their failures (a skipped non-finite update fails its refresh
-    too: not the backward's error, issue 25). A backward of an earlier micro-step runs no
-    update: its refreshes are the backward's own."""
-    return KINDS[m.kind].update or (not skip_updates and m.kind.value == "PF" and bool(m.refresh))
+
+def _skipped_refresh(node: fx.Node, tok: Token) -> bool:
+    """The refresh of a persistent stage (ZeRO-Offload's ``PF`` in the backward) that did not
+    run because its update found a non-finite gradient: ``step()`` judges that (a skip under
+    fp16 or ``skip_nonfinite``, undone there with the slots reloaded), not the backward (it
+    failed the backward, issue 25)."""
+    m = get_meta(node)
+    return m.kind.value == "PF" and bool(m.refresh) and tok.error is not None and isinstance(root_cause(tok.error), NonFiniteGradient)
