@@ -680,9 +680,11 @@ def _dp_host(
         DP_COLLECTIVE: (padded * elt + 2 * max((chunk[k] for k, c in hosted.items() if c), default=0) * elt if padded else 0)
         + largest_dev // 4 * elt,
         "pending tied gradient": host["pending tied gradient"],
-        # (16 bits: a device group's journal copies its whole device master, m, v, step and 16-bit slot weights)
+        # (a device group's journal copies its master, m, v, step and slot weights: in 16 bits the
+        # whole device master and the 16-bit slot; in fp32 this rank's host master shard and the fp32 slot)
         "rollback copies": sum((4 * own[k] * 3 + _STEP_BYTES) * c for k, c in hosted.items())
-        + (sum((3 * group32[k] + _STEP_BYTES + group16[k]) * c for k, c in dev.items()) if group16 is not None else 0)
+        + (sum((3 * group32[k] + _STEP_BYTES + group16[k]) * c for k, c in dev.items()) if group16 is not None
+           else sum((4 * own[k] + 3 * group32[k] + _STEP_BYTES) * c for k, c in dev.items()))
         if rollback else 0,
     }
 

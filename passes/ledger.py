@@ -527,10 +527,12 @@ def _dp_host_terms(
             out.append(Change("host", "master parameters (fp32)", f"master shard of group {g} (updated on the device)", 4 * own + rest))
             if not mixed:
                 out.append(Change("host", DP_IMAGE, f"image of group {g}", whole[at[g]]))
-            if rollback and numel and mixed:
-                # the journal's copies, as in one process: the device master, step, m and v (whole)
-                # and the 16-bit weights in the slot
-                n = o.update_bytes + STEP_BYTES + optimizer_states * o.state_bytes + o.grad_bytes_to({g})
+            if rollback and numel:
+                # the journal's copies, as in one process: the master (16 bits: the device's, whole;
+                # fp32: this rank's host master shard), step and optimizer states (whole) and the
+                # weights in the slot (16-bit, or fp32)
+                n = (o.update_bytes if mixed else 4 * own) + _step_bytes(g, optimizer) + optimizer_states * o.state_bytes
+                n += (optimizer.whole_bytes(g) if optimizer is not None else 0) + (o.grad_bytes_to({g}) if mixed else o.update_bytes)
                 out.append(Change("host", ROLLBACK, f"rollback copy of group {g}", n))
             continue
         chunk = numel if replicated else shard_chunk(numel, ranks)

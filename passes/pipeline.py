@@ -141,6 +141,7 @@ class Variant:
     eval: Program
     cold: Program
     passes: tuple[str, ...] = field(default=())
+    journaled: bool = False  # (rollback: the step journal copies before each update, device ones too)
 
     @property
     def programs(self) -> tuple[Program, Program, Program]:
@@ -167,15 +168,18 @@ class Variant:
         return list(pool_sizes(self.programs)[0])
 
     def ledger(
-        self, grad_accum_steps: int = 1, rollback: bool = False, rank: int = 0, optimizer: HostOptimizerStates | None = None
+        self, grad_accum_steps: int = 1, rollback: bool | None = None, rank: int = 0, optimizer: HostOptimizerStates | None = None
     ) -> Ledger:
         """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
         for all three programs, then the train program; under data parallel, of rank ``rank``
         (its host shards). ``optimizer``: the host optimizer's states (default AdamW's; a
-        compiled model's: ``cm.optimizer.host_states(variant.graph.groups)``)."""
+        compiled model's: ``cm.optimizer.host_states(variant.graph.groups)``). ``rollback``:
+        count the step journal's copies (default: whether this variant was compiled with
+        rollback, :attr:`journaled`: a device update copies inside its own action, so its
+        program has no ``SN`` that says so)."""
         return replay(
             self.train, programs=self.programs, group_bytes=[g.host_master_bytes for g in self.graph.groups],
-            grad_accum_steps=grad_accum_steps, rollback=rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
+            grad_accum_steps=grad_accum_steps, rollback=self.journaled if rollback is None else rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
             rank=rank, optimizer=optimizer,
         )  # fmt: skip
 
@@ -334,4 +338,4 @@ def compile_variant(
         clip_in_step=options.clip_in_step, rollback=options.rollback, loss_scaling=options.loss_scaling,
     )  # fmt: skip
     passes += ["lower", "derive"] + (["verify"] if verify else [])
-    return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes))
+    return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes), journaled=options.rollback)
