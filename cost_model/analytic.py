@@ -315,6 +315,8 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
             inputs=tuple(value(v) for v in st.inputs),
             outputs=tuple(value(v) for v in st.outputs),
             state_bytes=st.state_bytes,
+            # (a group updated on the device keeps its fp32 master there in mixed precision)
+            device_master_bytes=st.update_bytes if st.update_group is not None and e < 4 else 0,
         )
         for st in specs
     ]
