@@ -733,8 +733,6 @@ def _check_ddp_results(results: list[list[dict]], configs: list[dict], world: in
 
 DDP_CONFIGS = [
     dict(name="gpt_tied", window=1),
-    dict(name="gpt_tied", window=5, accum=2),  # W = all 5 stages
-    dict(name="gpt_mask", window=2, overlap_update=False),  # step() runs U and AG itself
     dict(name="gpt_tied", window=2, resume=True),  # whole torch states loaded before the first call
     dict(name="gpt_tied", window=None, policy=shfx.ZeroInfinity()),
     dict(name="mlp_frozen", window=2, accum=2),  # frozen parameters in a group's image
@@ -743,6 +741,19 @@ DDP_CONFIGS = [
     dict(name="gpt_tied", window=2, max_grad_norm=0.05),
     dict(name="mlp", window=2, accum=2, max_grad_norm=0.05, norm_type=float("inf")),
 ]
+
+# (the slow run; by default accumulation and overlap_update=False under data parallel run in the
+# agreed spawn's configs)
+DDP_CONFIGS_SLOW = [
+    dict(name="gpt_tied", window=5, accum=2),  # W = all 5 stages
+    dict(name="gpt_mask", window=2, overlap_update=False),  # step() runs U and AG itself
+]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_ddp_bitwise_more_configs(tmp_path):
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=240, configs=DDP_CONFIGS_SLOW)
+    _check_ddp_results(results, DDP_CONFIGS_SLOW, 2)
 
 
 def test_two_ranks_match_ddp_bitwise(tmp_path):
@@ -771,6 +782,7 @@ BF16_CONFIGS = [
 ]
 
 
+@pytest.mark.slow  # (bf16 under data parallel by default: the agreed spawn's bf16 configs and tests/test_combinations.py)
 def test_two_ranks_in_bf16_match_ddp_bitwise(tmp_path):
     """precision='bf16' on 2 ranks vs the eager mixed-precision recipe under DDP (DDP on a bf16
     copy of the model, fp32 masters, ``master.grad = p16.grad.float()``, fused AdamW on the
@@ -802,10 +814,6 @@ FP16_CONFIGS = [
     # reduced fp16 gradients summed in fp16)
     dict(name="mlp", window=2, accum=2, overlap_update=False, precision="fp16", max_grad_norm=0.05,
          scaler=dict(init_scale=1024.0), poison=(2, 0, "batch")),
-    # cm.clip_grad_norm_ (torch's call) on a tied embedding, and inf in rank 1's gradient shard
-    # alone (no other rank's shard, nor the eager gradients, see it: NR0's total is inf on both)
-    dict(name="gpt_tied", window=2, overlap_update=False, precision="fp16", scaler=dict(init_scale=1024.0), clip_call=0.05,
-         poison=(1, 1)),
     # the overlapped update (the default; rollback, issue 25): an overflow in rank 0's shard of the
     # first stage's group, found after the later groups were updated and all-gathered: the verdict
     # NR0 makes both ranks undo the step, skip it and back the scale off alike
@@ -921,8 +929,6 @@ AGREED_CONFIGS = [
     # both ranks; the verdict NR0 makes both undo (each its shards, the images by one all-gather
     # per group) and skip; with the NVMe tier (the states' undo: their previous version on the SSD)
     dict(name="gpt_mask", window=2, skip_nonfinite=True, poison=(1, 1), offload=_nvme(1)),
-    # without skip_nonfinite: both undo and raise NonFiniteGradient naming rank 0's shard
-    dict(name="mlp", window=2, rollback=True, poison=(1, 0)),
     # rank 0's update raises: both undo and raise (rank 1 naming rank 0), then cm.step() again applies it
     dict(name="mlp", window=2, rollback=True, fail=(1, 0, "retry")),
     # skip_nonfinite with the updates in step(): rank 1 alone sees inf in its gradient shard;
@@ -935,10 +941,6 @@ AGREED_CONFIGS = [
     # with skip_nonfinite: rank 0's inf targets make the reduced total inf on both ranks
     dict(name="mlp", window=2, overlap_update=False, max_grad_norm=0.05, skip_nonfinite=True, poison=(2, 0, "batch")),
     # cm.clip_grad_norm_ (torch's call): the program's NR0 and CK0 issued by the call
-    dict(name="gpt_tied", window=2, overlap_update=False, clip_call=0.05),
-    dict(name="mlp", window=2, accum=2, overlap_update=False, clip_call=0.05, norm_type=float("inf")),
-    # ... and overriding the compiled max_grad_norm of the overlapped exact clipping for the step
-    dict(name="gpt_tied", window=2, max_grad_norm=1.0, clip_call=0.05),
     dict(name="gpt_tied", window=2, accum=2, precision="bf16", overlap_update=False, skip_nonfinite=True, clip_call=0.05,
          poison=(1, 1)),
     # the NVMe tier (issue 25): each rank its shard's AdamW states on its own SSD file, read through
@@ -949,6 +951,40 @@ AGREED_CONFIGS = [
     dict(name="gpt_tied", window=2, max_grad_norm=0.05, offload=_nvme(2)),
 ]  # fmt: skip
 
+
+# (moved to the slow run to keep the default suite under 12 minutes: each behaviour keeps a
+# default config above, in this spawn or in tests/test_combinations.py's sample)
+AGREED_CONFIGS_SLOW = [
+    # without skip_nonfinite: both undo and raise NonFiniteGradient naming rank 0's shard
+    dict(name="mlp", window=2, rollback=True, poison=(1, 0)),
+    dict(name="gpt_tied", window=2, overlap_update=False, clip_call=0.05),
+    dict(name="mlp", window=2, accum=2, overlap_update=False, clip_call=0.05, norm_type=float("inf")),
+    # ... and overriding the compiled max_grad_norm of the overlapped exact clipping for the step
+    dict(name="gpt_tied", window=2, max_grad_norm=1.0, clip_call=0.05),
+    # (fp16) cm.clip_grad_norm_ (torch's call) on a tied embedding, and inf in rank 1's gradient shard
+    # alone (no other rank's shard, nor the eager gradients, see it: NR0's total is inf on both)
+    dict(name="gpt_tied", window=2, overlap_update=False, precision="fp16", scaler=dict(init_scale=1024.0), clip_call=0.05,
+         poison=(1, 1)),
+    dict(name="gpt_tied", window=None, policy=shfx.Resident()),  # (a tied embedding: a borrowed device gradient)
+    # in 16 bits: each device group's fp32 master on the device all-gathered from the ranks' master
+    # shards at the first call, its RS all-reduces the 16-bit device gradient (DDP on the 16-bit
+    # copy); cm.sync() writes each rank's shard of the device master into its host master shard
+    dict(name="gpt_tied", window=None, policy=shfx.Resident(), precision="bf16"),
+    # SGD without the tier's resume, bf16 with accumulation; Adafactor in bf16, and with the tier
+    dict(name="mlp_frozen", window=2, optimizer="sgd", resume=True),
+    dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="sgd", max_grad_norm=0.05),
+    dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="adafactor"),
+    dict(name="mlp", window=2, optimizer="adafactor", offload=_nvme(2)),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_more_configs(tmp_path):
+    """:data:`AGREED_CONFIGS_SLOW`: every config bitwise as DDP (the outcomes of the poisoned ones
+    as :func:`test_two_ranks_agree_to_skip_and_clip_like_ddp` checks them)."""
+    by_config = _spawn_by_config(tmp_path, AGREED_CONFIGS_SLOW, timeout_s=600)
+    configs = AGREED_CONFIGS_SLOW
+    _check_ddp_results([list(r) for r in zip(*(by_config[id(c)] for c in configs))], configs, 2)
 
 def test_bf16_moves_half_the_gradient_bytes_of_fp32(agreed_results):
     """The bytes each rank moves (issue 25), counted by the runtime (``dp.bytes_moved``, the
@@ -1018,7 +1054,6 @@ def test_two_ranks_agree_to_skip_and_clip_like_ddp(agreed_results):
 DEVICE_CONFIGS = [
     # groups updated on the device (issue 25), replicated as DDP replicates every parameter: RS g
     # all-reduces the device gradient (* 1/2, SUM) after its last B, every rank runs the same DU g
-    dict(name="gpt_tied", window=None, policy=shfx.Resident()),  # (a tied embedding: a borrowed device gradient)
     dict(name="mlp", window=None, policy=shfx.L2L()),  # streamed: RS, DU, OP before the slot is released
     # one device group beside sharded host groups, with exact clipping: GN on the device after
     # its RS, NR0 takes rank 0's norms of it
@@ -1026,10 +1061,6 @@ DEVICE_CONFIGS = [
     # ZeRO-Offload's delayed update: RS in the backward, U and AG in the delayed phase (vs DDP with
     # the one-step-delayed update)
     dict(name="mlp", window=None, policy=shfx.ZeroOffload(delayed_update=True), steps=4),
-    # in 16 bits: each device group's fp32 master on the device all-gathered from the ranks' master
-    # shards at the first call, its RS all-reduces the 16-bit device gradient (DDP on the 16-bit
-    # copy); cm.sync() writes each rank's shard of the device master into its host master shard
-    dict(name="gpt_tied", window=None, policy=shfx.Resident(), precision="bf16"),
     # fp16 with one device group beside sharded host ones: rank 0's inf batch makes the all-reduced
     # device gradient and the host shards overflow; both ranks undo, skip and back the scale off
     dict(name="mlp", window=None, policy=shfx.Stronghold(window=2, resident_first=1), precision="fp16",
@@ -1197,19 +1228,15 @@ OPTIMIZER_CONFIGS = [
     # borrowed gradient); a resume from torch SGD's state dict (each rank keeps its ranges of
     # it) with a frozen layer; bf16 with accumulation and exact clipping
     dict(name="gpt_tied", window=2, optimizer="sgd"),
-    dict(name="mlp_frozen", window=2, optimizer="sgd", resume=True),
-    dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="sgd", max_grad_norm=0.05),
     # Adafactor, replicated: the gradient all-reduced, every rank updates every group whole;
     # fp32 with the overlapped exact clipping (NR0: rank 0 alone contributes the norms), bf16
     # with accumulation, and an agreed skip with clipping in step() (.grad compared with DDP's)
     dict(name="gpt_tied", window=2, optimizer="adafactor", max_grad_norm=0.05),
-    dict(name="mlp", window=2, accum=2, precision="bf16", optimizer="adafactor"),
     dict(name="mlp", window=2, optimizer="adafactor", overlap_update=False, max_grad_norm=0.05, skip_nonfinite=True,
          poison=(2, 0, "batch")),
     # the NVMe tier (issue 25): SGD's momentum shard on each rank's SSD file (resumed from torch's
     # state dict: the load written to the SSD), Adafactor's whole factored states
     dict(name="mlp_frozen", window=2, optimizer="sgd", resume=True, offload=_nvme(1)),
-    dict(name="mlp", window=2, optimizer="adafactor", offload=_nvme(2)),
 ]  # fmt: skip
 
 # the same on the GPT in bf16, SGD with dampening, and Adafactor's clipping in step()
@@ -1348,12 +1375,16 @@ def test_checkpoint_of_two_ranks_resumes_and_loads_in_one_process(tmp_path):
     train two more steps (and meet in a barrier on the default group); the checkpoint holds the
     state at the save: the resume is bitwise and one process loads every rank's ranges."""
     ckpt = str(tmp_path / "ckpt")
+    # (the NVMe tier, issue 25: the states each rank saves from and loads to its SSD file: by
+    # default through the async save's resume (bf16, a load after a step written to the SSD);
+    # with SHFX_SLOW=1 also synchronous, and fp32's load before the first call)
+    nvme = ("fp32", "bf16") if os.environ.get("SHFX_SLOW") == "1" else ()  # (by default: the async save below)
     by_rank = _spawn(
-        tmp_path, 2, "checkpoint", timeout_s=420, ckpt=ckpt, precisions=["fp32", "bf16"], nvme=("fp32", "bf16"), nvme_async=("bf16",)
+        tmp_path, 2, "checkpoint", timeout_s=420, ckpt=ckpt, precisions=["fp32", "bf16"], nvme=nvme, nvme_async=("bf16",)
     )
     for precision in ("fp32", "bf16"):
         _checkpoint_check(f"{ckpt}-{precision}", [res[precision] for res in by_rank], precision)
-        # the NVMe tier (issue 25): the states each rank saves from and loads to its SSD file
+    for precision in nvme:
         _checkpoint_check(f"{ckpt}-{precision}-nvme", [res[f"{precision}-nvme"] for res in by_rank], precision)
     # async_save=True (issue 25): each rank's snapshot, the write in a background thread while training goes on
     _checkpoint_check(f"{ckpt}-bf16-nvme-async", [res["bf16-nvme-async"] for res in by_rank], "bf16")

@@ -450,7 +450,15 @@ def test_fp16_trains_fewer_layers_than_bf16_on_a_host_bound_machine():
     assert largest_trainable("stronghold", replace(REF, precision="fp16"), V100, rollback=False).layers == rows["bf16"].layers
 
 
-def test_closed_form_is_the_ledger_in_16_bit():
+_POLICIES_16 = (("stronghold", {"window": 2}), ("stronghold", {"window": 3}), ("zero-offload", {}), ("zero-infinity", {}),
+                ("resident", {}), ("l2l", {}), ("stronghold", {"window": 2, "resident_first": 1}))  # fmt: skip
+
+
+# (the default run: one host-updating policy and one with a device group; every policy in the slow run)
+@pytest.mark.parametrize(
+    "policies", [_POLICIES_16[::6], pytest.param(_POLICIES_16[1:6], marks=pytest.mark.slow)], ids=["sample", "rest"]
+)
+def test_closed_form_is_the_ledger_in_16_bit(policies):
     """In bf16 and fp16 the GPT closed form is the ledger of the real 16-bit capture (the
     compile pipeline's precision=), for every policy: the 16-bit image, two staging buffers for
     the casts, the 16-bit loss and pending gradient, fp16's rollback copies, and for the groups
@@ -460,9 +468,7 @@ def test_closed_form_is_the_ledger_in_16_bit():
         model = GPT(fam)
         idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
     for precision in ("bf16", "fp16"):
-        for policy, kw in (("stronghold", {"window": 2}), ("stronghold", {"window": 3}), ("zero-offload", {}),
-                           ("zero-infinity", {}), ("resident", {}), ("l2l", {}),
-                           ("stronghold", {"window": 2, "resident_first": 1})):  # fmt: skip
+        for policy, kw in policies:
             want = memory_model(policy, replace(fam, precision=precision), EMU, **kw)
             got = memory_for_model(policy, model, (idx, idx), EMU, precision=precision, **kw)
             assert got.device == want.device, (precision, policy, kw)
