@@ -18,6 +18,7 @@ import torch
 
 import shfx
 from mixed_reference import cast_inputs, make_working_copy
+from test_mixed_device import _poison_next_backward  # (the same injection: the head's gradient)
 from zoo import ZOO, gpt, loss_of, token_batch
 
 POLICIES = {
@@ -41,6 +42,7 @@ OPTIMIZERS = {
         lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01, foreach=True),
     ),
 }
+
 
 
 def _small():
@@ -132,22 +134,6 @@ def compiled(name: str, opt: str, precision: str, steps: int, policy, *, max_nor
     by_name = {id(p): k for k, p in model.named_parameters()}
     out["state"] = {by_name[id(p)]: {n: t.clone() for n, t in s.items()} for p, s in cm.optimizer.state.items()}
     return out
-
-
-def _poison_next_backward(cm) -> None:
-    """Write inf into element 0 of the first parameter's gradient (the head's, the last backward)."""
-    router = cm.engine.gradients
-    orig = router.write
-
-    def write(ctx, stage, slot, views, keys, grads, grads_to):
-        if stage.index == 0:
-            grads = list(grads)
-            grads[0] = grads[0].clone()
-            grads[0].view(-1)[0] = float("inf")
-            router.write = orig
-        return orig(ctx, stage, slot, views, keys, grads, grads_to)
-
-    router.write = write
 
 
 def _assert_same(got: dict, ref: dict) -> None:
