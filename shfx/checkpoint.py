@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint_format import (  # noqa: F401 - each name stays importable from here (shfx.checkpoint.STATE_FILE, ...)
+    AsyncSave,
     FORMAT,
     STATE_FILE,
     _IMPL,
@@ -183,37 +184,6 @@ def _state(model_sd: dict[str, torch.Tensor], named_params: Any, optimizer: Any)
     return tensors, {"param_groups": groups, "steps": steps}
 
 
-class AsyncSave:
-    """A save running in a background thread (``cm.save_checkpoint(..., async_save=True)``):
-    :meth:`wait` joins it and re-raises what it raised."""
-
-    def __init__(self, path: str, tensors: dict[str, Any] | None = None, meta: dict[str, Any] | None = None, *,
-                 job: Callable[[], None] | None = None):  # fmt: skip
-        """Write ``tensors`` and ``meta`` to ``path`` atomically in the thread; or run ``job``
-        there instead (data parallel's save of every rank's pieces: :mod:`shfx.dp_checkpoint`)."""
-        self.path = path
-        self.error: BaseException | None = None
-        if job is None:
-            job = lambda: _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))  # noqa: E731
-        self._thread = threading.Thread(target=self._run, args=(job,), name="shfx-checkpoint", daemon=True)
-        self._thread.start()
-
-    def _run(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except BaseException as e:  # re-raised by wait()
-            self.error = e
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            e, self.error = self.error, None
-            raise RuntimeError(f"the asynchronous checkpoint save to {self.path!r} failed: {e}") from e
-
-
 def _stage(tensors: Any, staging: dict[str, torch.Tensor], prefix: str = "") -> Any:
     """A copy of the nested tensor dict ``tensors`` in host buffers kept in ``staging`` (reused
     by the next asynchronous save when the shapes match)."""
@@ -246,7 +216,8 @@ def save(
     if not async_save:
         _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))
         return None
-    return AsyncSave(os.path.abspath(path), _stage(tensors, cm._checkpoint_staging), meta)
+    tensors, path = _stage(tensors, cm._checkpoint_staging), os.path.abspath(path)
+    return AsyncSave(path, job=lambda: _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta)))
 
 
 # ---- reading ---------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import os
 import random
 import shutil
 import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -301,3 +303,31 @@ def _load_common(meta: dict[str, Any], path: str, scheduler: Any, scaler: Any, r
         scaler.load_state_dict(meta["scaler"])
     if restore_rng:
         set_rng_state(meta["rng"])
+
+
+class AsyncSave:
+    """A save running in a background thread (``cm.save_checkpoint(..., async_save=True)``):
+    ``job`` (the atomic write of a staged checkpoint: :mod:`shfx.checkpoint`; every rank's
+    pieces under data parallel: :mod:`shfx.dp_checkpoint`) runs there; :meth:`wait` joins it
+    and re-raises what it raised."""
+
+    def __init__(self, path: str, *, job: Callable[[], None]):
+        self.path = path
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(job,), name="shfx-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # re-raised by wait()
+            self.error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RuntimeError(f"the asynchronous checkpoint save to {self.path!r} failed: {e}") from e

@@ -452,9 +452,7 @@ def save(cm, path: str, *, extra: Any = None, scheduler: Any = None, async_save:
             os.fsync(f.fileno())
 
     if async_save:
-        from .checkpoint import AsyncSave
-
-        return AsyncSave(os.path.abspath(path), job=lambda: _atomic_write_group(path, write, finish, group, int(dp.rank)))
+        return _fmt.AsyncSave(os.path.abspath(path), job=lambda: _atomic_write_group(path, write, finish, group, int(dp.rank)))
     _atomic_write_group(path, write, finish, group, int(dp.rank))
     return None
 
