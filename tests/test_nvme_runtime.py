@@ -70,6 +70,22 @@ def assert_bitwise(a, b) -> None:
             assert torch.equal(oa["state"][i][f], ob["state"][i][f]), (i, f)
 
 
+
+def _resumed_third_step(cm, ckpt, ref) -> dict:
+    """Load ``ckpt`` (saved after 2 steps) into ``cm`` and train step 2: the loss, weights and
+    optimizer states equal ``ref``'s (train()'s 3 steps); returns the optimizer's state."""
+    cm.load_checkpoint(ckpt)
+    args, kwargs, aux = token_batch(2)
+    torch.manual_seed(10_000 + 200)
+    loss = loss_of(cm(*args, **kwargs), aux)
+    loss.backward()
+    cm.step()
+    assert torch.equal(loss, ref[0][2])
+    assert all(torch.equal(v, ref[1][k]) for k, v in cm.state_dict().items())
+    opt = cm.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt[i][f], ref[2]["state"][i][f]) for i in opt for f in opt[i])
+    return opt
+
 def nvme(tmp_path, host_window=1, **kw) -> shfx.Offload:
     return shfx.Offload(optimizer="nvme", path=str(tmp_path / "ssd"), host_window=host_window, **kw)
 
@@ -257,16 +273,8 @@ def test_rollback_and_checkpoints_of_the_other_optimizers(tmp_path, optimizer):
     torch.manual_seed(0)
     cm2 = shfx.compile(gpt(), device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
                        optimizer=OPTIMIZERS[optimizer](), offload=nvme(tmp_path / "b", 2), recompute="full")  # fmt: skip
-    cm2.load_checkpoint(ckpt)
-    args, kwargs, aux = token_batch(2)
-    torch.manual_seed(10_000 + 200)
-    loss = loss_of(cm2(*args, **kwargs), aux)
-    loss.backward()
-    cm2.step()
-    assert torch.equal(loss, ref[0][2])
-    assert all(torch.equal(v, ref[1][k]) for k, v in cm2.state_dict().items())
-    opt = cm2.optimizer.state_dict()["state"]
-    assert opt and all(torch.equal(opt[i][f], ref[2]["state"][i][f]) for i in opt for f in opt[i])
+    opt = _resumed_third_step(cm2, ckpt, ref)
+    assert opt
     cm2.load_checkpoint(ckpt)  # into the running model: written to the SSD
     assert all(int(e["step"]) == 2 for e in cm2.optimizer.state_dict()["state"].values() if "step" in e)
     cm2.close()
@@ -427,16 +435,7 @@ def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
     model = gpt()
     cm2 = shfx.compile(model, device=shfx.EmulatedDevice(memory="256MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
                        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=nvme(tmp_path / "b", 1))  # fmt: skip
-    cm2.load_checkpoint(ckpt)
-    args, kwargs, aux = token_batch(2)
-    torch.manual_seed(10_000 + 200)
-    loss = loss_of(cm2(*args, **kwargs), aux)
-    loss.backward()
-    cm2.step()
-    assert torch.equal(loss, ref[0][2])
-    assert all(torch.equal(v, ref[1][k]) for k, v in cm2.state_dict().items())
-    opt = cm2.optimizer.state_dict()["state"]
-    assert all(torch.equal(opt[i][f], ref[2]["state"][i][f]) for i in opt for f in opt[i])
+    _resumed_third_step(cm2, ckpt, ref)
     # and loading into a running NVMe model writes the SSD
     cm2.load_checkpoint(ckpt)
     assert int(cm2.optimizer.state_dict()["state"][0]["step"]) == 2
