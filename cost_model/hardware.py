@@ -7,7 +7,7 @@ measurements; treat them as defaults to replace with your own (``Hardware(...)``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shfx.passes.units import format_bandwidth, format_bytes
 
@@ -197,6 +197,49 @@ PROFILES: dict[str, Hardware] = {
         ssd_write_bps=6 * GB,
     ),
 }
+
+# ---- beyond host RAM (issue 26): a consumer card with one SSD, an H100 with four --------------
+# NOTE: cited figures; where a figure is an estimate (not on a spec sheet, not measured by the
+# source) the comment says so. The SSD capacity stays 0 as in every profile: give it (--ssd).
+
+# RTX 4090 (AD102), the card LoHan (arXiv 2403.06504) fine-tunes a 175B model on:
+# - 24 GB GDDR6X, 1008 GB/s, PCIe 4.0 x16; dense BF16/FP16 tensor throughput with FP32 accumulate
+#   165.2 TFLOP/s, TF32 82.6, FP32 (non-tensor) 82.6 (NVIDIA Ada Lovelace architecture
+#   whitepaper, RTX 4090 column). 165.5 TF/s BF16/FP32-accumulate was measured at stock clocks
+#   (github.com/JustAResearcher/gpu-unlock-ada, rtx4090-register-report.md, "Baseline" column).
+#   Achieved matmul rates below are estimates, ~90% of those (as this file's other profiles).
+# - host link: PCIe 4.0 x16, ~25 GB/s pinned one way, H2D falling to ~11 while D2H runs (REFERENCE.md).
+# - SSD: one consumer PCIe 4.0 x4 NVMe drive, e.g. Samsung 990 PRO: up to 7,450 MB/s sequential
+#   read and 6,900 MB/s write (Samsung's spec sheet); 7 / 6 GB/s achieved (an estimate: sustained
+#   writes past the drive's SLC cache are lower, measure yours).
+# - host: 256 GiB of RAM (LoHan's "256 GB main memory", arXiv 2403.06504v2 abstract); 32 cores
+#   and ~100 GB/s of host memory bandwidth are estimates for a workstation (not from LoHan).
+PROFILES["RTX4090-24GB"] = Hardware(
+    name="RTX4090-24GB",
+    device_memory_bytes=24 * GiB,
+    flops={"float32": 60e12, "tf32": 75e12, "bfloat16": 150e12, "float16": 150e12},
+    device_mem_bps=900 * GB,
+    h2d_bps=25 * GB,
+    d2h_bps=25 * GB,
+    duplex=0.45,
+    link_latency_s=8e-6,
+    host_cores=32,
+    host_mem_bps=100 * GB,
+    host_memory_bytes=256 * GiB,
+    ssd_read_bps=7 * GB,
+    ssd_write_bps=6 * GB,
+)
+
+# H100 (PCIe 5) with four NVMe drives striped (RAID-0), as DeepNVMe reads and writes them: the
+# device, link and host of "H100-80GB-PCIe5" above, the SSD figures DeepNVMe measured with four
+# NVMe SSDs in RAID-0 and CPU buffers: "10GB/sec reads and 5GB/sec writes" (DeepSpeed blog
+# "DeepNVMe: Improving DL Applications through I/O Optimizations", 2024,
+# github.com/microsoft/DeepSpeed blogs/deepspeed-gds/README.md, Figure 1; four drives of 3.25 GB/s
+# read each, Azure NC96ads_A100_v4). REFERENCE.md quotes ~27 / 11 GB/s for four PCIe 5 drives
+# (not checked here): replace(PROFILES["H100-80GB-4xNVMe"], ssd_read_bps=27e9, ssd_write_bps=11e9).
+PROFILES["H100-80GB-4xNVMe"] = replace(
+    PROFILES["H100-80GB-PCIe5"], name="H100-80GB-4xNVMe", ssd_read_bps=10 * GB, ssd_write_bps=5 * GB
+)
 
 
 @dataclass(frozen=True)
