@@ -54,9 +54,27 @@ __all__ = [
     "memory_for_model",
     "plan_for_model",
     "updates_on_device",
+    "BEYOND_RAM_TIERS",
+    "ACTIVATIONS_OFFLOADED",
 ]
 
 
+
+BEYOND_RAM_TIERS: dict[str, dict] = {
+    "nvme-all": {"nvme_all": True},
+    "nvme-all+act-host": {"nvme_all": True, "activations": "host"},
+    "nvme-all+act-nvme": {"nvme_all": True, "activations": "nvme"},
+}
+"""The tiers beyond host RAM (issue 26) as :func:`memory_model` options, by the suffix of their
+plan row (``stronghold+nvme-all``, ...; ``plan(..., tiers=...)``, ``shfx plan --tiers``):
+parameters, gradients and optimizer states on the SSD with bounded host windows
+(``shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme")``), and the checkpointed
+boundary activations offloaded to host RAM or the SSD (``Offload(activations="host"|"nvme")``)."""
+
+ACTIVATIONS_OFFLOADED = "activations (offloaded)"
+"""The host and SSD term of offloaded boundary activations (``memory_model(activations=...)``)."""
+
+_BEYOND_RAM_SSD_TERMS = ("working copy (16-bit)", "gradients (fp32)", "rollback copies", ACTIVATIONS_OFFLOADED)
 
 DEFAULT_HOST_WINDOW = 2
 """The NVMe tier's host window the planner counts when none is given (``shfx plan --host-window``):
@@ -418,6 +436,8 @@ def memory_model(
     host_window: int | None = None,
     nvme_masters: bool | None = None,
     ranks: int | None = None,
+    nvme_all: bool = False,
+    activations: str | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes per tier and term when ``policy`` trains ``family`` (at ``family.layers``) on
     ``hardware``.
@@ -460,6 +480,18 @@ def memory_model(
             for a group updated on the device its weights in the slot too). Default: what
             ``shfx.compile`` does at ``family.precision``: on for ``float16`` (the loss scaler
             undoes the updates an overflowing step already ran), off otherwise.
+        nvme_all: the tier beyond host RAM (``stronghold`` with ``resident_first=0``, one rank):
+            every group's parameters (the fp32 master and, in mixed precision, the 16-bit image),
+            fp32 gradient and AdamW m and v on the SSD; the host holds ``host_window`` groups'
+            image, master, gradient, m and v (each as large as the largest group's), their step
+            counters, two pinned staging buffers of the largest group's fp32 size and the tied
+            embedding's pending gradient (:func:`_nvme_all_terms`; ``shfx.Offload(params="nvme",
+            gradients="nvme", optimizer="nvme")``).
+        activations: ``"host"`` or ``"nvme"`` (``stronghold``, with checkpointing): the
+            checkpointed boundary activations leave the device after their stage's forward and
+            come back before its backward (``Offload(activations=...)``): the device keeps those of
+            the ``window + 1`` stages in flight; host RAM (or the SSD, through two pinned buffers
+            of one activation on the host) holds all ``l + 1``: term :data:`ACTIVATIONS_OFFLOADED`.
         ranks: data parallel over this many ranks (default: the target's, 1 without data
             parallel). The terms are then one rank's: the device's unchanged, the host's as the
             ledger counts them (:func:`shfx.passes.ledger.host_terms` with ``ranks``): the fp32
@@ -487,6 +519,7 @@ def memory_model(
     ranks = _ranks(tgt, ranks)
     workspace_bytes, allocator_slack, working_set = _resolve(tgt, workspace_bytes, allocator_slack, working_set)
     fam = family
+    _check_beyond_ram(policy, resident_first, ranks, fam, nvme_all, activations)
     rollback = fam.rollback_default if rollback is None else rollback
     L, h, a, s, b, V = fam.layers, fam.hidden, fam.heads, fam.seq, fam.batch, fam.vocab
     elt = fam.param_bytes
@@ -518,7 +551,9 @@ def memory_model(
     inputs = 8 * b * s * (2 if fam.loss_in_model else 1)  # int64 token ids (and targets)
     out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (a scalar, in fp32 as the GPT computes it) or the logits
     korthikanti = s * b * h * (34 + (5 * a * s / h if attention_scores else 0)) * elt / 2  # bytes per layer
-    if fam.checkpointing:
+    if fam.checkpointing and activations is not None:
+        acts = inputs + min(L + 1, window + 1) * A + out  # only the stages in flight keep theirs on the device
+    elif fam.checkpointing:
         acts = inputs + (L + 1) * A + out  # the head's and every block's output, kept for the backward
     else:
         acts = inputs + A + int(L * korthikanti) + out  # every layer's activations
@@ -581,7 +616,7 @@ def memory_model(
         host = _dp_host(fam, L, ranks, group32, group16 if working else None, rollback, host, host_groups)
     ssd: dict[str, int] = {}
     host_updating = ("stronghold", "zero-offload", "zero-infinity")  # (resident and l2l update on the device)
-    tier = bool(nvme) and policy in host_updating and host_trainable > 0
+    tier = bool(nvme) and policy in host_updating and host_trainable > 0 and not nvme_all
     if nvme and policy not in host_updating:
         raise ValueError(
             f"the NVMe tier is a field of the policies updating on the host ('stronghold', 'zero-offload', 'zero-infinity'), "
@@ -620,6 +655,14 @@ def memory_model(
                 "optimizer states (m, v)": host.pop("optimizer states (m, v)"),
             }
             host = {"master parameters (fp32)": 0, "optimizer states (m, v)": 0, **host}
+    if nvme_all:
+        host, ssd, host_window = _nvme_all_terms(fam, L, group32, group16, host_window, rollback, host["pending tied gradient"])
+    if activations is not None:
+        if activations == "host":
+            host[ACTIVATIONS_OFFLOADED] = (L + 1) * A
+        else:  # on the SSD, through pinned bounce buffers on the host
+            host[ACTIVATIONS_OFFLOADED] = _STAGING_BUFFERS * A
+            ssd = {**ssd, ACTIVATIONS_OFFLOADED: (L + 1) * A}
     settings = {
         "window": window,
         "resident_first": resident_first,
@@ -634,7 +677,62 @@ def memory_model(
         settings["ranks"] = ranks
     if tier:
         settings.update(nvme=True, host_window=host_window, nvme_masters=bool(nvme_masters))
+    if nvme_all:
+        settings.update(nvme_all=True, host_window=host_window)
+    if activations is not None:
+        settings["activations"] = activations
     return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
+
+
+def _check_beyond_ram(policy: str, resident_first: int, ranks: int, fam: GPTShape, nvme_all: Any, activations: Any) -> None:
+    """The preconditions of :func:`memory_model`'s ``nvme_all`` and ``activations``."""
+    if not isinstance(nvme_all, bool):
+        raise ValueError(f"nvme_all must be True or False, got {nvme_all!r}")
+    if activations not in (None, "host", "nvme"):
+        raise ValueError(f"activations must be None, 'host' or 'nvme' (where offloaded boundary activations go), got {activations!r}")
+    if not (nvme_all or activations):
+        return
+    what = "nvme_all" if nvme_all else f"activations={activations!r}"
+    if policy != "stronghold" or resident_first:
+        raise ValueError(
+            f"{what} is modelled for the 'stronghold' policy with resident_first=0 (every group streamed and updated "
+            f"on the host), not {policy!r} with resident_first={resident_first}"
+        )
+    if ranks > 1:
+        raise ValueError(f"{what} is not modelled with data parallel ({ranks} ranks); drop one")
+    if activations and not fam.checkpointing:
+        raise ValueError(f"activations={activations!r} offloads checkpointed boundary activations: it needs checkpointing=True")
+
+
+def _nvme_all_terms(
+    fam: GPTShape, L: int, group32: dict, group16: dict, host_window: int, rollback: bool, pending_tied: int
+) -> tuple[dict[str, int], dict[str, int], int]:  # fmt: skip
+    """Host and SSD terms of the tier beyond host RAM (``memory_model(nvme_all=True)``) and its
+    host window (clamped to the groups).
+
+    SSD: every group's fp32 master, AdamW m and v, fp32 gradient and (mixed precision) 16-bit
+    image; with rollback the previous version of master, m and v (the journal's undo). Host:
+    ``H`` window buffers, each the largest group's image + master + gradient + m + v (in fp32 the
+    image is the master), the step counters, two pinned staging buffers of the largest group's
+    fp32 size, and the tied embedding's pending gradient (the tail's, added to the head's)."""
+    counts = {"head": 1, "block": L, "tail": 1}
+    groups = sum(counts.values())
+    H = min(host_window, groups)
+    master = sum(group32[k] * c for k, c in counts.items())
+    image = sum(group16[k] * c for k, c in counts.items()) if fam.mixed else 0
+    window_group = max((group16[k] if fam.mixed else 0) + 4 * group32[k] for k in counts)
+    host = dict.fromkeys(HOST_TERMS, 0)
+    host[HOST_WINDOW] = H * window_group + _STEP_BYTES * groups
+    host["gradient staging (pinned)"] = _STAGING_BUFFERS * max(group32.values())
+    host["pending tied gradient"] = pending_tied
+    ssd = {
+        "master parameters (fp32)": master,
+        "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * master,
+        "working copy (16-bit)": image,
+        "gradients (fp32)": master,
+        "rollback copies": 3 * master if rollback else 0,
+    }
+    return host, ssd, H
 
 
 def _ranks(tgt: Target, ranks: int | None) -> int:
@@ -804,7 +902,8 @@ def largest_trainable(policy: str | Policy, family: GPTShape, hardware: Any, *, 
             else:
                 hi = mid
         best = max(best, start + lo * period)
-    label = policy + ("+nvme" if memory_kw.get("nvme") else "")
+    label = policy + ("+nvme-all" if memory_kw.get("nvme_all") else "+nvme" if memory_kw.get("nvme") else "")
+    label += f"+act-{memory_kw['activations']}" if memory_kw.get("activations") else ""
     if best == 0:
         bd = at(1)
         return PlanRow(label, 0, 0, bd, bd.binding(tgt))
@@ -859,6 +958,9 @@ class Plan:
         hws = sorted({r.breakdown.settings["host_window"] for r in self.rows if r.breakdown.settings.get("nvme")})
         if hws:
             head[-2] += f", NVMe tier: host window {', '.join(map(str, hws))}"
+        beyond = sorted({r.breakdown.settings["host_window"] for r in self.rows if r.breakdown.settings.get("nvme_all")})
+        if beyond:
+            head[-2] += f", beyond RAM (nvme-all): host window {', '.join(map(str, beyond))}"
         width = max([16] + [len(r.policy) + 5 for r in self.rows])
         head.append(f"{'policy':<{width}} {'layers':>7} {'params':>9} {'device':>11} {'host':>11} {'SSD':>11}  limited by")
         for r in self.rows:
@@ -895,6 +997,9 @@ class Plan:
         """One row per policy: layers, params, totals, binding, then every term as
         ``tier:term`` columns (bytes)."""
         cols = [f"device:{t}" for t in DEVICE_TERMS] + [f"host:{t}" for t in HOST_TERMS] + [f"ssd:{t}" for t in SSD_TERMS]
+        # (the tiers beyond host RAM add their own terms: columns only when a row has them)
+        extra = [f"host:{ACTIVATIONS_OFFLOADED}"] + [f"ssd:{t}" for t in _BEYOND_RAM_SSD_TERMS]
+        cols += [c for c in extra if any(c.split(":", 1)[1] in getattr(r.breakdown, c.split(":", 1)[0]) for r in self.rows)]
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["policy", "layers", "params", "device_bytes", "host_bytes", "ssd_bytes", "binding", *cols])
@@ -918,11 +1023,15 @@ def plan(
     max_layers: int = 100_000,
     window: int = 2,
     resident_first: int | str = 0,
+    tiers: Sequence[str] = (),
     **memory_kw,
 ) -> Plan:
     """:func:`largest_trainable` for each policy. ``resident_first`` applies to ``stronghold``
     only (the other policies do not take it; ``"auto"``: the smallest k that trains the most
     layers, trying k = 0, 1, ... until two in a row gain nothing); ``memory_kw`` go to :func:`memory_model`.
+    ``tiers``: names of :data:`BEYOND_RAM_TIERS` (``"nvme-all"``, ``"nvme-all+act-host"``,
+    ``"nvme-all+act-nvme"``), each a ``stronghold`` row (``window``, ``resident_first=0``) after
+    the policies' rows, named ``stronghold+<tier>``.
 
     >>> p = plan(GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304), "V100-32GB-PCIe3")
     >>> [(r.policy, r.layers) for r in p.rows]
@@ -944,6 +1053,11 @@ def plan(
     for name, w, k, nv in unpacked:
         kw = {key: v for key, v in memory_kw.items() if not (nv and key in nv)}
         rows.append(largest_trainable(name, family, tgt, max_layers=max_layers, **dict(kw, window=w, resident_first=k, **nv)))
+    for t in tiers:
+        if t not in BEYOND_RAM_TIERS:
+            raise ValueError(f"unknown tier {t!r}; known: {', '.join(BEYOND_RAM_TIERS)}")
+        kw = {key: v for key, v in memory_kw.items() if key not in ("nvme", "nvme_masters")}
+        rows.append(largest_trainable("stronghold", family, tgt, max_layers=max_layers, **dict(kw, window=window, resident_first=0, **BEYOND_RAM_TIERS[t])))
     ws, slack, wset = _resolve(tgt, memory_kw.get("workspace_bytes"), memory_kw.get("allocator_slack", 0.0), memory_kw.get("working_set"))
     settings = dict(
         window=window,
