@@ -1,0 +1,256 @@
+"""The step time of ``stronghold``'s plan rows, the tiers beyond host RAM included (issue 26).
+
+The planner (:mod:`shfx.cost_model.planner`) says whether a GPT fits; this module says how long
+one step of it takes on a hardware profile with the analytic model (nothing runs), for the rows
+``shfx plan`` prints for ``stronghold``:
+
+- ``None``: everything in host RAM (``stronghold``);
+- ``"nvme"``: shfx's NVMe tier, AdamW m and v on the SSD (``stronghold+nvme``; with
+  ``nvme_masters`` the fp32 master too);
+- ``"nvme-all"``: parameters, gradients and optimizer states on the SSD, the host holding
+  windows (``stronghold+nvme-all``; ``shfx.Offload(params="nvme", gradients="nvme",
+  optimizer="nvme", host_budget=...)``);
+- ``"nvme-all+act-host"``, ``"nvme-all+act-nvme"``: and the checkpointed boundary activations
+  offloaded to host RAM or the SSD (``Offload(activations="host"|"nvme")``).
+
+The step is the longer of two times:
+
+- ``pipeline_s``: :func:`shfx.cost_model.formulas.forward_time_gpt` +
+  :func:`~shfx.cost_model.formulas.backward_time_gpt` (the window schedule's closed form, exact
+  under the simulator's model with full-duplex links) over the stage times of
+  :func:`~shfx.cost_model.formulas.gpt_stage_times`: compute at the profile's matmul rate,
+  prefetches and gradient copies over PCIe, host AdamW updates over host memory bandwidth. With
+  activation offload a block's (and the head's) FORWARD lasts at least its output's copy to the
+  host (the d2h stream is otherwise idle in forward), and a block's backward PREFETCH also
+  brings its checkpoint back (the same h2d stream).
+- ``ssd_s``: :func:`shfx.cost_model.analytic.ssd_bound_s` of the step's SSD bytes
+  (:func:`step_traffic`), the drive's least time for them (reads and writes sharing it by the
+  profile's ``ssd_duplex``).
+
+Taking the longer assumes the SSD traffic overlaps the pipeline (reads ahead and writes back
+on their own queues, as the tier's programs issue them), so it is a lower bound where they do
+not overlap.
+
+What it does not model: the ``W`` stages resident at the forward/backward turn (their image is
+counted as read again from the SSD and their prefetch as made); per-request SSD latency; the
+host memory bandwidth the SSD's DMA and the window copies take from the optimizer; coupled
+PCIe directions (``duplex``); pageable copies (everything is assumed pinned).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import sympy as sp
+
+from .analytic import links_of, ssd_bound_s
+from .formulas import backward_time_gpt, forward_time_gpt, gpt_stage_times, stage_param_counts
+from .hardware import Hardware, get_profile
+from .shapes import GPTShape
+
+__all__ = ["TIERS", "StepTraffic", "TierStep", "step_traffic", "tier_step", "PublishedFigure", "LOHAN_175B"]
+
+TIERS = (None, "nvme", "nvme-all", "nvme-all+act-host", "nvme-all+act-nvme")
+"""The tiers :func:`tier_step` knows (``None``: everything in host RAM)."""
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Bytes one step moves over each link, and the SSD's by what they are.
+
+    Attributes:
+        h2d_bytes, d2h_bytes: over PCIe, to and from the device.
+        ssd_read_bytes, ssd_write_bytes: from and to the SSD.
+        ssd: what -> ``(read, write)`` bytes (``image``, ``master, m, v``, ``gradients``,
+            ``activations``).
+    """
+
+    h2d_bytes: int
+    d2h_bytes: int
+    ssd_read_bytes: int
+    ssd_write_bytes: int
+    ssd: dict = field(default_factory=dict)
+
+
+def _check_tier(tier: str | None) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known: {', '.join(map(str, TIERS))}")
+
+
+def step_traffic(family: GPTShape, tier: str | None = None, *, overlap_updates: bool = True, nvme_masters: bool = False) -> StepTraffic:
+    """The bytes one training step of ``family`` (at ``family.layers``) moves with ``tier``.
+
+    ``P_slot``, ``P_grad``, ``P_own``: the parameters a stage's slot holds, sends back as
+    gradients and updates (:func:`shfx.cost_model.formulas.stage_param_counts`, summed over the
+    head, the blocks and the tail); ``e`` bytes per element on the device (2 in 16-bit, 4 fp32),
+    ``A = b s h e`` one boundary activation.
+
+    - PCIe: each stage's prefetch twice (forward, backward), ``2 e P_slot`` to the device; its
+      gradients, ``4 P`` for a group cast to fp32 on the device and ``e P`` for the tied
+      embedding's (as :func:`~shfx.cost_model.formulas.gpt_stage_times` charges them), from it.
+      Activation offload: ``(l + 1) A`` each way.
+    - SSD, ``"nvme"``: m and v read and written by each update, ``8 P_own`` each way (``12``
+      with ``nvme_masters``).
+    - SSD, ``"nvme-all"``: the image read for each prefetch, ``2 e P_slot``; the update reads the
+      fp32 master, m and v and writes them back, ``12 P_own`` each way, and writes the 16-bit
+      image it refreshes (``2 P_own``; none in fp32, where the image is the master); with
+      ``overlap_updates=False`` the fp32 gradient is written after the backward and read by the
+      update, ``4 P_own`` each way (overlapped, it goes from the staging buffer to the update
+      in the host window, as LoHan's active gradient offloading). ``+act-nvme``: ``(l + 1) A``
+      each way.
+
+    >>> t = step_traffic(GPTShape(layers=2, hidden=64, heads=2, seq=16, vocab=128, precision="bf16"), "nvme-all")
+    >>> t.ssd["master, m, v"][0] == 12 * (2 * (12 * 64**2 + 13 * 64) + (128 + 16) * 64 + 2 * 64)
+    True
+    """
+    _check_tier(tier)
+    L, h, s, b, V = family.layers, family.hidden, family.seq, family.batch, family.vocab
+    e = family.param_bytes
+    counts = stage_param_counts(h, s, V)
+    mult = {"head": 1, "block": L, "tail": 1}
+    slot = sum(counts[k]["slot"] * c for k, c in mult.items())
+    own = sum(counts[k]["own"] * c for k, c in mult.items())
+    # (mixed precision: a group nothing borrows from sends its gradient cast to fp32; the tied
+    # embedding's travels in the device dtype: gpt_stage_times' og)
+    cast = {k: 0 if (e == 4 or k == "head") else counts[k]["own"] for k in mult}
+    grads = sum((4 * cast[k] + e * (counts[k]["grad"] - cast[k])) * c for k, c in mult.items())
+    A = b * s * h * e
+    acts = (L + 1) * A if tier and "+act-" in tier else 0
+    ssd: dict[str, tuple[int, int]] = {}
+    if tier == "nvme":
+        per = 12 if nvme_masters else 8
+        ssd["master, m, v" if nvme_masters else "m, v"] = (per * own, per * own)
+    elif tier and tier.startswith("nvme-all"):
+        ssd["image"] = (2 * e * slot, e * own if family.mixed else 0)
+        ssd["master, m, v"] = (12 * own, 12 * own)
+        if not overlap_updates:
+            ssd["gradients"] = (4 * own, 4 * own)
+        if tier.endswith("act-nvme"):
+            ssd["activations"] = (acts, acts)
+    return StepTraffic(
+        h2d_bytes=2 * e * slot + acts,
+        d2h_bytes=grads + acts,
+        ssd_read_bytes=sum(r for r, _ in ssd.values()),
+        ssd_write_bytes=sum(w for _, w in ssd.values()),
+        ssd=ssd,
+    )
+
+
+@dataclass(frozen=True)
+class TierStep:
+    """One predicted step (:func:`tier_step`).
+
+    Attributes:
+        tier: the tier (``None``: everything in host RAM).
+        layers, params: the model's size.
+        traffic: the bytes it moves (:func:`step_traffic`).
+        compute_s: the device's FORWARDs and BACKWARDs (recompute included) at the profile's rate.
+        h2d_s, d2h_s: the PCIe bytes alone at the link's one-way rate.
+        host_update_s: the host AdamW updates (one worker).
+        ssd_s: the SSD's least time for its bytes (:func:`~shfx.cost_model.analytic.ssd_bound_s`).
+        pipeline_s: the window schedule's step without the SSD (compute, PCIe, host updates).
+        step_s: ``max(pipeline_s, ssd_s)``.
+        bottleneck: the resource with the longest busy time (``compute``, ``h2d``, ``d2h``,
+            ``host update``, ``ssd``).
+    """
+
+    tier: str | None
+    layers: int
+    params: int
+    traffic: StepTraffic
+    compute_s: float
+    h2d_s: float
+    d2h_s: float
+    host_update_s: float
+    ssd_s: float
+    pipeline_s: float
+    step_s: float
+    bottleneck: str
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """Busy seconds per resource (each a lower bound on the step)."""
+        return {"compute": self.compute_s, "h2d": self.h2d_s, "d2h": self.d2h_s, "host update": self.host_update_s, "ssd": self.ssd_s}
+
+    def tokens_per_s(self, family: GPTShape) -> float:
+        return family.batch * family.seq / self.step_s
+
+    def describe(self) -> str:
+        t = self.traffic
+        ssd = f", SSD {t.ssd_read_bytes / 1e12:.2f} TB read + {t.ssd_write_bytes / 1e12:.2f} TB written ({self.ssd_s:.1f} s)" if self.ssd_s else ""
+        return (
+            f"step {self.step_s:.1f} s (bottleneck {self.bottleneck}): compute {self.compute_s:.1f} s, "
+            f"PCIe h2d {self.h2d_s:.1f} s + d2h {self.d2h_s:.1f} s, host updates {self.host_update_s:.1f} s{ssd}"
+        )
+
+
+def tier_step(
+    family: GPTShape, hardware: str | Hardware, tier: str | None = None, *, window: int = 2, overlap_updates: bool = True,
+    nvme_masters: bool = False,
+) -> TierStep:  # fmt: skip
+    """The predicted step of ``stronghold`` training ``family`` (at ``family.layers``) with
+    ``tier`` on ``hardware`` (see the module docstring).
+
+    >>> st = tier_step(GPTShape(layers=96, hidden=12288, heads=96, seq=2048, batch=4, vocab=50257,
+    ...                precision="bf16"), "RTX4090-24GB", "nvme-all+act-host")
+    >>> st.bottleneck, st.step_s == max(st.pipeline_s, st.ssd_s)
+    ('ssd', True)
+    """
+    _check_tier(tier)
+    hw = get_profile(hardware)
+    L = family.layers
+    traffic = step_traffic(family, tier, overlap_updates=overlap_updates, nvme_masters=nvme_masters)
+    st = gpt_stage_times(hw, family.hidden, family.seq, family.batch, family.vocab, dtype=family.precision, rollback=family.rollback_default)
+    head, block, tail = st["head"], st["block"], st["tail"]
+    fwd = dict(head=head, block=block, tail=tail)
+    bwd = dict(head=head, block=block, tail=tail)
+    if tier and "+act-" in tier:
+        A = family.batch * family.seq * family.hidden * family.param_bytes
+        out = hw.link_latency_s + A / hw.d2h_bps
+        back = hw.link_latency_s + A / hw.h2d_bps
+        fwd.update(head=replace(head, f=sp.Max(head.f, out)), block=replace(block, f=sp.Max(block.f, out)))
+        bwd.update(block=replace(block, pf=block.pf + back))
+    pipeline = float(forward_time_gpt(L, window, fwd["head"], fwd["block"], fwd["tail"]) + backward_time_gpt(L, window, bwd["head"], bwd["block"], bwd["tail"]))
+    compute = float(head.f + head.b + L * (block.f + block.b) + tail.b)  # (the tail's forward keeps its graph: no recompute)
+    host_update = float(head.u + L * block.u + tail.u)
+    ssd = ssd_bound_s(traffic.ssd_read_bytes, traffic.ssd_write_bytes, links_of(hw)) if traffic.ssd else 0.0
+    h2d, d2h = traffic.h2d_bytes / hw.h2d_bps, traffic.d2h_bytes / hw.d2h_bps
+    busy = {"compute": compute, "h2d": h2d, "d2h": d2h, "host update": host_update, "ssd": ssd}
+    return TierStep(
+        tier=tier, layers=L, params=family.num_params(), traffic=traffic, compute_s=compute, h2d_s=h2d, d2h_s=d2h,
+        host_update_s=host_update, ssd_s=ssd, pipeline_s=pipeline, step_s=max(pipeline, ssd), bottleneck=max(busy, key=busy.get),
+    )  # fmt: skip
+
+
+# ---- published figures to compare with ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishedFigure:
+    """What a paper reports for a setup: ``claim`` in words, ``step_s`` its step time when it
+    gives one (None: not found; never guessed), ``source`` where it says so."""
+
+    system: str
+    setup: str
+    claim: str
+    source: str
+    step_s: float | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        step = f"{self.step_s:.1f} s per step" if self.step_s is not None else "step time: not found"
+        return f"{self.system} ({self.source}): {self.claim}; {step}" + (f" ({self.note})" if self.note else "")
+
+
+LOHAN_175B = PublishedFigure(
+    system="LoHan",
+    setup="GPT 175B, RTX 4090, 256 GB main memory, NVMe SSDs",
+    claim="the first to fine-tune a 175B model on an RTX 4090 and 256 GB main memory",
+    source="arXiv 2403.06504v2, abstract",
+    step_s=None,
+    note=(
+        "no step time or throughput for this setup was found in the sources searched for this report (the paper's "
+        "abstract and third-party summaries); none is invented here: compare with the paper's evaluation section"
+    ),
+)
+"""LoHan's published result for the setup of issue 26's ``shfx plan`` check."""
