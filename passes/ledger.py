@@ -54,6 +54,7 @@ from typing import Literal
 
 from .actions import SN, B, F
 from .meta import get_meta
+from .pinned import PINNED_TERMS, PinnedPlan
 from .program import Program
 from .sharding import SHARD_ALIGN, shard_chunk, shard_numel, shard_range  # noqa: F401 (re-exported: the one sharding rule)
 from .stages import StageSpec, Value, consumers_of
@@ -130,7 +131,7 @@ copied into the image) and the reduce-scatter's output chunk (``chunk`` elements
 class Change:
     """Bytes allocated (``nbytes > 0``) or freed (``< 0``) on one tier for one term."""
 
-    tier: Literal["device", "host", "ssd"]
+    tier: Literal["device", "host", "ssd", "pinned"]
     term: str
     what: str
     nbytes: int
@@ -176,7 +177,7 @@ class Ledger:
     def terms_at_peak(self, tier: str = "device") -> dict[str, int]:
         """Bytes per term at the first moment the peak is reached."""
         levels = self.levels(tier)
-        terms: dict[str, int] = {t: 0 for t in {"device": DEVICE_TERMS, "host": HOST_TERMS, "ssd": SSD_TERMS}[tier]}
+        terms: dict[str, int] = {t: 0 for t in {"device": DEVICE_TERMS, "host": HOST_TERMS, "ssd": SSD_TERMS, "pinned": PINNED_TERMS}[tier]}
         if not levels:
             return terms
         at = levels.index(max(levels))
@@ -731,6 +732,7 @@ def replay(
     working_bytes: Sequence[int] | None = None,
     rank: int = 0,
     optimizer: HostOptimizerStates | None = None,
+    pinned: PinnedPlan | None = None,
 ) -> Ledger:
     """The ledger of one step of ``program`` (see the module docstring).
 
@@ -752,6 +754,10 @@ def replay(
             owning the largest shards).
         optimizer: the host optimizer's states (:class:`HostOptimizerStates`; default
             AdamW's: ``optimizer_states`` per element, sharded under data parallel).
+        pinned: the pinned pool's plan (:class:`shfx.passes.pinned.PinnedPlan`; a compiled
+            model's: ``cm.backend.pinned.plan``): the setup then has the ``"pinned"`` tier, the
+            page-locked part of the host buffers this program allocates and the bounce buffers
+            (``ledger.peak("pinned")``: what ``backend.pinned_bytes`` measures).
     """
     rp = _Replay(program)
     rollback = rollback or any(get_meta(n).kind == SN for n in program.nodes)
@@ -762,6 +768,8 @@ def replay(
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
         working_bytes=working_bytes, rank=rank, optimizer=optimizer, **program.tier,
     )  # fmt: skip
+    if pinned is not None:
+        setup += pinned.changes([c for c in setup if c.tier == "host"])
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes
     metas = [get_meta(n) for n in nodes]

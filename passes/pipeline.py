@@ -32,6 +32,7 @@ import torch.nn as nn
 from .capture import Captured, DynamicDim, InputSignature, capture_model, capture_model_dynamic
 from .layout import Group, dtype_name, precision_dtype
 from .ledger import HostOptimizerStates, Ledger, host_terms, pool_sizes, replay
+from .pinned import PinnedPlan
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
 from .policies import Policy, resolve_policy
@@ -168,7 +169,8 @@ class Variant:
         return list(pool_sizes(self.programs)[0])
 
     def ledger(
-        self, grad_accum_steps: int = 1, rollback: bool | None = None, rank: int = 0, optimizer: HostOptimizerStates | None = None
+        self, grad_accum_steps: int = 1, rollback: bool | None = None, rank: int = 0, optimizer: HostOptimizerStates | None = None,
+        pinned: PinnedPlan | None = None,
     ) -> Ledger:
         """The memory ledger of one training step (:func:`shfx.passes.ledger.replay`): the setup
         for all three programs, then the train program; under data parallel, of rank ``rank``
@@ -176,11 +178,12 @@ class Variant:
         compiled model's: ``cm.optimizer.host_states(variant.graph.groups)``). ``rollback``:
         count the step journal's copies (default: whether this variant was compiled with
         rollback, :attr:`journaled`: a device update copies inside its own action, so its
-        program has no ``SN`` that says so)."""
+        program has no ``SN`` that says so). ``pinned``: the pinned pool's plan (a compiled
+        model's: ``cm.backend.pinned.plan``), for the ``"pinned"`` tier."""
         return replay(
             self.train, programs=self.programs, group_bytes=[g.host_master_bytes for g in self.graph.groups],
             grad_accum_steps=grad_accum_steps, rollback=self.journaled if rollback is None else rollback, working_bytes=[g.working_bytes for g in self.graph.groups],
-            rank=rank, optimizer=optimizer,
+            rank=rank, optimizer=optimizer, pinned=pinned,
         )  # fmt: skip
 
     def staging_buffers(self, grad_accum_steps: int = 1) -> int:

@@ -18,6 +18,7 @@ from shfx.passes.capture import CaptureError, Captured, DynamicDim, cast_inputs,
 from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
+from shfx.passes.pinned import plan_for_groups
 from shfx.passes.pipeline import Variant, build_programs, compile_variant, with_policy
 from shfx.passes.policies import Policy, Stronghold
 from shfx.passes.program import ActionKind, Program
@@ -217,6 +218,8 @@ class CompiledModel(StateMethods):
         self._backend = _make_backend(config.device, config.optimizer_workers)
         if self._dp is not None:
             self._backend.add_collective_streams()
+        # every pinned buffer comes from the backend's pool, within this budget (docs/usage.md, "Pinned memory")
+        self._backend.pinned.budget_bytes = config.pinned
         # dropped without close() (or failing below): stop the worker threads and free the device
         # when the compiled model is garbage (the finalizer holds the backend, not self)
         self._finalizer = weakref.finalize(self, self._backend.close)
@@ -268,7 +271,7 @@ class CompiledModel(StateMethods):
     offload = property(lambda self: self._config.offload, doc="The :class:`shfx.Offload` spec, or None.")
     recompute = property(lambda self: self._config.recompute, doc="How a stage's backward recomputes its forward.")
     tune_tolerance = property(lambda self: self._config.tune_tolerance, doc="The tuner's tolerance.")
-    pin_memory = property(lambda self: self._config.pin_memory, doc="Whether the host store is pinned (CUDA).")
+    pin_memory = property(lambda self: self._config.pin_memory, doc="Whether the host buffers that cross the link are pinned (within ``pinned``).")
     max_captures = property(lambda self: self._config.max_captures, doc="How many captures are kept.")
 
     # ---- compilation -------------------------------------------------------------------------
@@ -382,8 +385,10 @@ class CompiledModel(StateMethods):
         its tensor constants in (their values may differ)."""
         if self._store is None:
             model_tensors = {**captured.params, **captured.buffers, **captured.constants}
+            if self.pin_memory:  # the pinned pool's plan (refused here, before training, when the budget is too small)
+                self._backend.pinned.set_plan(plan_for_groups(graph.groups, self._config.pinned))
             self._store = HostStore(
-                self._backend, graph.groups, model_tensors, pin=self.pin_memory and self._backend.name == "cuda", dp=self._dp
+                self._backend, graph.groups, model_tensors, pin=self.pin_memory, dp=self._dp
             )  # (data parallel: broadcasts rank 0's weights, collectively)
             self._engine = start_engine(self._backend, self._store, self.optimizer, self._config, self._dp, self.module, captured, graph)
             self._bound = bind_record(self.module, captured)
@@ -760,6 +765,11 @@ class CompiledModel(StateMethods):
             "window": self._last.train.num_slots if self._last else None,
             "stages": len(self._last.graph.stages) if self._last else None,
             "host_bytes": self._store.host_bytes if self._store else 0,
+            # the pinned pool (docs/usage.md, "Pinned memory"): measured, and as the ledger plans it
+            "pinned_bytes": b.pinned_bytes,
+            "pinned_planned_bytes": self._pinned_planned_bytes(),
+            "pinned_budget": b.pinned.budget_bytes,
+            "unpinned_bytes": b.pinned.unpinned_bytes,
             # the capture cache (docs/usage.md, "Variable shapes")
             "captures": self._cache_stats["captures"],
             "dynamic_captures": self._cache_stats["dynamic_captures"],
@@ -771,6 +781,15 @@ class CompiledModel(StateMethods):
             ],
             "dynamic_off": self._dynamic_off,
         }
+
+    def _pinned_planned_bytes(self) -> int | None:
+        """The pinned bytes the memory ledger plans for the last signature's program (its
+        ``"pinned"`` tier: ``cm.variant.ledger(pinned=cm.backend.pinned.plan)``); None before the
+        first call or with ``pin_memory=False``."""
+        plan = self._backend.pinned.plan
+        if plan is None or self._last is None:
+            return None
+        return self._last.ledger(self._config.grad_accum_steps, pinned=plan).peak("pinned")
 
     def close(self) -> None:
         """Stop the worker threads and free device memory; the model keeps its (host) weights.
@@ -861,7 +880,13 @@ def compile(model: nn.Module, **kwargs: Any) -> CompiledModel:  # noqa: A001 - m
             for DDP), each with its own batch and device (``cuda:<LOCAL_RANK>``, or its emulated
             device), gradients reduce-scattered during backward and the host AdamW sharded
             across the ranks (docs/usage.md, "Data parallel": what is sharded, what is refused).
-        pin_memory: pin the host store (CUDA only).
+        pin_memory: pin the host buffers that cross the link (False: pin nothing).
+        pinned: the pinned-memory budget: bytes (int) or a size (``"8GiB"``); None or ``"auto"``
+            (default): a quarter of the physical RAM. Every pinned buffer comes from one pool of
+            at most this size: the images a PREFETCH sends first, then the gradient buffers an
+            OFFLOAD_GRAD lands in, then the staging buffers; what does not fit stays ordinary
+            memory, copied through four pinned bounce buffers. A budget below those is refused
+            at the first call with the bytes needed (docs/usage.md, "Pinned memory").
         optimizer_workers: host threads running updates of different stages in parallel.
         verify: check every step program's invariants before running it; ``verify_each_pass``:
             after every pass of the compile pipeline (``shfx.passes.pipeline``).

@@ -78,6 +78,8 @@ class Config:
         max_grad_norm, norm_type: exact gradient clipping (None: off).
         offload: the :class:`~shfx.Offload` spec, or None.
         data_parallel: the :class:`~shfx.DataParallel` spec, or None (off).
+        pinned: the pinned pool's budget in bytes (``pinned=None``/``"auto"`` resolved to
+            :func:`shfx.passes.pinned.default_pinned_bytes`, a quarter of the RAM).
         pin_memory, optimizer_workers, verify, verify_each_pass, tune_tolerance, recompute,
         dynamic, max_captures: as given to ``shfx.compile`` (``dynamic``: ``"auto"``, False or a
             dict of ranges).
@@ -103,6 +105,7 @@ class Config:
     offload: Offload | None = None
     data_parallel: DataParallel | None = None
     pin_memory: bool = True
+    pinned: int = 0
     optimizer_workers: int = 1
     verify: bool = True
     verify_each_pass: bool = False
@@ -164,6 +167,7 @@ class Config:
         grad_accum_steps: int = 1,
         overlap_update: bool = True,
         pin_memory: bool = True,
+        pinned: int | str | None = None,
         optimizer_workers: int = 1,
         verify: bool = True,
         verify_each_pass: bool = False,
@@ -229,7 +233,7 @@ class Config:
             rollback=bool(skip_nonfinite and overlap_update) if rollback is None else bool(rollback),
             skip_nonfinite=bool(skip_nonfinite), precision=precision, fp32_norms=fp32_norms, scaler=scaler,
             max_grad_norm=max_grad_norm, norm_type=norm_type, offload=offload, data_parallel=dp,
-            pin_memory=pin_memory, optimizer_workers=optimizer_workers, verify=verify,
+            pin_memory=pin_memory, pinned=_pinned_budget(pinned), optimizer_workers=optimizer_workers, verify=verify,
             verify_each_pass=verify_each_pass, tune_tolerance=tune_tolerance, recompute=recompute,
             dynamic=dynamic, max_captures=max_captures,
         )  # fmt: skip
@@ -237,6 +241,25 @@ class Config:
         check_supported(draft)
         # 4. what one option sets in another
         return draft.replace(policy=_final_policy(draft))
+
+
+def _pinned_budget(pinned: int | str | None) -> int:
+    """``shfx.compile(pinned=...)`` in bytes: an int of bytes or a size string (``"8GiB"``); None
+    or ``"auto"``: :func:`~shfx.passes.pinned.default_pinned_bytes` (a quarter of the RAM)."""
+    from shfx.passes.pinned import default_pinned_bytes
+    from shfx.passes.units import parse_bytes
+
+    if pinned is None or (isinstance(pinned, str) and pinned.strip().lower() == "auto"):
+        return default_pinned_bytes()
+    if isinstance(pinned, bool) or not isinstance(pinned, (int, str)):
+        raise ValueError(
+            f"pinned must be the pinned-memory budget: an int of bytes, a size like '8GiB', or None/'auto' (a quarter "
+            f"of the RAM), got {pinned!r}"
+        )
+    try:
+        return parse_bytes(pinned, what="pinned")
+    except ValueError as e:
+        raise ValueError(f"{e} (pinned: the pinned-memory budget, e.g. pinned='8GiB', pinned=2**30, or None/'auto')") from None
 
 
 # ---- the conflict table ----------------------------------------------------------------------------

@@ -181,8 +181,82 @@ class Backend:
     def free_device(self, t: torch.Tensor, what: str = "", term: str = "other") -> None:
         self.unreserve(t.numel() * t.element_size(), what, term)
 
-    def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
+    #: the pinned pool (:class:`shfx.runtime.pinned.PinnedAllocator`): every pinned host buffer
+    #: of the backend comes from it
+    pinned: Any = None
+
+    def alloc_host(self, nbytes: int, pin: bool, what: str = "") -> torch.Tensor:
+        """A zeroed uint8 host buffer of ``nbytes`` for ``what`` (the pinned plan's name:
+        ``"image g"``, ``"gradient g"``, ``"staging"``); with ``pin``, from the pinned pool,
+        which pins it if the plan and budget allow (else it is ordinary memory, copied through
+        the pool's bounce buffers)."""
+        if pin and self.pinned is not None:
+            return self.pinned.take(nbytes, what)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes the pinned pool holds (page-rounded sizes of live buffers)."""
+        return self.pinned.live_bytes if self.pinned is not None else 0
+
+    # ---- copies of host memory the pool did not pin: through its bounce buffers ---------------
+    def _bounced(self, host: torch.Tensor) -> bool:
+        """Whether a copy to or from ``host`` goes through the pool's bounce buffers: the pool has
+        some (not every buffer is pinned), and ``host`` is not in a pinned buffer."""
+        pool = self.pinned
+        return pool is not None and pool.bounces and host.numel() > 0 and not pool.owns(host)
+
+    def _raw_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, cast: bool = False) -> Any:
+        """One uncounted copy on the calling copy stream (``cast``: ``d2h_copy_cast``'s); returns
+        a marker :meth:`_wait_copy` waits for (None: already done)."""
         raise NotImplementedError
+
+    def _wait_copy(self, marker: Any) -> None:
+        """Wait on the host until the copy of ``marker`` (:meth:`_raw_copy`) is done."""
+
+    def _bounce_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, cast: bool = False) -> None:
+        """``dst.copy_(src)`` across the link with the host side in ordinary memory, in chunks
+        through the pool's pinned bounce buffers of ``direction`` (two, alternating).
+
+        Host to device: each chunk is copied into a bounce buffer on the host (after the copy
+        that last read that buffer is done), then sent from it. Device to host: each chunk is
+        copied into a bounce buffer, and the previous chunk moved on the host from its bounce
+        buffer into ``dst`` meanwhile; the call returns once ``dst`` holds every byte.
+
+        NOTE: the device-to-host direction waits on the host for each chunk (the bytes must be
+        in the bounce buffer before the host can move them): a bounced copy costs the issuing
+        thread that wait, and an extra host memcpy in both directions. The plan pins what every
+        step moves first (images, gradient buffers), so only a budget too small for them pays."""
+        host = dst if direction == "d2h" else src
+        self.count_copy(direction, host.numel() * host.element_size())
+        d, s = dst.reshape(-1), src.reshape(-1)
+        if d.data_ptr() != dst.data_ptr() or s.data_ptr() != src.data_ptr() or not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError(f"{direction} copy through the bounce buffers needs contiguous tensors")
+        elt = host.dtype
+        with self.pinned.bounce(direction) as slots:
+            step = max(1, self.pinned.bounce_bytes // host.element_size())
+            n = d.numel()
+            pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+            for i, o in enumerate(range(0, n, step)):
+                m = min(step, n - o)
+                slot = slots[i % len(slots)]
+                buf = slot.buf[: m * host.element_size()].view(elt)
+                if direction == "h2d":
+                    self._wait_copy(slot.marker)  # the copy that last read this buffer
+                    buf.copy_(s[o : o + m])
+                    slot.marker = self._raw_copy("h2d", d[o : o + m], buf)
+                    continue
+                marker = self._raw_copy("d2h", buf, s[o : o + m], cast)
+                if pending is not None:
+                    self._drain(pending)
+                pending = (marker, buf, d[o : o + m])
+            if pending is not None:
+                self._drain(pending)
+
+    def _drain(self, pending: tuple[Any, torch.Tensor, torch.Tensor]) -> None:
+        marker, buf, out = pending
+        self._wait_copy(marker)
+        out.copy_(buf)
 
     def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host -> device; called from inside an ``h2d`` stream task."""
@@ -251,3 +325,5 @@ class Backend:
         for s in (self.compute, self.h2d, self.d2h, self.host, self.cpu, self.reduce, self.gather):
             if s is not None and hasattr(s, "close"):
                 s.close()
+        if self.pinned is not None:
+            self.pinned.close()

@@ -110,7 +110,7 @@ class CudaBackend(Backend):
         self.compute = CudaStream("compute", self.device, None)
         self.h2d = CudaStream("h2d", self.device, torch.cuda.Stream(self.device))
         self.d2h = CudaStream("d2h", self.device, torch.cuda.Stream(self.device))
-        self.pinned = pinned.PinnedAllocator()
+        self.pinned = pinned.PinnedAllocator()  # the pinned pool (its budget and plan: shfx.compile(pinned=...))
         self._cast_scratch: torch.Tensor | None = None  # d2h_copy_cast's chunk (CAST_CHUNK_BYTES)
 
     def describe(self) -> str:
@@ -124,32 +124,34 @@ class CudaBackend(Backend):
             self.unreserve(nbytes, what, term)
             raise
 
-    def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
-        if pin:
-            return self.pinned.alloc(nbytes)  # zeroed, exact size (page-rounded)
-        return torch.zeros(nbytes, dtype=torch.uint8)
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Host bytes this backend pinned (page-rounded sizes of live buffers)."""
-        return self.pinned.live_bytes
-
     def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._bounced(src):  # host memory the pinned pool did not pin: through its bounce buffers
+            self._bounce_copy("h2d", dst, src)
+            return
         self.count_copy("h2d", src.numel() * src.element_size())
         dst.copy_(src, non_blocking=True)
 
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._bounced(dst):
+            self._bounce_copy("d2h", dst, src)
+            return
         self.count_copy("d2h", src.numel() * src.element_size())
         dst.copy_(src, non_blocking=True)
 
     def d2h_copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.numel() != src.numel():
+            raise ValueError(f"d2h_copy_cast: {dst.numel()} host elements for {src.numel()} device elements")
+        if self._bounced(dst):
+            self._bounce_copy("d2h", dst, src, cast=True)
+            return
+        self.count_copy("d2h", dst.numel() * dst.element_size())
+        self._cast_into(dst, src)
+
+    def _cast_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # NOTE: torch's own CPU<->GPU copy between dtypes converts on the CPU; here each chunk is
         # cast into a small device scratch (CAST_CHUNK_BYTES, the d2h stream's alone: its
         # copies and casts run in stream order, so a chunk's cast waits for the previous
         # chunk's copy out of it) and copied from there (pinned, asynchronous)
-        if dst.numel() != src.numel():
-            raise ValueError(f"d2h_copy_cast: {dst.numel()} host elements for {src.numel()} device elements")
-        self.count_copy("d2h", dst.numel() * dst.element_size())
         if dst.dtype == src.dtype:
             dst.copy_(src, non_blocking=True)
             return
@@ -164,6 +166,19 @@ class CudaBackend(Backend):
             tmp = tmp_all[:m]
             tmp.copy_(src[o : o + m])
             dst[o : o + m].copy_(tmp, non_blocking=True)
+
+    def _raw_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, cast: bool = False) -> torch.cuda.Event:
+        if cast:
+            self._cast_into(dst, src)
+        else:
+            dst.copy_(src, non_blocking=True)
+        ev = new_event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _wait_copy(self, marker: Any) -> None:
+        if marker is not None:
+            marker.synchronize()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
@@ -190,6 +205,3 @@ class CudaBackend(Backend):
         t_now = time.perf_counter()
         return [t_now - s.elapsed_time(now) / 1e3 if isinstance(s, torch.cuda.Event) else float(s) for s in stamps]
 
-    def close(self) -> None:
-        super().close()
-        self.pinned.close()

@@ -372,7 +372,7 @@ class DataParallelRuntime:
             else:
                 size = max(self.padded(gr) * gr.dtypes.device_grad.itemsize for gr in store.groups if gr.index not in self.device_groups)
                 # (pinned like the store on CUDA: the OG's device-to-host copy lands in it)
-                base = store.backend.alloc_host(size, store.pin)
+                base = store.backend.alloc_host(size, store.pin, "staging")
                 self._local_count += 1
                 self.buffer_bytes += base.numel()
             view = base[:need]

@@ -30,6 +30,7 @@ import torch
 
 from ..devices import EmulatedDevice
 from .backend import Backend
+from .pinned import PinnedAllocator, no_register, no_unregister
 from .streams import DeviceStream, DeviceToken, InlineStream, Token, WorkerStream, current_device_stream, single_omp_thread
 
 __all__ = ["EmulatedBackend"]
@@ -140,6 +141,10 @@ class EmulatedBackend(Backend):
             self.h2d = WorkerStream("h2d", setup=single_omp_thread)
             self.d2h = WorkerStream("d2h", setup=single_omp_thread)
         torch.set_num_threads(cores)
+        # NOTE: the same pool as CUDA's with a register that pins nothing: the emulated device
+        # accounts pinned memory alike (budget, plan, bounce buffers), and its copies of
+        # buffers left unpinned go through the same bounce path (Backend._bounce_copy)
+        self.pinned = PinnedAllocator(no_register, no_unregister)
 
     def describe(self) -> str:
         return str(self.spec)
@@ -156,18 +161,24 @@ class EmulatedBackend(Backend):
         self.reserve(nbytes, what, term)
         return torch.zeros(nbytes, dtype=torch.uint8)
 
-    def alloc_host(self, nbytes: int, pin: bool) -> torch.Tensor:
-        return torch.zeros(nbytes, dtype=torch.uint8)
-
-    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> None:
-        n = src.numel() * src.element_size() if nbytes is None else nbytes
-        self.count_copy(direction, n)
+    def _copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None, count: bool = True) -> Token | None:
+        """The copy, counted (``count``); returns the token of its bytes' movement in the CUDA-like
+        mode (None: done)."""
+        if count:
+            self.count_copy(direction, src.numel() * src.element_size() if nbytes is None else nbytes)
         s = current_device_stream()
         if isinstance(s, _CopyStream):  # CUDA-like: the bytes move when the stream's queue gets there
             throttle = self.throttle
-            s.enqueue(lambda: self._move(direction, dst, src, throttle), f"{direction} copy")
-        else:
-            self._move(direction, dst, src, self.throttle)
+            return s.enqueue(lambda: self._move(direction, dst, src, throttle), f"{direction} copy")
+        self._move(direction, dst, src, self.throttle)
+        return None
+
+    def _raw_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, cast: bool = False) -> Token | None:
+        return self._copy(direction, dst, src, count=False)
+
+    def _wait_copy(self, marker: Any) -> None:
+        if marker is not None:
+            marker.wait()
 
     def _move(self, direction: str, dst: torch.Tensor, src: torch.Tensor, throttle: bool) -> None:
         """``dst.copy_(src)`` (a cast on the way where the dtypes differ: ``d2h_copy_cast``),
@@ -195,14 +206,23 @@ class EmulatedBackend(Backend):
             self._active[direction] -= 1
 
     def h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._bounced(src):  # host memory the pinned pool did not pin: through its bounce buffers
+            self._bounce_copy("h2d", dst, src)
+            return
         self._copy("h2d", dst, src)
 
     def d2h_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._bounced(dst):
+            self._bounce_copy("d2h", dst, src)
+            return
         self._copy("d2h", dst, src)
 
     def d2h_copy_cast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel() != src.numel():
             raise ValueError(f"d2h_copy_cast: {dst.numel()} host elements for {src.numel()} device elements")
+        if self._bounced(dst):
+            self._bounce_copy("d2h", dst, src, cast=True)
+            return
         self._copy("d2h", dst, src, nbytes=dst.numel() * dst.element_size())
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,7 @@ class HostStore:
         replicated = dp is not None and dp.replicated
         if replicated:
             dp, bcast = None, dp  # laid out as without data parallel; rank 0's weights broadcast at the end
-        self.buffers = [backend.alloc_host(g.nbytes, pin) for g in self.groups]
+        self.buffers = [backend.alloc_host(g.nbytes, pin, f"image {g.index}") for g in self.groups]
         # mixed precision: the fp32 masters (never sent over the link: not pinned); under data
         # parallel only their frozen part (the trainable region is sharded: master_shards), at
         # byte ``master_base[g]`` of the group's master layout
@@ -278,7 +278,7 @@ class HostStore:
                     grp = self.groups[g]
                     lo, hi = self.shard_of(g)
                     nbytes = grp.grad_bytes if self.shards is None else (hi - lo) * grp.dtypes.grad.itemsize
-                    t = self.backend.alloc_host(nbytes, self.pin).view(grp.dtypes.grad)
+                    t = self.backend.alloc_host(nbytes, self.pin, f"gradient {g}").view(grp.dtypes.grad)
                     self._grads[g] = t
         return t
 
@@ -332,7 +332,7 @@ class HostStore:
     def _new_staging(self, nbytes: int) -> torch.Tensor:
         size = max(nbytes, max((g.grad_bytes for g in self.groups), default=nbytes))
         self.staging_bytes += size
-        return self.backend.alloc_host(size, self.pin)
+        return self.backend.alloc_host(size, self.pin, "staging")
 
     def release_staging(self, buf: torch.Tensor) -> None:
         with self._staging_cv:
