@@ -71,8 +71,9 @@ parameters, gradients and optimizer states on the SSD with bounded host windows
 (``shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme")``), and the checkpointed
 boundary activations offloaded to host RAM or the SSD (``Offload(activations="host"|"nvme")``)."""
 
-ACTIVATIONS_OFFLOADED = "activations (offloaded)"
-"""The host and SSD term of offloaded boundary activations (``memory_model(activations=...)``)."""
+ACTIVATIONS_OFFLOADED = "offloaded activations"
+"""The host and SSD term of offloaded boundary activations (``memory_model(activations=...)``;
+the ledger's name for their host buffers)."""
 
 _BEYOND_RAM_SSD_TERMS = ("working copy (16-bit)", "gradients (fp32)", "rollback copies", ACTIVATIONS_OFFLOADED)
 
@@ -681,6 +682,7 @@ def memory_model(
         settings.update(nvme_all=True, host_window=host_window)
     if activations is not None:
         settings["activations"] = activations
+    host = {**dict.fromkeys(HOST_TERMS, 0), **host}  # (every term the ledger names, as memory_for_model has them)
     return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
 
 
@@ -999,7 +1001,7 @@ class Plan:
         cols = [f"device:{t}" for t in DEVICE_TERMS] + [f"host:{t}" for t in HOST_TERMS] + [f"ssd:{t}" for t in SSD_TERMS]
         # (the tiers beyond host RAM add their own terms: columns only when a row has them)
         extra = [f"host:{ACTIVATIONS_OFFLOADED}"] + [f"ssd:{t}" for t in _BEYOND_RAM_SSD_TERMS]
-        cols += [c for c in extra if any(c.split(":", 1)[1] in getattr(r.breakdown, c.split(":", 1)[0]) for r in self.rows)]
+        cols += [c for c in extra if c not in cols and any(c.split(":", 1)[1] in getattr(r.breakdown, c.split(":", 1)[0]) for r in self.rows)]
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["policy", "layers", "params", "device_bytes", "host_bytes", "ssd_bytes", "binding", *cols])

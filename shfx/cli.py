@@ -373,16 +373,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--layers", type=_positive_int, default=None, help="also show each policy's memory at this many layers")
-    p.add_argument("--hidden", type=_positive_int, default=2048)
-    p.add_argument("--heads", type=_positive_int, default=16)
-    p.add_argument("--seq", type=_positive_int, default=1024)
+    p.add_argument("--model", choices=sorted(_PLAN_MODELS), default=None,
+                   help="a named GPT: its hidden, heads, seq and vocab (each overridable), and --layers its own; "
+                        "gpt3-175b: 96 layers, hidden 12288, 96 heads, seq 2048, vocab 50257 (174.6 B params)")
+    p.add_argument("--hidden", type=_positive_int, default=None, help="default 2048 (or --model's)")
+    p.add_argument("--heads", type=_positive_int, default=None, help="default 16 (or --model's)")
+    p.add_argument("--seq", type=_positive_int, default=None, help="default 1024 (or --model's)")
     p.add_argument("--batch", type=_positive_int, default=4)
-    p.add_argument("--vocab", type=_positive_int, default=50304)
+    p.add_argument("--vocab", type=_positive_int, default=None, help="default 50304 (or --model's)")
     _add_precision_arg(p)
     p.add_argument("--hardware", choices=sorted(PROFILES), default=None,
                    help="hardware profile (default V100-32GB-PCIe3 unless --device-memory is given)")
     p.add_argument("--device-memory", type=_bytes_arg, default=None, help="device memory, e.g. '32GiB' (overrides the profile's)")
-    p.add_argument("--host-memory", type=_bytes_arg, default=None, help="host RAM, e.g. '90GiB' (overrides the profile's)")
+    p.add_argument("--host-memory", "--host", dest="host_memory", type=_bytes_arg, default=None,
+                   help="host RAM, e.g. '90GiB' or '256GB' (GiB = 2^30, GB = 10^9 bytes; overrides the profile's)")
     p.add_argument("--ssd", type=_bytes_arg, default=None,
                    help="NVMe capacity: adds stronghold+nvme and zero-infinity+nvme rows (the NVMe tier: optimizer states on "
                         "the SSD, a host window of them in RAM); zero-infinity's own row spills there when host RAM overflows")
@@ -390,6 +394,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="the NVMe tier's host window: groups whose optimizer states are in host RAM at once")
     p.add_argument("--nvme-masters", action="store_true",
                    help="the NVMe tier holds the fp32 master weights too (mixed precision only)")
+    p.add_argument("--tiers", type=_tiers_arg, default=None,
+                   help="the tiers beyond host RAM, as stronghold rows: comma-separated of nvme-all (parameters, gradients "
+                        "and optimizer states on the SSD, host windows only), nvme-all+act-host, nvme-all+act-nvme "
+                        "(and the checkpointed activations offloaded), or 'none'; default: all three with --ssd when "
+                        "--policies is not given, else none")
     p.add_argument("--emulated", action="store_true",
                    help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
     p.add_argument("--ranks", type=_positive_int, default=None,
@@ -407,6 +416,67 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", default=None, help="write the table as CSV (every term a column)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write the plan as JSON to this file ('-' or no value: stdout)")
     p.set_defaults(func=_run_plan)
+
+
+_PLAN_MODELS = {
+    # GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048; GPT-2's
+    # 50257-token vocabulary)
+    "gpt3-175b": {"layers": 96, "hidden": 12288, "heads": 96, "seq": 2048, "vocab": 50257},
+}
+_PLAN_DEFAULTS = {"hidden": 2048, "heads": 16, "seq": 1024, "vocab": 50304}  # STRONGHOLD's setup
+
+
+def _tiers_arg(text: str) -> list[str]:
+    from shfx.cost_model.planner import BEYOND_RAM_TIERS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in BEYOND_RAM_TIERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected 'none' or a comma-separated list of {', '.join(BEYOND_RAM_TIERS)}, got {text!r}")
+    return names
+
+
+def _stronghold_steps(result, family, hw, layers: int | None) -> str:
+    """The predicted step of each ``stronghold`` row (:func:`shfx.cost_model.beyond_ram.tier_step`:
+    the window schedule's closed form and the SSD's bytes, analytic, nothing runs) at its largest
+    size, and at ``layers`` when given (with whether it fits there)."""
+    from shfx.cost_model.beyond_ram import tier_step
+    from shfx.cost_model.planner import BEYOND_RAM_TIERS, memory_model
+
+    lines = []
+    at = [] if layers is None else [layers]
+    for n in [None, *at]:
+        head = (
+            "predicted step at the largest size (analytic: formulas' window schedule and the SSD's bytes; nothing runs):"
+            if n is None
+            else f"stronghold rows at {n} layers ({family.with_layers(n).num_params() / 1e9:.1f} B params, "
+            f"{family.batch * family.seq} tokens per step):"
+        )
+        lines.append(head)
+        for r in result.rows:
+            st = r.breakdown.settings
+            if not r.policy.startswith("stronghold") or st.get("resident_first", 0):
+                continue
+            tier = r.policy.removeprefix("stronghold").removeprefix("+") or None
+            size = r.layers if n is None else n
+            fits = ""
+            if n is not None:
+                kw = dict(BEYOND_RAM_TIERS.get(tier or "", {}))
+                if tier == "nvme":
+                    kw.update(nvme=True, host_window=st["host_window"], nvme_masters=st["nvme_masters"])
+                bd = memory_model("stronghold", family.with_layers(n), result.hardware, window=st["window"],
+                                  workspace_bytes=st["workspace_bytes"], allocator_slack=st["allocator_slack"], **kw)
+                ok = bd.fits()
+                fits = f"fits (tightest: {bd.binding()}); " if ok else f"does not fit (over: {bd.binding()}); if it did: "
+            if size == 0:
+                lines.append(f"  {r.policy + ':':<31} -")
+                continue
+            step = tier_step(family.with_layers(size), hw, tier, window=st["window"], nvme_masters=bool(st.get("nvme_masters")))
+            what = f"{size:>5} layers: " if n is None else ""
+            lines.append(f"  {r.policy + ':':<31} {what}{fits}{step.describe()}, {step.tokens_per_s(family):.1f} tokens/s")
+    return "\n".join(lines)
 
 
 def _data_parallel_steps(result, family, hw) -> str:
@@ -458,6 +528,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         target = replace(hw, **over) if over else hw
     else:
         target = Target("custom", args.device_memory, args.host_memory, args.ssd or 0)
+    preset = _PLAN_MODELS.get(args.model, {})
+    for key, default in _PLAN_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
+    if args.layers is None and preset:
+        args.layers = preset["layers"]
     family = _shape_from_args(args)
     if args.ranks is None and (args.nodes != 1 or args.network is not None):
         raise ValueError("--nodes and --network describe data parallel: give --ranks too (e.g. --ranks 8 --nodes 8 --network 25gbe)")
@@ -481,23 +557,48 @@ def _run_plan(args: argparse.Namespace) -> int:
             policies.append(Stronghold(window=args.window, resident_first=args.resident_first, **tier))
         if "zero-infinity" in args.policies:
             policies.append(ZeroInfinity(**tier))
+    from shfx.passes.policies import policy_names
+
+    tiers = args.tiers
+    if tiers is None:  # the tiers beyond host RAM: with an SSD, unless the policies were chosen
+        tiers = ["nvme-all", "nvme-all+act-host", "nvme-all+act-nvme"] if args.ssd and args.policies == list(policy_names()) else []
+    if tiers and not args.ssd:
+        raise ValueError("--tiers puts parameters, gradients and optimizer states on the SSD: give --ssd (its capacity)")
+    if tiers and args.ranks is not None:
+        raise ValueError("--tiers is not modelled with data parallel (--ranks); drop one")
     result = plan(
         family, target, policies=policies, window=args.window, resident_first=args.resident_first,
-        max_layers=args.max_layers, **kw,
+        max_layers=args.max_layers, tiers=tiers, **kw,
     )
     if args.json != "-":
         print(result)
         if args.ranks is not None:
             print()
             print(_data_parallel_steps(result, family, target))
+        from shfx.cost_model.hardware import Hardware
+
+        if tiers and isinstance(target, Hardware):
+            print()
+            print(_stronghold_steps(result, family, target, args.layers))
+            if args.model == "gpt3-175b":
+                from shfx.cost_model.beyond_ram import LOHAN_175B
+
+                print(f"  published: {LOHAN_175B.line()}")
     if args.layers is not None:
         print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")
         from shfx.cost_model.planner import updates_on_device
 
         kept = [p for p in policies if not updates_on_device(p)] if args.ranks is not None else policies
-        for pol, row in zip(kept, result.rows):
+        for pol, row in zip(kept + [f"stronghold+{t}" for t in tiers], result.rows):
             k = row.breakdown.settings.get("resident_first", 0)
-            if isinstance(pol, str):
+            if isinstance(pol, str) and pol.startswith("stronghold+"):
+                from shfx.cost_model.planner import BEYOND_RAM_TIERS
+
+                bd = memory_model(
+                    "stronghold", family.with_layers(args.layers), target, window=args.window,
+                    **BEYOND_RAM_TIERS[pol.removeprefix("stronghold+")], **kw,
+                )
+            elif isinstance(pol, str):
                 bd = memory_model(
                     pol, family.with_layers(args.layers), target, window=args.window,
                     resident_first=(k if pol == "stronghold" else 0), **kw,
