@@ -1,0 +1,221 @@
+"""The planner's tiers beyond host RAM (issue 26, part 4): parameters, gradients and optimizer
+states on the SSD with host windows (``stronghold+nvme-all``), activation offload
+(``+act-host``, ``+act-nvme``), their step time, and the 175B check on the RTX 4090 profile.
+Closed forms against hand counts from the profile's figures; nothing runs, no wall clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shfx.cost_model.beyond_ram import LOHAN_175B, step_traffic, tier_step
+from shfx.cost_model.hardware import PROFILES
+from shfx.cost_model.planner import BEYOND_RAM_TIERS, largest_trainable, memory_model, plan
+from shfx.cost_model.shapes import GPTShape
+
+# GPT-3 175B (96 layers, hidden 12288, 96 heads, context 2048, vocab 50257), bf16, batch 4
+GPT3 = GPTShape(layers=96, hidden=12288, heads=96, seq=2048, batch=4, vocab=50257, precision="bf16")
+# the 4090 with 256 GB of host RAM (LoHan's) and a 4 TB SSD: `shfx plan --host 256GB --ssd 4TB`
+RTX = replace(PROFILES["RTX4090-24GB"], host_memory_bytes=256 * 10**9, ssd_bytes=4 * 10**12)
+
+h, s, b, V, L = GPT3.hidden, GPT3.seq, GPT3.batch, GPT3.vocab, GPT3.layers
+N_BLOCK = 12 * h * h + 13 * h  # one block's parameters (h % 32 == 0: no alignment padding in fp32 or bf16)
+P = L * N_BLOCK + (V + s) * h + 2 * h  # every parameter (the embedding tied to the head)
+SLOT = L * N_BLOCK + (V + s) * h + (2 * h + V * h)  # what the slots hold: the tail borrows wte
+A = b * s * h * 2  # one boundary activation, bf16
+
+
+def test_the_175b_gpt_is_the_preset():
+    assert GPT3.num_params() == P and 174e9 < P < 175e9
+
+
+def test_175b_fits_the_4090_only_with_the_tiers_beyond_ram():
+    # everything in host RAM: 18 B/param on the host, 3 TB
+    host_only = memory_model("stronghold", GPT3, RTX)
+    assert not host_only.fits() and host_only.binding() == "host: optimizer states (m, v)"
+    # shfx's NVMe tier (m, v and the masters on the SSD) still keeps the gradient and the image in RAM
+    nvme = memory_model("stronghold", GPT3, RTX, nvme=True, nvme_masters=True)
+    assert not nvme.fits() and nvme.binding().startswith("host: ")
+    # everything on the SSD: the host fits, the device's boundary activations do not
+    all_ssd = memory_model("stronghold", GPT3, RTX, **BEYOND_RAM_TIERS["nvme-all"])
+    assert all_ssd.host_total < RTX.host_memory_bytes and all_ssd.ssd_total < RTX.ssd_bytes
+    assert not all_ssd.fits() and all_ssd.binding() == "device: activations (checkpoints)"
+    # and with activation offload it trains; the SSD is the tightest tier, on m and v
+    for tier in ("nvme-all+act-host", "nvme-all+act-nvme"):
+        bd = memory_model("stronghold", GPT3, RTX, **BEYOND_RAM_TIERS[tier])
+        assert bd.fits(), tier
+        assert bd.binding() == "ssd: optimizer states (m, v)"
+
+
+def test_the_plan_rows_name_the_limiting_term():
+    p = plan(GPT3, RTX, policies=["stronghold"], tiers=list(BEYOND_RAM_TIERS))
+    rows = {r.policy: r for r in p.rows}
+    assert list(rows) == ["stronghold", "stronghold+nvme-all", "stronghold+nvme-all+act-host", "stronghold+nvme-all+act-nvme"]
+    assert rows["stronghold"].layers < L and rows["stronghold"].binding == "host: optimizer states (m, v)"
+    assert rows["stronghold+nvme-all"].layers < L
+    assert rows["stronghold+nvme-all"].binding.startswith("device: ")
+    for tier in ("stronghold+nvme-all+act-host", "stronghold+nvme-all+act-nvme"):
+        assert rows[tier].layers >= L and rows[tier].binding.startswith("ssd: "), rows[tier]
+    # one layer more than the largest does not fit, and what it overflows is the row's binding
+    r = rows["stronghold+nvme-all+act-host"]
+    over = memory_model("stronghold", GPT3.with_layers(r.layers + 1), RTX, **BEYOND_RAM_TIERS["nvme-all+act-host"])
+    assert not over.fits() and over.binding() == r.binding
+    assert largest_trainable("stronghold", GPT3, RTX, **BEYOND_RAM_TIERS["nvme-all+act-host"]).layers == r.layers
+
+
+def test_all_ssd_host_and_ssd_bytes_are_the_hand_count():
+    bd = memory_model("stronghold", GPT3, RTX, host_window=2, **BEYOND_RAM_TIERS["nvme-all"])
+    groups = L + 2
+    # host: 2 window buffers of the largest group (a block): 16-bit image + fp32 master, gradient,
+    # m, v; a 4-byte step counter per group; 2 pinned staging buffers of a block's fp32 size; the
+    # tail's bf16 gradient of the tied embedding waiting for the head's
+    window = 2 * (2 + 4 + 4 + 4 + 4) * N_BLOCK + 4 * groups
+    staging = 2 * 4 * N_BLOCK
+    pending = 2 * V * h
+    assert bd.host["SSD host window"] == window
+    assert bd.host["gradient staging (pinned)"] == staging
+    assert bd.host_total == window + staging + pending
+    # SSD: master 4, m and v 8, the bf16 image 2, the fp32 gradient 4 bytes per parameter
+    assert bd.ssd == {
+        "master parameters (fp32)": 4 * P, "optimizer states (m, v)": 8 * P, "working copy (16-bit)": 2 * P,
+        "gradients (fp32)": 4 * P, "rollback copies": 0,
+    }  # fmt: skip
+    # the host does not grow with the model: only the step counters do
+    assert memory_model("stronghold", GPT3.with_layers(2 * L), RTX, **BEYOND_RAM_TIERS["nvme-all"]).host_total == bd.host_total + 4 * L
+
+
+def test_activation_offload_bytes_are_the_hand_count():
+    W = 2
+    on_device = memory_model("stronghold", GPT3, RTX, window=W, **BEYOND_RAM_TIERS["nvme-all"])
+    to_host = memory_model("stronghold", GPT3, RTX, window=W, **BEYOND_RAM_TIERS["nvme-all+act-host"])
+    to_ssd = memory_model("stronghold", GPT3, RTX, window=W, **BEYOND_RAM_TIERS["nvme-all+act-nvme"])
+    inputs, loss = 8 * b * s * 2, 4  # token ids and targets (int64), the fp32 loss
+    assert on_device.device["activations (checkpoints)"] == inputs + (L + 1) * A + loss
+    # the device keeps the activations of the W + 1 stages in flight
+    assert to_host.device["activations (checkpoints)"] == inputs + (W + 1) * A + loss
+    assert to_host.device_total == on_device.device_total - (L + 1 - (W + 1)) * A
+    assert to_host.host_total == on_device.host_total + (L + 1) * A
+    # to the SSD through two pinned buffers of one activation
+    assert to_ssd.host_total == on_device.host_total + 2 * A
+    assert to_ssd.ssd_total == on_device.ssd_total + (L + 1) * A
+
+
+def test_the_tiers_are_refused_where_not_modelled():
+    with pytest.raises(ValueError, match="'stronghold' policy with resident_first=0"):
+        memory_model("zero-offload", GPT3, RTX, nvme_all=True)
+    with pytest.raises(ValueError, match="'stronghold' policy with resident_first=0"):
+        memory_model("stronghold", GPT3, RTX, resident_first=1, activations="host")
+    with pytest.raises(ValueError, match="needs checkpointing=True"):
+        memory_model("stronghold", replace(GPT3, checkpointing=False), RTX, activations="host")
+    with pytest.raises(ValueError, match="activations must be None, 'host' or 'nvme'"):
+        memory_model("stronghold", GPT3, RTX, activations="auto")
+    with pytest.raises(ValueError, match="unknown tier"):
+        plan(GPT3, RTX, policies=["stronghold"], tiers=["nvme-everything"])
+
+
+# ---- the step time --------------------------------------------------------------------------------
+
+
+def _block_forward_s(hw) -> float:
+    """A block's FORWARD on ``hw`` by hand: its matmuls (QKV, projection, MLP: 24 b s h^2, attention
+    scores and values 4 b s^2 h) at the bf16 rate, its other ops' bytes (8 b s h + 4 b s elements,
+    written and read) at the device memory bandwidth."""
+    return (24 * b * s * h * h + 4 * b * s * s * h) / hw.flops["bfloat16"] + 2 * 2 * (8 * b * s * h + 4 * b * s) / hw.device_mem_bps
+
+
+def test_all_ssd_step_traffic_is_the_hand_count():
+    t = step_traffic(GPT3, "nvme-all")
+    # the image read for each prefetch (forward and backward's recompute); master, m, v read and
+    # written by each update, which also writes the refreshed bf16 image
+    assert t.ssd == {"image": (2 * 2 * SLOT, 2 * P), "master, m, v": (12 * P, 12 * P)}
+    assert (t.ssd_read_bytes, t.ssd_write_bytes) == (4 * SLOT + 12 * P, 14 * P)
+    # PCIe: the bf16 image of each stage twice; gradients back: fp32 for the blocks and the tail's
+    # own LayerNorm (cast on the device), bf16 for the head's and the tail's tied embedding
+    assert t.h2d_bytes == 4 * SLOT
+    assert t.d2h_bytes == 4 * (L * N_BLOCK + 2 * h) + 2 * ((V + s) * h + V * h)
+    # updates not overlapped with the backward: the fp32 gradient is written and read back
+    slow = step_traffic(GPT3, "nvme-all", overlap_updates=False)
+    assert (slow.ssd_read_bytes, slow.ssd_write_bytes) == (t.ssd_read_bytes + 4 * P, t.ssd_write_bytes + 4 * P)
+    # activations to the SSD and back, and over PCIe both ways
+    act = step_traffic(GPT3, "nvme-all+act-nvme")
+    assert act.ssd["activations"] == ((L + 1) * A, (L + 1) * A)
+    assert act.h2d_bytes == t.h2d_bytes + (L + 1) * A and act.d2h_bytes == t.d2h_bytes + (L + 1) * A
+    # shfx's NVMe tier: m and v each way (and the masters with nvme_masters)
+    assert step_traffic(GPT3, "nvme").ssd == {"m, v": (8 * P, 8 * P)}
+    assert step_traffic(GPT3, "nvme", nvme_masters=True).ssd == {"master, m, v": (12 * P, 12 * P)}
+    assert step_traffic(GPT3).ssd == {}
+
+
+def test_the_175b_step_adds_up_from_the_profiles_figures():
+    hw = PROFILES["RTX4090-24GB"]
+    st = tier_step(GPT3, hw, "nvme-all+act-host", window=2)
+    t = st.traffic
+    # the SSD's time: reads at 7 GB/s and writes at 6 GB/s, one after the other (ssd_duplex 0.5:
+    # running both at once gains nothing)
+    assert hw.ssd_duplex == 0.5
+    assert st.ssd_s == pytest.approx((4 * SLOT + 12 * P) / 7e9 + 14 * P / 6e9, rel=1e-12)
+    # PCIe at 25 GB/s each way, the activations included
+    assert st.h2d_s == pytest.approx((4 * SLOT + (L + 1) * A) / 25e9, rel=1e-12)
+    assert st.d2h_s == pytest.approx(t.d2h_bytes / 25e9, rel=1e-12)
+    # compute: a block's forward and its backward (recompute + 2 forwards' work) L times, then the
+    # head's and the tail's (the tail's forward keeps its graph: its backward does not recompute)
+    f_block = _block_forward_s(hw)
+    f_head = 2 * 2 * (2 * b * s * h + s * h) / hw.device_mem_bps + 2 * 8 * s / hw.device_mem_bps
+    f_tail = 2 * b * s * h * V / hw.flops["bfloat16"] + 2 * 2 * (2 * b * s * V + b * s * h + 2 * b * s + 2) / hw.device_mem_bps
+    assert st.compute_s == pytest.approx(L * 4 * f_block + 4 * f_head + 3 * f_tail, rel=1e-9)
+    # the host AdamW: 30 bytes per parameter (28 + the bf16 image's refresh) at 100 GB/s
+    assert st.host_update_s == pytest.approx(30 * P / hw.host_mem_bps, rel=1e-9)
+    # the step: the longer of the window's pipeline and the SSD; here the single SSD binds
+    assert st.step_s == max(st.pipeline_s, st.ssd_s) == st.ssd_s
+    assert st.bottleneck == "ssd" and st.resources["ssd"] == max(st.resources.values())
+    assert st.pipeline_s >= st.compute_s
+    # the offloaded activations' copies hide behind the compute: same pipeline as without them
+    assert st.pipeline_s == pytest.approx(tier_step(GPT3, hw, "nvme-all", window=2).pipeline_s, rel=1e-9)
+    # everything in RAM: no SSD term, compute-bound on this card
+    ram = tier_step(GPT3, hw, None)
+    assert ram.ssd_s == 0 and ram.step_s == ram.pipeline_s and ram.bottleneck == "compute"
+
+
+def test_four_drives_shorten_the_ssd_bound_by_their_bandwidth():
+    one, four = PROFILES["RTX4090-24GB"], PROFILES["H100-80GB-4xNVMe"]
+    a, c = tier_step(GPT3, one, "nvme-all"), tier_step(GPT3, four, "nvme-all")
+    assert a.traffic == c.traffic
+    assert c.ssd_s == pytest.approx(a.traffic.ssd_read_bytes / 10e9 + a.traffic.ssd_write_bytes / 5e9, rel=1e-12)
+    # the H100 profile with four drives is the H100 PCIe 5 profile but its SSD
+    assert replace(four, name="H100-80GB-PCIe5", ssd_read_bps=PROFILES["H100-80GB-PCIe5"].ssd_read_bps,
+                   ssd_write_bps=PROFILES["H100-80GB-PCIe5"].ssd_write_bps) == PROFILES["H100-80GB-PCIe5"]
+
+
+def test_lohan_figure_is_cited_not_invented():
+    assert LOHAN_175B.step_s is None and "2403.06504" in LOHAN_175B.source
+    assert "not found" in LOHAN_175B.line()
+
+
+# ---- shfx plan ------------------------------------------------------------------------------------
+
+
+def test_cli_plan_shows_the_175b_gpt_trainable_on_the_4090(capsys):
+    from shfx.cli import main
+
+    args = ["plan", "--hardware", "RTX4090-24GB", "--host", "256GB", "--ssd", "4TB", "--precision", "bf16", "--seq", "2048"]
+    assert main(args + ["--model", "gpt3-175b", "--policies", "stronghold", "--tiers", "nvme-all,nvme-all+act-host"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT hidden 12288, 96 heads, seq 2048, batch 4, vocab 50257, bfloat16" in out
+    assert "238.4 GiB host" in out  # 256 GB = 256e9 bytes
+    table = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.startswith("stronghold") and ln.split()[1].isdigit()}
+    assert int(table["stronghold+nvme-all+act-host"][1]) >= 96 and int(table["stronghold"][1]) < 96
+    at96 = out.split("stronghold rows at 96 layers (174.6 B params")[1].split("published:")[0]
+    lines = {ln.split()[0]: ln for ln in at96.splitlines() if ln.strip().startswith("stronghold")}
+    assert "does not fit (over: host: optimizer states (m, v))" in lines["stronghold:"]
+    assert "does not fit (over: device: activations (checkpoints))" in lines["stronghold+nvme-all:"]
+    row = lines["stronghold+nvme-all+act-host:"]
+    step = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host", window=2)
+    assert "fits (tightest: ssd: optimizer states (m, v))" in row and f"step {step.step_s:.1f} s (bottleneck ssd)" in row
+    assert "published: LoHan (arXiv 2403.06504v2, abstract)" in out and "step time: not found" in out
+    # GiB works too, and without --ssd there are no tier rows
+    assert main(args[:4] + ["256GiB", "--precision", "bf16", "--policies", "stronghold"]) == 0
+    out = capsys.readouterr().out
+    assert "256.0 GiB host" in out and "nvme-all" not in out
+    assert main(["plan", "--tiers", "nvme-all"]) == 1
+    assert "--tiers puts parameters, gradients and optimizer states on the SSD: give --ssd" in capsys.readouterr().err
