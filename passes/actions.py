@@ -49,6 +49,8 @@ __all__ = [
     "CK",
     "SN",
     "US",
+    "AO",
+    "AF",
 ]
 
 
@@ -73,6 +75,8 @@ class ActionKind(str, enum.Enum):
     CHECK = "CK"  # the step's gate: total gradient norm, clip coefficient, finite check
     SNAPSHOT = "SN"  # the step journal's copy of one host-updated group before its update (rollback)
     UNSCALE = "US"  # fp16: one host group's gradient checked finite and divided by the loss scale
+    OFFLOAD_ACTIVATIONS = "AO"  # copy a stage's boundary activations device -> host, free the device copy
+    FETCH_ACTIVATIONS = "AF"  # copy them back host -> device before the stage's backward
 
     @property
     def info(self) -> KindInfo:
@@ -102,6 +106,8 @@ NR = ActionKind.NORM_REDUCE
 CK = ActionKind.CHECK
 SN = ActionKind.SNAPSHOT
 US = ActionKind.UNSCALE
+AO = ActionKind.OFFLOAD_ACTIVATIONS
+AF = ActionKind.FETCH_ACTIVATIONS
 
 STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write", "reduce", "gather")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
@@ -232,6 +238,13 @@ KINDS: dict[ActionKind, KindInfo] = {
         _info(US, "unscale", "cpu", "host optimizer", slotted=False, reads=False, update=True,
               doc="fp16: one host group's scaled gradient checked finite, then divided by the loss scale, before "
               "its norm, copy or update reads it"),
+        # NOTE: activation offload (Offload(activations=...), shfx.passes.activations): no slot (the
+        # values are the step context's, not the stage's parameters); the bytes are the stage's
+        # offloaded boundary values
+        _info(AO, "offload_activations", "d2h", "link", slotted=False, reads=False, moves="d2h",
+              doc="copy a stage's boundary activations device -> a host buffer after its forward, freeing the device copy"),
+        _info(AF, "fetch_activations", "h2d", "link", slotted=False, reads=False, moves="h2d",
+              doc="copy a stage's offloaded boundary activations host -> device before its backward"),
     )
 }  # fmt: skip
 

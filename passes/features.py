@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .actions import AG, CK, DU, GN, NR, OG, OP, PF, RS, SN, SR, SW, U, US, Action
+from .actions import AF, AG, AO, CK, DU, GN, NR, OG, OP, PF, RS, SN, SR, SW, U, US, Action
+from .activations import add_activation_offload, eligible_stages
 from .lowering import add_collectives, add_deferred_updates, add_leading_refresh, add_ssd_transfers, last_contributors
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
@@ -33,7 +34,8 @@ from .program import Program, ScheduleError, lower_actions
 __all__ = [
     "Condition", "FeaturePass", "PassRefused", "run_passes", "feature_passes", "EXACT_CLIPPING", "DATA_PARALLEL",
     "UPDATES_IN_STEP", "ROLLBACK", "DELAYED_UPDATE", "clip_program", "updates_in_step", "data_parallel_program",
-    "rollback_program", "delayed_update", "LOSS_SCALING", "loss_scaling_program",
+    "rollback_program", "delayed_update", "LOSS_SCALING", "loss_scaling_program", "ACTIVATION_OFFLOAD",
+    "activation_offload_program",
 ]  # fmt: skip
 
 
@@ -594,13 +596,70 @@ LOSS_SCALING = FeaturePass(
 )  # fmt: skip
 
 
+# ---- activation offload ------------------------------------------------------------------------------
+
+
+def activation_offload_program(program: Program, stages: tuple[int, ...] | None = None) -> Program:
+    """``Offload(activations="host")``: the boundary activations of ``stages`` (default: every
+    stage that may, :func:`~shfx.passes.activations.eligible_stages`) leave the device after
+    their forward and come back before their backward: ``AO g`` on the d2h queue after the
+    forward that follows ``F g`` (the forward after that waits for it, so its device copy is
+    freed by then), ``AF g`` on the h2d queue after the backward two places before ``B g``
+    (waiting for it: its copy overlaps the backward in between), ``B g`` waiting for ``AF g``
+    (:func:`~shfx.passes.activations.add_activation_offload`). Such a stage is recomputed from its
+    inputs alone in its backward (it keeps no graph).
+
+    >>> from shfx.passes.stages import chain
+    >>> from shfx.passes.policies import Resident
+    >>> " ".join(activation_offload_program(Resident().program(chain(5, activation_bytes=64))).actions())
+    'F0 F1 F2 AO1 F3 AO2 F4 B4 DU4 AF2 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0'
+    """
+    acts = [get_meta(n).action for n in program.nodes]
+    chosen = eligible_stages(acts, program.stages) if stages is None else stages
+    return _relowered(program, add_activation_offload(acts, program.stages, chosen))
+
+
+def _not_offloading(p: Program) -> str | None:
+    return "it offloads activations already (AO)" if any(get_meta(n).kind == AO for n in p.nodes) else None
+
+
+def _fetched_before_backward(p: Program) -> str | None:
+    offloaded: set[int] = set()
+    fetched: dict[int, object] = {}
+    for n in p.nodes:
+        m = get_meta(n)
+        if m.kind == AO:
+            offloaded.add(m.stage)
+        elif m.kind == AF:
+            if m.stage not in offloaded:
+                return f"{m.action} fetches activations no AO{m.stage} offloaded"
+            fetched[m.stage] = n
+        elif m.kind.value == "B" and m.stage in offloaded:
+            if fetched.get(m.stage) not in p.deps(n):
+                return f"{m.action} does not wait for AF{m.stage}"
+            offloaded.discard(m.stage)
+    return f"stages {sorted(offloaded)} are offloaded and never fetched back" if offloaded else None
+
+
+ACTIVATION_OFFLOAD = FeaturePass(
+    "activation-offload",
+    requires=(Condition("a program that does not offload activations yet", _not_offloading, "apply activation-offload once"),),
+    ensures=(Condition("every offloaded stage's backward waiting for its fetch AF", _fetched_before_backward),),
+    transform=activation_offload_program,
+    doc="AO g after the forward following F g (d2h), AF g two backwards ahead of B g (h2d): the stage's boundary "
+    "activations wait on the host",
+)
+
+
 def feature_passes(
     *, clip: bool = False, ranks: int = 1, updates_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False,
+    activations: str | tuple[int, ...] | None = None,
 ) -> list[tuple[FeaturePass, dict]]:  # fmt: skip
     """The feature passes a configuration asks for, in the order they compose: ``clip`` (exact
     clipping), ``updates_in_step`` (``overlap_update=False``: the updates in ``step()``, clipped
     there with ``clip``), ``ranks`` (data parallel), ``loss_scaling`` (fp16: the unscale and
-    finite check), ``rollback`` (the journal's copies)."""
+    finite check), ``rollback`` (the journal's copies), ``activations`` (activation offload:
+    ``"host"`` every eligible stage, a tuple the stages chosen; None or ``"device"``: none)."""
     out: list[tuple[FeaturePass, dict]] = []
     if updates_in_step:
         out.append((UPDATES_IN_STEP, {"clip": clip}))
@@ -612,5 +671,7 @@ def feature_passes(
         out.append((LOSS_SCALING, {}))
     if rollback:
         out.append((ROLLBACK, {}))
+    if activations not in (None, "device"):
+        out.append((ACTIVATION_OFFLOAD, {"stages": None if activations == "host" else tuple(activations)}))
     return out
 

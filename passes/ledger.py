@@ -26,6 +26,9 @@ What it replays, as the runtime (``shfx.runtime.engine``) does it:
   group updated on the device waits there (``pending tied gradient``) until the backward of the
   group's owner frees it; then the buffer copy, its outputs' gradients and every value whose
   earliest reader it is are freed.
+- **AO s** / **AF s** (activation offload, :mod:`shfx.passes.activations`): the stage's
+  offloaded boundary values are freed on the device / put back there; their host copies are
+  setup buffers (``offloaded activations``), reused every step.
 - **end** (of a backward, or of an inference forward): everything still held is freed.
 
 Copies, releases and updates allocate nothing (slots, gradient buffers and states are part of
@@ -52,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .actions import SN, B, F
+from .actions import AF, AO, SN, B, F
 from .meta import get_meta
 from .pinned import PINNED_TERMS, PinnedPlan
 from .program import Program
@@ -107,6 +110,7 @@ HOST_TERMS = (
     "SSD host window",
     "parameter image (whole)",
     "collective buffers",
+    "offloaded activations",
 )
 SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
 
@@ -599,6 +603,13 @@ class _Replay:
         self.owner_of = owners
         # the stages this program runs a backward of (a frozen bottom has none)
         self.backward_stages = {get_meta(n).stage for n in program.nodes if get_meta(n).kind == B}
+        # activation offload: the values an AO/AF of each stage moves (shfx.passes.activations)
+        moved = {get_meta(n).stage for n in program.nodes if get_meta(n).kind in (AO, AF)}
+        self.offloaded: dict[int, tuple[Value, ...]] = {}
+        if moved:
+            from .activations import offloaded_values
+
+            self.offloaded = {s: vs for s, vs in offloaded_values(program.stages).items() if s in moved}
         # a value is freed after the backward of its earliest reader that runs one; a value no
         # backward reads, once every reader's forward ran (model outputs: at the end)
         self.free_after: dict[int, list[Value]] = {}
@@ -669,6 +680,21 @@ class _Replay:
                 self.fwd_left[v.name] -= 1
                 if self.fwd_left[v.name] == 0 and not v.output:
                     self.free(out, "activations (checkpoints)", f"activation {v.name!r}")
+        return out
+
+    def offload_activations(self, s: int) -> list[Change]:
+        """AO s: the stage's offloaded values leave the device (a host buffer holds them:
+        ``offloaded activations``, allocated at setup)."""
+        out: list[Change] = []
+        for v in self.offloaded.get(s, ()):
+            self.free(out, "activations (checkpoints)", f"activation {v.name!r}")
+        return out
+
+    def fetch_activations(self, s: int) -> list[Change]:
+        """AF s: they are back on the device for the stage's backward."""
+        out: list[Change] = []
+        for v in self.offloaded.get(s, ()):
+            self.put(out, v)
         return out
 
     def backward_start(self) -> list[Change]:
@@ -768,6 +794,11 @@ def replay(
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
         working_bytes=working_bytes, rank=rank, optimizer=optimizer, **program.tier,
     )  # fmt: skip
+    # activation offload: one host buffer per offloaded value, reused every step (pinned on CUDA)
+    setup += [
+        Change("host", "offloaded activations", f"host copy of activation {v.name!r}", v.nbytes)
+        for s, vs in sorted(rp.offloaded.items()) for v in vs
+    ]  # fmt: skip
     if pinned is not None:
         setup += pinned.changes([c for c in setup if c.tier == "host"])
     entries = [Entry("setup", "setup", tuple(setup))]
@@ -779,6 +810,8 @@ def replay(
         entries.append(Entry("forward start", "forward", tuple(rp.forward_start())))
     elif has_b:
         rp.after_forward()  # a cold backward: the forward's values are already there
+        for s in rp.offloaded:  # (but those its forward offloaded are on the host)
+            rp.offload_activations(s)
         entries.append(Entry("forward start", "forward", tuple(Change("device", t, w, b) for (t, w), (_, b) in rp.held.items() if b)))
     started = False
     for i, (n, m) in enumerate(zip(nodes, metas)):
@@ -789,6 +822,10 @@ def replay(
             ch = rp.forward(m.stage, m.keep_graph, train=has_b)
         elif m.kind == B:
             ch = rp.backward(m.stage)
+        elif m.kind == AO:
+            ch = rp.offload_activations(m.stage)
+        elif m.kind == AF:
+            ch = rp.fetch_activations(m.stage)
         else:
             ch = []
         entries.append(Entry(str(m.action), m.phase, tuple(ch), n.name, i))

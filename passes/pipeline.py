@@ -82,6 +82,9 @@ class PipelineOptions:
             be undone: the rollback feature pass (:data:`~shfx.passes.features.ROLLBACK`).
         loss_scaling: fp16: each host gradient checked and unscaled by its own action (``US g``):
             the loss-scaling feature pass (:data:`~shfx.passes.features.LOSS_SCALING`).
+        activations: activation offload (``Offload(activations=...)``): ``"device"`` (none),
+            ``"host"`` (every eligible stage) or a tuple of the stages chosen: the
+            activation-offload feature pass (:data:`~shfx.passes.features.ACTIVATION_OFFLOAD`).
         optimizer: the host optimizer (:class:`shfx.optim.HostOptimizer`; not compared): the
             stage specs' ``ssd_state_bytes`` are sized by its states (``host_states``), what the
             NVMe tier's SSD reads and writes move (None: AdamW's m and v).
@@ -102,6 +105,7 @@ class PipelineOptions:
     clip_in_step: bool = False
     rollback: bool = False
     loss_scaling: bool = False
+    activations: Any = "device"
     optimizer: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -202,7 +206,7 @@ class Variant:
 
 def build_programs(
     specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1, updates_in_step: bool = False,
-    clip_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False,
+    clip_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False, activations: Any = "device",
 ) -> tuple[Program, Program, Program]:  # fmt: skip
     """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
     :func:`~shfx.passes.schedule.data_parallel_program`) and its derived inference and
@@ -213,7 +217,8 @@ def build_programs(
     # (ZeRO-Offload's delayed update runs its updates during the next step: nothing to move into step())
     in_step = updates_in_step and not (train.updates_outside or train.updates_delayed)
     passes = feature_passes(
-        ranks=ranks, updates_in_step=in_step, clip=clip_in_step and in_step, rollback=rollback, loss_scaling=loss_scaling
+        ranks=ranks, updates_in_step=in_step, clip=clip_in_step and in_step, rollback=rollback, loss_scaling=loss_scaling,
+        activations=activations,
     )  # fmt: skip
     train = run_passes(train, passes, verify=verify_program if verify else None)
     if verify:
@@ -264,6 +269,7 @@ def feature_options(program: Program) -> dict[str, bool]:
         "clip_in_step": program.updates_in_step and ActionKind.GRAD_NORM in kinds,
         "rollback": ActionKind.SNAPSHOT in kinds,
         "loss_scaling": ActionKind.UNSCALE in kinds,
+        "activations": "host" if ActionKind.OFFLOAD_ACTIVATIONS in kinds else "device",
     }
 
 
@@ -273,7 +279,8 @@ def candidate_passes(program: Program) -> list:
     will run: updates in ``step()``, the journal's copies, fp16's unscales)."""
     o = feature_options(program)
     return feature_passes(
-        updates_in_step=o["updates_in_step"], clip=o["clip_in_step"], rollback=o["rollback"], loss_scaling=o["loss_scaling"]
+        updates_in_step=o["updates_in_step"], clip=o["clip_in_step"], rollback=o["rollback"], loss_scaling=o["loss_scaling"],
+        activations=o["activations"],
     )  # fmt: skip
 
 
@@ -339,6 +346,7 @@ def compile_variant(
     train, ev, cold = build_programs(
         graph.specs, policy, verify=verify, ranks=options.ranks, updates_in_step=options.updates_in_step,
         clip_in_step=options.clip_in_step, rollback=options.rollback, loss_scaling=options.loss_scaling,
+        activations=options.activations,
     )  # fmt: skip
     passes += ["lower", "derive"] + (["verify"] if verify else [])
     return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes), journaled=options.rollback)

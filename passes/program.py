@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import AG, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PF, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
+from .actions import AF, AG, AO, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PF, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -398,6 +398,13 @@ def lower_actions(
       - ``B s`` waits for its ``PF``, for ``F s`` (when in this program) and for ``B c`` of every
         consumer ``c`` (its output gradients).
       - ``R s`` waits for every action that read the slot since its ``PF``; it frees the slot.
+      - Activation offload (:mod:`shfx.passes.activations`): ``AO s`` waits for ``F s`` and moves
+        the stage's offloadable boundary values (no slot); every ``F`` waits for the ``AO`` actions
+        issued since the previous ``F`` (their device copies are freed before it allocates).
+        ``AF s`` waits for ``AO s`` (when in this program: a cold backward fetches what its
+        forward offloaded) and for the last ``B`` issued before it (whose activations it
+        replaces on the device); ``B s`` of a stage whose activations were offloaded waits for
+        its ``AF s`` (an ``AO s`` without one is refused). An offloaded stage never keeps its graph.
       - ``U g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``; when
         the program has ``GN`` actions before it (exact gradient clipping), it waits for every
         one of them instead (the clip coefficient needs the norm of every gradient).
@@ -485,6 +492,12 @@ def lower_actions(
     reduced_norms: fx.Node | None = None  # data parallel: the NORM_REDUCE the CHECK waits for
     deferred = False  # an update after the GRAD_NORMs was seen: it runs in the next forward
     verdict: fx.Node | None = None  # data parallel with rollback: the overlapped step's NR0, after every update
+    # activation offload (AO/AF): stage -> its AO (activations on the host), stage -> its AF not yet read by its B,
+    # the AOs issued since the last F (the next F waits for them), the offloadable values per stage
+    offloaded: dict[int, fx.Node] = {}
+    fetched: dict[int, fx.Node] = {}
+    recent_offloads: list[fx.Node] = []
+    offloadable: dict | None = None
     order: dict[fx.Node, int] = {}  # node -> its position
 
     def fail(pos: int, act: Action, msg: str) -> ScheduleError:
@@ -695,6 +708,36 @@ def lower_actions(
             for before in (US, SN):
                 if k != before and Action(before, s) in last and (before == US or k == ActionKind.CPU_STEP):
                     deps.append(last[Action(before, s)])
+        elif k in (AO, AF):
+            # activation offload (shfx.passes.activations): no slot; the stage's offloadable values
+            spec = need_stage(pos, act)
+            if offloadable is None:
+                from .activations import offloaded_values
+
+                offloadable = offloaded_values(stages)
+            if s not in offloadable:
+                raise fail(
+                    pos, act, f"stage {s} has no boundary activation that waits on the device from its forward to its "
+                    "backward (every input is read by a later forward, or it runs no backward)"
+                )
+            nbytes = sum(v.nbytes for v in offloadable[s])
+            if k == AO:
+                if phase == "backward":
+                    raise fail(pos, act, "an activation offload follows its stage's forward, before the first BACKWARD")
+                if s in offloaded:
+                    raise fail(pos, act, f"stage {s}'s activations are on the host already")
+                deps.append(need(pos, act, Action(F, s), "the forward whose inputs it copies"))
+            else:
+                if s in fetched:
+                    raise fail(pos, act, f"stage {s}'s activations were fetched already (AF{s}) and B{s} has not read them")
+                if s in offloaded:
+                    deps.append(offloaded[s])
+                elif Action(F, s) in last:
+                    raise fail(pos, act, f"stage {s}'s activations are on the device: nothing offloaded them (AO{s})")
+                # (its device memory: after the backward issued before it, which freed what it held)
+                prev_b = [n for a, n in last.items() if a.kind == B]
+                if prev_b:
+                    deps.append(max(prev_b, key=lambda n: order[n]))
         elif k == ActionKind.DEVICE_STEP:
             if s not in owner_of:
                 raise fail(pos, act, f"no stage owns trainable parameter group {s}")
@@ -753,6 +796,8 @@ def lower_actions(
                     deps.append(pf)
                 for p in sorted(spec.producers):
                     deps.append(need(pos, act, Action(ActionKind.FORWARD, p), f"stage {s} reads stage {p}'s output"))
+                deps.extend(recent_offloads)  # (the device memory of the activations they copied out)
+                recent_offloads = []
                 reader_of = s
             elif k == ActionKind.OFFLOAD_BUFFERS:
                 slot, _, _ = need_resident(pos, act)
@@ -768,6 +813,11 @@ def lower_actions(
                 f = last.get(Action(ActionKind.FORWARD, s))
                 if f is not None:
                     deps.append(f)
+                if s in fetched:
+                    deps.append(fetched.pop(s))
+                    offloaded.pop(s, None)
+                elif s in offloaded:
+                    raise fail(pos, act, f"stage {s}'s activations are on the host (AO{s}); fetch them first (AF{s})")
                 for c in sorted(consumers[s]):
                     if c in backward:
                         deps.append(need(pos, act, Action(ActionKind.BACKWARD, c), f"the gradient of stage {s}'s output flows back from stage {c}"))
@@ -816,6 +866,11 @@ def lower_actions(
             refresh=refresh, buffer=buffer, device=on_device,
         ))  # fmt: skip
         last[act] = node
+        if k == AO:
+            offloaded[s] = node
+            recent_offloads.append(node)
+        elif k == AF:
+            fetched[s] = node
         if k == SR:
             on_host[s] = (buffer, node)
             updated.discard(s)
@@ -874,9 +929,11 @@ def _mark_keep_graph(graph: fx.Graph) -> None:
     slot for in between."""
     nodes = [n for n in graph.nodes if has_meta(n)]
     compute = [n for n in nodes if get_meta(n).stream == "compute"]
+    # (a stage whose activations go to the host keeps nothing but its inputs: it is recomputed)
+    offloaded = {get_meta(n).stage for n in nodes if get_meta(n).kind == AO}
     for a, b in zip(compute, compute[1:]):
         ma, mb = get_meta(a), get_meta(b)
-        if ma.kind == ActionKind.FORWARD and mb.kind == ActionKind.BACKWARD and ma.stage == mb.stage:
+        if ma.kind == ActionKind.FORWARD and mb.kind == ActionKind.BACKWARD and ma.stage == mb.stage and ma.stage not in offloaded:
             # same residency: no RELEASE of the stage between them
             i, j = nodes.index(a), nodes.index(b)
             if not any(get_meta(n).kind == ActionKind.RELEASE and get_meta(n).stage == ma.stage for n in nodes[i:j]):

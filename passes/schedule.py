@@ -47,7 +47,8 @@ def eval_program(program: Program) -> Program:
     Given a train program, add a RELEASE for each stage the forward leaves resident; nothing
     is kept for a backward.
     """
-    acts = [get_meta(n).action for n in program.phase_nodes("forward")]
+    # (an inference forward keeps nothing for a backward: no activation offload)
+    acts = [get_meta(n).action for n in program.phase_nodes("forward") if get_meta(n).kind.value != "AO"]
     acts += [Action(R, s) for s in resident_after_forward(program) if s not in program.persistent]
     ev = lower_actions(
         acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False, persistent=program.persistent,

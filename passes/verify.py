@@ -39,6 +39,12 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
    its device gradient) after its contributors' BACKWARDs, which its ``GN g`` and ``DU g``
    wait for, and no ``AG g``; no ``RS``/``AG`` with one rank.
 
+10. **activation offload** (:func:`activation_offload`): an ``AO s`` follows ``F s`` and waits
+    for it, before the first BACKWARD, once per stage, on a stage with offloadable activations;
+    an ``AF s`` comes after the ``AO s`` and waits for it; the ``B s`` of an offloaded stage waits
+    for the ``AF s`` issued since (no ``B`` of an offloaded stage without its fetch), and its
+    forward keeps no graph (the backward recomputes from the fetched inputs).
+
 Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a PREFETCH of
 one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
 stage owning its group and waits for the BACKWARD of every stage sending it gradients; an
@@ -48,7 +54,7 @@ A rule is a function of a :class:`ProgramView` (the program's issue order, reach
 residency, computed once) yielding ``(action or None, message)``:
 
 >>> [rule.__name__ for rule in RULES]
-['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel']
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel', 'activation_offload']
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ import torch.fx as fx
 from .meta import get_meta
 from .actions import KINDS
 from .program import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SN, SR, SW, U, US, ActionKind, Program, ScheduleError
+from .actions import AF, AO
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -717,8 +724,69 @@ def data_parallel(v: ProgramView) -> Iterator[Violation]:
                 )
 
 
+def activation_offload(v: ProgramView) -> Iterator[Violation]:
+    """10. Activation offload: ``AO s`` after and waiting for ``F s``, before the first BACKWARD,
+    once per stage, on a stage with offloadable activations (:func:`~shfx.passes.activations.offloaded_values`);
+    ``AF s`` after and waiting for ``AO s`` (a program with ``F s``; a cold backward fetches what
+    its forward offloaded); the ``B s`` of an offloaded stage waits for an ``AF s`` issued since,
+    and its ``F s`` keeps no graph."""
+    kinds = {get_meta(n).kind for n in v.nodes}
+    if AO not in kinds and AF not in kinds:
+        return
+    from .activations import offloaded_values
+
+    vals = offloaded_values(v.program.stages)
+    forwards: dict[int, fx.Node] = {}
+    offloaded: dict[int, fx.Node] = {}  # stage -> its AO (activations on the host)
+    fetched: dict[int, fx.Node] = {}  # stage -> its AF not read by its B yet
+    seen_b = False
+    for n in v.nodes:
+        m = get_meta(n)
+        k, s = m.kind, m.stage
+        if k == F:
+            forwards[s] = n
+        elif k == AO:
+            if s not in vals:
+                yield n, f"{v.act(n)} offloads stage {s}'s activations, but stage {s} keeps none from its forward to its backward"
+            if seen_b:
+                yield n, f"{v.act(n)} comes after the first BACKWARD: an offload follows its stage's forward"
+            f = forwards.get(s)
+            if f is None:
+                yield n, f"{v.act(n)} offloads stage {s}'s activations before F{s} made them"
+            elif not v.waits(n, f):
+                yield n, f"{v.act(n)} does not wait for {v.act(f)}: it would copy activations the forward still reads"
+            if s in offloaded:
+                yield n, f"{v.act(n)} offloads stage {s}'s activations a second time"
+            offloaded[s] = n
+        elif k == AF:
+            ao = offloaded.get(s)
+            if ao is None and s in forwards:
+                yield n, f"{v.act(n)} fetches stage {s}'s activations, but no AO{s} before it offloaded them"
+            elif ao is not None and not v.waits_done(n, ao):
+                yield n, f"{v.act(n)} does not wait for {v.act(ao)}: it would fetch a copy not yet complete"
+            if s in fetched:
+                yield n, f"{v.act(n)} fetches stage {s}'s activations again before B{s} read them"
+            fetched[s] = n
+        elif k == B:
+            seen_b = True
+            if s in offloaded or (s in fetched and s not in forwards):
+                af = fetched.pop(s, None)
+                if af is None:
+                    yield n, f"{v.act(n)} reads stage {s}'s activations, which are on the host: no AF{s} before it fetched them"
+                elif not v.waits_done(n, af):
+                    yield n, f"{v.act(n)} does not wait for {v.act(af)}: it would read activations still being fetched"
+                f = forwards.get(s)
+                if f is not None and get_meta(f).keep_graph:
+                    yield f, f"{v.act(f)} keeps its graph, but its stage's activations are offloaded (it must be recomputed)"
+                offloaded.pop(s, None)
+    for s, n in sorted(offloaded.items()):
+        if any(get_meta(x).kind == B for x in v.nodes):
+            yield n, f"{v.act(n)} offloads stage {s}'s activations and nothing fetches them back for B{s} (AF{s})"
+
+
 RULES: tuple[Rule, ...] = (
     order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary, ssd_tier, data_parallel,
+    activation_offload,
 )
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 

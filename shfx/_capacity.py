@@ -7,10 +7,13 @@ is allocated for the variant (:class:`shfx.api.CompiledModel` calls them when it
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
-from shfx.passes.pipeline import Variant, with_policy
-from shfx.passes.program import ActionKind
+from shfx.passes.pipeline import Variant, build_programs, feature_options, with_policy
+from shfx.passes.program import ActionKind, ScheduleError
 from shfx.passes.units import format_bytes
 
 from .errors import OutOfDeviceMemory, UsageError
@@ -64,6 +67,39 @@ def check_one_stage(graph: StageGraph, backend: Backend) -> None:
         )
 
 
+def _check_activations(variant: Variant, backend: Backend, ledger: Any, grad_accum_steps: int) -> None:
+    """Refuse a step whose checkpointed activations overflow the device when offloading them to
+    the host (``Offload(activations="host")``, :mod:`shfx.passes.activations`) would fit, saying
+    so, before anything of the step is allocated. (When it would not fit either, the step runs
+    and its OutOfDeviceMemory names the action that overflowed, as without this check.)"""
+    cap = backend.capacity_bytes
+    peak = ledger.peak("device")
+    if cap is None or peak <= cap or any(get_meta(n).kind == ActionKind.OFFLOAD_ACTIVATIONS for n in variant.train.nodes):
+        return
+    opts = feature_options(variant.train) | {"activations": "host"}
+    try:
+        train, ev, cold = build_programs(variant.graph.specs, variant.policy, verify=False, ranks=variant.train.ranks, **opts)
+    except ScheduleError:  # (a user's policy function, say: no offloaded program to compare)
+        return
+    if train.count(ActionKind.OFFLOAD_ACTIVATIONS) == 0:
+        return
+    offloaded = dataclasses.replace(variant, train=train, eval=ev, cold=cold).ledger(grad_accum_steps)
+    fits = offloaded.peak("device")
+    if fits > cap:
+        return
+    acts = ledger.terms_at_peak()["activations (checkpoints)"]
+    raise OutOfDeviceMemory(
+        f"one training step needs {format_bytes(peak)} on the device, {format_bytes(acts)} of it checkpointed "
+        f"activations, but the device has {format_bytes(cap)} ({backend.describe()}). With the activations offloaded "
+        f"to host RAM between each stage's forward and backward the step needs {format_bytes(fits)} (and "
+        f"{format_bytes(offloaded.static('host').get('offloaded activations', 0))} of pinned host buffers): compile "
+        "with offload=shfx.Offload(activations='host'), or use a smaller batch or sequence.",
+        needed_bytes=peak,
+        capacity_bytes=cap,
+        what="activations (checkpoints)",
+    )
+
+
 def check_capacity(variant: Variant, backend: Backend, grad_accum_steps: int) -> None:
     """Refuse a variant whose steady state (the memory ledger's setup: slots, gradient
     buffers, optimizer states on the device) does not fit the budget, saying what fits.
@@ -90,6 +126,7 @@ def check_capacity(variant: Variant, backend: Backend, grad_accum_steps: int) ->
             what=f"a step at {dyn.describe()}",
         )
     if need <= cap:
+        _check_activations(variant, backend, ledger, grad_accum_steps)
         return
     policy, sizes = variant.policy, variant.slot_sizes
     extra = need - static.get("parameters (slots)", 0)

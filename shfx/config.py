@@ -147,6 +147,7 @@ class Config:
             fp32_norms=self.fp32_norms, ranks=ranks, updates_in_step=not self.overlap_update,
             clip_in_step=self.max_grad_norm is not None and not self.overlap_update, rollback=self.rollback,
             loss_scaling=self.precision == "fp16", optimizer=self.optimizer,
+            activations=self.offload.activations if self.offload is not None else "device",
         )  # fmt: skip
 
     def replace(self, **changes: Any) -> Config:
@@ -473,6 +474,18 @@ def check_supported(c: Config) -> None:
         # site changes
         _check_data_parallel(**{name: getattr(c, name) for name in inspect.signature(_check_data_parallel).parameters})
     _check_nvme_supported(c)
+    _check_activation_offload(c)
+
+
+def _check_activation_offload(c: Config) -> None:
+    """``Offload(activations="nvme")`` is planned, not run: refused with the reason."""
+    if c.offload is not None and c.offload.activations == "nvme":
+        raise UsageError(
+            "Offload(activations='nvme') (boundary activations on the SSD) is planned but not run: the activations of a "
+            "step are written once and read once, so they would go through the SSD store's window at the link's "
+            "pace with nothing to reuse, and the store does not stage them yet. Use activations='host' (pinned host "
+            "buffers, reused every step) or 'auto'"
+        )
 
 
 def _check_data_parallel(

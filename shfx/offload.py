@@ -40,6 +40,12 @@ class Offload:
             tested on any disk. ``None``: the real disk's speed.
         host_window: how many groups' SSD-held copies are in host RAM at a time (an int >= 1), or
             ``"auto"`` (the tuner's choice).
+        activations: where the checkpointed boundary activations wait between a stage's forward
+            and its backward: ``"device"`` (as today), ``"host"`` (every stage that can, copied to
+            pinned host buffers after its forward and back before its backward: ``AO``/``AF``
+            actions, docs/usage.md "Activation offload"; valid without a path), ``"auto"`` (the
+            stages whose copies hide behind compute, as many as the device budget needs) or
+            ``"nvme"`` (planned: refused by ``shfx.compile``).
 
     >>> Offload(optimizer="nvme", path="/mnt/nvme/shfx", nvme_read="3GB/s").read_bps
     3000000000.0
@@ -54,8 +60,11 @@ class Offload:
     nvme_read: float | str | None = None
     nvme_write: float | str | None = None
     host_window: int | Literal["auto"] = "auto"
+    activations: Literal["device", "host", "nvme", "auto"] = "device"
 
     def __post_init__(self) -> None:
+        if self.activations not in ("device", "host", "nvme", "auto"):
+            raise ValueError(f"Offload activations must be 'device', 'host', 'nvme' or 'auto', got {self.activations!r}")
         for name in ("optimizer", "params"):
             value = getattr(self, name)
             if value not in _TIERS:
@@ -102,10 +111,11 @@ class Offload:
         return parse_bandwidth(self.nvme_write)
 
     def __str__(self) -> str:
+        acts = f", activations on the {self.activations}" if self.activations != "device" else ""
         if not self.uses_nvme:
-            return "Offload(host)"
+            return f"Offload(host{acts})"
         on = [n for n, t in (("optimizer states", self.optimizer), ("master weights", self.params)) if t == "nvme"]
         rates = ""
         if self.nvme_read is not None or self.nvme_write is not None:
             rates = f", emulated read {format_bandwidth(self.read_bps)} write {format_bandwidth(self.write_bps)}"
-        return f"Offload({' and '.join(on)} on NVMe at {os.fspath(self.path)}, host window {self.host_window}{rates})"
+        return f"Offload({' and '.join(on)} on NVMe at {os.fspath(self.path)}, host window {self.host_window}{rates}{acts})"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from shfx.passes.actions import B
+from shfx.passes.actions import AO, B
 from shfx.passes.meta import get_meta
 from shfx.passes.pipeline import Variant
 
@@ -51,6 +51,10 @@ class StepContext:
         self.pre_buffers: dict[int, list[torch.Tensor]] = {}
         self.saved: dict[int, tuple] = {}
         self.checkpointed: dict[int, tuple] = {}  # stage -> (outputs, param/buffer/input leaves)
+        # activation offload (AO/AF): value -> its host copy while it is off the device, and the
+        # stash the host buffers go back to (shfx.runtime.activations)
+        self.host_values: dict[str, torch.Tensor] = {}
+        self.stash: Any = None
         self.grad_src: dict[int, str] = {}  # stage -> where its backward wrote param grads ("slot"/"buffer")
         self.dev_pending: dict[str, torch.Tensor] = {}  # borrowed param -> its grad, for a device-updated owner
         self.no_grads: set[int] = set()
@@ -68,6 +72,9 @@ class StepContext:
         self.fwd_left = {v: len(info.consumers) for v, info in g.values.items()}
         # the stages the train program runs a backward of (a frozen bottom runs none)
         self.backward_stages = frozenset(get_meta(n).stage for n in variant.train.nodes if get_meta(n).kind == B)
+        # the stages whose activations the train program offloads: their forward keeps nothing
+        # but its inputs (no graph, no checkpoint), so the device copy is really freed
+        self.offloaded = frozenset(get_meta(n).stage for n in variant.train.nodes if get_meta(n).kind == AO)
         # backward: a value is last needed by the backward of its earliest consumer that runs one
         # (freed in the ledger's order: the stages' outputs, stage by stage, then the model's
         # inputs); a value no backward reads is freed once its last consumer's forward ran
@@ -103,6 +110,11 @@ class StepContext:
     def drop(self, name: str) -> None:
         self.values.pop(name, None)
         self._let_go(f"activation {name!r}")
+
+    def offload_value(self, name: str, host: torch.Tensor) -> None:
+        """Boundary value ``name`` now lives in ``host`` (an ``AO``): its device copy is freed."""
+        self.host_values[name] = host
+        self.drop(name)
 
     def add_grad(self, name: str, g: torch.Tensor) -> None:
         """Add a gradient contribution for ``name`` (the first one is reserved)."""
@@ -152,6 +164,9 @@ class StepContext:
         self.saved.clear()
         self.checkpointed.clear()
         self.dev_pending.clear()
+        if self.host_values and self.stash is not None:  # (offloaded values no backward fetched)
+            self.stash.give_back(list(self.host_values.values()))
+        self.host_values.clear()
         _release(self.engine.backend, self._held)
 
 

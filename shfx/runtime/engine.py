@@ -40,6 +40,7 @@ from shfx.passes.program import ActionMeta, Program
 from shfx.passes.units import format_bytes
 
 from ..errors import NonFiniteGradient, UsageError
+from .activations import ActivationStash
 from .backend import Backend, MemoryEvent
 from .clipping import Clipping
 from .context import StepContext, fork_rng
@@ -152,6 +153,8 @@ class Engine:
         # the NVMe tier's host window (shfx.runtime.ssd_window): attach_ssd() at the first program
         # with SSD transfers (shfx.compile(offload=...))
         self.ssd: SSDWindow | None = None
+        # activation offload's host buffers (shfx.runtime.activations; Offload(activations=...))
+        self.activation_stash = ActivationStash(backend)
         # data parallel (shfx.runtime.data_parallel; shfx.compile(data_parallel=...)), or None
         self.dp: DataParallelRuntime | None = dp
         self.skip_nonfinite = skip_nonfinite
@@ -289,7 +292,11 @@ class Engine:
         # NOTE: a stage the program runs no backward of (frozen, and no gradient flows through
         # it: the bottom of a fine-tuned model) runs as in inference, keeping nothing for one
         grad = ctx.grad and stage.index in ctx.backward_stages
-        keep = grad and keep_graph
+        # NOTE: a stage whose activations are offloaded (AO) runs the plain recompute path below:
+        # its graph (keep_graph) or checkpoint (early stop: torch.utils.checkpoint holds its
+        # inputs) would keep the device copy of the inputs alive after the AO freed them
+        offloaded = stage.index in ctx.offloaded
+        keep = grad and keep_graph and not offloaded
         if grad:
             ctx.rng[stage.index] = self.backend.get_rng_state()
             if stage.mutated_buffers and not keep:
@@ -303,7 +310,7 @@ class Engine:
                 ]
                 outs = stage.gm(*pleaves, *[_own_version(b) for b in bufs], *ileaves)
             ctx.saved[stage.index] = (outs, pleaves, ileaves)
-        elif grad and self._early_stop(stage):
+        elif grad and not offloaded and self._early_stop(stage):
             # NOTE: the forward records its autograd graph without keeping activations
             # (non-reentrant torch.utils.checkpoint); the backward recomputes only until every
             # tensor it needs exists (a block's last matmul is not redone). Parameters and

@@ -381,6 +381,20 @@ class ActionHandlers:
             deps = deps + eng.delayed.deps_for(stage.spec.grad_groups)
         return eng.gradients.offload(ctx, stage, m, deps, self._timed)
 
+    def run_offload_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """AO g (d2h): the stage's offloaded boundary values copied to host buffers, their device
+        copies freed (:class:`~shfx.runtime.activations.ActivationStash`)."""
+        stash = self.engine.activation_stash
+        ctx.stash = stash
+        names = stash.names(ctx.variant.train, m.stage)
+        return self._submit(m, lambda: stash.offload(ctx, names), deps)
+
+    def run_fetch_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """AF g (h2d): the values AO g offloaded, back on the device for B g."""
+        stash = self.engine.activation_stash
+        names = stash.names(ctx.variant.train, m.stage)
+        return self._submit(m, lambda: stash.fetch(ctx, names), deps)
+
     # ---- the transfers' tasks --------------------------------------------------------------------
     def prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:
         """Copy the stage's parameters and buffers into ``slot``: from the host, or, for copies of

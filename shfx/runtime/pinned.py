@@ -104,6 +104,7 @@ class PinnedAllocator:
         self._bounce_locks = {"h2d": threading.Lock(), "d2h": threading.Lock()}
         self.unpinned_allocations = 0  # buffers asked pinned, given ordinary memory
         self.unpinned_bytes = 0
+        self.bounced_copies = 0  # copies that went through the bounce buffers
 
     @property
     def live_bytes(self) -> int:
@@ -191,6 +192,7 @@ class PinnedAllocator:
     def bounce(self, direction: str) -> Iterator[list[BounceSlot]]:
         """The bounce buffers of ``direction`` (``"h2d"``/``"d2h"``), held by the caller for one copy."""
         with self._bounce_locks[direction]:
+            self.bounced_copies += 1
             yield self._bounce[direction]
 
     def owns(self, t: torch.Tensor) -> bool:

@@ -143,8 +143,9 @@ class Residency:
 
     def host_bytes(self) -> int:
         """Host memory the runtime holds: the host store (weights, gradients), the host
-        optimizer's states, the staging buffers, the buffers borrowed gradients wait in and, under
-        data parallel, the local-gradient and collective buffers."""
+        optimizer's states, the staging buffers, the buffers borrowed gradients wait in, the host
+        buffers of offloaded activations and, under data parallel, the local-gradient and
+        collective buffers."""
         eng = self.engine
         states = 0
         if eng.optimizer is not None:
@@ -160,4 +161,5 @@ class Residency:
         return (
             eng.store.host_bytes + states + eng.store.staging_bytes + eng.gradients.pending_host_bytes
             + eng.journal.host_bytes + (eng.dp.buffer_bytes if eng.dp is not None else 0)
+            + eng.activation_stash.allocated_bytes
         )  # fmt: skip

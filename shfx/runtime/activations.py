@@ -1,0 +1,87 @@
+"""Activation offload at run time: the host buffers that hold a stage's boundary activations
+between its forward and its backward (``AO g`` / ``AF g``, :mod:`shfx.passes.activations`).
+
+The buffers are pinned host memory (``backend.alloc_host(n, pin=True)``), kept in a free list
+by shape and dtype and reused every step: the steady state allocates nothing. A step context
+takes one per offloaded value at its ``AO`` and gives it back at its ``AF`` (or when the
+context is released, a failed or abandoned step included), so two live contexts (a forward
+whose backward runs cold after another forward) never share one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shfx.passes.activations import offloaded_values
+
+__all__ = ["ActivationStash"]
+
+
+class ActivationStash:
+    """The host buffers of one engine's offloaded activations (see the module docstring)."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._names: dict[tuple[int, int], tuple[str, ...]] = {}  # (id(program), stage) -> value names
+        self.allocated_bytes = 0  # host bytes allocated so far (reused across steps)
+
+    def names(self, program: Any, stage: int) -> tuple[str, ...]:
+        """The values an ``AO``/``AF`` of ``stage`` moves in ``program`` (the train program's
+        stages: the same names the step context keeps them under)."""
+        key = (id(program), stage)
+        got = self._names.get(key)
+        if got is None:
+            got = tuple(v.name for v in offloaded_values(program.stages).get(stage, ()))
+            self._names[key] = got
+        return got
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer of ``like``'s shape and dtype (a free one, else a new pinned one)."""
+        key = (tuple(like.shape), like.dtype)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        nbytes = like.numel() * like.element_size()
+        raw = self.backend.alloc_host(nbytes, True)
+        with self._lock:
+            self.allocated_bytes += nbytes
+        return raw[:nbytes].view(like.dtype).view(like.shape) if nbytes else torch.empty(like.shape, dtype=like.dtype)
+
+    def give_back(self, bufs: Sequence[torch.Tensor]) -> None:
+        """Return host buffers for reuse."""
+        with self._lock:
+            for b in bufs:
+                self._free.setdefault((tuple(b.shape), b.dtype), []).append(b)
+
+    def offload(self, ctx: Any, names: Sequence[str]) -> None:
+        """``AO``: copy each value device -> a host buffer (d2h, exact), then free the device
+        copy (the context's reservation under the ledger's activations term goes with it)."""
+        copy = self.backend.d2h_copy
+        for name in names:
+            dev = ctx.values[name]
+            host = self.take(dev)
+            copy(host, dev)
+            ctx.offload_value(name, host)
+
+    def fetch(self, ctx: Any, names: Sequence[str]) -> None:
+        """``AF``: copy each value host -> a new device tensor (h2d, exact), kept under the same
+        name and term as the forward kept it; the host buffer is free again.
+
+        NOTE: on CUDA the copy is asynchronous; the buffer can be taken again only by a later
+        ``AO``, which waits for a forward, which the compute stream orders after the backward
+        that waited for this copy."""
+        b = self.backend
+        for name in names:
+            host = ctx.host_values[name]
+            dev = torch.empty(host.shape, dtype=host.dtype, device=b.device)
+            b.h2d_copy(dev, host)
+            ctx.put(name, dev)
+            ctx.host_values.pop(name, None)
+            self.give_back([host])

@@ -1,0 +1,234 @@
+"""Activation offload (``shfx.Offload(activations=...)``, issue 26 part 2): a stage's boundary
+activations leave the device after its forward (``AO g``, d2h) and come back before its
+backward (``AF g``, h2d). Golden programs, the verifier's rule, the ledger, and the runtime on
+the emulated device: refused without offload, bitwise equal to eager PyTorch with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from shfx.passes.activations import add_activation_offload, eligible_stages, offloaded_values
+from shfx.passes.features import ACTIVATION_OFFLOAD, PassRefused, activation_offload_program
+from shfx.passes.ledger import replay
+from shfx.passes.meta import get_meta
+from shfx.passes.policies import Resident, Stronghold, ZeroOffload
+from shfx.passes.program import ScheduleError, lower_actions
+from shfx.passes.stages import chain
+from shfx.passes.verify import VerificationError, verify_program
+
+ACT = 1000
+
+
+def _specs(n: int = 5):
+    return chain(n, prefetch_bytes=4000, activation_bytes=ACT)
+
+
+# ---- the program ------------------------------------------------------------------------------------
+
+
+def test_golden_stronghold():
+    p = activation_offload_program(Stronghold(window=2).program(_specs()))
+    assert " ".join(p.actions()) == (
+        "PF0 PF1 F0 R0 PF2 F1 R1 PF3 F2 R2 PF4 AO1 F3 AO2 F4 "
+        "B4 OG4 U4 R4 PF2 AF2 B3 OG3 U3 R3 PF1 AF1 B2 OG2 U2 R2 PF0 B1 OG1 U1 R1 B0 OG0 U0 R0"
+    )
+    verify_program(p, "train")
+    # the forward after next waits for the offload; the fetch waits for the offload and the
+    # backward two places before its own; the backward waits for the fetch
+    assert "ao1" in [d.name for d in p.deps(p.find("F3"))]
+    assert [d.name for d in p.deps(p.find("AF1"))] == ["ao1", "b3"]
+    assert "af1" in [d.name for d in p.deps(p.find("B1"))]
+    assert get_meta(p.find("AO1")).bytes == get_meta(p.find("AF1")).bytes == ACT
+    assert get_meta(p.find("AO1")).stream == "d2h" and get_meta(p.find("AF1")).stream == "h2d"
+    assert p.bytes_moved()["d2h"] - Stronghold(window=2).program(_specs()).bytes_moved()["d2h"] == 2 * ACT
+
+
+def test_golden_zero_offload_and_explicit_stages():
+    p = activation_offload_program(ZeroOffload().program(_specs(6)), stages=(2,))
+    assert " ".join(p.actions()) == "F0 F1 F2 F3 AO2 F4 F5 B5 OG5 B4 OG4 AF2 B3 OG3 B2 OG2 B1 OG1 B0 OG0 U0 U1 U2 U3 U4 U5 PF0 PF1 PF2 PF3 PF4 PF5"
+    verify_program(p, "train")
+
+
+def test_eligible_stages_keep_the_first_backwards():
+    acts = [get_meta(n).action for n in Resident().program(_specs(5)).nodes]
+    assert eligible_stages(acts, _specs(5)) == [1, 2]  # stage 0 reads no boundary value; 3, 4 come back first
+    assert sorted(offloaded_values(_specs(5))) == [1, 2, 3, 4]
+    with pytest.raises(ScheduleError, match=r"stages \[3\] cannot offload"):
+        add_activation_offload(acts, _specs(5), [3])
+
+
+def test_the_pass_runs_once():
+    p = ACTIVATION_OFFLOAD(Resident().program(_specs()))
+    with pytest.raises(PassRefused, match="offloads activations already"):
+        ACTIVATION_OFFLOAD(p)
+
+
+def test_derived_programs():
+    from shfx.passes.schedule import cold_backward_program, eval_program
+
+    p = activation_offload_program(Stronghold(window=2).program(_specs()))
+    ev = eval_program(p)
+    assert not any(a.startswith(("AO", "AF")) for a in ev.actions())  # an inference forward keeps nothing
+    cold = cold_backward_program(p)
+    assert "AF1" in cold.actions() and "AO1" not in cold.actions()
+    verify_program(cold, "backward")
+
+
+# ---- the verifier's rule ------------------------------------------------------------------------------
+
+
+def test_verifier_rejects_a_backward_without_its_fetch():
+    good = "F0 F1 F2 AO1 F3 F4 B4 DU4 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0"
+    p = lower_actions(good.split(), _specs(), num_slots=5, persistent=(0, 1, 2, 3, 4))
+    verify_program(p, "train")
+    # lowering refuses it ...
+    with pytest.raises(ScheduleError, match=r"on the host \(AO1\); fetch them first \(AF1\)"):
+        lower_actions(good.replace("AF1 ", "").split(), _specs(), num_slots=5, persistent=(0, 1, 2, 3, 4))
+    # ... and the verifier catches a hand-edited graph: B1 no longer waits for AF1
+    b1 = p.find("B1")
+    b1.args = tuple(a for a in b1.args if getattr(a, "name", None) != "af1")
+    with pytest.raises(VerificationError, match=r"B1 \(#\d+\) does not wait for AF1"):
+        verify_program(p, "train")
+
+
+def test_verifier_rejects_an_offload_never_fetched():
+    good = "F0 F1 F2 AO1 F3 F4 B4 DU4 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0"
+    p = lower_actions(good.split(), _specs(), num_slots=5, persistent=(0, 1, 2, 3, 4))
+    b1 = p.find("B1")
+    af1 = p.find("AF1")
+    b1.args = tuple(a for a in b1.args if a is not af1)
+    p.graph.erase_node(af1)
+    with pytest.raises(VerificationError, match=r"on the host: no AF1 before it fetched them"):
+        verify_program(p, "train")
+
+
+# ---- the ledger ------------------------------------------------------------------------------------------
+
+
+def test_ledger_counts_only_the_activations_in_flight():
+    specs = chain(8, prefetch_bytes=4000, activation_bytes=ACT)
+    base = Resident().program(specs)
+    off = activation_offload_program(base)
+    a, b = replay(base), replay(off)
+    acts_a = a.terms_at_peak()["activations (checkpoints)"]
+    acts_b = b.terms_at_peak()["activations (checkpoints)"]
+    assert acts_a == 8 * ACT  # every stage's output until the backward
+    assert acts_b <= 5 * ACT  # the in-flight stages only
+    assert a.peak() - b.peak() == acts_a - acts_b
+    host = b.static("host").get("offloaded activations", 0)
+    assert host == len(eligible_stages([get_meta(n).action for n in base.nodes], specs)) * ACT
+
+
+# ---- the runtime: refused without offload, bitwise with it ------------------------------------------------
+
+import copy  # noqa: E402
+
+import torch  # noqa: E402
+
+import shfx  # noqa: E402
+from shfx.models import GPT, GPTShape  # noqa: E402
+
+SHAPE = GPTShape(vocab=64, seq=512, layers=6, heads=2, hidden=16, dropout=0.1)
+BATCH = 4
+STEPS = 3
+
+
+def _long_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(SHAPE)
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(0, SHAPE.vocab, (BATCH, SHAPE.seq), generator=g), torch.randint(0, SHAPE.vocab, (BATCH, SHAPE.seq), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _compile(model, memory, activations="device", **link):
+    offload = shfx.Offload(activations=activations) if activations != "device" else None
+    device = shfx.EmulatedDevice(memory=memory, **(link or {"h2d": None, "d2h": None}))
+    return shfx.compile(model, device=device, window=2, optimizer=shfx.optim.AdamW(lr=1e-2), offload=offload)
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """Device peaks (the memory ledger's) of one step with and without activation offload, on an
+    unbounded device."""
+    out = {}
+    x, y = _batches(1)[0]
+    for acts in ("device", "host"):
+        cm = _compile(_long_gpt(), "8GiB", acts)
+        cm(x, y)  # (the forward builds the variant; no step needed)
+        led = cm.variant.ledger()
+        out[acts] = (led.peak(), led.terms_at_peak()["activations (checkpoints)"], led.static("host").get("offloaded activations", 0))
+        cm.close()
+    return out
+
+
+def test_offload_cuts_the_device_peak(peaks):
+    (dev, dev_acts, _), (off, off_acts, host) = peaks["device"], peaks["host"]
+    assert off < dev and off_acts < dev_acts / 2
+    assert host > 0
+
+
+def test_refused_without_offload_trains_bitwise_with_it(peaks):
+    cap = (peaks["device"][0] + peaks["host"][0]) // 2  # between the in-flight and all activations
+    x, y = _batches(1)[0]
+    cm = _compile(_long_gpt(), cap)
+    with pytest.raises(shfx.OutOfDeviceMemory, match=r"activations='host'"):
+        cm(x, y)
+    assert cm.backend.used_bytes == 0  # refused before anything of the step was allocated
+    cm.close()
+
+    batches = _batches(STEPS)
+    model = _long_gpt()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, cap, "host")
+    torch.manual_seed(123)
+    losses = []
+    for x, y in batches:
+        loss = cm(x, y)
+        loss.backward()
+        cm.step()
+        cm.zero_grad()
+        losses.append(loss.detach().clone())
+    assert cm.backend.peak_bytes <= cap
+    assert any(a.startswith("AO") for a in cm.variant.train.actions())
+    cm.sync()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    torch.manual_seed(123)
+    ref_losses = []
+    for x, y in batches:
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.detach().clone())
+    for a, b in zip(losses, ref_losses):
+        assert torch.equal(a, b)
+    for (k, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(p, q), k
+    cm.close()
+
+
+def test_runtime_reservations_are_the_ledger():
+    """The runtime's device reservations, action by action, are the ledger's (AO frees, AF puts
+    back), and its host buffers are the ledger's ``offloaded activations``."""
+    from test_ledger import _by_event, _compare
+
+    x, y = _batches(1)[0]
+    cm = _compile(_long_gpt(), "8GiB", "host")
+    try:
+        with cm.backend.recording() as log:
+            cm(x, y).backward()
+            cm.step()
+        led = cm.variant.ledger()
+        runtime = _by_event((e.event, e.term, e.what, e.nbytes) for e in log)
+        ledger = _by_event((e.event, c.term, c.what, c.nbytes) for e in led.entries for c in e.changes if c.tier == "device")
+        _compare(runtime, {k: v for k, v in ledger.items() if v}, "activation offload")
+        assert any(k.startswith("AO") for k in runtime) and any(k.startswith("AF") for k in runtime)
+        assert cm.engine.host_bytes() == sum(led.static("host").values())
+    finally:
+        cm.close()
