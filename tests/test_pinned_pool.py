@@ -299,3 +299,27 @@ def test_cuda_backend_copies_unpinned_buffers_through_the_bounce_buffers(monkeyp
     b.h2d_copy(torch.zeros(3 * PAGE, dtype=torch.uint8), pinned)
     assert _Event.made == [] and pool.bounced_copies == 3
     pool.close()
+
+
+# ---- the SSD store's bounce buffers ---------------------------------------------------------------------
+def test_ssd_store_pins_its_bounce_buffers_through_the_pool(tmp_path):
+    from test_ssd_store import _accepts_direct
+
+    from shfx.runtime.ssd import SSDStore
+
+    if not _accepts_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT (buffered I/O uses no bounce buffer)")
+    calls = []
+    pool = PinnedAllocator(lambda p, n: calls.append(n), lambda p: None, budget_bytes=MiB)
+    n = 5 * (64 << 10) + 17
+    backing = torch.randint(0, 255, (n + 1,), dtype=torch.uint8)
+    out = torch.zeros(n + 1, dtype=torch.uint8)
+    # (a view at byte offset 1: unaligned, so every chunk goes through a bounce buffer)
+    with SSDStore(tmp_path, {"a": n}, direct=True, bounce_buffers=2, bounce_bytes="64KiB", pin_memory=True, pinned=pool) as store:
+        store.write_from("a", backing[1:]).wait()
+        store.read_into("a", out[1:]).wait()
+        bufs = [t for t, _ in store._bounce._free]
+        assert bufs and all(pool.owns(t) for t in bufs) and all(t.data_ptr() % store.alignment == 0 for t in bufs)
+        assert calls == [page_rounded(64 << 10)] * len(bufs) == [page_rounded(64 << 10)] * pool.allocations
+    assert torch.equal(out[1:], backing[1:])
+    pool.close()

@@ -70,7 +70,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -207,8 +207,9 @@ class _BouncePool:
     """At most ``count`` aligned buffers of ``nbytes`` each, allocated on first use.
     ``allocated_bytes`` counts every byte it ever allocated; ``peak_in_use`` the most handed out at once."""
 
-    def __init__(self, count: int, nbytes: int, align: int, pin: bool):
+    def __init__(self, count: int, nbytes: int, align: int, pin: bool, pool: Any = None):
         self.count, self.nbytes, self.align, self.pin = count, nbytes, align, pin
+        self.pool = pool  # a backend's pinned pool (shfx.runtime.pinned.PinnedAllocator): pin through it
         self._free: list[tuple[torch.Tensor, memoryview]] = []
         self._cond = threading.Condition()
         self.allocated = 0
@@ -237,7 +238,17 @@ class _BouncePool:
             self._cond.notify()
 
     def _allocate(self) -> tuple[torch.Tensor, memoryview]:
-        if self.pin:
+        if self.pin and self.pool is not None:
+            # the pool's pinned buffers are page-aligned (its ordinary ones need not be): taken
+            # again with room to align a view in it when not aligned
+            t = self.pool.take(self.nbytes, "ssd bounce")
+            if t.data_ptr() % self.align:
+                del t
+                raw = self.pool.take(self.nbytes + self.align, "ssd bounce")
+                self.allocated_bytes += self.align
+                skip = -raw.data_ptr() % self.align
+                t = raw[skip : skip + self.nbytes]
+        elif self.pin:
             # NOTE: the CUDA host allocator's blocks (cudaHostAlloc) are page-aligned; should one not
             # be, the buffer is taken again with room to align a view in it (counted as allocated).
             t = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -425,7 +436,11 @@ class SSDStore:
             ``bounce_bytes`` is rounded up to a multiple of the alignment.
         read_bps, write_bps: emulated SSD bandwidth per direction (bytes/s or ``"3GB/s"``);
             ``None``: as fast as the disk.
-        pin_memory: pin the bounce buffers (needs CUDA).
+        pin_memory: pin the bounce buffers (needs CUDA, or a pool: ``pinned``).
+        pinned: the pinned pool the bounce buffers come from with ``pin_memory`` (a backend's
+            ``backend.pinned``, so that every pinned buffer of a backend is one of its pool's,
+            within its budget: a buffer that does not fit is ordinary memory); None: torch's
+            pinned allocator (CUDA).
 
     Attributes: ``direct`` (bool, what is used), ``alignment``, ``file_path``, ``file_bytes``,
     ``extents`` (key -> :class:`Extent`), counters ``bytes_read``, ``bytes_written``, ``reads``,
@@ -445,6 +460,7 @@ class SSDStore:
         read_bps: float | str | None = None,
         write_bps: float | str | None = None,
         pin_memory: bool = False,
+        pinned: Any = None,
     ):
         if direct not in (True, False, "auto"):
             raise ValueError(f"SSDStore direct must be True, False or 'auto', got {direct!r}")
@@ -455,7 +471,7 @@ class SSDStore:
             raise ValueError(
                 f"SSDStore extents must be a non-empty mapping key -> nbytes, e.g. {{('m', 0): 4096}}, got {extents!r}"
             )
-        if pin_memory and not torch.cuda.is_available():
+        if pin_memory and pinned is None and not torch.cuda.is_available():
             raise ValueError("SSDStore pin_memory=True needs CUDA (pinned host memory); this torch has none: pass pin_memory=False")
         self._read_bps = parse_bandwidth(read_bps, what="SSDStore read_bps")
         self._write_bps = parse_bandwidth(write_bps, what="SSDStore write_bps")
@@ -488,7 +504,7 @@ class SSDStore:
             self.close()
             raise
         self.file_path = state.file_path
-        self._bounce = _BouncePool(bounce_buffers, self.chunk_bytes, self.alignment, pin_memory)
+        self._bounce = _BouncePool(bounce_buffers, self.chunk_bytes, self.alignment, pin_memory, pinned)
         state.direct, state.alignment, state.bounce = self.direct, self.alignment, self._bounce
         state.pools = {
             "read": ThreadPoolExecutor(workers, thread_name_prefix="shfx-ssd-read"),
