@@ -43,6 +43,8 @@ def test_streams_of_kinds():
         ActionKind.CHECK: "cpu",
         ActionKind.SNAPSHOT: "cpu",
         ActionKind.UNSCALE: "cpu",
+        ActionKind.OFFLOAD_ACTIVATIONS: "d2h",
+        ActionKind.FETCH_ACTIVATIONS: "h2d",
     }
 
 
