@@ -300,7 +300,10 @@ class MemoryBreakdown:
 
     def table(self) -> str:
         what = self.family.describe() + f", {self.family.layers} layers" if self.family else self.name
-        rows = [f"{self.policy}: {what}"]
+        st = self.settings
+        tier = "+nvme-all" if st.get("nvme_all") else ""
+        tier += f"+act-{st['activations']}" if st.get("activations") else ""
+        rows = [f"{self.policy}{tier}: {what}"]
         for tier, terms in (("device", self.device), ("host", self.host), ("ssd", self.ssd)):
             if not terms:
                 continue
