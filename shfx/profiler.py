@@ -294,7 +294,7 @@ class _LinkProbe:
         b = self.engine.backend
         if self.host is None:
             self._fit_free_memory()
-            self.host = b.alloc_host(2 * self.large, self.engine.store.pin)
+            self.host = b.alloc_host(2 * self.large, self.engine.store.pin, "link probe")  # (pinned beside the plan: shfx.runtime.pinned)
         dev = b.alloc_device(2 * self.large, "profiling buffer (the tuner's link probe)")
         try:
             return self._timed(dev, self.host)
