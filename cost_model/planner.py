@@ -685,7 +685,9 @@ def memory_model(
         settings.update(nvme_all=True, host_window=host_window)
     if activations is not None:
         settings["activations"] = activations
-    host = {**dict.fromkeys(HOST_TERMS, 0), **host}  # (every term the ledger names, as memory_for_model has them)
+    # (every term the ledger names, as memory_for_model has them)
+    host = {**dict.fromkeys(HOST_TERMS, 0), **host}
+    ssd = {**dict.fromkeys(SSD_TERMS, 0), **ssd} if ssd else ssd
     return MemoryBreakdown(policy, fam, device, host, ssd, tgt, slot_sizes, grad_sizes, settings)
 
 
