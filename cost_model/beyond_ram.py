@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 import sympy as sp
 
 from .analytic import links_of, ssd_bound_s
-from .formulas import backward_time_gpt, forward_time_gpt, gpt_stage_times, stage_param_counts
+from .formulas import backward_time_gpt, flops_per_iteration, forward_time_gpt, gpt_stage_times, stage_param_counts
 from .hardware import Hardware, get_profile
 from .shapes import GPTShape
 
@@ -175,6 +175,11 @@ class TierStep:
     def tokens_per_s(self, family: GPTShape) -> float:
         return family.batch * family.seq / self.step_s
 
+    def tflops(self, family: GPTShape) -> float:
+        """Model TFLOP/s: the step's FLOPs with the blocks' recompute
+        (:func:`~shfx.cost_model.formulas.flops_per_iteration`) over its time."""
+        return float(flops_per_iteration(self.layers, family.hidden, family.seq, family.batch, family.vocab)) / self.step_s / 1e12
+
     def describe(self) -> str:
         t = self.traffic
         ssd = f", SSD {t.ssd_read_bytes / 1e12:.2f} TB read + {t.ssd_write_bytes / 1e12:.2f} TB written ({self.ssd_s:.1f} s)" if self.ssd_s else ""
@@ -227,19 +232,37 @@ def tier_step(
 
 @dataclass(frozen=True)
 class PublishedFigure:
-    """What a paper reports for a setup: ``claim`` in words, ``step_s`` its step time when it
-    gives one (None: not found; never guessed), ``source`` where it says so."""
+    """What a paper reports for a setup: ``claim`` in words, ``step_s`` its step time and
+    ``tflops`` its throughput when found (None: not found; never guessed), ``source`` where."""
 
     system: str
     setup: str
     claim: str
     source: str
     step_s: float | None = None
+    tflops: float | None = None
+    tflops_source: str = ""
     note: str = ""
 
     def line(self) -> str:
         step = f"{self.step_s:.1f} s per step" if self.step_s is not None else "step time: not found"
-        return f"{self.system} ({self.source}): {self.claim}; {step}" + (f" ({self.note})" if self.note else "")
+        tp = f"; {self.tflops:g} TFLOP/s ({self.tflops_source})" if self.tflops is not None else ""
+        return f"{self.system} ({self.source}): {self.claim}; {step}{tp}" + (f" ({self.note})" if self.note else "")
+
+    def compare(self, step: TierStep, family: GPTShape) -> str:
+        """The prediction beside the published throughput: shfx's model TFLOP/s, the step the
+        published rate would be at this size and batch (same FLOP count), and the SSD bandwidth
+        that step would need for the predicted bytes (reads and writes one after the other)."""
+        ours = f"predicted {step.tflops(family):.1f} TFLOP/s (model FLOPs with recompute over the {step.step_s:.0f} s step)"
+        if self.tflops is None:
+            return ours
+        at = step.step_s * step.tflops(family) / self.tflops
+        t = step.traffic
+        need = (t.ssd_read_bytes + t.ssd_write_bytes) / at / 1e9 if t.ssd else 0.0
+        return (
+            f"{ours} vs {self.system}'s {self.tflops:g}: a {at:.0f} s step at this batch"
+            + (f", which would need {need:.0f} GB/s of SSD bandwidth for this step's {(t.ssd_read_bytes + t.ssd_write_bytes) / 1e12:.2f} TB" if need else "")
+        )
 
 
 LOHAN_175B = PublishedFigure(
@@ -248,9 +271,12 @@ LOHAN_175B = PublishedFigure(
     claim="the first to fine-tune a 175B model on an RTX 4090 and 256 GB main memory",
     source="arXiv 2403.06504v2, abstract",
     step_s=None,
-    note=(
-        "no step time or throughput for this setup was found in the sources searched for this report (the paper's "
-        "abstract and third-party summaries); none is invented here: compare with the paper's evaluation section"
+    tflops=87.0,
+    tflops_source=(
+        "GPT-3 175B on the 4090, the paper's first version (Fuyou, arXiv 2403.06504v1, its 175B throughput figure) as "
+        "quoted by a secondary summary (onlyaistuff.com: 'It achieves 87 TFLOPS on 4090 and 172 TFLOPS on A100-80GB when "
+        "fine-tuning a GPT-3 175B model'); not read from the paper, and its batch, host RAM and SSD count not confirmed"
     ),
+    note="no step time for this setup found in the sources searched; none is invented here",
 )
 """LoHan's published result for the setup of issue 26's ``shfx plan`` check."""

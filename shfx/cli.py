@@ -581,9 +581,12 @@ def _run_plan(args: argparse.Namespace) -> int:
             print()
             print(_stronghold_steps(result, family, target, args.layers))
             if args.model == "gpt3-175b":
-                from shfx.cost_model.beyond_ram import LOHAN_175B
+                from shfx.cost_model.beyond_ram import LOHAN_175B, tier_step
 
                 print(f"  published: {LOHAN_175B.line()}")
+                t = next((t for t in tiers if "+act-" in t), tiers[-1])
+                st = tier_step(family.with_layers(args.layers), target, t, window=args.window)
+                print(f"  stronghold+{t}: {LOHAN_175B.compare(st, family)}")
     if args.layers is not None:
         print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")
         from shfx.cost_model.planner import updates_on_device

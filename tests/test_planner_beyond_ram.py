@@ -189,7 +189,16 @@ def test_four_drives_shorten_the_ssd_bound_by_their_bandwidth():
 
 def test_lohan_figure_is_cited_not_invented():
     assert LOHAN_175B.step_s is None and "2403.06504" in LOHAN_175B.source
-    assert "not found" in LOHAN_175B.line()
+    assert "step time: not found" in LOHAN_175B.line()
+    # its throughput, quoted with where it comes from; the comparison is the same FLOP count
+    assert LOHAN_175B.tflops == 87.0 and "2403.06504v1" in LOHAN_175B.tflops_source
+    step = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host")
+    flops = 96 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))  # REFERENCE.md, full recompute
+    assert step.tflops(GPT3) == pytest.approx(flops / step.step_s / 1e12, rel=1e-12)
+    at = flops / 87e12
+    line = LOHAN_175B.compare(step, GPT3)
+    assert f"a {at:.0f} s step at this batch" in line
+    assert f"{(step.traffic.ssd_read_bytes + step.traffic.ssd_write_bytes) / at / 1e9:.0f} GB/s of SSD bandwidth" in line
 
 
 # ---- shfx plan ------------------------------------------------------------------------------------
@@ -213,6 +222,7 @@ def test_cli_plan_shows_the_175b_gpt_trainable_on_the_4090(capsys):
     step = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host", window=2)
     assert "fits (tightest: ssd: optimizer states (m, v))" in row and f"step {step.step_s:.1f} s (bottleneck ssd)" in row
     assert "published: LoHan (arXiv 2403.06504v2, abstract)" in out and "step time: not found" in out
+    assert "stronghold+nvme-all+act-host: predicted " in out and "vs LoHan's 87" in out
     # GiB works too, and without --ssd there are no tier rows
     assert main(args[:4] + ["256GiB", "--precision", "bf16", "--policies", "stronghold"]) == 0
     out = capsys.readouterr().out
