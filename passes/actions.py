@@ -51,6 +51,9 @@ __all__ = [
     "US",
     "AO",
     "AF",
+    "PR",
+    "PD",
+    "PW",
 ]
 
 
@@ -77,6 +80,9 @@ class ActionKind(str, enum.Enum):
     UNSCALE = "US"  # fp16: one host group's gradient checked finite and divided by the loss scale
     OFFLOAD_ACTIVATIONS = "AO"  # copy a stage's boundary activations device -> host, free the device copy
     FETCH_ACTIVATIONS = "AF"  # copy them back host -> device before the stage's backward
+    PARAM_READ = "PR"  # read one SSD-held group's image (working copy) into a host image-window buffer
+    PARAM_DROP = "PD"  # free it once the prefetches reading it are done (unchanged: nothing written)
+    PARAM_WRITE = "PW"  # write it back to the SSD after the group's update, freeing its buffer
 
     @property
     def info(self) -> KindInfo:
@@ -108,6 +114,9 @@ SN = ActionKind.SNAPSHOT
 US = ActionKind.UNSCALE
 AO = ActionKind.OFFLOAD_ACTIVATIONS
 AF = ActionKind.FETCH_ACTIVATIONS
+PR = ActionKind.PARAM_READ
+PD = ActionKind.PARAM_DROP
+PW = ActionKind.PARAM_WRITE
 
 STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write", "reduce", "gather")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
@@ -245,6 +254,16 @@ KINDS: dict[ActionKind, KindInfo] = {
               doc="copy a stage's boundary activations device -> a host buffer after its forward, freeing the device copy"),
         _info(AF, "fetch_activations", "h2d", "link", slotted=False, reads=False, moves="h2d",
               doc="copy a stage's offloaded boundary activations host -> device before its backward"),
+        # NOTE: the parameter tier (Offload(params="nvme"), passes/lowering.py add_param_transfers):
+        # the images of SSD-held groups pass through a few host buffers (ActionMeta.buffer, the
+        # program's). Not update kinds: a forward reads them too. PD and PW share the write queue:
+        # PD only waits for the prefetches and frees (no bytes), PW writes the updated image back
+        _info(PR, "param_read", "ssd_read", "ssd", slotted=False, reads=False, moves="ssd_read",
+              doc="read one SSD-held group's image (the copy a PREFETCH sends) into a host image-window buffer"),
+        _info(PD, "param_drop", "ssd_write", "idle", slotted=False, reads=False,
+              doc="free an image-window buffer once the prefetches reading it are done (the image is unchanged)"),
+        _info(PW, "param_write", "ssd_write", "ssd", slotted=False, reads=False, update=True, moves="ssd_write",
+              doc="write an SSD-held group's updated image back to the SSD after its update, freeing its buffer"),
     )
 }  # fmt: skip
 

@@ -77,6 +77,7 @@ __all__ = [
     "boundary_values",
     "STAGING_BUFFERS",
     "HOST_WINDOW",
+    "IMAGE_WINDOW",
     "DP_IMAGE",
     "DP_COLLECTIVE",
     "shard_numel",
@@ -108,11 +109,18 @@ HOST_TERMS = (
     "pending tied gradient",
     "rollback copies",
     "SSD host window",
+    "SSD image window",
     "parameter image (whole)",
     "collective buffers",
     "offloaded activations",
 )
-SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)")
+SSD_TERMS = ("master parameters (fp32)", "optimizer states (m, v)", "working copy (16-bit)")
+
+IMAGE_WINDOW = "SSD image window"
+"""The host term of the parameter tier's image buffers (``Offload(params="nvme")``): ``image_window``
+buffers, each as large as the largest paged group's image, that a group's image is read into
+before the prefetches and the update that need it (``PR``) and freed (``PD``) or written back
+(``PW``) from."""
 
 HOST_WINDOW = "SSD host window"
 """The host term of the NVMe tier's host-window buffers: ``host_window`` buffers, each as large
@@ -346,6 +354,8 @@ def host_terms(
     optimizer: HostOptimizerStates | None = None,
     updates_in_step: bool = False,  # (Program.tier: where the updates run holds no host memory of its own)
     updates_delayed: bool = False,  # (likewise)
+    ssd_images: frozenset[int] | set[int] = frozenset(),
+    image_window: int = 0,
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
@@ -360,6 +370,13 @@ def host_terms(
     master weights' trainable bytes with ``ssd_masters``) are on the ``"ssd"`` tier, and the host
     holds ``host_window`` buffers (:data:`HOST_WINDOW`) each as large as the largest of those
     groups' SSD reads instead.
+
+    With the parameter tier (``ssd_images``, ``image_window``: ``Offload(params="nvme")``), those
+    groups' images (``working_bytes`` in mixed precision, ``group_bytes`` in fp32, where the
+    image is the master) and trainable masters are on the ``"ssd"`` tier too, their gradients
+    live in the host-window buffers (each buffer also holds the largest such gradient), and
+    the host holds ``image_window`` image buffers (:data:`IMAGE_WINDOW`), each the largest
+    such image.
 
     With ``rollback`` and the tier, an SSD group's rollback copy is its master weights and step
     counter only, and the SSD holds a second version of its optimizer states (a step writes the
@@ -420,13 +437,25 @@ def host_terms(
             "master is the image every PREFETCH copies: use nvme_masters=False, or precision='bf16'/'fp16'"
         )
     masters = list(group_bytes or [o.update_bytes for o in owners.values()])
+    working = list(working_bytes or ())
+    paged = [o for o in ssd if o.update_group in ssd_images]
+    at = {g: g for g in owners} if group_bytes else {g: i for i, g in enumerate(owners)}
     if ssd_masters:  # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
-        at = {g: g for g in owners} if group_bytes else {g: i for i, g in enumerate(owners)}
         for o in ssd:
             masters[at[o.update_group]] -= o.update_bytes
+    image_out = []  # the parameter tier: the images on the SSD
+    for o in paged:
+        i = at[o.update_group]
+        if working and working[i]:
+            image_out.append(Change("ssd", "working copy (16-bit)", f"image of group {o.update_group}", working[i]))
+            working[i] = 0
+        else:  # (fp32: the image is the master)
+            image_out.append(Change("ssd", "master parameters (fp32)", f"image of group {o.update_group}", masters[i]))
+            masters[i] = 0
     out = [Change("host", "master parameters (fp32)", f"group {i}", b) for i, b in enumerate(masters)]
-    out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working_bytes or ())]
-    out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host]
+    out += [Change("host", "working copy (16-bit)", f"working copy of group {i}", b) for i, b in enumerate(working)]
+    out += image_out
+    out += [Change("host", "gradients (fp32)", f"gradient of group {o.update_group}", o.update_bytes) for o in host if o not in paged]
     out += [
         Change("host", "optimizer states (m, v)", f"optimizer state {i} of group {o.update_group}", o.state_bytes)
         for o in host
@@ -449,7 +478,11 @@ def host_terms(
     if ssd:
         # each buffer holds what one SSD read brings (ssd_bytes_of, with this optimizer's states)
         per = max(_states_of(o, optimizer_states, optimizer) + (o.update_bytes if ssd_masters else 0) for o in ssd)
+        per += max((o.update_bytes for o in paged), default=0)  # (the parameter tier: the gradient too)
         out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", per) for i in range(host_window)]
+        if paged:
+            largest_image = max(o.image_bytes or o.prefetch_bytes for o in paged)
+            out += [Change("host", IMAGE_WINDOW, f"image buffer {i}", largest_image) for i in range(image_window)]
         steps = sum(_step_bytes(o.update_group, optimizer) for o in ssd)
         out.append(Change("host", HOST_WINDOW, "step counters of the groups on the SSD", steps))
     hg = {o.update_group for o in host}

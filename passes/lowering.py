@@ -56,11 +56,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .actions import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SR, SW, U, Action, ActionKind
+from .actions import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PD, PF, PR, PW, RS, R, SR, SW, U, Action, ActionKind
 from .program import ScheduleError
 from .stages import StageSpec, backward_stages
 
 __all__ = [
+    "add_param_transfers",
+    "image_window_needed",
     "check_window",
     "checked_stages",
     "compute_order",
@@ -398,6 +400,103 @@ def add_ssd_transfers(
             out.append(Action(SW, a.stage))
             if a.stage in then_read:
                 out.append(Action(SR, then_read[a.stage]))
+    return out
+
+
+def _image_holds(acts: Sequence[Action], stages: Sequence[StageSpec], ssd_images: frozenset[int]) -> list[tuple[int, int, int, ActionKind]]:
+    """The spans an SSD-held group's image must be on the host: ``(group, first use, last use,
+    release kind)`` in order of their first use. A use is a ``PF`` of the stage owning the group
+    or a ``U`` of the group. A span ends after a ``U`` (the image was written: ``PW``) or after
+    a ``PF`` whose group's next use is not its update, or that is in the forward (``PD``): no
+    span crosses into the backward, so the forward alone (inference) and a backward alone (the
+    cold backward) each leave every buffer free."""
+    first_b = next((i for i, a in enumerate(acts) if a.kind == B), len(acts))
+    owner = {st.index: st.update_group for st in stages if st.update_group in ssd_images}
+    uses: list[tuple[int, int, ActionKind]] = []  # (position, group, kind)
+    for i, a in enumerate(acts):
+        if a.kind == PF and a.stage in owner:
+            uses.append((i, owner[a.stage], PF))
+        elif a.kind == U and a.stage in ssd_images:
+            uses.append((i, a.stage, U))
+    holds: list[tuple[int, int, int, ActionKind]] = []
+    start: dict[int, int] = {}
+    for j, (i, g, kind) in enumerate(uses):
+        start.setdefault(g, i)
+        nxt = next((k for _, h, k in uses[j + 1 :] if h == g), None)
+        if kind == U or nxt != U or i < first_b:
+            holds.append((g, start.pop(g), i, PW if kind == U else PD))
+    return sorted(holds, key=lambda h: h[1])
+
+
+def image_window_needed(acts: Sequence[Action], stages: Sequence[StageSpec], ssd_images: frozenset[int] | set[int]) -> int:
+    """The fewest image buffers :func:`add_param_transfers` needs for ``acts``: the most
+    images on the host at once when each is read right before its first use.
+
+    >>> from shfx.passes.stages import chain
+    >>> acts = [Action.from_str(a) for a in "PF0 PF1 F0 R0 F1 B1 OG1 U1 R1 PF0 B0 OG0 U0 R0".split()]
+    >>> image_window_needed(acts, chain(2), {0, 1})  # (PD0 frees the buffer PR1 takes)
+    1
+    """
+    peak = 0
+    ends: list[int] = []
+    for g, first, last_use, _ in _image_holds(acts, stages, frozenset(ssd_images)):
+        ends = [e for e in ends if e >= first]
+        ends.append(last_use)
+        peak = max(peak, len(ends))
+    return peak
+
+
+def add_param_transfers(
+    acts: Sequence[Action], stages: Sequence[StageSpec], ssd_images: frozenset[int] | set[int], image_window: int
+) -> list[Action]:
+    """Given an action order with its prefetches and host updates (and the NVMe tier's ``SR``/
+    ``SW``), add the parameter tier's transfers for the groups whose image lives on the SSD:
+    ``PR g`` (read the image into one of ``image_window`` host buffers) ahead of the prefetch
+    or update that first needs it, ``PD g`` right after a prefetch whose group's next use is
+    not its update (free the buffer: nothing changed) and ``PW g`` right after ``U g`` (write
+    the updated image back). Reads go as early as the buffers allow, in order of need, but not
+    across the start of the backward (a forward-only call never runs the backward's reads).
+
+    >>> from shfx.passes.stages import chain
+    >>> acts = [Action.from_str(a) for a in "PF0 PF1 F0 R0 F1 B1 OG1 U1 R1 PF0 B0 OG0 U0 R0".split()]
+    >>> " ".join(map(str, add_param_transfers(acts, chain(2), {0, 1}, 1)))
+    'PR0 PF0 PD0 PR1 PF1 PD1 F0 R0 F1 B1 PR1 OG1 U1 PW1 PR0 R1 PF0 B0 OG0 U0 PW0 R0'
+    >>> " ".join(map(str, add_param_transfers(acts, chain(2), {0, 1}, 2)))
+    'PR0 PR1 PF0 PD0 PF1 PD1 F0 R0 F1 B1 PR1 PR0 OG1 U1 PW1 R1 PF0 B0 OG0 U0 PW0 R0'
+    """
+    ssd_images = frozenset(ssd_images)
+    if not ssd_images:
+        return list(acts)
+    need = image_window_needed(acts, stages, ssd_images)
+    if isinstance(image_window, bool) or not isinstance(image_window, int) or image_window < need:
+        raise ScheduleError(
+            f"the parameter tier needs at least {need} image buffers for this order (images on the host at once when each "
+            f"is read right before its first use), got image_window={image_window!r}"
+        )
+    holds = _image_holds(acts, stages, ssd_images)
+    first_b = next((i for i, a in enumerate(acts) if a.kind == B), len(acts))
+    releases: dict[int, list[Action]] = {}
+    for g, _, last_use, kind in holds:
+        releases.setdefault(last_use, []).append(Action(kind, g))
+    pending = list(holds)
+    held: set[int] = set()
+    out: list[Action] = []
+    for i, a in enumerate(acts):
+        # read ahead: the next holds in order of need, while a buffer is free, the group's
+        # previous span has ended, and the read does not cross into the backward early
+        while pending:
+            g, first, _, _ = pending[0]
+            if g in held or len(held) >= image_window or (first > first_b >= i):
+                break
+            out.append(Action(PR, g))
+            held.add(g)
+            pending.pop(0)
+        if pending and pending[0][1] == i:  # (cannot happen when image_window >= need)
+            raise ScheduleError(f"PR{pending[0][0]} could not be placed before its first use, action #{i} {a}")
+        out.append(a)
+        for r in releases.get(i, []):
+            out.append(r)
+            held.discard(r.stage)
     return out
 
 

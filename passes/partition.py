@@ -1123,6 +1123,7 @@ def build_stages(
             activation_bytes=sum(values[v].nbytes for v in outs),
             slot_bytes=slot.nbytes,
             update_bytes=groups[update_group].master_bytes if update_group is not None else 0,
+            image_bytes=groups[update_group].nbytes if update_group is not None else 0,
             device_master_bytes=_device_master_bytes(groups, update_group),
             grad_group_bytes=tuple(sorted(_sum_by_group(slot.grads).items())),
             grad_wire_bytes=tuple(sorted((c.group, groups[c.group].grad_bytes) for c in slot.grads if c.group in cast)),
@@ -1161,7 +1162,7 @@ def assign_update_groups(stages: Sequence[Stage], groups: Sequence[Group]) -> li
             if users and users[0].spec.update_group is None:
                 st = users[0]
                 out[st.index] = replace(st, spec=replace(
-                    st.spec, update_group=grp.index, update_bytes=grp.master_bytes,
+                    st.spec, update_group=grp.index, update_bytes=grp.master_bytes, image_bytes=grp.nbytes,
                     device_master_bytes=_device_master_bytes(groups, grp.index),
                 ))  # fmt: skip
     return out

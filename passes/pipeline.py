@@ -35,7 +35,7 @@ from .ledger import HostOptimizerStates, Ledger, host_terms, pool_sizes, replay
 from .pinned import PinnedPlan
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
-from .policies import Policy, resolve_policy
+from .policies import Policy, add_param_tier, resolve_policy
 from .actions import ActionKind
 from .meta import get_meta
 from .program import Program, ScheduleError
@@ -82,6 +82,9 @@ class PipelineOptions:
             be undone: the rollback feature pass (:data:`~shfx.passes.features.ROLLBACK`).
         loss_scaling: fp16: each host gradient checked and unscaled by its own action (``US g``):
             the loss-scaling feature pass (:data:`~shfx.passes.features.LOSS_SCALING`).
+        param_tier: ``Offload(params="nvme")``: the images, masters and gradients of the NVMe
+            tier's groups on the SSD too (:func:`~shfx.passes.policies.add_param_tier`), with
+            ``image_window`` host buffers for the images (None: the fewest the order needs, plus one).
         activations: activation offload (``Offload(activations=...)``): ``"device"`` (none),
             ``"host"`` (every eligible stage) or a tuple of the stages chosen: the
             activation-offload feature pass (:data:`~shfx.passes.features.ACTIVATION_OFFLOAD`).
@@ -106,6 +109,8 @@ class PipelineOptions:
     rollback: bool = False
     loss_scaling: bool = False
     activations: Any = "device"
+    param_tier: bool = False
+    image_window: int | None = None
     optimizer: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +212,8 @@ class Variant:
 def build_programs(
     specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1, updates_in_step: bool = False,
     clip_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False, activations: Any = "device",
+    param_tier: bool = False,
+    image_window: int | None = None, masters: bool = False,
 ) -> tuple[Program, Program, Program]:  # fmt: skip
     """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
     :func:`~shfx.passes.schedule.data_parallel_program`) and its derived inference and
@@ -214,6 +221,8 @@ def build_programs(
     # the feature passes after the policy's lowering (shfx.passes.features): each checks what it
     # requires and ensures (exact clipping is the policy's deferred update: the same pass)
     train = policy.program(specs)
+    if param_tier:  # (Offload(params="nvme"): before the features, which keep its actions)
+        train = add_param_tier(train, image_window, masters=masters)
     # (ZeRO-Offload's delayed update runs its updates during the next step: nothing to move into step())
     in_step = updates_in_step and not (train.updates_outside or train.updates_delayed)
     passes = feature_passes(
@@ -270,6 +279,9 @@ def feature_options(program: Program) -> dict[str, bool]:
         "rollback": ActionKind.SNAPSHOT in kinds,
         "loss_scaling": ActionKind.UNSCALE in kinds,
         "activations": "host" if ActionKind.OFFLOAD_ACTIVATIONS in kinds else "device",
+        "param_tier": bool(program.ssd_images),
+        "image_window": program.image_window or None,
+        "masters": bool(program.ssd_images) and program.ssd_masters,
     }
 
 
@@ -346,7 +358,7 @@ def compile_variant(
     train, ev, cold = build_programs(
         graph.specs, policy, verify=verify, ranks=options.ranks, updates_in_step=options.updates_in_step,
         clip_in_step=options.clip_in_step, rollback=options.rollback, loss_scaling=options.loss_scaling,
-        activations=options.activations,
+        activations=options.activations, param_tier=options.param_tier, image_window=options.image_window, masters=options.param_tier and working != torch.float32,
     )  # fmt: skip
     passes += ["lower", "derive"] + (["verify"] if verify else [])
     return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes), journaled=options.rollback)

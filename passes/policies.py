@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from .lowering import (
+    add_param_transfers,
+    image_window_needed,
     add_buffer_offloads,
     add_grad_norms,
     add_grad_offloads,
@@ -50,7 +52,7 @@ from .lowering import (
     checked_stages,
     compute_order,
 )
-from .actions import Action, U
+from .actions import OG, SR, Action, U
 from .features import clip_program, delayed_update
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
@@ -61,6 +63,8 @@ __all__ = [
     "Policy",
     "FunctionPolicy",
     "add_ssd_tier",
+    "add_param_tier",
+    "param_tier_groups",
     "Stronghold",
     "Resident",
     "L2L",
@@ -489,6 +493,59 @@ def add_ssd_tier(program: Program, host_window: int, ssd_masters: bool = False) 
     name = f"{program.name}(nvme H={hw}" + (" with masters" if ssd_masters else "") + ")"
     return lower_actions(add_ssd_transfers(acts, host, hw), program.stages, program.num_slots, name=name,
                          persistent=program.persistent, **tier)  # fmt: skip
+
+
+def param_tier_groups(program: Program) -> frozenset[int]:
+    """The groups of ``program``'s NVMe tier whose image can live on the SSD too: read by the
+    prefetch of the stage owning them only (no other stage borrows them) and with no buffer a
+    forward writes back (``OB``); the others stay in host RAM."""
+    shared = {g for st in program.stages for g in st.grad_groups if g != st.update_group}
+    return frozenset(
+        st.update_group for st in program.stages
+        if st.update_group in program.ssd_groups and st.update_group not in shared
+        and not st.buffer_out_bytes and not st.recompute_buffer_bytes
+    )  # fmt: skip
+
+
+def add_param_tier(program: Program, image_window: int | None = None, masters: bool = False) -> Program:
+    """The parameter tier (``Offload(params="nvme")``) as a pass over a program with the NVMe
+    tier: the groups of :func:`param_tier_groups` keep their image on the SSD, read into one of
+    ``image_window`` host buffers before the prefetches and the update that need it and freed
+    or written back after them (:func:`shfx.passes.lowering.add_param_transfers`); their
+    gradient lands in the group's host-window buffer, and with ``masters`` (mixed precision)
+    their fp32 master is read and written with the states. ``image_window`` None: the fewest
+    buffers the order needs, plus one read ahead.
+
+    >>> from shfx.passes.stages import chain
+    >>> p = add_param_tier(Stronghold(window=1, nvme=True, host_window=1).program(chain(2)), 2)
+    >>> " ".join(p.actions())
+    'PR0 PR1 PF0 PD0 F0 R0 PF1 PD1 F1 B1 PR1 PR0 SR1 OG1 U1 PW1 SW1 SR0 R1 PF0 B0 OG0 U0 PW0 SW0 R0'
+    """
+    if not program.ssd_groups:
+        raise ScheduleError(
+            "the parameter tier keeps a group's image, master, gradient and states on the SSD: the program needs the NVMe "
+            "tier for its states first (nvme=True / Offload(optimizer='nvme'))"
+        )
+    if program.ssd_images:
+        return program
+    groups = param_tier_groups(program)
+    if not groups:
+        return program
+    acts = [get_meta(n).action for n in program.nodes]
+    pos = {a: i for i, a in enumerate(acts)}
+    late = sorted(g for g in groups if any(pos.get(Action(SR, g), -1) > pos.get(Action(OG, st.index), 1 << 30)
+                                           for st in program.stages if g in st.grad_groups))
+    if late:
+        raise ScheduleError(
+            f"the parameter tier lands a group's gradient in its host-window buffer, read (SR) before the gradient arrives "
+            f"(OG), but {program.name!r} reads groups {late} after their gradients: its updates run after the backward, "
+            "so every gradient would wait in host RAM. Use a policy updating during the backward (policy='stronghold')"
+        )
+    need = image_window_needed(acts, program.stages, groups)
+    iw = need + 1 if image_window is None else image_window
+    tier = {**program.tier, "ssd_images": groups, "image_window": iw, "ssd_masters": masters}
+    return lower_actions(add_param_transfers(acts, program.stages, groups, iw), program.stages, program.num_slots,
+                         name=f"{program.name}(params I={iw})", persistent=program.persistent, **tier)  # fmt: skip
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Resident, L2L, ZeroOffload, ZeroInfinity, Stronghold)}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import AF, AG, AO, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PF, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
+from .actions import AF, AG, AO, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PD, PF, PR, PW, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of
 from .units import format_bytes
@@ -161,6 +161,12 @@ class Program:
         host_window: how many of those groups' states may be on the host at once (the
             host-window buffers); 0 without the SSD tier.
         ssd_masters: the SSD holds those groups' fp32 master weights too.
+        ssd_images: the parameter tier (``Offload(params="nvme")``): groups among ``ssd_groups``
+            whose image (the copy a PREFETCH sends) lives on the SSD too, read into one of
+            ``image_window`` host buffers (PARAM_READ) before each prefetch and update that needs
+            it, freed after them (PARAM_DROP, or PARAM_WRITE after an update); their gradients
+            land in the group's host-window buffer (the OFFLOAD_GRAD waits for its SSD_READ).
+        image_window: host buffers for those images (0 without the parameter tier).
         updates_in_step: the updates run in ``step()`` (``overlap_update=False``): everything
             from the gate ``CK0`` on is in phase ``"step"`` (:func:`shfx.passes.features.updates_in_step`).
         updates_delayed: ZeRO-Offload's delayed update (one step stale): the updates and their
@@ -188,6 +194,8 @@ class Program:
         ranks: int = 1,
         updates_in_step: bool = False,
         updates_delayed: bool = False,
+        ssd_images: Iterable[int] = (),
+        image_window: int = 0,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -199,6 +207,8 @@ class Program:
         self.ssd_groups = frozenset(ssd_groups)
         self.host_window = host_window
         self.ssd_masters = ssd_masters
+        self.ssd_images = frozenset(ssd_images)
+        self.image_window = image_window
         self.ranks = ranks
         self.updates_in_step = updates_in_step
         self.updates_delayed = updates_delayed
@@ -210,7 +220,7 @@ class Program:
         return {
             "ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters,
             "ranks": self.ranks, "updates_in_step": self.updates_in_step, "updates_delayed": self.updates_delayed,
-        }  # fmt: skip
+        } | ({"ssd_images": self.ssd_images, "image_window": self.image_window} if self.ssd_images else {})  # fmt: skip
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -385,6 +395,8 @@ def lower_actions(
     ranks: int = 1,
     updates_in_step: bool = False,
     updates_delayed: bool = False,
+    ssd_images: Iterable[int] = (),
+    image_window: int = 0,
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
@@ -430,6 +442,13 @@ def lower_actions(
         ``SR g`` (the state must be on the host); ``SW g`` waits for ``U g`` and frees the buffer.
         Each moves the group's :func:`ssd_bytes_of` (masters too with ``ssd_masters``). Like the
         updates, SSD actions after the ``GN`` actions are in phase ``"next-forward"``.
+      - The parameter tier (``ssd_images``: groups whose image is on the SSD, ``image_window``:
+        host buffers for them): ``PR g`` takes the lowest free image buffer and waits for the
+        ``PD``/``PW`` that last freed it; a ``PF`` of the stage owning ``g`` and ``U g`` wait for
+        it (the image must be on the host); ``PD g`` waits for every ``PF`` that read the image
+        since (nothing changed: it moves no bytes) and ``PW g`` also for ``U g`` (it writes the
+        updated image back); both free the buffer. The ``OG`` of a stage sending gradients to
+        such a group waits for its ``SR g`` (the gradient lands in the group's host-window buffer).
       - Data parallel (``ranks > 1``): ``RS g`` waits for ``OG j`` of every stage ``j`` that sends
         gradients to group ``g`` (the rank's whole local gradient); ``U g`` and ``GN g`` wait for
         ``RS g``; ``AG g`` waits for ``U g``; a ``PF`` waits for the last ``AG`` of each group its
@@ -473,6 +492,17 @@ def lower_actions(
         )
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ScheduleError(f"ranks must be an int >= 1 (data-parallel processes running the program), got {ranks!r}")
+    ssd_images = frozenset(ssd_images)
+    if ssd_images - ssd_groups:
+        raise ScheduleError(
+            f"groups {sorted(ssd_images - ssd_groups)} have their image on the SSD but not their optimizer states "
+            f"(ssd_groups {sorted(ssd_groups)}): the parameter tier holds a group's image, master, gradient and states there"
+        )
+    if ssd_images and (isinstance(image_window, bool) or not isinstance(image_window, int) or image_window < 1):
+        raise ScheduleError(f"groups {sorted(ssd_images)} keep their image on the SSD, so the program needs image_window >= 1, got {image_window!r}")
+    images_free = list(range(image_window if ssd_images else 0))  # image buffers, lowest first
+    image_freed_by: dict[int, fx.Node] = {}  # image buffer -> the PD/PW that last freed it
+    image_of: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # group -> (buffer, its PR, the PFs reading it)
     buffers_free = list(range(host_window))  # host-window buffers, lowest first
     buffer_freed_by: dict[int, fx.Node] = {}  # buffer -> the SW that last freed it
     on_host: dict[int, tuple[int, fx.Node]] = {}  # group -> (buffer, its SR)
@@ -635,6 +665,39 @@ def lower_actions(
                     raise fail(pos, act, f"it writes back group {s}'s state, but U{s} has not updated it since SR{s}")
             if norms and not deferred and not updates_in_step:
                 deferred = True
+        elif k in (PR, PD, PW):
+            if s not in ssd_images:
+                where = f"only groups {sorted(ssd_images)} have" if ssd_images else "no group has"
+                raise fail(pos, act, f"group {s}'s image is not on the SSD ({where}; ssd_images=...)")
+            own = by_index[owner_of[s]]
+            nbytes = own.image_bytes or own.prefetch_bytes
+            if k == PR:
+                if s in image_of:
+                    raise fail(pos, act, f"group {s}'s image is already on the host in image buffer {image_of[s][0]}")
+                if not images_free:
+                    held = ", ".join(f"buffer {b}: group {g}" for g, (b, _, _) in sorted(image_of.items()))
+                    raise fail(pos, act, f"all {image_window} image buffers are in use ({held}); free one first (PD or PW)")
+                buffer = images_free.pop(0)
+                if buffer in image_freed_by:
+                    deps.append(image_freed_by[buffer])
+                for kind in (ActionKind.CPU_STEP, PW):  # (this step's update of it written back first)
+                    if Action(kind, s) in last:
+                        deps.append(last[Action(kind, s)])
+            else:
+                if s not in image_of:
+                    raise fail(pos, act, f"group {s}'s image is not on the host; read it first (PR{s})")
+                buffer, pr, readers = image_of[s]
+                deps.extend(readers or [pr])
+                if k == PW:
+                    u = last.get(Action(ActionKind.CPU_STEP, s))
+                    if u is None or order[u] < order[pr]:
+                        raise fail(pos, act, f"it writes back group {s}'s image, but U{s} has not updated it since PR{s}")
+                    deps.append(u)
+                else:
+                    nbytes = 0
+                    u = last.get(Action(ActionKind.CPU_STEP, s))
+                    if u is not None and order[u] > order[pr]:
+                        raise fail(pos, act, f"U{s} updated group {s}'s image since PR{s}: write it back (PW{s}), not drop it")
         elif k == US and s in device_groups:
             # fp16, a group updated on the device: its scaled gradient checked on the compute
             # stream where it is (its owner's slot: the gradient buffer), after every backward
@@ -705,6 +768,10 @@ def lower_actions(
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s optimizer state is on the SSD; read it first (SR{s})")
                 deps.append(on_host[s][1])
+            if k == ActionKind.CPU_STEP and s in ssd_images:  # (it writes the working copy: the image)
+                if s not in image_of:
+                    raise fail(pos, act, f"group {s}'s image is on the SSD; read it first (PR{s})")
+                deps.append(image_of[s][1])
             for before in (US, SN):
                 if k != before and Action(before, s) in last and (before == US or k == ActionKind.CPU_STEP):
                     deps.append(last[Action(before, s)])
@@ -781,6 +848,10 @@ def lower_actions(
                         u = last.get(Action(kind, g))
                         if u is not None:
                             deps.append(u)
+                if spec.update_group in ssd_images:  # (its image comes from the SSD through an image buffer)
+                    if spec.update_group not in image_of:
+                        raise fail(pos, act, f"group {spec.update_group}'s image is on the SSD; read it first (PR{spec.update_group})")
+                    deps.append(image_of[spec.update_group][1])
                 nbytes = spec.prefetch_bytes
                 if s not in persistent:
                     # copies of groups updated on the device in a persistent owner's slot come
@@ -836,6 +907,10 @@ def lower_actions(
                 # one process: a mixed-precision group's gradient is cast on the device and
                 # travels in fp32 (grad_wire_bytes); data parallel sends the device dtype
                 nbytes = spec.grad_wire_bytes_to(host_groups) if ranks == 1 else spec.grad_bytes_to(host_groups)
+                for g in sorted(host_groups & ssd_images):  # (its gradient lands in the group's host-window buffer)
+                    if g not in on_host:
+                        raise fail(pos, act, f"group {g}'s gradient goes to its host-window buffer; read the group first (SR{g})")
+                    deps.append(on_host[g][1])
                 reader_of = s
             elif k == ActionKind.OFFLOAD_PARAMS:
                 slot, _, _ = need_resident(pos, act)
@@ -882,6 +957,15 @@ def lower_actions(
             buffer_freed_by[buffer] = node
             buffers_free.append(buffer)
             buffers_free.sort()
+        if k == PR:
+            image_of[s] = (buffer, node, [])
+        elif k in (PD, PW):
+            image_of.pop(s)
+            image_freed_by[buffer] = node
+            images_free.append(buffer)
+            images_free.sort()
+        elif k == ActionKind.PREFETCH and spec.update_group in image_of:
+            image_of[spec.update_group][2].append(node)
         if k == ActionKind.GRAD_NORM:
             if gate is not None:
                 raise fail(pos, act, "a gradient norm after the step's gate (CK0) is not part of the total it checks")
@@ -909,6 +993,7 @@ def lower_actions(
     return Program(
         graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters,
         ranks=ranks, updates_in_step=updates_in_step, updates_delayed=updates_delayed,
+        ssd_images=ssd_images, image_window=image_window if ssd_images else 0,
     )  # fmt: skip
 
 

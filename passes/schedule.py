@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .features import data_parallel_program
-from .lowering import check_window
+from .lowering import add_param_transfers, check_window, image_window_needed
 import torch.fx as fx
 
 from .meta import get_meta, set_meta
@@ -68,11 +68,18 @@ def cold_backward_program(program: Program) -> Program:
     """
     back = [get_meta(n).action for n in program.nodes if get_meta(n).phase in ("backward", "step", "next-forward", "delayed")]
     acts = [Action(PF, s) for s in resident_after_forward(program) if s not in program.persistent] + back
+    if program.ssd_images:  # (the parameter tier: the reads for the leading prefetches too, placed again)
+        acts = [a for a in acts if a.kind.value not in ("PR", "PD", "PW")]
+        need = image_window_needed(acts, program.stages, program.ssd_images)
+        tier = program.tier | {"image_window": max(program.image_window, need)}
+        acts = add_param_transfers(acts, program.stages, program.ssd_images, tier["image_window"])
+    else:
+        tier = program.tier
     # The leading PFs belong to the backward phase: lowering starts in "forward" until the
     # first B, so mark them by lowering and then fixing the phase.
     prog = lower_actions(
         acts, program.stages, program.num_slots, name=f"{program.name}/cold-backward", keep_graph=False,
-        persistent=program.persistent, **program.tier,
+        persistent=program.persistent, **tier,
     )  # fmt: skip
     for n in prog.nodes:
         m = get_meta(n)

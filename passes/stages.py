@@ -82,6 +82,9 @@ class StageSpec:
             precision, one process: :func:`shfx.passes.layout.device_cast_groups`): the bytes it
             moves over the link for that group (the fp32 gradient), instead of its entry in
             ``grad_group_bytes``.
+        image_bytes: bytes of the host image of the group it updates (every tensor of the
+            group as a PREFETCH sends it: the parameter tier's PARAM_READ and PARAM_WRITE move
+            it); 0: unknown (a synthetic spec: its ``prefetch_bytes``).
     """
 
     index: int
@@ -105,6 +108,7 @@ class StageSpec:
     grad_wire_bytes: tuple[tuple[int, int], ...] = ()
     device_master_bytes: int = 0
     ssd_state_bytes: int | None = None
+    image_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.update_bytes and not self.state_bytes:  # a state as large as the parameters (fp32)

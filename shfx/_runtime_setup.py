@@ -23,7 +23,34 @@ from .runtime.data_parallel import DataParallelRuntime
 from .runtime.engine import Engine
 from .runtime.host_store import HostStore
 
-__all__ = ["ensure_ssd", "start_engine"]
+__all__ = ["ensure_ssd", "start_engine", "param_tier_store"]
+
+
+def param_tier_store(offload: Offload, variant: Variant) -> tuple[Any, Any]:
+    """The parameter tier (``Offload(params="nvme")``): the SSD store, made before the host
+    store (which writes each paged group's image and master into it as it lays the group
+    out), and that write, ``spill(g, image, master)``. Extents: AdamW's ``m`` and ``v`` of every
+    group of the NVMe tier, and each paged group's ``image`` (all its tensors, as a PREFETCH
+    sends them) and ``master`` (mixed precision: the fp32 trainable region)."""
+    from .runtime.ssd import SSDStore, group_extents
+
+    prog = variant.train
+    groups = variant.graph.groups
+    extents = group_extents([groups[g] for g in sorted(prog.ssd_groups)])
+    for g in sorted(prog.ssd_images):
+        extents[("image", g)] = groups[g].nbytes
+        if groups[g].separate_master:
+            extents[("master", g)] = groups[g].master_bytes
+    ssd = SSDStore.from_offload(offload, extents)
+
+    def spill(g: int, image: Any, master: Any) -> None:
+        reqs = [ssd.write_from(("image", g), image)]
+        if master is not None:
+            reqs.append(ssd.write_from(("master", g), master))
+        for r in reqs:
+            r.wait()
+
+    return ssd, spill
 
 
 def start_engine(
@@ -57,7 +84,7 @@ def start_engine(
     )  # fmt: skip
 
 
-def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, variant: Variant) -> None:
+def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, variant: Variant, ssd_store: Any = None) -> None:
     """The NVMe tier: the first variant with SSD transfers makes the SSD store (its extents
     from the host store's groups, the disk space checked by the store before anything is
     allocated) and the engine's host window; a later one grows the window if it needs more."""
@@ -72,10 +99,14 @@ def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, varian
         groups = sorted(g for g, grp in enumerate(store.groups) if grp.trainable_bytes and g not in variant.device_groups)
         # (rollback: two versions of each state, the step's write-back beside the committed one)
         versions = 2 if eng.journal.enabled else 1
-        extents = SSDWindow.extents(store, groups, versions=versions, optimizer=eng.optimizer)  # (data parallel: this rank's shards)
-        ssd = SSDStore.from_offload(offload, extents)
+        if ssd_store is not None:  # (the parameter tier's: made before the host store, images written)
+            ssd = ssd_store
+        else:
+            extents = SSDWindow.extents(store, groups, versions=versions, optimizer=eng.optimizer)  # (data parallel: this rank's shards)
+            ssd = SSDStore.from_offload(offload, extents)
         try:
-            eng.attach_ssd(SSDWindow(store, eng.optimizer, groups, prog.host_window, ssd, versioned=versions == 2))
+            eng.attach_ssd(SSDWindow(store, eng.optimizer, groups, prog.host_window, ssd, versioned=versions == 2,
+                                     image_window=prog.image_window))  # fmt: skip
         except BaseException:
             ssd.close()
             raise
@@ -86,4 +117,10 @@ def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, varian
             f"program {prog.name!r} keeps groups {missing} on the SSD, which the SSD store made for the first "
             f"capture does not hold (it holds {sorted(eng.ssd.groups)}); keep the same policy for every input shape"
         )
+    if prog.ssd_images - eng.ssd.paged:
+        raise UsageError(
+            f"program {prog.name!r} keeps the images of groups {sorted(prog.ssd_images - eng.ssd.paged)} on the SSD, which "
+            "the first capture's store keeps in host RAM; keep the same policy for every input shape"
+        )
     eng.ssd.ensure(prog.host_window)
+    eng.ssd.ensure_images(prog.image_window)

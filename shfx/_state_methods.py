@@ -38,11 +38,41 @@ class StateMethods:
         self._settle()
         if self._engine is not None:
             self._engine.sync_to_host()
-        return self.module.state_dict(*args, **kwargs)
+        return self.module.state_dict(*args, **kwargs)  # (the parameter tier: its hook reads the SSD)
+
+    def _paged_values_hook(self, module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        """The model's state_dict hook with the parameter tier (``Offload(params="nvme")``): the
+        model's own tensors of paged groups are placeholders; their values are read from the SSD
+        (one group at a time)."""
+        store = self._store
+        if store is None or not store.paged_keys or self._engine is None or self._engine.ssd is None:
+            return
+        keys = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] in store.paged_keys]
+        if keys:
+            values = self._engine.ssd.read_paged([k[len(prefix) :] for k in keys])
+            for k in keys:
+                state_dict[k] = values[k[len(prefix) :]]
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
-        """Load weights into the host store (through the model's own tensors)."""
+        """Load weights into the host store (through the model's own tensors; with the parameter
+        tier, the paged groups' values are written to the SSD one group at a time)."""
         self._settle()
+        paged = self._store.paged_keys if self._store is not None else {}
+        if paged:
+            from torch.nn.modules.module import _IncompatibleKeys
+
+            on_ssd = {k: v for k, v in state_dict.items() if k in paged}
+            rest = {k: v for k, v in state_dict.items() if k not in paged}
+            result = self.module.load_state_dict(rest, strict=False)
+            missing = [k for k in result.missing_keys if k not in paged]
+            if strict and (missing or result.unexpected_keys):
+                raise RuntimeError(
+                    f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys {missing}, "
+                    f"unexpected keys {result.unexpected_keys}"
+                )
+            self._engine.ssd.write_paged(on_ssd)
+            self._engine.invalidate_device_weights()
+            return _IncompatibleKeys(missing, result.unexpected_keys)
         result = self.module.load_state_dict(state_dict, strict=strict)
         if self._engine is not None:
             self._engine.invalidate_device_weights()

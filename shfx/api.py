@@ -28,7 +28,7 @@ from shfx.cost_model.report import WindowReport
 from ._capacity import check_capacity, check_deferrable, check_one_stage
 from ._capture_cache import covering, dynamic_dims, masked, shape_change_error, structure
 from ._model_binding import Bound, bind_record, check_model
-from ._runtime_setup import ensure_ssd, start_engine
+from ._runtime_setup import ensure_ssd, param_tier_store, start_engine
 from ._state_methods import StateMethods
 from ._tuning import measure_ssd_rates, tune_variant, warn_unused_window
 from .config import Config
@@ -230,6 +230,8 @@ class CompiledModel(StateMethods):
             self.optimizer.attach(self, model)  # its param_groups now hold the model's parameters
         self._engine: Engine | None = None
         self._store: HostStore | None = None
+        self._param_ssd: Any = None  # the parameter tier's SSD store, from the host store's layout to the window
+        self._paged_hook: Any = None  # the parameter tier's state_dict hook on the model
         # per model tensor in the host store: (key, tensor, its data_ptr, owning module and name
         # and requires_grad for a parameter): what __call__ checks the model against
         self._bound: list[Bound] = []
@@ -371,29 +373,44 @@ class CompiledModel(StateMethods):
                 stacklevel=4,
             )
         warn_unused_window(variant, stacklevel=4)
-        self._ensure_store(variant.captured, variant.graph)
+        self._ensure_store(variant.captured, variant.graph, variant)
         self._store.ensure_staging(variant.staging_buffers(self._config.grad_accum_steps))
-        ensure_ssd(self._engine, self._store, self.offload, variant)
+        ensure_ssd(self._engine, self._store, self.offload, variant, self._param_ssd)
+        self._param_ssd = None  # (the window owns it now)
+        if self._store.paged_keys and self._paged_hook is None:  # (the parameter tier: model.state_dict() reads the SSD)
+            self._paged_hook = self.module._register_state_dict_hook(self._paged_values_hook)
         if variant.signature not in self._reports:
             self._check_one_stage(variant.graph)
             self._check_capacity(variant)
         self._check_deferrable(variant)
         return variant
 
-    def _ensure_store(self, captured: Captured, graph: StageGraph) -> None:
+    def _ensure_store(self, captured: Captured, graph: StageGraph, variant: Variant | None = None) -> None:
         """The first capture lays out the host store and starts the engine; a later one copies
-        its tensor constants in (their values may differ)."""
+        its tensor constants in (their values may differ). With the parameter tier
+        (``variant.train.ssd_images``) the SSD store comes first: the host store writes each
+        paged group into it as it lays the group out."""
         if self._store is None:
             model_tensors = {**captured.params, **captured.buffers, **captured.constants}
+            paged, spill = frozenset(), None
+            if variant is not None and variant.train.ssd_images:
+                self._param_ssd, spill = param_tier_store(self.offload, variant)
+                paged = variant.train.ssd_images
             if self.pin_memory:  # the pinned pool's plan (refused here, before training, when the budget is too small)
                 self._backend.pinned.set_plan(plan_for_groups(graph.groups, self._config.pinned))
             self._store = HostStore(
-                self._backend, graph.groups, model_tensors, pin=self.pin_memory, dp=self._dp
+                self._backend, graph.groups, model_tensors, pin=self.pin_memory, dp=self._dp, paged=paged, spill=spill,
             )  # (data parallel: broadcasts rank 0's weights, collectively)
             self._engine = start_engine(self._backend, self._store, self.optimizer, self._config, self._dp, self.module, captured, graph)
             self._bound = bind_record(self.module, captured)
         elif captured.constants:
             for k, t in captured.constants.items():  # constants of this capture (values may differ)
+                if k in self._store.paged_keys:
+                    raise UsageError(
+                        f"this input shape's capture has its own value of the constant {k!r}, which the parameter tier keeps "
+                        "on the SSD with its stage's image (Offload(params='nvme')): writing it there is not built; use one "
+                        "input shape (or dynamic=...), or params='host'"
+                    )
                 if k in self._store.tensors:
                     self._store.tensors[k].copy_(t)
 

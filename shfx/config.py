@@ -148,6 +148,8 @@ class Config:
             clip_in_step=self.max_grad_norm is not None and not self.overlap_update, rollback=self.rollback,
             loss_scaling=self.precision == "fp16", optimizer=self.optimizer,
             activations=self.offload.activations if self.offload is not None else "device",
+            param_tier=self.offload is not None and self.offload.params == "nvme",
+            image_window=self.offload.image_window if self.offload is not None else None,
         )  # fmt: skip
 
     def replace(self, **changes: Any) -> Config:
@@ -528,12 +530,13 @@ def _check_nvme_supported(c: Config) -> None:
     off, pol = c.offload, c.policy
     if off is None or not off.uses_nvme:
         return
-    if off.params == "nvme" or getattr(pol, "nvme_masters", False):
+    if getattr(pol, "nvme_masters", False):
         raise UsageError(
-            "Offload(params='nvme') / nvme_masters=True (the fp32 master weights on the SSD) is planned but not run: the "
-            "runtime keeps the masters in host RAM, where the model's parameters are views of them. Use params='host' "
-            "(optimizer='nvme' moves AdamW's m and v, 8 of the 12-16 host bytes per parameter, to the SSD)"
+            "nvme_masters=True (the policy's flag for the fp32 masters on the SSD) is run through the parameter tier: pass "
+            "offload=shfx.Offload(params='nvme', gradients='nvme', optimizer='nvme', path=...) and nvme_masters=False"
         )
+    if off.params == "nvme":
+        _check_param_tier(c)
     from .optim import SGD, AdamW, Adafactor
 
     # (each host runner says what its states are: shfx.runtime.ssd_window.SSDWindow's protocol)
@@ -554,6 +557,41 @@ def _check_nvme_supported(c: Config) -> None:
             f"policy {getattr(pol, 'name', pol)!r} has no NVMe tier (its updates are not host updates the tier can stage): "
             "use policy='stronghold', 'zero-offload' or 'zero-infinity' with offload=shfx.Offload(optimizer='nvme', ...)"
         )
+
+
+def _check_param_tier(c: Config) -> None:
+    """``Offload(params="nvme")``: what the parameter tier runs with (each refusal "not run yet",
+    docs/usage.md): one process, AdamW, the Stronghold policy with its window given, updates
+    overlapped with the backward (each gradient lands in its group's host window and is used at
+    once), no accumulation, clipping, rollback or delayed update."""
+    from .optim import AdamW
+
+    pol = c.policy
+    why = []
+    if c.data_parallel is not None:
+        why.append(("data_parallel", "each rank's shards of the images and masters on its SSD are not built", "data_parallel=None"))
+    if not isinstance(c.optimizer, AdamW):
+        why.append((f"optimizer={type(c.optimizer).__name__}", "the tier stages AdamW's m and v with the master", "optimizer=shfx.optim.AdamW(...)"))
+    if getattr(pol, "name", None) != "stronghold":
+        why.append((f"policy={getattr(pol, 'name', pol)!r}", "the gradients wait in the host window for their update, "
+                    "which only an update during the backward keeps short", "policy=shfx.Stronghold(window=...)"))
+    elif pol.window == "auto" or getattr(pol, "resident_first", 0) == "auto":
+        why.append(("window='auto'/resident_first='auto'", "the tuner's profile runs probe programs on images in host RAM",
+                    "Stronghold(window=2) (an int), resident_first an int"))
+    if c.grad_accum_steps != 1:
+        why.append((f"grad_accum_steps={c.grad_accum_steps}", "the gradient would have to wait on the SSD between backwards",
+                    "grad_accum_steps=1"))
+    if not c.overlap_update:
+        why.append(("overlap_update=False", "the gradients would wait for step() in host RAM", "overlap_update=True"))
+    if c.max_grad_norm is not None:
+        why.append(("max_grad_norm", "exact clipping holds every gradient until the total norm is known", "max_grad_norm=None"))
+    if c.rollback:
+        why.append(("rollback (fp16, skip_nonfinite)", "the undo copies of images on the SSD are not built", "precision='bf16' or 'fp32', rollback=False"))
+    if c.offload.host_window == "auto":
+        why.append(("host_window='auto'", "the tuner does not size the parameter tier's windows yet", "Offload(host_window=2, ...)"))
+    if why:
+        lines = "; ".join(f"{what}: {reason} (use {fix})" for what, reason, fix in why)
+        raise UsageError(f"Offload(params='nvme') (the parameter tier) is not run yet with: {lines}")
 
 
 # ---- what one option sets in another -------------------------------------------------------------

@@ -28,12 +28,18 @@ class Offload:
         optimizer: ``"host"`` (AdamW ``m`` and ``v`` in host RAM, as today) or ``"nvme"`` (on the
             SSD store under ``path``; a window of groups' states is read into host RAM ahead of
             their update and written back after it).
-        params: ``"host"`` or ``"nvme"``: where the fp32 *master* weights of host-updated groups
-            live. ``"nvme"`` moves only the master copy the update reads and writes, with the
-            states; the copy the device prefetches every step (the working copy in the compute
-            dtype, e.g. bf16 under mixed precision) stays in host RAM, so the prefetches never
-            wait for the SSD. In fp32 training the master is itself the prefetched copy, so
-            ``"nvme"`` there saves nothing until a separate working copy exists.
+        params: ``"host"`` or ``"nvme"``: where the parameters of host-updated groups live.
+            ``"nvme"`` (the parameter tier, with ``optimizer="nvme"`` and ``gradients="nvme"``):
+            each group's image (what a PREFETCH sends: fp32, or the 16-bit working copy) and fp32
+            master are on the SSD; the host holds only windows: ``image_window`` images, read
+            (``PR g``) before the prefetches and the update that need them and freed (``PD g``)
+            or written back after the update (``PW g``), and ``host_window`` groups' master,
+            gradient and states around their update. The model's own tensors of those groups
+            become placeholders (``cm.state_dict()`` reads the values from the SSD).
+        gradients: ``"host"`` or ``"nvme"``: with the parameter tier, the gradients of its groups
+            pass through the host window only (the ``OG`` lands in the group's window buffer,
+            read by ``SR`` before it; the update uses it in the same step, so it never needs the
+            SSD's space or bandwidth); ``"nvme"`` goes with ``params="nvme"``.
         path: the directory on the SSD for the store's scratch file (needed with ``"nvme"``).
         nvme_read, nvme_write: bandwidth of an *emulated* SSD (``"3GB/s"``, ``"500MB/s"`` or a
             number of bytes/s): requests are throttled to it so schedules and budgets can be
@@ -61,14 +67,33 @@ class Offload:
     nvme_write: float | str | None = None
     host_window: int | Literal["auto"] = "auto"
     activations: Literal["device", "host", "nvme", "auto"] = "device"
+    gradients: Literal["host", "nvme"] = "host"
+    image_window: int | None = None
+    host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.activations not in ("device", "host", "nvme", "auto"):
             raise ValueError(f"Offload activations must be 'device', 'host', 'nvme' or 'auto', got {self.activations!r}")
-        for name in ("optimizer", "params"):
+        for name in ("optimizer", "params", "gradients"):
             value = getattr(self, name)
             if value not in _TIERS:
                 raise ValueError(f"Offload {name} must be 'host' or 'nvme', got {value!r}")
+        tiers = (self.params, self.gradients, self.optimizer)
+        if "nvme" in tiers[:2] and tiers != ("nvme", "nvme", "nvme"):
+            raise ValueError(
+                f"Offload(params={self.params!r}, gradients={self.gradients!r}, optimizer={self.optimizer!r}): the parameter "
+                "tier puts a group's image, master, gradient and optimizer states on the SSD together (its host window "
+                "holds them for the update): pass params='nvme', gradients='nvme', optimizer='nvme'"
+            )
+        iw = self.image_window
+        if iw is not None and (isinstance(iw, bool) or not isinstance(iw, int) or iw < 1):
+            raise ValueError(f"Offload image_window must be an int >= 1 (images in host RAM at a time) or None (the fewest the schedule needs, plus one), got {iw!r}")
+        if iw is not None and self.params != "nvme":
+            raise ValueError("Offload image_window sets the parameter tier's image buffers: it needs params='nvme'")
+        if self.host_budget is not None:
+            from shfx.passes.units import parse_bytes
+
+            parse_bytes(self.host_budget, what="Offload host_budget", positive=True)
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
             raise TypeError(f"Offload path must be a directory path (str or os.PathLike), got {self.path!r}")
         if self.path is not None and not os.fspath(self.path):
@@ -89,7 +114,7 @@ class Offload:
                     f"params='host'): add optimizer='nvme' (and/or params='nvme'), or drop {', '.join(g.split('=')[0] for g in given)}"
                 )
         elif self.path is None:
-            on = "optimizer" if self.optimizer == "nvme" else "params"
+            on = "params='nvme', gradients='nvme', optimizer" if self.params == "nvme" else "optimizer"
             raise ValueError(
                 f"Offload({on}='nvme') needs a path: the directory on the SSD for the store's scratch file, "
                 f"e.g. Offload({on}='nvme', path='/mnt/nvme/shfx')"
@@ -99,6 +124,15 @@ class Offload:
     def uses_nvme(self) -> bool:
         """Whether any copy lives on the SSD."""
         return self.optimizer == "nvme" or self.params == "nvme"
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """The declared host budget in bytes (None: none declared)."""
+        if self.host_budget is None:
+            return None
+        from shfx.passes.units import parse_bytes
+
+        return int(parse_bytes(self.host_budget))
 
     @property
     def read_bps(self) -> float | None:
@@ -114,7 +148,7 @@ class Offload:
         acts = f", activations on the {self.activations}" if self.activations != "device" else ""
         if not self.uses_nvme:
             return f"Offload(host{acts})"
-        on = [n for n, t in (("optimizer states", self.optimizer), ("master weights", self.params)) if t == "nvme"]
+        on = ["parameters, gradients", "optimizer states"] if self.params == "nvme" else ["optimizer states"]
         rates = ""
         if self.nvme_read is not None or self.nvme_write is not None:
             rates = f", emulated read {format_bandwidth(self.read_bps)} write {format_bandwidth(self.write_bps)}"

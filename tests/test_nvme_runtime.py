@@ -445,7 +445,7 @@ def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(offload="params"), "params='nvme'"),
+        (dict(offload="params"), r"params='nvme'\) \(the parameter tier\) is not run yet with: host_window='auto'"),
         (dict(optimizer="sgd"), "SGD without momentum keeps no optimizer state"),
         (dict(policy=shfx.Resident()), "updates every group on the device"),
         (dict(policy=shfx.Stronghold(nvme=True, host_window=2)), "give it in one place"),
@@ -455,7 +455,7 @@ def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
 def test_refusals(tmp_path, kw, match):
     opt = {"sgd": shfx.optim.SGD(lr=0.1), None: None}.get(kw.pop("optimizer", "adamw"), shfx.optim.AdamW())
     off = kw.pop("offload", None)
-    off = shfx.Offload(optimizer="nvme", params="nvme", path=str(tmp_path)) if off == "params" else nvme(tmp_path, 1)
+    off = shfx.Offload(optimizer="nvme", params="nvme", gradients="nvme", path=str(tmp_path)) if off == "params" else nvme(tmp_path, 1)
     with pytest.raises(UsageError, match=match):
         shfx.compile(gpt(), optimizer=opt, offload=off, **kw)
 

@@ -23,13 +23,13 @@ def test_defaults_keep_everything_on_the_host():
 
 
 def test_nvme_spec_parses_rates_and_is_frozen():
-    spec = Offload(optimizer="nvme", params="nvme", path="/mnt/nvme/shfx", nvme_read="3GB/s", nvme_write=2e9, host_window=2)
+    spec = Offload(optimizer="nvme", params="nvme", gradients="nvme", path="/mnt/nvme/shfx", nvme_read="3GB/s", nvme_write=2e9, host_window=2)
     assert spec.uses_nvme and (spec.read_bps, spec.write_bps) == (3e9, 2e9)
     assert str(spec) == (
-        "Offload(optimizer states and master weights on NVMe at /mnt/nvme/shfx, host window 2, "
+        "Offload(parameters, gradients and optimizer states on NVMe at /mnt/nvme/shfx, host window 2, "
         "emulated read 3.00 GB/s write 2.00 GB/s)"
     )
-    assert Offload(params="nvme", path="/x").uses_nvme
+    assert Offload(params="nvme", gradients="nvme", optimizer="nvme", path="/x", host_budget="1GiB").host_budget_bytes == 1 << 30
     assert Offload(optimizer="nvme", path="/x", nvme_read="500MB/s").write_bps is None  # the real disk's speed
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.path = "/elsewhere"
@@ -41,7 +41,12 @@ def test_nvme_spec_parses_rates_and_is_frozen():
         (dict(optimizer="disk"), r"optimizer must be 'host' or 'nvme', got 'disk'"),
         (dict(params="gpu"), r"params must be 'host' or 'nvme', got 'gpu'"),
         (dict(optimizer="nvme"), r"Offload\(optimizer='nvme'\) needs a path.*path='/mnt/nvme/shfx'"),
-        (dict(params="nvme"), r"Offload\(params='nvme'\) needs a path"),
+        (dict(params="nvme", gradients="nvme", optimizer="nvme"), r"Offload\(params='nvme', gradients='nvme', optimizer='nvme'\) needs a path"),
+        (dict(params="nvme", path="/x"), r"parameter tier puts a group's image, master, gradient and optimizer states on the SSD together.*gradients='nvme', optimizer='nvme'"),
+        (dict(gradients="nvme", optimizer="nvme", path="/x"), r"pass params='nvme', gradients='nvme', optimizer='nvme'"),
+        (dict(optimizer="nvme", path="/x", image_window=2), r"image_window sets the parameter tier's image buffers: it needs params='nvme'"),
+        (dict(params="nvme", gradients="nvme", optimizer="nvme", path="/x", image_window=0), r"image_window must be an int >= 1"),
+        (dict(params="nvme", gradients="nvme", optimizer="nvme", path="/x", host_budget="lots"), r"host_budget"),
         (dict(nvme_read="3GB/s"), r"nvme_read='3GB/s'\) sets the NVMe tier but nothing is on it.*optimizer='nvme'.*drop nvme_read"),
         (dict(path="/x", nvme_write="1GB/s"), r"drop nvme_write, path"),
         (dict(host_window=2), r"drop host_window"),

@@ -45,6 +45,9 @@ def test_streams_of_kinds():
         ActionKind.UNSCALE: "cpu",
         ActionKind.OFFLOAD_ACTIVATIONS: "d2h",
         ActionKind.FETCH_ACTIVATIONS: "h2d",
+        ActionKind.PARAM_READ: "ssd_read",
+        ActionKind.PARAM_DROP: "ssd_write",
+        ActionKind.PARAM_WRITE: "ssd_write",
     }
 
 

@@ -191,6 +191,8 @@ class StepFailures:
         self.unagreed = False
         if eng.ssd is not None:
             eng.ssd.reset()  # a group read for an update that did not finish goes back to the SSD
+            if eng.ssd.images is not None:
+                eng.ssd.reset_images()  # (the parameter tier: an updated image back, every image buffer free)
         if eng.journal.enabled and eng.dp is not None and not agreed and eng.journal.updated_groups():
             self.unagreed = True
             return [], eng.journal.updated_groups()

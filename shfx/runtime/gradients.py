@@ -296,7 +296,7 @@ class GradientRouter:
             self._exposed = None
             return
         for g, keys in param_keys_by_group.items():
-            if st.grad_state[g] == GRAD_VALID:
+            if st.grad_state[g] == GRAD_VALID and g not in st.paged:  # (the parameter tier's gradients pass through its window)
                 for k, p in keys:
                     v = self._view(k, g)
                     if p.grad is not v:

@@ -136,6 +136,31 @@ class ActionHandlers:
         w = self._ssd_window(m)
         return w.write_stream.submit(self._timed(lambda: w.write(m.stage), m), deps, str(m.action))
 
+    def _images(self, m: ActionMeta) -> Any:
+        eng = self.engine
+        if eng.ssd is None or eng.ssd.images is None:
+            raise ScheduleError(
+                f"{m.action}: the program reads and writes parameter images on the SSD, but this model keeps them in host "
+                "RAM; compile with offload=shfx.Offload(params='nvme', gradients='nvme', optimizer='nvme', path=...)"
+            )
+        return eng.ssd
+
+    def run_param_read(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """PR g: the group's image into image buffer ``m.buffer``, on the SSD read stream (the
+        prefetches and the update of the group wait for it)."""
+        w = self._images(m)
+        return w.read_stream.submit(self._timed(lambda: w.read_image(m.stage, m.buffer), m), deps, str(m.action))
+
+    def run_param_drop(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """PD g: the image buffer is free once the prefetches reading it are done (no bytes)."""
+        w = self._images(m)
+        return w.write_stream.submit(self._timed(lambda: w.drop_image(m.stage), m), [d.reads_done for d in deps], str(m.action))
+
+    def run_param_write(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """PW g: the updated image back to the SSD; its buffer is free when the token completes."""
+        w = self._images(m)
+        return w.write_stream.submit(self._timed(lambda: w.write_image(m.stage), m), deps, str(m.action))
+
     def _data_parallel(self, m: ActionMeta) -> DataParallelRuntime:
         eng = self.engine
         if eng.dp is None:
@@ -547,6 +572,8 @@ class ActionHandlers:
                 # the exposed .grad views' version counters see no user edit
                 store.grad(group).data.div_(scaler.scale_tensor())
                 unscaled.add(group)
+            if ssd is not None and group in ssd.paged:  # (the parameter tier: its state over this step's buffers)
+                ssd.stage_paged(group)
             opt.update(group, hp)  # (mixed precision: also writes the 16-bit working copy, same pass)
             journal.done("host", group)
 

@@ -79,28 +79,46 @@ class HostStore:
         pin: bool = True,
         staging_buffers: int = 2,
         dp: Any = None,
+        paged: Sequence[int] = (),
+        spill: Any = None,
     ):
         self.backend = backend
         self.groups = list(groups)
         self.pin = pin
+        # the parameter tier (Offload(params="nvme")): groups whose image, fp32 master (the
+        # trainable region) and gradient live on the SSD; ``spill(g, image, master)`` writes a
+        # group's initial values there as the store lays it out, one group at a time
+        self.paged = frozenset(paged)
+        if self.paged and (dp is not None or spill is None):
+            raise ValueError("paged groups need a spill function (the SSD store) and no data parallel")
+        self._paged_master: dict[int, torch.Tensor] = {}  # paged group -> its master in a host-window buffer
+        self._paged_grad: dict[int, torch.Tensor] = {}  # paged group -> its gradient in a host-window buffer
+        self.paged_keys: dict[str, int] = {}  # key of a tensor in a paged group's image -> the group
         if dp is not None:
             _check_dp_parts(self.groups)
         replicated = dp is not None and dp.replicated
         if replicated:
             dp, bcast = None, dp  # laid out as without data parallel; rank 0's weights broadcast at the end
-        self.buffers = [backend.alloc_host(g.nbytes, pin, f"image {g.index}") for g in self.groups]
+        self.buffers: list[torch.Tensor | None] = [
+            None if g.index in self.paged else backend.alloc_host(g.nbytes, pin, f"image {g.index}") for g in self.groups
+        ]  # (a paged group's are made one at a time below, written to the SSD and dropped)
         # mixed precision: the fp32 masters (never sent over the link: not pinned); under data
         # parallel only their frozen part (the trainable region is sharded: master_shards), at
         # byte ``master_base[g]`` of the group's master layout
         self.master_base = [g.master_bytes if dp is not None and g.separate_master else 0 for g in self.groups]
         self.masters = [
-            torch.zeros(g.master_nbytes - base, dtype=torch.uint8) if g.separate_master and g.master_nbytes > base else None
+            torch.zeros(g.master_nbytes - base, dtype=torch.uint8)
+            if g.separate_master and g.master_nbytes > base and g.index not in self.paged else None
             for g, base in zip(self.groups, self.master_base)
         ]
         self.tensors: dict[str, torch.Tensor] = {}
         self._casts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.groups]  # (image, master) views
         sources: dict[str, torch.Tensor] = {}  # data parallel, mixed: the trainable parameters' fp32 values
         for g in self.groups:
+            if g.index in self.paged:  # (laid out in plain memory for the SSD, one group at a time)
+                self.buffers[g.index] = torch.zeros(g.nbytes, dtype=torch.uint8)
+                if g.separate_master:
+                    self.masters[g.index] = torch.zeros(g.master_nbytes, dtype=torch.uint8)
             for info in g.infos:
                 view = typed_view(self.buffers[g.index], g.offsets[info.key], info)
                 src = tensors[info.key]
@@ -122,6 +140,8 @@ class HostStore:
                 if not info.key.startswith("<constant>"):
                     src.data = view  # the model's tensor now lives in the store
                 self.tensors[info.key] = view
+            if g.index in self.paged:
+                self._spill(g, tensors, spill)
         # data parallel: (lo, hi) per group, and the fp32 master shards (the image is the
         # model's fp32 weights and what PF sends; each rank updates its shard of it)
         self.shards: list[tuple[int, int]] | None = None
@@ -159,9 +179,70 @@ class HostStore:
         self._staging_cv = threading.Condition()
         self._grads_lock = threading.Lock()
 
+    # ---- the parameter tier: paged groups ------------------------------------------------------
+    def _spill(self, g: Group, tensors: dict[str, torch.Tensor], spill: Any) -> None:
+        """Group ``g`` laid out: its image and trainable master go to the SSD (``spill``), the
+        host keeps only its frozen parameters' fp32 masters (mixed precision); the model's
+        other tensors of the group become placeholders (the values are on the SSD: read them
+        with ``cm.state_dict()``)."""
+        i = g.index
+        image = self.buffers[i]
+        master = self.masters[i]
+        spill(i, image, master[: g.master_bytes] if master is not None else None)
+        frozen = None
+        if master is not None and g.master_nbytes > g.master_bytes:
+            frozen = master[g.master_bytes :].clone()  # (mixed precision: frozen parameters' fp32 masters stay)
+        self.master_base[i] = g.master_bytes if master is not None else 0
+        self.masters[i] = frozen
+        self._casts[i] = []
+        for info in g.infos:
+            key = info.key
+            if key in g.master_offsets and frozen is not None and g.master_offsets[key] >= g.master_bytes:
+                view = typed_view(frozen, g.master_offsets[key] - g.master_bytes, _host_info(info))
+                tensors[key].data = view
+                self.tensors[key] = view
+                continue
+            self.tensors.pop(key, None)
+            self.paged_keys[key] = i
+            if not key.startswith("<constant>"):
+                t = tensors[key]
+                t.data = placeholder(t.shape, t.dtype)
+        self.buffers[i] = None
+
+    def page_in(self, g: int, image: torch.Tensor) -> None:
+        """Paged group ``g``'s image is in ``image`` (an image-window buffer) until :meth:`page_out`."""
+        self.buffers[g] = image
+
+    def page_out(self, g: int) -> None:
+        self.buffers[g] = None
+
+    def page_state(self, g: int, master: torch.Tensor | None, grad: torch.Tensor) -> None:
+        """Paged group ``g``'s fp32 master (mixed precision; None in fp32, where the image is the
+        master) and gradient are these host-window views until :meth:`unpage_state`."""
+        if master is not None:
+            self._paged_master[g] = master
+        self._paged_grad[g] = grad
+        self.grad_state[g] = GRAD_NONE
+
+    def unpage_state(self, g: int) -> None:
+        self._paged_master.pop(g, None)
+        self._paged_grad.pop(g, None)
+        self.grad_state[g] = GRAD_NONE  # (the gradient leaves with the window buffer: it was used)
+
+    def _paged_out(self, g: int, what: str) -> RuntimeError:
+        from shfx.passes.program import ScheduleError
+
+        return ScheduleError(
+            f"group {g}'s {what} is on the SSD (Offload(params='nvme')), not in a host-window buffer: the program misses "
+            "the parameter tier's read (PR/SR) before this use"
+        )
+
     # ---- views ---------------------------------------------------------------------------
     def group_bytes(self, g: int) -> torch.Tensor:
-        return self.buffers[g]
+        buf = self.buffers[g]
+        if buf is None:
+            raise self._paged_out(g, "image")
+        return buf
 
     @property
     def sharded(self) -> bool:
@@ -187,9 +268,14 @@ class HostStore:
         if self.shards is not None:
             return self.master_shards[g]
         grp = self.groups[g]
+        if g in self.paged and grp.separate_master:
+            m = self._paged_master.get(g)
+            if m is None:
+                raise self._paged_out(g, "fp32 master")
+            return m
         if grp.separate_master:
             return self.masters[g][: grp.master_bytes].view(grp.dtypes.master)
-        return self.buffers[g][: grp.trainable_bytes].view(grp.dtypes.master)
+        return self.group_bytes(g)[: grp.trainable_bytes].view(grp.dtypes.master)
 
     def working_view(self, g: int, elem: int, numel: int) -> torch.Tensor | None:
         """Elements ``[elem, elem + numel)`` of group ``g``'s working copy (the image's trainable
@@ -204,7 +290,7 @@ class HostStore:
             if p.elem <= elem and elem + numel <= p.elem + p.numel:
                 size = p.dtype.itemsize
                 lo = p.offset + (elem - p.elem) * size
-                return self.buffers[g][lo : lo + numel * size].view(p.dtype)
+                return self.group_bytes(g)[lo : lo + numel * size].view(p.dtype)
         raise ValueError(f"elements [{elem}, {elem + numel}) of group {g} span parts of different dtypes")
 
     def refresh_working(self, g: int | None = None) -> None:
@@ -268,6 +354,11 @@ class HostStore:
 
     def grad(self, g: int) -> torch.Tensor:
         """Group ``g``'s flat gradient buffer in the host gradient dtype (created zeroed on first use)."""
+        if g in self.paged:
+            t = self._paged_grad.get(g)
+            if t is None:
+                raise self._paged_out(g, "gradient")
+            return t
         t = self._grads[g]
         if t is None:
             # NOTE: under a lock: two threads using it first at once (the NVMe tier's SSD read
@@ -296,7 +387,8 @@ class HostStore:
 
     @property
     def host_bytes(self) -> int:
-        n = sum(b.numel() for b in self.buffers) + sum(b.numel() for b in self.masters if b is not None)
+        n = sum(b.numel() for i, b in enumerate(self.buffers) if b is not None and i not in self.paged)
+        n += sum(b.numel() for b in self.masters if b is not None)
         n += sum(t.numel() * t.element_size() for t in self.master_shards)
         n += sum(t.numel() * t.element_size() for t in self._grads if t is not None)
         return n
@@ -338,6 +430,14 @@ class HostStore:
         with self._staging_cv:
             self._staging_free.append(buf)
             self._staging_cv.notify()
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """What the model's own tensor of a paged group holds: one element broadcast to its shape
+    (no memory), NaN for floating point (a forward of the model itself gives NaN, not numbers
+    that look right); its values are on the SSD."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((1,), fill, dtype=dtype).expand(tuple(shape))
 
 
 def _check_dp_parts(groups: Sequence[Group]) -> None:

@@ -67,7 +67,10 @@ class SSDWindow:
     and ``ssd_load(g, state, entries)``. Each buffer of the window holds one tensor per state
     name, as large as the largest group's."""
 
-    def __init__(self, store: Any, optimizer: Any, groups: Sequence[int], host_window: int, ssd: SSDStore, versioned: bool = False):
+    def __init__(
+        self, store: Any, optimizer: Any, groups: Sequence[int], host_window: int, ssd: SSDStore, versioned: bool = False,
+        image_window: int = 0,
+    ):  # fmt: skip
         if host_window < 1:
             raise ValueError(f"host_window must be >= 1, got {host_window}")
         self.store = store
@@ -86,6 +89,24 @@ class SSDWindow:
         for lay in self.layout.values():
             self.names += [name for name, _ in lay if name not in self.names]
         self.numels = {name: max((n for lay in self.layout.values() for k, n in lay if k == name), default=0) for name in self.names}
+        # the parameter tier (Offload(params="nvme"): the store's paged groups): the window's
+        # buffers also hold such a group's fp32 master (mixed precision: read and written with
+        # the states) and its gradient (the OFFLOAD_GRAD lands there; never on the SSD: the
+        # update uses it in the same step), and ``image_window`` image buffers hold their images
+        self.paged = frozenset(store.paged) & self.groups
+        if store.paged - self.groups:
+            raise ValueError(f"paged groups {sorted(store.paged - self.groups)} are not among the window's {sorted(self.groups)}")
+        self.extra: dict[int, list[tuple[str, int]]] = {
+            g: [("master", store.groups[g].trainable_numel)] if store.groups[g].separate_master else [] for g in self.paged
+        }
+        for lay in self.extra.values():
+            for name, n in lay:
+                self.numels[name] = max(self.numels.get(name, 0), n)
+        self.grad_numel = max((store.groups[g].trainable_numel for g in self.paged), default=0)
+        self.images: list[torch.Tensor] | None = [] if self.paged else None
+        self._image_holder: list[int | None] = []
+        self.image_at: dict[int, int] = {}  # paged group -> its image buffer
+        self._image_dirty: set[int] = set()  # groups whose image an update changed since its read
         self.dtype = grps[0].dtypes.state if grps else torch.float32
         self.steps = {g: optimizer.ssd_steps(g) for g in sorted(self.groups)}
         self._cond = threading.Condition()
@@ -103,6 +124,7 @@ class SSDWindow:
         # flush_loaded() writes them to the SSD
         self._loading: dict[int, Any] = {}
         self.ensure(host_window)
+        self.ensure_images(image_window)
         self.read_stream = WorkerStream("ssd_read")
         self.write_stream = WorkerStream("ssd_write")
         optimizer.ssd = self
@@ -144,7 +166,12 @@ class SSDWindow:
         """At least ``host_window`` staging buffers (a program with a larger window)."""
         with self._cond:
             while len(self.buffers) < host_window:
-                self.buffers.append({name: torch.zeros(n, dtype=self.dtype) for name, n in self.numels.items()})
+                buf = {name: torch.zeros(n, dtype=self.dtype) for name, n in self.numels.items()}
+                if self.grad_numel:
+                    grp = self.store.groups[min(self.paged)]
+                    nbytes = self.grad_numel * grp.dtypes.grad.itemsize
+                    buf["grad"] = self.store.backend.alloc_host(nbytes, self.store.pin, "gradient window").view(grp.dtypes.grad)
+                self.buffers.append(buf)
                 self._holder.append(None)
                 self._read_ok.append(False)
             self._cond.notify_all()
@@ -181,6 +208,8 @@ class SSDWindow:
             return b
 
     def _free(self, g: int) -> None:
+        if g in self.paged:
+            self.store.unpage_state(g)
         with self._cond:
             b = self.where.pop(g)
             self._holder[b] = None
@@ -188,13 +217,24 @@ class SSDWindow:
             self.optimizer.state.pop(g, None)
             self._cond.notify_all()
 
+    def ensure_images(self, image_window: int) -> None:
+        """At least ``image_window`` image buffers (the parameter tier), each as large as the
+        largest paged group's image (pinned from the backend's pool: a PREFETCH copies from it)."""
+        if not self.paged:
+            return
+        nbytes = max(self.store.groups[g].nbytes for g in self.paged)
+        with self._cond:
+            while len(self.images) < image_window:
+                self.images.append(self.store.backend.alloc_host(nbytes, self.store.pin, "image window"))
+                self._image_holder.append(None)
+
     def _io(self, direction: str, g: int, bufs: Sequence[torch.Tensor], version: int = 0) -> None:
         """Read (``"read"``) or write group ``g``'s state extents (of ``version``) into / from
         ``bufs`` (in the order of its ``ssd_states``); returns when every request ended,
         raising the first one's error (never leaving one in flight, which would block the next
         request on its key)."""
         io = self.ssd.read_into if direction == "read" else self.ssd.write_from
-        names = [name for name, _ in self.layout[g]]
+        names = [name for name, _ in self.layout[g]] + [name for name, _ in self.extra.get(g, ())][: max(0, len(bufs) - len(self.layout[g]))]
         keys = [(name, g) if version == 0 else (name, g, version) for name in names]
         errors = []
         reqs = []
@@ -232,6 +272,14 @@ class SSDWindow:
         every read completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
         self._loading.pop(g, None)  # (a load's copies not flushed: nothing was written into them)
         b = self._claim(g, buffer)
+        if g in self.paged:  # (the parameter tier: the master too; the update stages the state)
+            self._io("read", g, self._views_of(g, b) + self._extra_views(g, b), version=self.latest(g))
+            self._read_ok[b] = True
+            self._snap = None
+            grp = self.store.groups[g]
+            master = self.buffers[b]["master"][: grp.trainable_numel] if self.extra[g] else None
+            self.store.page_state(g, master, self.buffers[b]["grad"][: grp.trainable_numel])
+            return
         self._io("read", g, self._views_of(g, b), version=self.latest(g))
         self._read_ok[b] = True
         self._snap = None
@@ -249,9 +297,156 @@ class SSDWindow:
             with self._cond:
                 self._pending[g] = version
         else:
-            self._io("write", g, self._views_of(g, b))
+            self._io("write", g, self._views_of(g, b) + (self._extra_views(g, b) if g in self.paged else []))
         self._snap = None
+        if g in self.paged:
+            self.store.unpage_state(g)
         self._free(g)
+
+    def _extra_views(self, g: int, b: int) -> list[torch.Tensor]:
+        buf = self.buffers[b]
+        return [buf[name][:n] for name, n in self.extra.get(g, ())]
+
+    def stage_paged(self, g: int) -> None:
+        """The update of paged group ``g`` is about to run: its state over the window's views,
+        built now (its master, gradient and image are in buffers that change from step to step)."""
+        b = self.where.get(g)
+        if b is None:
+            raise RuntimeError(f"group {g} is not in a host-window buffer: its update has no SR{g} before it")
+        st = self.optimizer.ssd_state(g, self._views_of(g, b), self.steps[g])
+        with self.optimizer._lock:
+            self.optimizer.state[g] = st
+        self._image_dirty.add(g)
+
+    # ---- the parameter tier's images (PR, PD, PW) -------------------------------------------------
+    def read_image(self, g: int, buffer: int) -> None:
+        """PR g: paged group ``g``'s image from the SSD into image buffer ``buffer`` (the program's)."""
+        with self._cond:
+            if g in self.image_at:
+                raise RuntimeError(f"group {g}'s image is already in image buffer {self.image_at[g]}")
+            if not 0 <= buffer < len(self.images):
+                raise RuntimeError(f"image buffer {buffer} does not exist: the window has {len(self.images)}")
+            if self._image_holder[buffer] is not None:
+                raise RuntimeError(
+                    f"image buffer {buffer} still holds group {self._image_holder[buffer]}'s image when group {g}'s read needs it"
+                )
+            self._image_holder[buffer] = g
+            self.image_at[g] = buffer
+        view = self.images[buffer][: self.store.groups[g].nbytes]
+        try:
+            self.ssd.read_into(("image", g), view).wait()
+        except BaseException:
+            self._free_image(g)
+            raise
+        self._image_dirty.discard(g)
+        self.store.page_in(g, view)
+
+    def drop_image(self, g: int) -> None:
+        """PD g: the image buffer is free (nothing changed the image since its read)."""
+        if g in self._image_dirty:
+            raise RuntimeError(f"PD{g}: group {g}'s image was updated since its read; it must be written back (PW{g})")
+        self._free_image(g)
+
+    def write_image(self, g: int) -> None:
+        """PW g: the updated image back to the SSD, then its buffer is free."""
+        b = self.image_at.get(g)
+        if b is None:
+            raise RuntimeError(f"group {g}'s image is not in an image buffer: PW{g} has nothing to write")
+        self.ssd.write_from(("image", g), self.images[b][: self.store.groups[g].nbytes]).wait()
+        self._image_dirty.discard(g)
+        self._free_image(g)
+
+    def _free_image(self, g: int) -> None:
+        self.store.page_out(g)
+        with self._cond:
+            b = self.image_at.pop(g, None)
+            if b is not None:
+                self._image_holder[b] = None
+
+    # ---- the parameter tier's values (state_dict, load_state_dict, checkpoints) -------------------
+    def _paged_copies(self, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Paged group ``g``'s image and trainable master as uint8 copies (read from the SSD, or
+        from its window buffers while a step holds them)."""
+        grp = self.store.groups[g]
+        if g in self.image_at:
+            image = self.images[self.image_at[g]][: grp.nbytes].clone()
+        else:
+            image = torch.empty(grp.nbytes, dtype=torch.uint8)
+            self.ssd.read_into(("image", g), image).wait()
+        master = None
+        if self.extra.get(g):
+            if g in self.where:
+                master = self.buffers[self.where[g]]["master"][: grp.trainable_numel].clone().view(torch.uint8)
+            else:
+                master = torch.empty(grp.master_bytes, dtype=torch.uint8)
+                self.ssd.read_into(("master", g), master).wait()
+        return image, master
+
+    def read_paged(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The values of the paged groups' ``keys`` (parameters, buffers), read one group at a
+        time: a trainable parameter's fp32 master (mixed precision), else its image."""
+        from .host_store import _host_info, typed_view
+
+        out: dict[str, torch.Tensor] = {}
+        by_group: dict[int, list[str]] = {}
+        for k in keys:
+            by_group.setdefault(self.store.paged_keys[k], []).append(k)
+        for g, ks in sorted(by_group.items()):
+            grp = self.store.groups[g]
+            image, master = self._paged_copies(g)
+            for k in ks:
+                info = grp.info(k)
+                if master is not None and k in grp.master_offsets and grp.master_offsets[k] < grp.master_bytes:
+                    out[k] = typed_view(master, grp.master_offsets[k], _host_info(info)).clone()
+                else:
+                    out[k] = typed_view(image, grp.offsets[k], info).clone()
+        return out
+
+    def write_paged(self, values: dict[str, torch.Tensor]) -> None:
+        """Set paged tensors' values (``{key: tensor}``) on the SSD, one group at a time: the
+        image (and, in mixed precision, the fp32 master, the image's working copy cast from it
+        as ``p16.copy_(master)``). Between steps."""
+        from .host_store import _host_info, typed_view
+
+        if self.image_at or self.where:
+            raise RuntimeError("a step holds paged groups in the host windows: load between steps")
+        by_group: dict[int, list[str]] = {}
+        for k in values:
+            by_group.setdefault(self.store.paged_keys[k], []).append(k)
+        for g, ks in sorted(by_group.items()):
+            grp = self.store.groups[g]
+            image, master = self._paged_copies(g)
+            with torch.no_grad():
+                for k in ks:
+                    info = grp.info(k)
+                    src = values[k].detach().reshape(info.shape)
+                    view = typed_view(image, grp.offsets[k], info)
+                    if master is not None and k in grp.master_offsets and grp.master_offsets[k] < grp.master_bytes:
+                        mview = typed_view(master, grp.master_offsets[k], _host_info(info))
+                        mview.copy_(src)
+                        view.copy_(mview)
+                    else:
+                        view.copy_(src)
+            reqs = [self.ssd.write_from(("image", g), image)]
+            if master is not None:
+                reqs.append(self.ssd.write_from(("master", g), master))
+            for r in reqs:
+                r.wait()
+
+    def reset_images(self) -> None:
+        """After a failed or abandoned step, or a forward-only call (nothing running): an image an
+        update changed is written back, every image buffer is freed."""
+        errors = []
+        for g in list(self.image_at):
+            if g in self._image_dirty:
+                try:
+                    self.write_image(g)
+                    continue
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+            self._free_image(g)
+        if errors:
+            raise errors[0]
 
     def is_staged(self, g: int) -> bool:
         return g in self.where

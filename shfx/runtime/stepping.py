@@ -670,6 +670,8 @@ class StepRunner:
         for g in range(len(st.groups)):
             if set_to_none:
                 st.grad_state[g] = GRAD_NONE
+            elif g in st.paged:  # (the parameter tier: no gradient is kept between steps)
+                st.grad_state[g] = GRAD_NONE
             elif st.grad_state[g] == GRAD_VALID or st.groups[g].trainable_bytes:
                 st.grad(g).zero_()
                 st.grad_state[g] = GRAD_VALID
