@@ -449,7 +449,8 @@ def _stronghold_steps(result, family, hw, layers: int | None) -> str:
     at = [] if layers is None else [layers]
     for n in [None, *at]:
         head = (
-            "predicted step at the largest size (analytic: formulas' window schedule and the SSD's bytes; nothing runs):"
+            "predicted step of the stronghold rows at their largest size (analytic: the window schedule's closed form and "
+            "the SSD's bytes, nothing runs; the other policies: shfx compare --hardware ... --layers N):"
             if n is None
             else f"stronghold rows at {n} layers ({family.with_layers(n).num_params() / 1e9:.1f} B params, "
             f"{family.batch * family.seq} tokens per step):"

@@ -177,6 +177,23 @@ def test_the_175b_step_adds_up_from_the_profiles_figures():
     assert ram.ssd_s == 0 and ram.step_s == ram.pipeline_s and ram.bottleneck == "compute"
 
 
+def test_the_closed_form_pipeline_is_the_simulated_program():
+    """Everything in host RAM, the step is the window schedule's: the closed form tier_step uses
+    equals the simulator on stronghold's real program of the same GPT (one fact, two views), with
+    full-duplex links (the closed form's; the simulator also models their coupling)."""
+    from shfx.commands import gpt_plan_inputs
+    from shfx.cost_model.simulate import simulate
+    from shfx.passes.policies import make_policy
+
+    hw = PROFILES["RTX4090-24GB"]
+    for layers, window in ((3, 2), (6, 3)):
+        fam = GPTShape(layers=layers, hidden=256, heads=4, seq=128, batch=2, vocab=512, precision="bf16")
+        specs, costs = gpt_plan_inputs(fam, hw)
+        costs = costs.with_links(replace(costs.links, duplex=1.0))  # (the closed form's links: full duplex)
+        sim = simulate(make_policy("stronghold", window=window).program(specs), costs)
+        assert tier_step(fam, hw, None, window=window).pipeline_s == pytest.approx(sim.step_s, rel=1e-9)
+
+
 def test_four_drives_shorten_the_ssd_bound_by_their_bandwidth():
     one, four = PROFILES["RTX4090-24GB"], PROFILES["H100-80GB-4xNVMe"]
     a, c = tier_step(GPT3, one, "nvme-all"), tier_step(GPT3, four, "nvme-all")
