@@ -399,6 +399,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "and optimizer states on the SSD, host windows only), nvme-all+act-host, nvme-all+act-nvme "
                         "(and the checkpointed activations offloaded), or 'none'; default: all three with --ssd when "
                         "--policies is not given, else none")
+    p.add_argument("--no-overlap-updates", dest="overlap_updates", action="store_false",
+                   help="the tiers beyond host RAM: host updates not overlapped with the backward, so each fp32 gradient is "
+                        "written to the SSD and read back (+4 B/param each way in the predicted step)")
     p.add_argument("--emulated", action="store_true",
                    help="the device is shfx's emulated device (exact: no working set, workspace or slack); needs --device-memory")
     p.add_argument("--ranks", type=_positive_int, default=None,
@@ -438,7 +441,7 @@ def _tiers_arg(text: str) -> list[str]:
     return names
 
 
-def _stronghold_steps(result, family, hw, layers: int | None) -> str:
+def _stronghold_steps(result, family, hw, layers: int | None, overlap_updates: bool = True) -> str:
     """The predicted step of each ``stronghold`` row (:func:`shfx.cost_model.beyond_ram.tier_step`:
     the window schedule's closed form and the SSD's bytes, analytic, nothing runs) at its largest
     size, and at ``layers`` when given (with whether it fits there)."""
@@ -474,7 +477,8 @@ def _stronghold_steps(result, family, hw, layers: int | None) -> str:
             if size == 0:
                 lines.append(f"  {r.policy + ':':<31} -")
                 continue
-            step = tier_step(family.with_layers(size), hw, tier, window=st["window"], nvme_masters=bool(st.get("nvme_masters")))
+            step = tier_step(family.with_layers(size), hw, tier, window=st["window"], nvme_masters=bool(st.get("nvme_masters")),
+                             overlap_updates=overlap_updates)
             what = f"{size:>5} layers: " if n is None else ""
             lines.append(f"  {r.policy + ':':<31} {what}{fits}{step.describe()}, {step.tokens_per_s(family):.1f} tokens/s")
     return "\n".join(lines)
@@ -580,13 +584,13 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         if tiers and isinstance(target, Hardware):
             print()
-            print(_stronghold_steps(result, family, target, args.layers))
+            print(_stronghold_steps(result, family, target, args.layers, args.overlap_updates))
             if args.model == "gpt3-175b":
                 from shfx.cost_model.beyond_ram import LOHAN_175B, tier_step
 
                 print(f"  published: {LOHAN_175B.line()}")
                 t = next((t for t in tiers if "+act-" in t), tiers[-1])
-                st = tier_step(family.with_layers(args.layers), target, t, window=args.window)
+                st = tier_step(family.with_layers(args.layers), target, t, window=args.window, overlap_updates=args.overlap_updates)
                 print(f"  stronghold+{t}: {LOHAN_175B.compare(st, family)}")
     if args.layers is not None:
         print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")

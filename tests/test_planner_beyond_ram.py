@@ -240,6 +240,10 @@ def test_cli_plan_shows_the_175b_gpt_trainable_on_the_4090(capsys):
     assert "fits (tightest: ssd: optimizer states (m, v))" in row and f"step {step.step_s:.1f} s (bottleneck ssd)" in row
     assert "published: LoHan (arXiv 2403.06504v2, abstract)" in out and "step time: not found" in out
     assert "stronghold+nvme-all+act-host: predicted " in out and "vs LoHan's 87" in out
+    # updates not overlapped: the gradients' SSD round trip in the step
+    assert main(args + ["--model", "gpt3-175b", "--policies", "stronghold", "--tiers", "nvme-all+act-host", "--no-overlap-updates"]) == 0
+    slow = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host", window=2, overlap_updates=False)
+    assert slow.step_s > step.step_s and f"step {slow.step_s:.1f} s (bottleneck ssd)" in capsys.readouterr().out
     # GiB works too, and without --ssd there are no tier rows
     assert main(args[:4] + ["256GiB", "--precision", "bf16", "--policies", "stronghold"]) == 0
     out = capsys.readouterr().out
