@@ -151,6 +151,8 @@ class WindowReport:
             to stream (``window`` is then all of them); None otherwise.
         drift_window, drift_threshold, drift_min_s: the drift detector's settings (see
             :attr:`drift`).
+        pinned: the pinned pool's plan in words (:meth:`shfx.passes.pinned.PinnedPlan.describe`:
+            its size, budget and what is left unpinned); "" when nothing is pinned.
 
     >>> from shfx.cost_model.costs import CostTable, Links, StageCost
     >>> from shfx.cost_model.tune import tune_window
@@ -175,6 +177,7 @@ class WindowReport:
     drift_window: int = DRIFT_STEPS
     drift_threshold: float = DRIFT_THRESHOLD
     drift_min_s: float = DRIFT_MIN_S
+    pinned: str = ""
 
     @property
     def predicted_s(self) -> float:
@@ -212,6 +215,8 @@ class WindowReport:
         lines = [x for x in lines if x]
         if t.capacity_bytes is not None:
             lines.append(f"  device budget: {format_bytes(t.capacity_bytes)}; tolerance {100 * t.tolerance:.0f}%")
+        if self.pinned:
+            lines.append(f"  host memory {self.pinned}")
         lines.append(t.table())
         if self.how in ("auto", "analytic"):
             lines.append(t.reason)

@@ -152,18 +152,26 @@ class PinnedPlan:
         reserves them for every trainable group, whichever are updated on the host)."""
         from .ledger import Change
 
-        grads = staging = None
-        if host is not None:
-            grads = {int(m.group(1)) for c in host if c.term == "gradients (fp32)" for m in [re.search(r"group (\d+)$", c.what)] if m}
-            staging = sum(1 for c in host if c.term == "gradient staging (pinned)")
-        out, left = [], staging
+        grads: dict[int, int] | None = None
+        staging: list[int] | None = None
+        if host is not None:  # (their sizes as the program allocates them: data parallel's are shards)
+            grads = {}
+            for c in host:
+                m = re.search(r"group (\d+)$", c.what)
+                if c.term == "gradients (fp32)" and m:
+                    grads[int(m.group(1))] = c.nbytes
+            staging = [c.nbytes for c in host if c.term == "gradient staging (pinned)"]
+        out = []
         for name, n in self.pinned:
-            if grads is not None and name.startswith("gradient ") and int(name.split()[1]) not in grads:
-                continue
-            if left is not None and kind_of(name) == "staging":
-                if left == 0:
+            if grads is not None and name.startswith("gradient "):
+                g = int(name.split()[1])
+                if g not in grads:
                     continue
-                left -= 1
+                n = grads[g]
+            if staging is not None and kind_of(name) == "staging":
+                if not staging:
+                    continue
+                n = staging.pop(0)
             out.append(Change("pinned", PINNED_TERMS[0], name, page_rounded(n, self.page)))
         out += [Change("pinned", PINNED_TERMS[1], f"bounce buffer {i}", self.bounce_bytes) for i in range(self.bounce_buffers)]
         return out

@@ -157,8 +157,14 @@ def tune_variant(
     asked = clamped_window(variant) if how == "fixed" else None
     return WindowReport(
         tune, window, backend.describe(), how, steps, first_step=len(steps) if refresh else 0,
-        profile=profile, window_asked=asked,
+        profile=profile, window_asked=asked, pinned=_pinned_line(backend),
     )  # fmt: skip
+
+
+def _pinned_line(backend: Backend) -> str:
+    """The pinned pool's plan in words for the report ("" when it pins nothing)."""
+    plan = getattr(backend.pinned, "plan", None)
+    return plan.describe() if plan is not None else ""
 
 
 def _agreed_capacity(dp: DataParallelRuntime, capacity: int | None, failed: OutOfDeviceMemory | None) -> int | None:

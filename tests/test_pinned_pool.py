@@ -237,6 +237,9 @@ def test_ledger_pinned_tier_term_by_term():
     assert terms["bounce buffers"] == plan.bounce_total_bytes > 0
     assert terms["pinned buffers"] + terms["bounce buffers"] == cm.backend.pinned_bytes
     assert led.peak("host") == cm.variant.ledger().peak("host")  # (a view of the host memory, not more of it)
+    # the report says it
+    rep = str(cm.report())
+    assert f"host memory {plan.describe()}" in rep and "in ordinary memory" in rep and "bounce buffers" in rep, rep
     cm.close()
 
 

@@ -224,9 +224,12 @@ class Backend:
         buffer into ``dst`` meanwhile; the call returns once ``dst`` holds every byte.
 
         NOTE: the device-to-host direction waits on the host for each chunk (the bytes must be
-        in the bounce buffer before the host can move them): a bounced copy costs the issuing
-        thread that wait, and an extra host memcpy in both directions. The plan pins what every
-        step moves first (images, gradient buffers), so only a budget too small for them pays."""
+        in the bounce buffer before the host can move them), and a host-to-device copy longer
+        than two chunks waits for its earlier chunks to have left their bounce buffer (which
+        waits for whatever the copy stream waits on: the slot's release): a bounced copy costs
+        the issuing thread those waits, and an extra host memcpy in both directions. The plan
+        pins what every step moves first (images, gradient buffers), so only a budget too small
+        for them pays."""
         host = dst if direction == "d2h" else src
         self.count_copy(direction, host.numel() * host.element_size())
         d, s = dst.reshape(-1), src.reshape(-1)
