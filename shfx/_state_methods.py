@@ -64,7 +64,7 @@ class StateMethods:
             on_ssd = {k: v for k, v in state_dict.items() if k in paged}
             rest = {k: v for k, v in state_dict.items() if k not in paged}
             result = self.module.load_state_dict(rest, strict=False)
-            missing = [k for k in result.missing_keys if k not in paged]
+            missing = [k for k in result.missing_keys if k not in on_ssd]
             if strict and (missing or result.unexpected_keys):
                 raise RuntimeError(
                     f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys {missing}, "

@@ -273,6 +273,8 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
         _load_optimizer(path, md, meta, cm.module.named_parameters(), cm.optimizer)
     _load_model(path, targets)
     if cm._engine is not None:
+        if cm._store.paged_keys:  # (the parameter tier: the model's state_dict gave copies; to the SSD)
+            cm._engine.ssd.write_paged({k: t for k, t in targets.items() if k in cm._store.paged_keys})
         cm._store.refresh_working()  # mixed precision: the 16-bit image from the loaded masters
         cm._engine.invalidate_device_weights()
         cm._engine.skipped_steps = meta["skipped_steps"]

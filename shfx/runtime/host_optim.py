@@ -314,6 +314,7 @@ class _State:
     def __init__(
         self, store: HostStore, g: int, amsgrad: bool, merge: bool = True, chunk: int = CHUNK, layout=None,
         *, step: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
+        bare: bool = False,
     ):  # fmt: skip
         # step / exp_avg / exp_avg_sq: the NVMe tier's host-window buffers (views of a staging
         # buffer, shfx.runtime.ssd_window) instead of buffers of the state's own
@@ -326,13 +327,16 @@ class _State:
         self.exp_avg = torch.zeros(n, dtype=dt) if exp_avg is None else exp_avg
         self.exp_avg_sq = torch.zeros(n, dtype=dt) if exp_avg_sq is None else exp_avg_sq
         self.max_exp_avg_sq = torch.zeros(n, dtype=dt) if amsgrad else None
+        self.views: list[list[torch.Tensor]] = []
+        self.working = None
+        self.pgs: list[tuple[int, list[list[torch.Tensor]], list | None]] = []
+        if bare:  # (the parameter tier's copies of a paged group's states: read, loaded, never updated)
+            return
         bufs = [store.master(g), store.grad(g), self.exp_avg, self.exp_avg_sq]
         if amsgrad:
             bufs.append(self.max_exp_avg_sq)
         working_view = getattr(store, "working_view", None)
-        self.views: list[list[torch.Tensor]] = [[] for _ in bufs]
-        self.working = None
-        self.pgs: list[tuple[int, list[list[torch.Tensor]], list | None]] = []
+        self.views = [[] for _ in bufs]
         for k, pspans in layout if layout is not None else [(0, grp.trainable_spans())]:
             if (lo, hi) != (0, grp.trainable_numel):
                 pspans = _clip(pspans, lo, hi)
@@ -383,7 +387,10 @@ class HostAdamW:
             st = self.state.get(g)
             if st is None:
                 _on_ssd_refusal(self, g)
-                st = _State(self.store, g, amsgrad, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]))
+                # (a paged group of the parameter tier: a loaded state waiting for the SSD window,
+                # without the update's views of a master and gradient that are not on the host)
+                bare = g in getattr(self.store, "paged", ())
+                st = _State(self.store, g, amsgrad, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]), bare=bare)
                 self.state[g] = st
             elif amsgrad and st.max_exp_avg_sq is None:
                 raise ValueError("amsgrad was switched on after the first step; set it when creating the optimizer")
@@ -578,13 +585,15 @@ class HostAdamW:
         """A fresh step counter of group ``g`` (the tier keeps it in RAM): one 0-dim fp32."""
         return torch.zeros((), dtype=torch.float32)
 
-    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> _State:
+    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor, bare: bool = False) -> _State:
         """Group ``g``'s state over ``bufs`` (:meth:`ssd_states`' buffers: a host-window
         buffer's views, or copies) and ``steps``: the same views and kernel calls as a state of
-        its own, so an update there is bitwise the same."""
+        its own, so an update there is bitwise the same. ``bare``: without the update's views
+        (the parameter tier's copies of a paged group's states, whose master and gradient are
+        not on the host)."""
         m, v = bufs
         return _State(self.store, g, False, self.merge_views, self.chunk, _layout(self.config, self.store.groups[g]),
-                      step=steps, exp_avg=m, exp_avg_sq=v)  # fmt: skip
+                      step=steps, exp_avg=m, exp_avg_sq=v, bare=bare)  # fmt: skip
 
     def ssd_buffers(self, st: _State) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The flat buffers (:meth:`ssd_states`' order) and steps of a state."""

@@ -182,8 +182,10 @@ class SSDWindow:
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes of the staging buffers (and the step counters)."""
+        """Host bytes of the staging buffers (and the step counters; the parameter tier's image
+        buffers)."""
         bufs = sum(t.numel() * t.element_size() for b in self.buffers for t in b.values())
+        bufs += sum(t.numel() for t in self.images or ())
         return bufs + sum(t.numel() * t.element_size() for t in self.steps.values())
 
     def _claim(self, g: int, b: int | None) -> int:
@@ -306,6 +308,13 @@ class SSDWindow:
     def _extra_views(self, g: int, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
         return [buf[name][:n] for name, n in self.extra.get(g, ())]
+
+    def _state_copy(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> Any:
+        """The runner's state of group ``g`` over copies of its states (state_dict, loads): for a
+        paged group without the views an update needs (its master and gradient are not on the host)."""
+        if g in self.paged:
+            return self.optimizer.ssd_state(g, bufs, steps, bare=True)
+        return self.optimizer.ssd_state(g, bufs, steps)
 
     def stage_paged(self, g: int) -> None:
         """The update of paged group ``g`` is about to run: its state over the window's views,
@@ -510,7 +519,7 @@ class SSDWindow:
             return self._snap[1]
         bufs = [torch.empty(n, dtype=self.dtype) for _, n in self.layout[g]]
         self._io("read", g, bufs, version=self.latest(g))
-        snap = self.optimizer.ssd_state(g, bufs, self.steps[g].clone())
+        snap = self._state_copy(g, bufs, self.steps[g].clone())
         self._snap = (g, snap)
         return snap
 
@@ -529,7 +538,7 @@ class SSDWindow:
             else:  # (copies: a snapshot's own, or cloned from the live views)
                 bufs, steps = self.optimizer.ssd_buffers(cur)
                 bufs, steps = [t.clone() for t in bufs], steps.clone()
-            snap = self._loading[g] = self.optimizer.ssd_state(g, bufs, steps)
+            snap = self._loading[g] = self._state_copy(g, bufs, steps)
         return snap
 
     def flush_loaded(self) -> None:
@@ -553,7 +562,7 @@ class SSDWindow:
             raise RuntimeError(f"group {g}'s optimizer state is in a host-window buffer (a step is running): load it between steps")
         bufs, steps = self._zeros(g), self.optimizer.ssd_steps(g)
         if entries:
-            self.optimizer.ssd_load(g, self.optimizer.ssd_state(g, bufs, steps), entries)
+            self.optimizer.ssd_load(g, self._state_copy(g, bufs, steps), entries)
         with self._cond:
             self._pending.pop(g, None)  # (between steps: nothing pending; a load replaces the state)
             version = self._current[g]

@@ -1,0 +1,271 @@
+"""The parameter tier (``shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme")``, issue 26
+part 1): each Stronghold group's image (the copy a PREFETCH sends), fp32 master (mixed precision)
+and AdamW states on the SSD, the host holding windows only. Golden programs, the lowering's
+rules, the ledger against the runtime, and training on the emulated device and SSD bitwise
+equal to eager PyTorch (no reseeding between steps: dropout draws from the user's stream)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import shfx
+from shfx.errors import UsageError
+from shfx.models import GPT, GPTShape
+from shfx.passes.lowering import add_param_transfers, image_window_needed
+from shfx.passes.meta import get_meta
+from shfx.passes.pipeline import build_programs
+from shfx.passes.policies import Stronghold, ZeroInfinity, add_param_tier
+from shfx.passes.program import ActionKind, ScheduleError, lower_actions
+from shfx.passes.stages import chain
+
+# ---- the program ------------------------------------------------------------------------------------
+
+
+def test_golden_stronghold_program():
+    train, ev, cold = build_programs(chain(3), Stronghold(window=2, nvme=True, host_window=1), param_tier=True)
+    assert " ".join(train.actions()) == (
+        "PR0 PR1 PR2 PF0 PD0 PF1 PD1 F0 R0 PF2 PD2 F1 F2 "
+        "B2 PR2 PR0 PR1 SR2 OG2 U2 PW2 SW2 SR1 R2 PF0 B1 OG1 U1 PW1 SW1 SR0 R1 B0 OG0 U0 PW0 SW0 R0"
+    )
+    assert train.image_window == 3  # (the fewest the order needs, 2, plus one read ahead)
+    # every phase holds its own spans: the forward alone and the cold backward start and end empty
+    assert " ".join(ev.actions()) == "PR0 PR1 PR2 PF0 PD0 PF1 PD1 F0 R0 PF2 PD2 F1 F2 R2 R1"
+    assert cold.actions()[:8] == ["PR2", "PR1", "PF2", "PD2", "PF1", "PD1", "B2", "PR2"]
+    # the prefetch and the update wait for the image, the gradient's copy for the group's SSD read
+    assert "pr2" in [d.name for d in train.deps(train.find("PF2"))]
+    assert "pr2_1" in [d.name for d in train.deps(train.find("U2"))]  # (the backward's read)
+    assert "sr2" in [d.name for d in train.deps(train.find("OG2"))]
+    assert [d.name for d in train.deps(train.find("PW2"))] == ["pr2_1", "u2"]  # (no prefetch in its span: stage 2 stays)
+    # bytes: each PR reads the group's image, a PD moves none, a PW writes the image back
+    img = chain(3)[2].prefetch_bytes
+    assert get_meta(train.find("PR2")).bytes == get_meta(train.find("PW2")).bytes == img
+    assert get_meta(train.find("PD2")).bytes == 0
+    moved = train.bytes_moved()
+    assert moved["ssd_read"] == 6 * img + 3 * 2 * img  # 2 reads of each image, m and v of each group
+    assert moved["ssd_write"] == 3 * img + 3 * 2 * img
+
+
+def test_masters_move_with_the_states_in_mixed_precision():
+    plain = build_programs(chain(2), Stronghold(window=1, nvme=True, host_window=1), param_tier=True)[0]
+    mixed = build_programs(chain(2), Stronghold(window=1, nvme=True, host_window=1), param_tier=True, masters=True)[0]
+    assert mixed.ssd_masters and not plain.ssd_masters
+    upd = chain(2)[1].update_bytes
+    assert get_meta(mixed.find("SR1")).bytes - get_meta(plain.find("SR1")).bytes == upd
+
+
+def test_image_window_and_its_refusals():
+    acts = [ActionKind.PREFETCH, ActionKind.FORWARD]
+    from shfx.passes.actions import Action
+
+    order = [Action.from_str(a) for a in "PF0 PF1 F0 R0 F1 B1 OG1 U1 R1 PF0 B0 OG0 U0 R0".split()]
+    assert image_window_needed(order, chain(2), {0, 1}) == 1
+    with pytest.raises(ScheduleError, match=r"needs at least 1 image buffers.*got image_window=0"):
+        add_param_transfers(order, chain(2), {0, 1}, 0)
+    assert acts  # (kinds exist)
+    # a hand-written program: a prefetch of a paged group without its read, a drop after an update
+    tier = dict(ssd_groups={0}, host_window=1, ssd_images={0}, image_window=1)
+    with pytest.raises(ScheduleError, match=r"group 0's image is on the SSD; read it first \(PR0\)"):
+        lower_actions(["PF0", "F0", "B0", "R0"], chain(1), 1, **tier)
+    with pytest.raises(ScheduleError, match=r"U0 updated group 0's image since PR0: write it back \(PW0\), not drop it"):
+        lower_actions(["PR0", "PF0", "F0", "B0", "SR0", "OG0", "U0", "PD0", "SW0", "R0"], chain(1), 1, **tier)
+    with pytest.raises(ScheduleError, match=r"gradient goes to its host-window buffer; read the group first \(SR0\)"):
+        lower_actions(["PR0", "PF0", "F0", "B0", "OG0", "SR0", "U0", "PW0", "SW0", "R0"], chain(1), 1, **tier)
+    with pytest.raises(ScheduleError, match=r"all 1 image buffers are in use"):
+        lower_actions(["PR0", "PR1"], chain(2), 1, ssd_groups={0, 1}, host_window=1, ssd_images={0, 1}, image_window=1)
+
+
+def test_only_a_policy_updating_in_the_backward_and_unshared_groups():
+    with pytest.raises(ScheduleError, match=r"reads groups \[1, 2, 3\] after their gradients.*policy='stronghold'"):
+        add_param_tier(ZeroInfinity(nvme=True, host_window=1).program(chain(4)))
+    # a tied group (stage 2 sends gradients to group 0) keeps its image in host RAM
+    p = add_param_tier(Stronghold(window=2, nvme=True, host_window=1).program(chain(3, tied=(0, 2))))
+    assert p.ssd_images == frozenset({1, 2})
+    with pytest.raises(ScheduleError, match="needs the NVMe tier"):
+        add_param_tier(Stronghold(window=2).program(chain(2)))
+
+
+def test_ledger_moves_images_masters_and_gradients_to_the_ssd():
+    from shfx.passes.ledger import IMAGE_WINDOW, host_terms
+
+    specs = chain(3)
+    p = build_programs(specs, Stronghold(window=2, nvme=True, host_window=2), param_tier=True)[0]
+    terms = host_terms(p.stages, set(), **p.tier)
+    host = {c.what: c.nbytes for c in terms if c.tier == "host"}
+    ssd = {c.what: c.nbytes for c in terms if c.tier == "ssd"}
+    n = specs[0].prefetch_bytes
+    assert [host.get(f"group {g}", 0) for g in range(3)] == [0, 0, 0]  # (fp32: the image is the master, on the SSD)
+    assert not any(w.startswith("gradient of group") for w in host)
+    assert [ssd[f"image of group {g}"] for g in range(3)] == [n] * 3
+    assert host["host-window buffer 0"] == 2 * n + n  # m, v and the gradient
+    assert [c.nbytes for c in terms if c.term == IMAGE_WINDOW] == [n] * p.image_window
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+SHAPE = GPTShape(vocab=64, seq=16, layers=4, heads=2, hidden=32, dropout=0.1)
+BATCH = 4
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(0, SHAPE.vocab, (BATCH, SHAPE.seq), generator=g), torch.randint(0, SHAPE.vocab, (BATCH, SHAPE.seq), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _tier(path, **kw):
+    return shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=str(path), host_window=2, **kw)
+
+
+def _train(model, batches, offload=None, precision="fp32", **kw):
+    cm = shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=offload, precision=precision, **kw,
+    )  # fmt: skip
+    torch.manual_seed(123)  # once: every step's dropout masks come from the user's stream
+    losses = []
+    for x, y in batches:
+        loss = cm(x, y)
+        loss.backward()
+        cm.step()
+        cm.zero_grad()
+        losses.append(loss.detach().clone())
+    return cm, losses
+
+
+def _eager(model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    torch.manual_seed(123)
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def test_fp32_trains_bitwise_as_eager_with_everything_on_the_ssd(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    ref = copy.deepcopy(model)
+    batches = _batches(4)
+    cm, losses = _train(model, batches, _tier(tmp_path))
+    try:
+        assert cm.engine.ssd.paged == frozenset(range(1, 6))  # the blocks and the head (the tied embedding stays in RAM)
+        ref_losses = _eager(ref, batches)
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        # the model's own tensors of paged groups are placeholders; its state_dict reads the SSD
+        p = dict(model.named_parameters())["transformer.h.1.attn.c_attn.weight"]
+        assert p.stride() == (0, 0) and torch.isnan(p).all()
+        sd, ref_sd = model.state_dict(), ref.state_dict()
+        for k in ref_sd:
+            assert torch.equal(sd[k], ref_sd[k]), k
+        assert cm.state_dict().keys() == ref_sd.keys()
+        # the SSD's traffic is the program's
+        moved = cm.variant.train.bytes_moved()
+        assert cm.engine.ssd.ssd.bytes_read >= 4 * moved["ssd_read"]
+        # the runtime's host memory is the ledger's
+        led = cm.variant.ledger()
+        assert cm.engine.host_bytes() == sum(v for k, v in led.static("host").items())
+    finally:
+        cm.close()
+
+
+def test_bf16_trains_bitwise_as_the_all_in_ram_run(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    ref = copy.deepcopy(model)
+    batches = _batches(3)
+    cm, losses = _train(model, batches, _tier(tmp_path), precision="bf16")
+    cm_ref, ref_losses = _train(ref, batches, precision="bf16")
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        assert cm.variant.train.ssd_masters
+        sd, ref_sd = cm.state_dict(), cm_ref.state_dict()
+        for k in ref_sd:
+            assert torch.equal(sd[k], ref_sd[k]), k
+        opt, ref_opt = cm.optimizer.state_dict(), cm_ref.optimizer.state_dict()
+        for i in ref_opt["state"]:
+            for f in ref_opt["state"][i]:
+                assert torch.equal(opt["state"][i][f], ref_opt["state"][i][f]), (i, f)
+    finally:
+        cm.close()
+        cm_ref.close()
+
+
+def test_inference_between_steps_and_load_state_dict(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    batches = _batches(3)
+    cm, _ = _train(model, batches[:1], _tier(tmp_path))
+    try:
+        saved = {k: v.clone() for k, v in cm.state_dict().items()}
+        torch.manual_seed(5)  # (the same dropout masks for both forwards)
+        with torch.no_grad():  # the forward alone (PR/PF/PD): every image buffer free after it
+            a = cm(*batches[1])
+        assert not cm.engine.ssd.image_at
+        # a load writes through the SSD (one group at a time); the next step trains from it
+        cm.load_state_dict({k: torch.zeros_like(v) if "ln_" in k else v for k, v in saved.items()})
+        assert all(torch.equal(v, torch.zeros_like(v)) for k, v in cm.state_dict().items() if "ln_" in k)
+        cm.load_state_dict(saved)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            b = cm(*batches[1])
+        assert torch.equal(a, b)
+        with pytest.raises(RuntimeError, match="missing keys"):
+            cm.load_state_dict({k: v for k, v in saved.items() if "h.2." not in k})
+    finally:
+        cm.close()
+
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    batches = _batches(3)
+    cm, _ = _train(model, batches[:2], _tier(tmp_path / "ssd"))
+    cm.save_checkpoint(str(tmp_path / "ckpt"))
+    torch.manual_seed(11)
+    loss = cm(*batches[2])
+    cm.close()
+    torch.manual_seed(0)
+    cm2 = shfx.compile(
+        GPT(SHAPE), device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=_tier(tmp_path / "ssd2"),
+    )  # fmt: skip
+    try:
+        cm2.load_checkpoint(str(tmp_path / "ckpt"))  # (before the first call: into the model, then laid out)
+        torch.manual_seed(11)
+        first = cm2(*batches[2])
+        assert torch.equal(first, loss)
+        first.backward()
+        cm2.step()
+        cm2.zero_grad()
+        cm2.load_checkpoint(str(tmp_path / "ckpt"))  # (after it: through the SSD)
+        torch.manual_seed(11)
+        assert torch.equal(cm2(*batches[2]), loss)
+    finally:
+        cm2.close()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_grad_norm=1.0), r"max_grad_norm: exact clipping"),
+        (dict(grad_accum_steps=2), r"grad_accum_steps=2"),
+        (dict(overlap_update=False), r"overlap_update=False"),
+        (dict(policy=shfx.ZeroInfinity()), r"policy='zero-infinity'"),
+        (dict(policy=shfx.Stronghold(window="auto")), r"window='auto'"),
+        (dict(precision="fp16"), r"rollback"),
+        (dict(optimizer=shfx.optim.SGD(lr=0.1, momentum=0.9)), r"optimizer=SGD"),
+    ],
+)
+def test_refused_before_the_first_step(tmp_path, kw, match):
+    kw = {"policy": shfx.Stronghold(window=2), "optimizer": shfx.optim.AdamW(), **kw}
+    with pytest.raises(UsageError, match=r"params='nvme'\) \(the parameter tier\) is not run yet with: .*" + match):
+        shfx.compile(GPT(SHAPE), offload=_tier(tmp_path), **kw)
