@@ -69,6 +69,13 @@ def test_pool_follows_the_plan_and_its_budget():
     del extra  # freed: unregistered, and no longer counted
     assert pool.live_bytes == plan.pinned_bytes
     pool.close()
+    # one buffer more than the plan counts (a third staging buffer) is pinned if it fits beside the plan
+    pool = PinnedAllocator(lambda p, n: None, lambda p: None)
+    pool.set_plan(plan_pinned([("image 0", PAGE), ("staging 0", PAGE), ("staging 1", PAGE)], 4 * PAGE))
+    bufs = [pool.take(PAGE, "image 0")] + [pool.take(PAGE, "staging") for _ in range(3)]
+    assert all(pool.owns(b) for b in bufs) and pool.live_bytes == 4 * PAGE
+    assert not pool.owns(pool.take(PAGE, "staging")) and pool.unpinned_allocations == 1  # (the budget is full)
+    pool.close()
 
 
 def test_set_plan_refuses_a_budget_below_the_bounce_buffers():

@@ -95,6 +95,7 @@ class PinnedAllocator:
         self._unregister = unregister or _cudart_unregister
         self._lock = threading.Lock()
         self._live: dict[int, tuple[int, weakref.finalize, str]] = {}  # ptr -> (registered bytes, finalizer, pool key)
+        self._planned: set[int] = set()  # the live buffers the plan counts (and the bounce buffers)
         self.allocations = 0
         self.peak_bytes = 0
         self.budget_bytes = budget_bytes
@@ -111,7 +112,7 @@ class PinnedAllocator:
         with self._lock:
             return sum(n for n, _, _ in self._live.values())
 
-    def alloc(self, nbytes: int, key: str = "") -> torch.Tensor:
+    def alloc(self, nbytes: int, key: str = "", planned: bool = False) -> torch.Tensor:
         """A zeroed uint8 host tensor of ``nbytes`` bytes whose pages are pinned (whatever the
         budget: :meth:`take` decides)."""
         size = page_rounded(nbytes)
@@ -125,6 +126,8 @@ class PinnedAllocator:
         fin = weakref.finalize(holder, self._release, ptr)
         with self._lock:
             self._live[ptr] = (size, fin, key)
+            if planned:
+                self._planned.add(ptr)
             self.allocations += 1
             self.peak_bytes = max(self.peak_bytes, sum(n for n, _, _ in self._live.values()))
         return span[:nbytes]
@@ -147,32 +150,33 @@ class PinnedAllocator:
         have = sum(len(v) for v in self._bounce.values())
         if plan.bounce_buffers and (have < plan.bounce_buffers or any(s.buf.numel() < plan.bounce_bytes for v in self._bounce.values() for s in v)):
             per = plan.bounce_buffers // 2
-            self._bounce = {d: [BounceSlot(self.alloc(plan.bounce_bytes, "bounce")) for _ in range(per)] for d in ("h2d", "d2h")}
+            self._bounce = {d: [BounceSlot(self.alloc(plan.bounce_bytes, "bounce", planned=True)) for _ in range(per)] for d in ("h2d", "d2h")}
 
     def take(self, nbytes: int, what: str = "") -> torch.Tensor:
         """A zeroed uint8 host buffer of ``nbytes`` asked pinned for ``what`` (``"image g"``,
-        ``"gradient g"``, ``"staging"``, ...): pinned if the plan pins it (a buffer the plan
-        does not know: if it fits beside what the plan reserves), else ordinary memory, which
-        the backend copies through the bounce buffers."""
+        ``"gradient g"``, ``"staging"``, ...): pinned if the plan pins it, or else if it fits
+        beside what the plan reserves (a buffer the plan does not know, or leaves out only
+        because the budget is full); else ordinary memory, which the backend copies through
+        the bounce buffers."""
         size = page_rounded(nbytes)
         key = kind_of(what)
         with self._lock:
             live = sum(n for n, _, _ in self._live.values())
             plan, budget = self.plan, self.budget_bytes
-            if plan is not None and plan.plans(key):
-                pin = self._taken[key] < plan.count(key) and (budget is None or live + size <= budget)
+            planned = plan is not None and self._taken[key] < plan.count(key)
+            if planned:
+                pin = budget is None or live + size <= budget
             elif budget is None:
                 pin = True
-            else:  # a buffer the plan does not know: beside what the plan reserves and is not allocated yet
+            else:  # a buffer the plan does not pin (or one more than it counts): beside what it reserves and is not allocated yet
                 reserved = 0
                 if plan is not None:
-                    planned = sum(n for n, _, k in self._live.values() if k == "bounce" or plan.plans(k))
-                    reserved = max(0, plan.pinned_bytes - planned)
+                    reserved = max(0, plan.pinned_bytes - sum(self._live[p][0] for p in self._planned))
                 pin = live + size + reserved <= budget
-            if pin:
+            if pin and planned:
                 self._taken[key] += 1
         if pin:
-            return self.alloc(nbytes, key)
+            return self.alloc(nbytes, key, planned=planned)
         t = torch.zeros(nbytes, dtype=torch.uint8)
         with self._lock:
             self.unpinned_allocations += 1
@@ -206,8 +210,10 @@ class PinnedAllocator:
     def _release(self, ptr: int) -> None:
         with self._lock:
             item = self._live.pop(ptr, None)
-            if item is not None and self._taken[item[2]] > 0:
-                self._taken[item[2]] -= 1
+            if ptr in self._planned:
+                self._planned.discard(ptr)
+                if self._taken[item[2]] > 0:
+                    self._taken[item[2]] -= 1
         if item is not None:
             try:
                 self._unregister(ptr)
