@@ -227,11 +227,14 @@ def plan_pinned(
     return PinnedPlan(budget_bytes, tuple(pinned), tuple(unpinned), BOUNCE_BUFFERS, bounce, minimum, page)
 
 
-def plan_for_groups(groups: Sequence, budget_bytes: int | None, *, page: int = PAGE, chunk_bytes: int | None = None) -> PinnedPlan:
+def plan_for_groups(
+    groups: Sequence, budget_bytes: int | None, *, data_parallel: bool = False, page: int = PAGE, chunk_bytes: int | None = None
+) -> PinnedPlan:
     """The plan of a host store laid out as ``groups`` (:class:`shfx.passes.layout.Group`), made
     before any of its buffers exists: every group's image (``nbytes``), the gradient buffer of
     every group with a trainable region (``grad_bytes``) and :data:`~shfx.passes.ledger.STAGING_BUFFERS`
-    staging buffers of the largest one.
+    staging buffers of the largest one (``data_parallel``: one more, the buffer a borrowed
+    gradient is copied through beside the local gradients' buffers).
 
     NOTE: the host store is laid out at the first call, before the tuner or the policy says
     which groups are updated on the device and how many staging buffers the program uses, so
@@ -240,5 +243,6 @@ def plan_for_groups(groups: Sequence, budget_bytes: int | None, *, page: int = P
     from .ledger import STAGING_BUFFERS
 
     grads = [g.grad_bytes if g.trainable_numel else 0 for g in groups]
-    cands = pinned_candidates([g.nbytes for g in groups], grads, STAGING_BUFFERS, max(grads, default=0))
+    staging = STAGING_BUFFERS + (1 if data_parallel else 0)
+    cands = pinned_candidates([g.nbytes for g in groups], grads, staging, max(grads, default=0))
     return plan_pinned(cands, budget_bytes, page=page, chunk_bytes=chunk_bytes)

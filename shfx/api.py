@@ -397,7 +397,7 @@ class CompiledModel(StateMethods):
                 self._param_ssd, spill = param_tier_store(self.offload, variant)
                 paged = variant.train.ssd_images
             if self.pin_memory:  # the pinned pool's plan (refused here, before training, when the budget is too small)
-                self._backend.pinned.set_plan(plan_for_groups(graph.groups, self._config.pinned))
+                self._backend.pinned.set_plan(plan_for_groups(graph.groups, self._config.pinned, data_parallel=self._dp is not None))
             self._store = HostStore(
                 self._backend, graph.groups, model_tensors, pin=self.pin_memory, dp=self._dp, paged=paged, spill=spill,
             )  # (data parallel: broadcasts rank 0's weights, collectively)

@@ -333,3 +333,73 @@ def test_ssd_store_pins_its_bounce_buffers_through_the_pool(tmp_path):
         assert calls == [page_rounded(64 << 10)] * len(bufs) == [page_rounded(64 << 10)] * pool.allocations
     assert torch.equal(out[1:], backing[1:])
     pool.close()
+
+
+# ---- data parallel: each rank's pool ------------------------------------------------------------------
+def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
+    """A spawned rank: the default budget and a 16-page one (one-page bounce buffers), 3 steps
+    each on its own batches; saves the losses, weights and the pinned bytes measured and planned."""
+    import datetime
+    import os
+    import traceback
+
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        plan_mod.BOUNCE_CHUNK_BYTES = PAGE
+        res = {}
+        for name, kw in (("default", {}), ("small", {"pinned": 16 * PAGE})):
+            torch.manual_seed(rank)  # (the first call broadcasts rank 0's weights)
+            cm = shfx.compile(gpt_tied(), device=shfx.EmulatedDevice(memory="64MiB"), window=2,
+                              optimizer=shfx.optim.AdamW(lr=1e-2), data_parallel=shfx.DataParallel(timeout_s=60), **kw)  # fmt: skip
+            losses = []
+            for i in range(3):
+                (x, y), _, _ = token_batch(i, micro=10 * rank)
+                loss = cm(x, y)
+                loss.backward()
+                cm.step()
+                cm.zero_grad()
+                losses.append(loss.detach().clone())
+            pool = cm.backend.pinned
+            led = cm.variant.ledger(pinned=pool.plan, rank=rank)
+            res[name] = dict(losses=losses, weights={k: v.clone() for k, v in cm.state_dict().items()},
+                             measured=cm.backend.pinned_bytes, ledger=led.peak("pinned"), bounced=pool.bounced_copies,
+                             unpinned=pool.unpinned_allocations)  # fmt: skip
+            cm.close()
+        torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_data_parallel_ranks_pin_what_their_ledger_says_and_train_alike(tmp_path):
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_dp_rank, args=(r, 2, port, str(tmp_path)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = [(tmp_path / f"rank{r}.err").read_text() for r in range(2) if (tmp_path / f"rank{r}.err").exists()]
+    assert not errors and [p.exitcode for p in procs] == [0, 0], errors
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        d, s = res["default"], res["small"]
+        assert all(torch.equal(a, b) for a, b in zip(d["losses"], s["losses"]))
+        assert d["weights"].keys() == s["weights"].keys() and all(torch.equal(d["weights"][k], s["weights"][k]) for k in d["weights"])
+        assert s["bounced"] > 0 and s["unpinned"] > 0 and d["bounced"] == 0
+        for x in (d, s):
+            assert x["measured"] == x["ledger"] > 0, (r, x["measured"], x["ledger"])
