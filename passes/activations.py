@@ -11,7 +11,7 @@ queue) for the chosen stages, and :func:`eligible_stages` says which stages may 
 >>> from shfx.passes.stages import chain
 >>> acts = [Action.from_str(a) for a in "F0 F1 F2 F3 B3 B2 B1 B0".split()]
 >>> " ".join(map(str, add_activation_offload(acts, chain(4, activation_bytes=10), [1])))
-'F0 F1 F2 AO1 F3 B3 AF1 B2 B1 B0'
+'F0 F1 AO1 F2 F3 B3 AF1 B2 B1 B0'
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ FETCH_AHEAD = 1
 """Backwards an ``AF g`` runs ahead of ``B g``: it is issued after, and waits for, the backward
 ``FETCH_AHEAD + 1`` places before ``B g`` in the backward order, so its copy overlaps the
 ``FETCH_AHEAD`` backwards in between and the device holds the activations of at most
-``FETCH_AHEAD + 1`` offloaded stages at once. Likewise ``AO g`` is issued after the forward
-after ``F g`` and the forward after that one waits for it."""
+``FETCH_AHEAD + 1`` offloaded stages at once. Likewise ``AO g`` is issued right after ``F g``
+and the second forward after it waits for it (its copy overlaps the forward in between), and
+frees the device copy as it starts."""
 
 
 def _boundary(stages: Sequence[StageSpec]) -> list[tuple[Value, ...]]:
@@ -83,8 +84,8 @@ def eligible_stages(acts: Sequence[Action], stages: Sequence[StageSpec]) -> list
 
 def add_activation_offload(acts: Sequence[Action], stages: Sequence[StageSpec], chosen: Iterable[int]) -> list[Action]:
     """Given an action order and the stages whose activations go to the host, add ``AO g``
-    at the end of the trailer of the forward after ``F g`` (the forward after that one waits
-    for it: :func:`shfx.passes.program.lower_actions`), and ``AF g`` at the end of the trailer
+    at the end of the trailer of ``F g`` (the second forward after it waits for it and frees
+    the device copy: :func:`shfx.passes.program.lower_actions`), and ``AF g`` at the end of the trailer
     of the backward ``FETCH_AHEAD + 1`` places before ``B g`` in the backward order (it waits for
     that backward, so the device never holds more than ``FETCH_AHEAD + 1`` offloaded stages'
     activations). A stage that is not eligible (:func:`eligible_stages`) is refused."""
@@ -105,8 +106,7 @@ def add_activation_offload(acts: Sequence[Action], stages: Sequence[StageSpec], 
     ao_after: dict[int, list[Action]] = {}  # forward stage -> AOs at the end of its trailer
     af_after: dict[int, list[Action]] = {}  # backward stage -> AFs at the end of its trailer
     for g in chosen:
-        i = fwd.index(g)
-        ao_after.setdefault(fwd[i + 1] if i + 1 < len(fwd) else g, []).append(Action(AO, g))
+        ao_after.setdefault(g, []).append(Action(AO, g))
         af_after.setdefault(order[order.index(g) - FETCH_AHEAD - 1], []).append(Action(AF, g))
     out: list[Action] = []
     pending: list[Action] = []

@@ -602,9 +602,9 @@ LOSS_SCALING = FeaturePass(
 def activation_offload_program(program: Program, stages: tuple[int, ...] | None = None) -> Program:
     """``Offload(activations="host")``: the boundary activations of ``stages`` (default: every
     stage that may, :func:`~shfx.passes.activations.eligible_stages`) leave the device after
-    their forward and come back before their backward: ``AO g`` on the d2h queue after the
-    forward that follows ``F g`` (the forward after that waits for it, so its device copy is
-    freed by then), ``AF g`` on the h2d queue after the backward two places before ``B g``
+    their forward and come back before their backward: ``AO g`` on the d2h queue right after
+    ``F g`` (its copy overlaps the next forward; the forward after that waits for it and frees
+    the device copy as it starts), ``AF g`` on the h2d queue after the backward two places before ``B g``
     (waiting for it: its copy overlaps the backward in between), ``B g`` waiting for ``AF g``
     (:func:`~shfx.passes.activations.add_activation_offload`). Such a stage is recomputed from its
     inputs alone in its backward (it keeps no graph).
@@ -612,7 +612,7 @@ def activation_offload_program(program: Program, stages: tuple[int, ...] | None 
     >>> from shfx.passes.stages import chain
     >>> from shfx.passes.policies import Resident
     >>> " ".join(activation_offload_program(Resident().program(chain(5, activation_bytes=64))).actions())
-    'F0 F1 F2 AO1 F3 AO2 F4 B4 DU4 AF2 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0'
+    'F0 F1 AO1 F2 AO2 F3 F4 B4 DU4 AF2 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0'
     """
     acts = [get_meta(n).action for n in program.nodes]
     chosen = eligible_stages(acts, program.stages) if stages is None else stages
@@ -646,7 +646,7 @@ ACTIVATION_OFFLOAD = FeaturePass(
     requires=(Condition("a program that does not offload activations yet", _not_offloading, "apply activation-offload once"),),
     ensures=(Condition("every offloaded stage's backward waiting for its fetch AF", _fetched_before_backward),),
     transform=activation_offload_program,
-    doc="AO g after the forward following F g (d2h), AF g two backwards ahead of B g (h2d): the stage's boundary "
+    doc="AO g right after F g (d2h, waited for by the second forward after it), AF g two backwards ahead of B g (h2d): the stage's boundary "
     "activations wait on the host",
 )
 

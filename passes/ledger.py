@@ -26,9 +26,10 @@ What it replays, as the runtime (``shfx.runtime.engine``) does it:
   group updated on the device waits there (``pending tied gradient``) until the backward of the
   group's owner frees it; then the buffer copy, its outputs' gradients and every value whose
   earliest reader it is are freed.
-- **AO s** / **AF s** (activation offload, :mod:`shfx.passes.activations`): the stage's
-  offloaded boundary values are freed on the device / put back there; their host copies are
-  setup buffers (``offloaded activations``), reused every step.
+- **AO s** / **AF s** (activation offload, :mod:`shfx.passes.activations`): an ``AO`` copies
+  the stage's offloaded boundary values to the host, and the ``F`` that waits for it frees
+  their device copies as it starts; an ``AF`` puts them back on the device. Their host copies
+  are setup buffers (``offloaded activations``), reused every step.
 - **end** (of a backward, or of an inference forward): everything still held is freed.
 
 Copies, releases and updates allocate nothing (slots, gradient buffers and states are part of
@@ -852,11 +853,11 @@ def replay(
             started = True
             entries.append(Entry("backward start", "backward", tuple(rp.backward_start())))
         if m.kind == F:
-            ch = rp.forward(m.stage, m.keep_graph, train=has_b)
+            # (activation offload: the device copies of the AOs it waits for are freed as it starts)
+            ch = [c for d in program.deps(n) if get_meta(d).kind == AO for c in rp.offload_activations(get_meta(d).stage)]
+            ch += rp.forward(m.stage, m.keep_graph, train=has_b)
         elif m.kind == B:
             ch = rp.backward(m.stage)
-        elif m.kind == AO:
-            ch = rp.offload_activations(m.stage)
         elif m.kind == AF:
             ch = rp.fetch_activations(m.stage)
         else:

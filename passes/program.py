@@ -412,7 +412,8 @@ def lower_actions(
       - ``R s`` waits for every action that read the slot since its ``PF``; it frees the slot.
       - Activation offload (:mod:`shfx.passes.activations`): ``AO s`` waits for ``F s`` and moves
         the stage's offloadable boundary values (no slot); every ``F`` waits for the ``AO`` actions
-        issued since the previous ``F`` (their device copies are freed before it allocates).
+        issued before the previous ``F`` and frees their device copies as it starts (the ``AO``
+        actions issued since overlap the previous ``F``: the next one waits for them).
         ``AF s`` waits for ``AO s`` (when in this program: a cold backward fetches what its
         forward offloaded) and for the last ``B`` issued before it (whose activations it
         replaces on the device); ``B s`` of a stage whose activations were offloaded waits for
@@ -523,10 +524,11 @@ def lower_actions(
     deferred = False  # an update after the GRAD_NORMs was seen: it runs in the next forward
     verdict: fx.Node | None = None  # data parallel with rollback: the overlapped step's NR0, after every update
     # activation offload (AO/AF): stage -> its AO (activations on the host), stage -> its AF not yet read by its B,
-    # the AOs issued since the last F (the next F waits for them), the offloadable values per stage
+    # the AOs issued since the last F and before it (the F after next waits for them), the offloadable values
     offloaded: dict[int, fx.Node] = {}
     fetched: dict[int, fx.Node] = {}
     recent_offloads: list[fx.Node] = []
+    older_offloads: list[fx.Node] = []
     offloadable: dict | None = None
     order: dict[fx.Node, int] = {}  # node -> its position
 
@@ -867,8 +869,10 @@ def lower_actions(
                     deps.append(pf)
                 for p in sorted(spec.producers):
                     deps.append(need(pos, act, Action(ActionKind.FORWARD, p), f"stage {s} reads stage {p}'s output"))
-                deps.extend(recent_offloads)  # (the device memory of the activations they copied out)
-                recent_offloads = []
+                # (the device copies of what they copied out are freed as it starts; the AOs issued
+                # since the previous F overlap it and are the next F's)
+                deps.extend(older_offloads)
+                older_offloads, recent_offloads = recent_offloads, []
                 reader_of = s
             elif k == ActionKind.OFFLOAD_BUFFERS:
                 slot, _, _ = need_resident(pos, act)

@@ -60,15 +60,39 @@ class ActivationStash:
             for b in bufs:
                 self._free.setdefault((tuple(b.shape), b.dtype), []).append(b)
 
+    def frees_at(self, program: Any, stage: int) -> tuple[str, ...]:
+        """The values whose device copies the ``F`` of ``stage`` in ``program`` frees as it
+        starts: those of the ``AO`` actions it waits for (:func:`shfx.passes.program.lower_actions`)."""
+        key = (id(program), -1 - stage)
+        got = self._names.get(key)
+        if got is None:
+            from shfx.passes.actions import AO, F
+            from shfx.passes.meta import get_meta
+
+            node = next((n for n in program.nodes if get_meta(n).kind == F and get_meta(n).stage == stage), None)
+            aos = [get_meta(d).stage for d in program.deps(node) if get_meta(d).kind == AO] if node is not None else []
+            got = tuple(name for s in aos for name in self.names(program, s))
+            self._names[key] = got
+        return got
+
     def offload(self, ctx: Any, names: Sequence[str]) -> None:
-        """``AO``: copy each value device -> a host buffer (d2h, exact), then free the device
-        copy (the context's reservation under the ledger's activations term goes with it)."""
+        """``AO``: copy each value device -> a host buffer (d2h, exact). The device copy stays
+        until the forward waiting for this ``AO`` starts (:meth:`free_device_copies`), where the
+        memory ledger frees it too."""
         copy = self.backend.d2h_copy
         for name in names:
             dev = ctx.values[name]
             host = self.take(dev)
             copy(host, dev)
-            ctx.offload_value(name, host)
+            ctx.host_values[name] = host
+
+    @staticmethod
+    def free_device_copies(ctx: Any, names: Sequence[str]) -> None:
+        """At the start of an ``F``: the device copies of the values its ``AO`` dependencies
+        copied to the host are dropped (the context's reservations go with them)."""
+        for name in names:
+            if name in ctx.host_values:
+                ctx.drop(name)
 
     def fetch(self, ctx: Any, names: Sequence[str]) -> None:
         """``AF``: copy each value host -> a new device tensor (h2d, exact), kept under the same

@@ -111,10 +111,6 @@ class StepContext:
         self.values.pop(name, None)
         self._let_go(f"activation {name!r}")
 
-    def offload_value(self, name: str, host: torch.Tensor) -> None:
-        """Boundary value ``name`` now lives in ``host`` (an ``AO``): its device copy is freed."""
-        self.host_values[name] = host
-        self.drop(name)
 
     def add_grad(self, name: str, g: torch.Tensor) -> None:
         """Add a gradient contribution for ``name`` (the first one is reserved)."""

@@ -378,7 +378,11 @@ class ActionHandlers:
         if eng.deferred and ctx.variant.device_groups:  # a persistent slot the clipped DU step() started updates in place
             deps = deps + eng.deferred.deps_for(set(stage.spec.grad_groups) & ctx.variant.device_groups)
 
+        frees = eng.activation_stash.frees_at(ctx.variant.train, m.stage) if ctx.offloaded and ctx.grad else ()
+
         def run() -> None:
+            if frees:  # (activation offload: the device copies of the AOs this forward waited for)
+                eng.activation_stash.free_device_copies(ctx, frees)
             with CAPTURE_GATE.stage():
                 eng._forward(ctx, stage, m.slot, m.keep_graph)
 
