@@ -95,8 +95,12 @@ def default_pinned_bytes() -> int:
 
 def kind_of(name: str) -> str:
     """The pool's key of a buffer name: staging buffers are interchangeable (``"staging 1"`` ->
-    ``"staging"``); images and gradients are per group (``"image 3"``)."""
-    return "staging" if name.startswith("staging") else name
+    ``"staging"``), and so are the parameter tier's window buffers (``"image window 0"`` ->
+    ``"image window"``); images and gradients are per group (``"image 3"``)."""
+    if name.startswith("staging"):
+        return "staging"
+    head, _, tail = name.rpartition(" ")
+    return head if head.endswith(" window") and tail.isdigit() else name
 
 
 @dataclass(frozen=True)
@@ -163,8 +167,9 @@ class PinnedPlan:
             staging = [c.nbytes for c in host if c.term == "gradient staging (pinned)"]
         out = []
         for name, n in self.pinned:
-            if grads is not None and name.startswith("gradient "):
-                g = int(name.split()[1])
+            per_group = re.fullmatch(r"gradient (\d+)", name)
+            if grads is not None and per_group:
+                g = int(per_group.group(1))
                 if g not in grads:
                     continue
                 n = grads[g]
@@ -187,12 +192,19 @@ class PinnedPlan:
         return s
 
 
-def pinned_candidates(images: Sequence[int], gradients: Sequence[int], staging: int = 0, staging_bytes: int = 0) -> list[tuple[str, int]]:
+def pinned_candidates(
+    images: Sequence[int], gradients: Sequence[int], staging: int = 0, staging_bytes: int = 0, *,
+    image_windows: int = 0, image_window_bytes: int = 0, gradient_windows: int = 0, gradient_window_bytes: int = 0,
+) -> list[tuple[str, int]]:  # fmt: skip
     """The buffers that cross the link, in the order they get pinned: the image of every group
-    (``images[g]`` bytes), the gradient buffer of every group with one (``gradients[g] > 0``),
+    (``images[g]`` bytes; 0: none, a group the parameter tier keeps on the SSD) and the
+    parameter tier's ``image_windows`` buffers its images are read into; the gradient buffer of
+    every group with one (``gradients[g] > 0``) and the tier's ``gradient_windows``; then
     ``staging`` staging buffers of ``staging_bytes``."""
-    out = [(f"image {g}", n) for g, n in enumerate(images)]
+    out = [(f"image {g}", n) for g, n in enumerate(images) if n]
+    out += [(f"image window {i}", image_window_bytes) for i in range(image_windows if image_window_bytes else 0)]
     out += [(f"gradient {g}", n) for g, n in enumerate(gradients) if n]
+    out += [(f"gradient window {i}", gradient_window_bytes) for i in range(gradient_windows if gradient_window_bytes else 0)]
     out += [(f"staging {i}", staging_bytes) for i in range(staging if staging_bytes else 0)]
     return out
 
@@ -228,13 +240,18 @@ def plan_pinned(
 
 
 def plan_for_groups(
-    groups: Sequence, budget_bytes: int | None, *, data_parallel: bool = False, page: int = PAGE, chunk_bytes: int | None = None
-) -> PinnedPlan:
+    groups: Sequence, budget_bytes: int | None, *, data_parallel: bool = False, paged: Sequence[int] = (),
+    image_window: int = 0, gradient_window: int = 0, page: int = PAGE, chunk_bytes: int | None = None,
+) -> PinnedPlan:  # fmt: skip
     """The plan of a host store laid out as ``groups`` (:class:`shfx.passes.layout.Group`), made
     before any of its buffers exists: every group's image (``nbytes``), the gradient buffer of
     every group with a trainable region (``grad_bytes``) and :data:`~shfx.passes.ledger.STAGING_BUFFERS`
     staging buffers of the largest one (``data_parallel``: one more, the buffer a borrowed
-    gradient is copied through beside the local gradients' buffers).
+    gradient is copied through beside the local gradients' buffers). With the parameter tier
+    (``Offload(params="nvme")``), the ``paged`` groups have no image or gradient buffer of their
+    own: their images are read into ``image_window`` buffers (of the largest paged image) and
+    their gradients land in ``gradient_window`` buffers (of the largest paged gradient), which
+    take their places in the order.
 
     NOTE: the host store is laid out at the first call, before the tuner or the policy says
     which groups are updated on the device and how many staging buffers the program uses, so
@@ -242,7 +259,14 @@ def plan_for_groups(
     any program uses; :meth:`PinnedPlan.changes` counts those a program allocates."""
     from .ledger import STAGING_BUFFERS
 
+    paged = set(paged)
     grads = [g.grad_bytes if g.trainable_numel else 0 for g in groups]
     staging = STAGING_BUFFERS + (1 if data_parallel else 0)
-    cands = pinned_candidates([g.nbytes for g in groups], grads, staging, max(grads, default=0))
+    cands = pinned_candidates(
+        [0 if g.index in paged else g.nbytes for g in groups], [0 if g in paged else n for g, n in enumerate(grads)],
+        staging, max(grads, default=0),
+        image_windows=image_window, image_window_bytes=max((g.nbytes for g in groups if g.index in paged), default=0),
+        gradient_windows=gradient_window,
+        gradient_window_bytes=max((g.trainable_numel * g.dtypes.grad.itemsize for g in groups if g.index in paged), default=0),
+    )  # fmt: skip
     return plan_pinned(cands, budget_bytes, page=page, chunk_bytes=chunk_bytes)

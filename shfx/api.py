@@ -397,7 +397,11 @@ class CompiledModel(StateMethods):
                 self._param_ssd, spill = param_tier_store(self.offload, variant)
                 paged = variant.train.ssd_images
             if self.pin_memory:  # the pinned pool's plan (refused here, before training, when the budget is too small)
-                self._backend.pinned.set_plan(plan_for_groups(graph.groups, self._config.pinned, data_parallel=self._dp is not None))
+                tier = variant.train if paged else None  # (the parameter tier: its window buffers take the paged groups' places)
+                self._backend.pinned.set_plan(plan_for_groups(
+                    graph.groups, self._config.pinned, data_parallel=self._dp is not None, paged=paged,
+                    image_window=tier.image_window if tier else 0, gradient_window=tier.host_window if tier else 0,
+                ))  # fmt: skip
             self._store = HostStore(
                 self._backend, graph.groups, model_tensors, pin=self.pin_memory, dp=self._dp, paged=paged, spill=spill,
             )  # (data parallel: broadcasts rank 0's weights, collectively)

@@ -403,3 +403,38 @@ def test_data_parallel_ranks_pin_what_their_ledger_says_and_train_alike(tmp_path
         assert s["bounced"] > 0 and s["unpinned"] > 0 and d["bounced"] == 0
         for x in (d, s):
             assert x["measured"] == x["ledger"] > 0, (r, x["measured"], x["ledger"])
+
+
+# ---- the parameter tier: its window buffers take the paged groups' places -------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameter_tier_windows_are_planned_and_a_small_budget_trains_alike(tmp_path, monkeypatch, precision):
+    from shfx.models import GPT, GPTShape
+
+    monkeypatch.setattr(plan_mod, "BOUNCE_CHUNK_BYTES", PAGE)
+    shape = GPTShape(vocab=64, seq=16, layers=4, heads=2, hidden=32, dropout=0.1)
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(3)]
+    out = {}
+    for name, kw in (("default", {}), ("small", {"pinned": 16 * PAGE})):
+        torch.manual_seed(0)
+        tier = shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=str(tmp_path / name), host_window=2)
+        cm = shfx.compile(GPT(shape), device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+                          optimizer=shfx.optim.AdamW(lr=1e-2), offload=tier, precision=precision, **kw)  # fmt: skip
+        torch.manual_seed(123)  # (once: dropout draws from the user's stream)
+        losses = []
+        for x, y in batches:
+            loss = cm(x, y)
+            loss.backward()
+            cm.step()
+            cm.zero_grad()
+            losses.append(loss.detach().clone())
+        pool, prog = cm.backend.pinned, cm.variant.train
+        names = [n for n, _ in pool.plan.pinned + pool.plan.unpinned]
+        assert prog.ssd_images and not any(f"image {i}" in names for i in prog.ssd_images)
+        assert sum(n.startswith("image window") for n in names) == prog.image_window
+        assert pool.bounced_copies > 0 if name == "small" else pool.bounced_copies == 0
+        assert cm.backend.pinned_bytes == cm.variant.ledger(pinned=pool.plan).peak("pinned") == cm.stats()["pinned_planned_bytes"]
+        out[name] = (losses, {k: v.clone() for k, v in cm.state_dict().items()})
+        cm.close()
+    (a, sa), (b, sb) = out["default"], out["small"]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(sa[k], sb[k]) for k in sa)
