@@ -19,7 +19,7 @@ from shfx.passes.units import format_bytes
 from .errors import OutOfDeviceMemory, UsageError
 from .runtime.backend import Backend
 
-__all__ = ["capacity_bytes", "check_capacity", "check_deferrable", "check_one_stage"]
+__all__ = ["capacity_bytes", "check_capacity", "check_deferrable", "check_host_budget", "check_one_stage"]
 
 
 def capacity_bytes(backend: Backend) -> int | None:
@@ -152,3 +152,25 @@ def check_capacity(variant: Variant, backend: Backend, grad_accum_steps: int) ->
         capacity_bytes=cap,
         what=f"{len(sizes)} slots",
     )
+
+
+def check_host_budget(variant: Variant, budget: int | None, grad_accum_steps: int) -> int:
+    """``Offload(host_budget=...)``: the host memory the ledger counts for ``variant`` (its static
+    host terms: the host store, the SSD windows, staging, offloaded activations) must fit the
+    declared budget; refused before the host store is laid out, naming the largest terms and
+    what shrinks them. Returns the ledger's host bytes."""
+    host = variant.ledger(grad_accum_steps).static("host")
+    total = sum(host.values())
+    if budget is not None and total > budget:
+        top = sorted(host.items(), key=lambda kv: -kv[1])[:4]
+        terms = ", ".join(f"{k} {format_bytes(v)}" for k, v in top if v)
+        paged = bool(variant.train.ssd_images)
+        fix = (
+            "a smaller Offload(host_window=...) or image_window=..., a smaller window, or a larger host_budget"
+            if paged else "Offload(params='nvme', gradients='nvme', optimizer='nvme', ...) (the parameter tier), or a larger host_budget"
+        )
+        raise UsageError(
+            f"the host memory this model needs is {format_bytes(total)} ({total} bytes: {terms}), over "
+            f"Offload(host_budget={format_bytes(budget)}); use {fix}"
+        )
+    return total

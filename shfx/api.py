@@ -25,12 +25,13 @@ from shfx.passes.program import ActionKind, Program
 
 from shfx.cost_model.report import WindowReport
 
-from ._capacity import check_capacity, check_deferrable, check_one_stage
+from ._capacity import check_capacity, check_deferrable, check_host_budget, check_one_stage
 from ._capture_cache import covering, dynamic_dims, masked, shape_change_error, structure
 from ._model_binding import Bound, bind_record, check_model
 from ._runtime_setup import ensure_ssd, param_tier_store, start_engine
 from ._state_methods import StateMethods
 from ._tuning import measure_ssd_rates, tune_variant, warn_unused_window
+from ._activation_offload import narrow_activation_offload
 from .config import Config
 # data parallel's refusals live in shfx.config (check_supported); the name stays importable here
 from .config import _check_data_parallel as _check_data_parallel  # noqa: F401
@@ -219,7 +220,7 @@ class CompiledModel(StateMethods):
         if self._dp is not None:
             self._backend.add_collective_streams()
         # every pinned buffer comes from the backend's pool, within this budget (docs/usage.md, "Pinned memory")
-        self._backend.pinned.budget_bytes = config.pinned
+        self._backend.pinned.budget_bytes = config.pinned if config.pin_memory else 0  # (pin_memory=False: nothing, whoever asks)
         # dropped without close() (or failing below): stop the worker threads and free the device
         # when the compiled model is garbage (the finalizer holds the backend, not self)
         self._finalizer = weakref.finalize(self, self._backend.close)
@@ -373,7 +374,11 @@ class CompiledModel(StateMethods):
                 stacklevel=4,
             )
         warn_unused_window(variant, stacklevel=4)
+        if self._store is None and self.offload is not None:  # (before anything is laid out)
+            check_host_budget(variant, self.offload.host_budget_bytes, self._config.grad_accum_steps)
         self._ensure_store(variant.captured, variant.graph, variant)
+        if self.offload is not None and self.offload.activations == "auto":  # (the stages chosen from the costs)
+            variant = narrow_activation_offload(variant, self._engine, tensors, self._backend.capacity_bytes)
         self._store.ensure_staging(variant.staging_buffers(self._config.grad_accum_steps))
         ensure_ssd(self._engine, self._store, self.offload, variant, self._param_ssd)
         self._param_ssd = None  # (the window owns it now)

@@ -269,3 +269,36 @@ def test_refused_before_the_first_step(tmp_path, kw, match):
     kw = {"policy": shfx.Stronghold(window=2), "optimizer": shfx.optim.AdamW(), **kw}
     with pytest.raises(UsageError, match=r"params='nvme'\) \(the parameter tier\) is not run yet with: .*" + match):
         shfx.compile(GPT(SHAPE), offload=_tier(tmp_path), **kw)
+
+
+def test_a_host_budget_too_small_is_refused_before_the_store(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="64MiB"), policy=shfx.Stronghold(window=2),
+                      optimizer=shfx.optim.AdamW(), offload=_tier(tmp_path, host_budget="64KiB"))  # fmt: skip
+    x, y = _batches(1)[0]
+    with pytest.raises(UsageError, match=r"host memory this model needs is .* over Offload\(host_budget=64.0 KiB\); use a smaller Offload\(host_window"):
+        cm(x, y)
+    assert cm._store is None  # (nothing laid out)
+    assert isinstance(model.transformer.h[1].attn.c_attn.weight.untyped_storage().nbytes(), int)
+    assert not torch.isnan(model.transformer.h[1].attn.c_attn.weight).any()  # the model's weights are untouched
+    cm.close()
+
+
+@pytest.mark.slow
+def test_four_times_the_host_budget_trains_20_steps_bitwise_under_the_budget(tmp_path):
+    """The issue's mark, each run in its own process (benchmarks/param_tier.py): parameters,
+    gradients and AdamW states 4x the host budget, 20 steps bitwise equal to the all-in-RAM
+    run in fp32 and bf16, the training's peak RSS under the budget plus the stated overhead."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "param_tier.py")
+    spec = importlib.util.spec_from_file_location("param_tier_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--layers", "6", "--hidden", "384", "--steps", "20", "--out", str(tmp_path / "r.json"), "--dir", str(tmp_path)])
+    for r in out["runs"]:
+        assert r["bitwise"], r["precision"]
+        assert r["under_budget"], (r["precision"], r["parameter tier"]["train_peak"], r["budget"], r["overhead"])
+        assert bench.state_bytes(r["parameter tier"]["n_params"], r["precision"]) >= 4 * r["budget"]

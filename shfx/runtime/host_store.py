@@ -142,6 +142,8 @@ class HostStore:
                 self.tensors[info.key] = view
             if g.index in self.paged:
                 self._spill(g, tensors, spill)
+        if self.paged:
+            _return_freed_memory()  # (the model's own tensors of paged groups are freed: give the pages back)
         # data parallel: (lo, hi) per group, and the fp32 master shards (the image is the
         # model's fp32 weights and what PF sends; each rank updates its shard of it)
         self.shards: list[tuple[int, int]] | None = None
@@ -430,6 +432,18 @@ class HostStore:
         with self._staging_cv:
             self._staging_free.append(buf)
             self._staging_cv.notify()
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere):
+    after the parameter tier moved the model's tensors to the SSD, their memory would otherwise
+    stay in the process's resident set as free heap."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # (not glibc)
+        pass
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
