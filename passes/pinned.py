@@ -73,6 +73,11 @@ data loader) needs ordinary memory the kernel can reclaim; CUDA's guide warns th
 much degrades the whole system. A quarter pins everything for models whose store fits in half
 the RAM, and the bounce path keeps larger ones training."""
 
+LATER_TERMS = ("offloaded activations",)
+"""Host terms of buffers that cross the link but are made after the plan (activation offload's,
+chosen from the costs after the host store exists): pinned if they fit beside what the plan
+reserves, in the order they are made."""
+
 PINNED_TERMS = ("pinned buffers", "bounce buffers")
 """The ledger's ``"pinned"`` tier, term by term: a view of the host memory (each byte is also
 in a host term), the part of it page-locked."""
@@ -179,6 +184,15 @@ class PinnedPlan:
                 n = staging.pop(0)
             out.append(Change("pinned", PINNED_TERMS[0], name, page_rounded(n, self.page)))
         out += [Change("pinned", PINNED_TERMS[1], f"bounce buffer {i}", self.bounce_bytes) for i in range(self.bounce_buffers)]
+        # the link buffers the plan does not know (made after it): pinned, in order, while they
+        # fit beside all it reserves (shfx.runtime.pinned.PinnedAllocator.take)
+        used = self.pinned_bytes
+        for c in host or ():
+            if c.term in LATER_TERMS and c.nbytes > 0:
+                n = page_rounded(c.nbytes, self.page)
+                if self.budget_bytes is None or used + n <= self.budget_bytes:
+                    used += n
+                    out.append(Change("pinned", PINNED_TERMS[0], c.what, n))
         return out
 
     def describe(self) -> str:

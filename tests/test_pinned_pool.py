@@ -438,3 +438,21 @@ def test_parameter_tier_windows_are_planned_and_a_small_budget_trains_alike(tmp_
         cm.close()
     (a, sa), (b, sb) = out["default"], out["small"]
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---- activation offload's buffers: made after the plan, pinned beside it ------------------------------
+@pytest.mark.parametrize("kw", [{}, {"pinned": 40 * PAGE}, {"pin_memory": False}], ids=["default", "small", "unpinned"])
+def test_offloaded_activations_are_pinned_beside_the_plan(monkeypatch, kw):
+    monkeypatch.setattr(plan_mod, "BOUNCE_CHUNK_BYTES", PAGE)
+    cm = _compiled(offload=shfx.Offload(activations="host"), **kw)
+    ref = _compiled()
+    assert all(torch.equal(a, b) for a, b in zip(_train(cm, 3), _train(ref, 3)))
+    pool = cm.backend.pinned
+    host = cm.variant.ledger().changes("host")
+    assert any(c.term == "offloaded activations" for c in host)
+    if kw.get("pin_memory") is False:  # nothing pinned, whoever asks (the activation stash asks)
+        assert cm.backend.pinned_bytes == 0 and pool.allocations == 0 and pool.unpinned_allocations > 0
+    else:
+        assert cm.backend.pinned_bytes == cm.variant.ledger(pinned=pool.plan).peak("pinned") <= pool.budget_bytes
+    cm.close()
+    ref.close()
