@@ -14,7 +14,9 @@ copies run on two dedicated streams.
 Stage times come from CUDA events (:meth:`CudaBackend.stamp`), not from the host clock around a
 launch. Pinned host memory is allocated at its exact size (page-rounded): ordinary memory
 registered with ``cudaHostRegister`` (:mod:`shfx.runtime.pinned`), not the caching host
-allocator, which rounds each block up to a power of two.
+allocator, which rounds each block up to a power of two; every pinned buffer comes from the
+backend's one pool (``self.pinned``), within ``shfx.compile(pinned=...)``, and a host buffer
+the pool left unpinned is copied through its bounce buffers (``Backend._bounce_copy``).
 
 Steady state allocates nothing: slots and host buffers are allocated once; events are small
 host objects.
