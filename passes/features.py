@@ -671,7 +671,9 @@ def feature_passes(
         out.append((LOSS_SCALING, {}))
     if rollback:
         out.append((ROLLBACK, {}))
-    if activations not in (None, "device"):
-        out.append((ACTIVATION_OFFLOAD, {"stages": None if activations == "host" else tuple(activations)}))
+    if activations not in (None, "device") and activations != ():
+        # ("auto" builds every eligible stage's offload: the compiled model narrows it from the
+        # costs, shfx.cost_model.offload_choice)
+        out.append((ACTIVATION_OFFLOAD, {"stages": None if activations in ("host", "auto") else tuple(activations)}))
     return out
 

@@ -297,3 +297,55 @@ def test_simulator_predicts_the_step_with_offload(bw, _one_thread):
     measured, predicted, link_share = _measured_and_predicted(bw)
     assert link_share > 0.4  # the copies (the offloads among them) are much of the step
     assert predicted == pytest.approx(measured, rel=0.10), (measured, predicted)
+
+
+# ---- "auto": the stages chosen from the costs -------------------------------------------------------------
+
+
+def test_auto_takes_the_hidden_stages_first():
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    from shfx.cost_model.offload_choice import choose_activation_offload, exposed_copy_s
+
+    specs = chain(8, prefetch_bytes=100, activation_bytes=10**6)
+    p = Resident().program(specs)
+    # a copy takes 10 ms; only stage 4's forward and backward (20 and 40 ms) cover stage 3's copies
+    costs = CostTable([StageCost(0.02, 0.04) if i == 4 else StageCost(0.005, 0.01) for i in range(8)], Links(1e8, 1e8))
+    assert exposed_copy_s(p, costs, 3) == 0.0 and exposed_copy_s(p, costs, 2) == pytest.approx(0.005 + 0.0)
+    peak = replay(p).peak()
+    assert choose_activation_offload(p, costs, peak) == ()  # it fits: nothing offloaded
+    assert choose_activation_offload(p, costs, peak - 10**6) == (3,)
+    assert len(choose_activation_offload(p, costs, peak - 2 * 10**6)) == 2
+    everything = choose_activation_offload(p, costs, 0)  # nothing fits: every eligible stage
+    assert everything == tuple(eligible_stages([get_meta(n).action for n in p.nodes], specs))
+
+
+@pytest.mark.slow  # (the profile behind the choice: ~2 min on 2 loaded cores)
+def test_auto_offloads_what_the_budget_needs(peaks):
+    cap = (peaks["device"][0] + peaks["host"][0]) // 2
+    x, y = _batches(1)[0]
+    cm = _compile(_long_gpt(), cap, "auto")
+    try:
+        cm(x, y).backward()
+        cm.step()
+        chosen = [get_meta(n).stage for n in cm.program.nodes if get_meta(n).kind == ActionKind.OFFLOAD_ACTIVATIONS]
+        eligible = eligible_stages([get_meta(n).action for n in cm.program.nodes], cm.program.stages)
+        assert chosen and set(chosen) <= set(eligible)
+        assert cm.variant.ledger().peak() <= cap and cm.backend.peak_bytes <= cap
+    finally:
+        cm.close()
+
+
+def test_auto_with_room_offloads_nothing():
+    x, y = _batches(1)[0]
+    cm = _compile(_long_gpt(), "8GiB", "auto")  # room for everything: nothing offloaded (and nothing profiled)
+    try:
+        cm(x, y).backward()
+        cm.step()
+        assert cm.program.count(ActionKind.OFFLOAD_ACTIVATIONS) == 0
+    finally:
+        cm.close()
+
+
+def test_nvme_activations_are_refused_with_the_reason():
+    with pytest.raises(shfx.UsageError, match=r"activations='nvme'.*planned but not run"):
+        _compile(_long_gpt(), "8GiB", "nvme")
