@@ -105,7 +105,7 @@ class Config:
     offload: Offload | None = None
     data_parallel: DataParallel | None = None
     pin_memory: bool = True
-    pinned: int = 0
+    pinned: int | None = None  # (from_args always resolves it; None: no budget)
     optimizer_workers: int = 1
     verify: bool = True
     verify_each_pass: bool = False
