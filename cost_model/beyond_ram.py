@@ -31,8 +31,7 @@ Taking the longer assumes the SSD traffic overlaps the pipeline (reads ahead and
 on their own queues, as the tier's programs issue them), so it is a lower bound where they do
 not overlap.
 
-What it does not model: the ``W`` stages resident at the forward/backward turn (their image is
-counted as read again from the SSD and their prefetch as made); per-request SSD latency; the
+What it does not model: per-request SSD latency; the
 host memory bandwidth the SSD's DMA and the window copies take from the optimizer; coupled
 PCIe directions (``duplex``); pageable copies (everything is assumed pinned).
 """
@@ -77,7 +76,9 @@ def _check_tier(tier: str | None) -> None:
         raise ValueError(f"unknown tier {tier!r}; known: {', '.join(map(str, TIERS))}")
 
 
-def step_traffic(family: GPTShape, tier: str | None = None, *, overlap_updates: bool = True, nvme_masters: bool = False) -> StepTraffic:
+def step_traffic(
+    family: GPTShape, tier: str | None = None, *, window: int = 2, overlap_updates: bool = True, nvme_masters: bool = False
+) -> StepTraffic:  # fmt: skip
     """The bytes one training step of ``family`` (at ``family.layers``) moves with ``tier``.
 
     ``P_slot``, ``P_grad``, ``P_own``: the parameters a stage's slot holds, sends back as
@@ -85,22 +86,27 @@ def step_traffic(family: GPTShape, tier: str | None = None, *, overlap_updates: 
     head, the blocks and the tail); ``e`` bytes per element on the device (2 in 16-bit, 4 fp32),
     ``A = b s h e`` one boundary activation.
 
-    - PCIe: each stage's prefetch twice (forward, backward), ``2 e P_slot`` to the device; its
-      gradients, ``4 P`` for a group cast to fp32 on the device and ``e P`` for the tied
-      embedding's (as :func:`~shfx.cost_model.formulas.gpt_stage_times` charges them), from it.
-      Activation offload: ``(l + 1) A`` each way.
+    - PCIe: each stage's prefetch in the forward and again in the backward but for the ``window``
+      stages still resident at the turn (the tail and the last blocks), ``e P_slot`` each, to the
+      device; its gradients, ``4 P`` for a group cast to fp32 on the device and ``e P`` for the
+      tied embedding's (as :func:`~shfx.cost_model.formulas.gpt_stage_times` charges them), from
+      it. Activation offload: ``(l + 1) A`` each way.
     - SSD, ``"nvme"``: m and v read and written by each update, ``8 P_own`` each way (``12``
       with ``nvme_masters``).
-    - SSD, ``"nvme-all"``: the image read for each prefetch, ``2 e P_slot``; the update reads the
-      fp32 master, m and v and writes them back, ``12 P_own`` each way, and writes the 16-bit
-      image it refreshes (``2 P_own``; none in fp32, where the image is the master); with
-      ``overlap_updates=False`` the fp32 gradient is written after the backward and read by the
-      update, ``4 P_own`` each way (overlapped, it goes from the staging buffer to the update
-      in the host window, as LoHan's active gradient offloading). ``+act-nvme``: ``(l + 1) A``
-      each way.
+    - SSD, ``"nvme-all"`` (the programs' ``PR``/``PW``/``SR``/``SW``, :func:`shfx.passes.policies.add_param_tier`):
+      each paged group's image (the blocks' and the tail's own, ``P_paged``; the tied head's stays
+      in RAM) read twice, for the forward's prefetch and for the backward's prefetch and update,
+      and written once after the update, ``2 e P_paged`` and ``e P_paged``; every group's m and
+      v (and, in mixed precision, fp32 master: in fp32 the image is the master) read and
+      written by its update, ``8 P_own`` (``12``) each way. The gradient lands in the group's
+      host-window buffer and is used by the update in the same step (LoHan's active gradient
+      offloading); with ``overlap_updates=False`` it is written to the SSD after the backward
+      and read back by the update, ``4 P_own`` each way. ``+act-nvme``: ``(l + 1) A`` each way.
 
     >>> t = step_traffic(GPTShape(layers=2, hidden=64, heads=2, seq=16, vocab=128, precision="bf16"), "nvme-all")
     >>> t.ssd["master, m, v"][0] == 12 * (2 * (12 * 64**2 + 13 * 64) + (128 + 16) * 64 + 2 * 64)
+    True
+    >>> t.ssd["image"] == (2 * 2 * (2 * (12 * 64**2 + 13 * 64) + 2 * 64), 2 * (2 * (12 * 64**2 + 13 * 64) + 2 * 64))
     True
     """
     _check_tier(tier)
@@ -109,6 +115,8 @@ def step_traffic(family: GPTShape, tier: str | None = None, *, overlap_updates: 
     counts = stage_param_counts(h, s, V)
     mult = {"head": 1, "block": L, "tail": 1}
     slot = sum(counts[k]["slot"] * c for k, c in mult.items())
+    resident = min(window, L + 2)  # (not prefetched again in the backward)
+    kept = counts["tail"]["slot"] + min(resident - 1, L) * counts["block"]["slot"] + (counts["head"]["slot"] if resident == L + 2 else 0)
     own = sum(counts[k]["own"] * c for k, c in mult.items())
     # (mixed precision: a group nothing borrows from sends its gradient cast to fp32; the tied
     # embedding's travels in the device dtype: gpt_stage_times' og)
@@ -121,14 +129,15 @@ def step_traffic(family: GPTShape, tier: str | None = None, *, overlap_updates: 
         per = 12 if nvme_masters else 8
         ssd["master, m, v" if nvme_masters else "m, v"] = (per * own, per * own)
     elif tier and tier.startswith("nvme-all"):
-        ssd["image"] = (2 * e * slot, e * own if family.mixed else 0)
-        ssd["master, m, v"] = (12 * own, 12 * own)
+        paged = sum(counts[k]["own"] * c for k, c in mult.items() if k != "head")  # (the tied head's image stays in RAM)
+        ssd["image"] = (2 * e * paged, e * paged)
+        ssd["master, m, v" if family.mixed else "m, v"] = (12 * own, 12 * own) if family.mixed else (8 * own, 8 * own)
         if not overlap_updates:
             ssd["gradients"] = (4 * own, 4 * own)
         if tier.endswith("act-nvme"):
             ssd["activations"] = (acts, acts)
     return StepTraffic(
-        h2d_bytes=2 * e * slot + acts,
+        h2d_bytes=e * (2 * slot - kept) + acts,
         d2h_bytes=grads + acts,
         ssd_read_bytes=sum(r for r, _ in ssd.values()),
         ssd_write_bytes=sum(w for _, w in ssd.values()),
@@ -204,7 +213,7 @@ def tier_step(
     _check_tier(tier)
     hw = get_profile(hardware)
     L = family.layers
-    traffic = step_traffic(family, tier, overlap_updates=overlap_updates, nvme_masters=nvme_masters)
+    traffic = step_traffic(family, tier, window=window, overlap_updates=overlap_updates, nvme_masters=nvme_masters)
     st = gpt_stage_times(hw, family.hidden, family.seq, family.batch, family.vocab, dtype=family.precision, rollback=family.rollback_default)
     head, block, tail = st["head"], st["block"], st["tail"]
     fwd = dict(head=head, block=block, tail=tail)

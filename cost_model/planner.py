@@ -34,7 +34,9 @@ from typing import Any
 
 from shfx.passes.units import format_bytes
 
-from shfx.passes.ledger import DEVICE_TERMS, DP_COLLECTIVE, DP_IMAGE, HOST_TERMS, HOST_WINDOW, SSD_TERMS, pool_sizes, replay, shard_chunk, shard_numel
+from shfx.passes.ledger import (
+    DEVICE_TERMS, DP_COLLECTIVE, DP_IMAGE, HOST_TERMS, HOST_WINDOW, IMAGE_WINDOW, SSD_TERMS, pool_sizes, replay, shard_chunk, shard_numel,
+)  # fmt: skip
 from shfx.passes.policies import POLICIES, Policy, ZeroInfinity, get_policy, make_policy, policy_names
 
 from .hardware import Hardware, get_profile
@@ -75,7 +77,7 @@ ACTIVATIONS_OFFLOADED = "offloaded activations"
 """The host and SSD term of offloaded boundary activations (``memory_model(activations=...)``;
 the ledger's name for their host buffers)."""
 
-_BEYOND_RAM_SSD_TERMS = ("working copy (16-bit)", "gradients (fp32)", "rollback copies", ACTIVATIONS_OFFLOADED)
+_BEYOND_RAM_SSD_TERMS = ("working copy (16-bit)", "rollback copies", ACTIVATIONS_OFFLOADED)
 
 DEFAULT_HOST_WINDOW = 2
 """The NVMe tier's host window the planner counts when none is given (``shfx plan --host-window``):
@@ -442,6 +444,7 @@ def memory_model(
     ranks: int | None = None,
     nvme_all: bool = False,
     activations: str | None = None,
+    image_window: int | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes per tier and term when ``policy`` trains ``family`` (at ``family.layers``) on
     ``hardware``.
@@ -484,13 +487,14 @@ def memory_model(
             for a group updated on the device its weights in the slot too). Default: what
             ``shfx.compile`` does at ``family.precision``: on for ``float16`` (the loss scaler
             undoes the updates an overflowing step already ran), off otherwise.
-        nvme_all: the tier beyond host RAM (``stronghold`` with ``resident_first=0``, one rank):
-            every group's parameters (the fp32 master and, in mixed precision, the 16-bit image),
-            fp32 gradient and AdamW m and v on the SSD; the host holds ``host_window`` groups'
-            image, master, gradient, m and v (each as large as the largest group's), their step
-            counters, two pinned staging buffers of the largest group's fp32 size and the tied
-            embedding's pending gradient (:func:`_nvme_all_terms`; ``shfx.Offload(params="nvme",
-            gradients="nvme", optimizer="nvme")``).
+        nvme_all: the tier beyond host RAM (``stronghold`` with ``resident_first=0``, one rank;
+            ``shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme")``): the images,
+            masters (mixed precision) and AdamW m and v on the SSD, the host holding
+            ``host_window`` buffers of a group's states, master and gradient, ``image_window``
+            image buffers and the tied head's image and gradient (:func:`_nvme_all_terms`, the
+            ledger's parameter tier in closed form).
+        image_window: with ``nvme_all``, the image buffers (default: what the program needs plus
+            one, as ``shfx.passes.policies.add_param_tier`` chooses).
         activations: ``"host"`` or ``"nvme"`` (``stronghold``, with checkpointing): the
             checkpointed boundary activations leave the device after their stage's forward and
             come back before its backward (``Offload(activations=...)``): the device keeps those of
@@ -660,7 +664,7 @@ def memory_model(
             }
             host = {"master parameters (fp32)": 0, "optimizer states (m, v)": 0, **host}
     if nvme_all:
-        host, ssd, host_window = _nvme_all_terms(fam, L, group32, group16, host_window, rollback, host["pending tied gradient"])
+        host, ssd, host_window, image_window = _nvme_all_terms(fam, L, group32, group16, window, host_window, image_window, rollback, host)
     if activations is not None:
         if activations == "host":
             host[ACTIVATIONS_OFFLOADED] = (L + 1) * A
@@ -682,7 +686,7 @@ def memory_model(
     if tier:
         settings.update(nvme=True, host_window=host_window, nvme_masters=bool(nvme_masters))
     if nvme_all:
-        settings.update(nvme_all=True, host_window=host_window)
+        settings.update(nvme_all=True, host_window=host_window, image_window=image_window)
     if activations is not None:
         settings["activations"] = activations
     # (every term the ledger names, as memory_for_model has them)
@@ -712,34 +716,49 @@ def _check_beyond_ram(policy: str, resident_first: int, ranks: int, fam: GPTShap
 
 
 def _nvme_all_terms(
-    fam: GPTShape, L: int, group32: dict, group16: dict, host_window: int, rollback: bool, pending_tied: int
-) -> tuple[dict[str, int], dict[str, int], int]:  # fmt: skip
-    """Host and SSD terms of the tier beyond host RAM (``memory_model(nvme_all=True)``) and its
-    host window (clamped to the groups).
+    fam: GPTShape, L: int, group32: dict, group16: dict, window: int, host_window: int, image_window: int | None,
+    rollback: bool, host: dict[str, int],
+) -> tuple[dict[str, int], dict[str, int], int, int]:  # fmt: skip
+    """Host and SSD terms of the tier beyond host RAM (``memory_model(nvme_all=True)``), its host
+    window and image window: the closed form of the ledger's parameter tier
+    (:func:`shfx.passes.ledger.host_terms` with ``ssd_images``; ``Offload(params="nvme",
+    gradients="nvme", optimizer="nvme")``, the fp32 masters on the SSD in mixed precision).
 
-    SSD: every group's fp32 master, AdamW m and v, fp32 gradient and (mixed precision) 16-bit
-    image; with rollback the previous version of master, m and v (the journal's undo). Host:
-    ``H`` window buffers, each the largest group's image + master + gradient + m + v (in fp32 the
-    image is the master), the step counters, two pinned staging buffers of the largest group's
-    fp32 size, and the tied embedding's pending gradient (the tail's, added to the head's)."""
+    The groups whose image can live on the SSD (:func:`shfx.passes.policies.param_tier_groups`)
+    are the blocks' and the tail's; the head's is borrowed by the tail (the tied embedding), so
+    its image (in fp32: its master) and its fp32 gradient stay in host RAM. SSD: the paged
+    images (in fp32 the image is the master), every group's fp32 master in mixed precision,
+    AdamW m and v of every group; with rollback (not run yet with the tier) a second version of
+    master, m and v. Host: ``H`` host-window buffers, each the largest group's SSD read (m, v and,
+    in mixed precision, the master) plus the largest paged gradient (a gradient lands in its
+    group's buffer and is used by the update in the same step), the step counters, ``I`` image
+    buffers of the largest paged image (``I`` = what the program needs plus one read ahead:
+    ``max(1, min(W, l + 2 - W)) + 1``), the gradient staging and the pending tied gradient as
+    without the tier."""
     counts = {"head": 1, "block": L, "tail": 1}
+    paged = {"head": 0, "block": L, "tail": 1}
     groups = sum(counts.values())
     H = min(host_window, groups)
+    I = max(1, min(window, L + 2 - window)) + 1 if image_window is None else image_window  # noqa: E741
+    image_of = group16 if fam.mixed else group32
     master = sum(group32[k] * c for k, c in counts.items())
-    image = sum(group16[k] * c for k, c in counts.items()) if fam.mixed else 0
-    window_group = max((group16[k] if fam.mixed else 0) + 4 * group32[k] for k in counts)
-    host = dict.fromkeys(HOST_TERMS, 0)
-    host[HOST_WINDOW] = H * window_group + _STEP_BYTES * groups
-    host["gradient staging (pinned)"] = _STAGING_BUFFERS * max(group32.values())
-    host["pending tied gradient"] = pending_tied
+    paged_images = sum(image_of[k] * c for k, c in paged.items())
+    read = max(_GROUP_STATE_BYTES // 4 * group32[k] + (group32[k] if fam.mixed else 0) for k in counts)
+    out = dict.fromkeys(HOST_TERMS, 0)
+    out["master parameters (fp32)"] = 0 if fam.mixed else group32["head"]
+    out["working copy (16-bit)"] = group16["head"] if fam.mixed else 0
+    out["gradients (fp32)"] = group32["head"]
+    out[HOST_WINDOW] = H * (read + max(group32[k] for k, c in paged.items() if c)) + _STEP_BYTES * groups
+    out[IMAGE_WINDOW] = I * max(image_of[k] for k, c in paged.items() if c)
+    out["gradient staging (pinned)"] = host["gradient staging (pinned)"]
+    out["pending tied gradient"] = host["pending tied gradient"]
     ssd = {
-        "master parameters (fp32)": master,
+        "master parameters (fp32)": master if fam.mixed else paged_images,
         "optimizer states (m, v)": _GROUP_STATE_BYTES // 4 * master,
-        "working copy (16-bit)": image,
-        "gradients (fp32)": master,
+        "working copy (16-bit)": paged_images if fam.mixed else 0,
         "rollback copies": 3 * master if rollback else 0,
     }
-    return host, ssd, H
+    return out, ssd, H, I
 
 
 def _ranks(tgt: Target, ranks: int | None) -> int:

@@ -23,6 +23,8 @@ h, s, b, V, L = GPT3.hidden, GPT3.seq, GPT3.batch, GPT3.vocab, GPT3.layers
 N_BLOCK = 12 * h * h + 13 * h  # one block's parameters (h % 32 == 0: no alignment padding in fp32 or bf16)
 P = L * N_BLOCK + (V + s) * h + 2 * h  # every parameter (the embedding tied to the head)
 SLOT = L * N_BLOCK + (V + s) * h + (2 * h + V * h)  # what the slots hold: the tail borrows wte
+PAGED = L * N_BLOCK + 2 * h  # the groups whose image lives on the SSD: the blocks and the tail's own (the head's is borrowed)
+HEAD = (V + s) * h
 A = b * s * h * 2  # one boundary activation, bf16
 
 
@@ -41,11 +43,11 @@ def test_175b_fits_the_4090_only_with_the_tiers_beyond_ram():
     all_ssd = memory_model("stronghold", GPT3, RTX, **BEYOND_RAM_TIERS["nvme-all"])
     assert all_ssd.host_total < RTX.host_memory_bytes and all_ssd.ssd_total < RTX.ssd_bytes
     assert not all_ssd.fits() and all_ssd.binding() == "device: activations (checkpoints)"
-    # and with activation offload it trains; the SSD is the tightest tier, on m and v
+    # and with activation offload it trains; the device is the tightest tier, on a block's recompute
     for tier in ("nvme-all+act-host", "nvme-all+act-nvme"):
         bd = memory_model("stronghold", GPT3, RTX, **BEYOND_RAM_TIERS[tier])
         assert bd.fits(), tier
-        assert bd.binding() == "ssd: optimizer states (m, v)"
+        assert bd.binding() == "device: working set (one block)"
 
 
 def test_the_plan_rows_name_the_limiting_term():
@@ -65,24 +67,94 @@ def test_the_plan_rows_name_the_limiting_term():
 
 
 def test_all_ssd_host_and_ssd_bytes_are_the_hand_count():
-    bd = memory_model("stronghold", GPT3, RTX, host_window=2, **BEYOND_RAM_TIERS["nvme-all"])
+    bd = memory_model("stronghold", GPT3, RTX, window=2, host_window=2, **BEYOND_RAM_TIERS["nvme-all"])
     groups = L + 2
-    # host: 2 window buffers of the largest group (a block): 16-bit image + fp32 master, gradient,
-    # m, v; a 4-byte step counter per group; 2 pinned staging buffers of a block's fp32 size; the
-    # tail's bf16 gradient of the tied embedding waiting for the head's
-    window = 2 * (2 + 4 + 4 + 4 + 4) * N_BLOCK + 4 * groups
+    # host: the tied head stays (its bf16 image and fp32 gradient); 2 host-window buffers of the
+    # largest group (a block): its fp32 master, m, v (the SSD read) and its fp32 gradient; a
+    # 4-byte step counter per group; max(1, min(W, l + 2 - W)) + 1 = 3 image buffers of a
+    # block's bf16 image; 2 pinned staging buffers of a block's fp32 size; the tail's bf16
+    # gradient of the tied embedding waiting for the head's
+    assert bd.settings["image_window"] == 3
+    head = 2 * HEAD + 4 * HEAD
+    window = 2 * (12 + 4) * N_BLOCK + 4 * groups
+    images = 3 * 2 * N_BLOCK
     staging = 2 * 4 * N_BLOCK
     pending = 2 * V * h
-    assert bd.host["SSD host window"] == window
+    assert bd.host["SSD host window"] == window and bd.host["SSD image window"] == images
     assert bd.host["gradient staging (pinned)"] == staging
-    assert bd.host_total == window + staging + pending
-    # SSD: master 4, m and v 8, the bf16 image 2, the fp32 gradient 4 bytes per parameter
-    assert bd.ssd == {
-        "master parameters (fp32)": 4 * P, "optimizer states (m, v)": 8 * P, "working copy (16-bit)": 2 * P,
-        "gradients (fp32)": 4 * P, "rollback copies": 0,
+    assert bd.host_total == head + window + images + staging + pending
+    # SSD: every fp32 master 4 and m, v 8 bytes per parameter; the paged groups' bf16 images 2
+    assert {k: v for k, v in bd.ssd.items() if v} == {
+        "master parameters (fp32)": 4 * P, "optimizer states (m, v)": 8 * P, "working copy (16-bit)": 2 * PAGED,
     }  # fmt: skip
     # the host does not grow with the model: only the step counters do
     assert memory_model("stronghold", GPT3.with_layers(2 * L), RTX, **BEYOND_RAM_TIERS["nvme-all"]).host_total == bd.host_total + 4 * L
+
+
+def _ledger_of_param_tier(fam: GPTShape, window: int, host_window: int):
+    """The ledger of the real parameter-tier program (``Offload(params="nvme", gradients="nvme",
+    optimizer="nvme")``) of ``fam``: its static host and SSD terms and its device peak."""
+    import torch
+
+    from shfx.models import GPT
+    from shfx.passes.ledger import replay
+    from shfx.passes.pipeline import PipelineOptions, compile_variant
+    from shfx.passes.policies import Stronghold
+
+    with torch.device("meta"):
+        model = GPT(fam)
+        idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    pol = Stronghold(window=window, nvme=True, host_window=host_window, nvme_masters=fam.mixed)
+    opts = PipelineOptions(policy=pol, verify=False, precision=fam.precision, plan_only=True, param_tier=True)
+    v = compile_variant(model, (idx, idx), {}, opts)
+    led = replay(
+        v.programs[0], programs=v.programs, group_bytes=[g.host_master_bytes for g in v.graph.groups],
+        working_bytes=[g.working_bytes for g in v.graph.groups],
+    )  # fmt: skip
+    return v.programs[0], led
+
+
+@pytest.mark.parametrize("precision,vocab", [("bf16", 64), ("fp32", 64), ("bf16", 512)])  # (512: the head is the largest group)
+def test_the_all_ssd_closed_form_is_the_ledgers_parameter_tier(precision, vocab):
+    """memory_model(nvme_all=True) is the ledger's replay of the parameter tier's real program,
+    byte for byte, on a grid of sizes, windows and host windows (h % 32 == 0: no padding)."""
+    from shfx.cost_model.planner import Target
+
+    emu = Target("emulated", 1 << 40, emulated=True)
+    for layers, window, host_window in ((3, 2, 2), (5, 1, 1), (6, 3, 3), (4, 4, 2)):
+        fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=vocab, layers=layers, precision=precision)
+        prog, led = _ledger_of_param_tier(fam, window, host_window)
+        bd = memory_model("stronghold", fam, emu, window=window, host_window=host_window, **BEYOND_RAM_TIERS["nvme-all"])
+        where = (precision, vocab, layers, window, host_window)
+        assert bd.settings["image_window"] == prog.image_window, where
+        assert {k: v for k, v in bd.host.items() if v} == {k: v for k, v in led.static("host").items() if v}, where
+        assert {k: v for k, v in bd.ssd.items() if v} == {k: v for k, v in led.static("ssd").items() if v}, where
+        assert {k: v for k, v in bd.device.items() if v} == {k: v for k, v in led.terms_at_peak("device").items() if v}, where
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_step_traffic_is_the_programs_bytes(precision):
+    """step_traffic's SSD and PCIe bytes are the real programs' (Program.bytes_moved) for the
+    NVMe tier and the parameter tier."""
+    import torch
+
+    from shfx.models import GPT
+    from shfx.passes.pipeline import PipelineOptions, compile_variant
+    from shfx.passes.policies import Stronghold
+
+    for layers, window in ((3, 2), (6, 3)):
+        fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=layers, precision=precision)
+        with torch.device("meta"):
+            model = GPT(fam)
+            idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+        for tier in (None, "nvme", "nvme-all"):
+            masters = fam.mixed and tier == "nvme-all"
+            pol = Stronghold(window=window, nvme=tier is not None, host_window=2, nvme_masters=masters)
+            opts = PipelineOptions(policy=pol, verify=False, precision=precision, plan_only=True, param_tier=tier == "nvme-all")
+            moved = compile_variant(model, (idx, idx), {}, opts).programs[0].bytes_moved()
+            t = step_traffic(fam, tier, window=window, nvme_masters=masters)
+            want = {"h2d": t.h2d_bytes, "d2h": t.d2h_bytes} | ({"ssd_read": t.ssd_read_bytes, "ssd_write": t.ssd_write_bytes} if tier else {})
+            assert moved == want, (precision, layers, window, tier)
 
 
 def test_activation_offload_bytes_are_the_hand_count():
@@ -125,14 +197,16 @@ def _block_forward_s(hw) -> float:
 
 
 def test_all_ssd_step_traffic_is_the_hand_count():
-    t = step_traffic(GPT3, "nvme-all")
-    # the image read for each prefetch (forward and backward's recompute); master, m, v read and
-    # written by each update, which also writes the refreshed bf16 image
-    assert t.ssd == {"image": (2 * 2 * SLOT, 2 * P), "master, m, v": (12 * P, 12 * P)}
-    assert (t.ssd_read_bytes, t.ssd_write_bytes) == (4 * SLOT + 12 * P, 14 * P)
-    # PCIe: the bf16 image of each stage twice; gradients back: fp32 for the blocks and the tail's
-    # own LayerNorm (cast on the device), bf16 for the head's and the tail's tied embedding
-    assert t.h2d_bytes == 4 * SLOT
+    t = step_traffic(GPT3, "nvme-all", window=2)
+    # each paged image read for the forward's prefetch and for the backward's prefetch and
+    # update, written back after the update; every group's fp32 master, m and v read and written
+    # by its update
+    assert t.ssd == {"image": (2 * 2 * PAGED, 2 * PAGED), "master, m, v": (12 * P, 12 * P)}
+    assert (t.ssd_read_bytes, t.ssd_write_bytes) == (4 * PAGED + 12 * P, 2 * PAGED + 12 * P)
+    # PCIe: the bf16 image of each stage in the forward and again in the backward but for the
+    # tail and the last block (the window resident at the turn); gradients back: fp32 for the
+    # blocks and the tail's own LayerNorm (cast on the device), bf16 for the tied embedding's
+    assert t.h2d_bytes == 2 * (2 * SLOT - (2 * h + V * h) - N_BLOCK)
     assert t.d2h_bytes == 4 * (L * N_BLOCK + 2 * h) + 2 * ((V + s) * h + V * h)
     # updates not overlapped with the backward: the fp32 gradient is written and read back
     slow = step_traffic(GPT3, "nvme-all", overlap_updates=False)
@@ -141,9 +215,11 @@ def test_all_ssd_step_traffic_is_the_hand_count():
     act = step_traffic(GPT3, "nvme-all+act-nvme")
     assert act.ssd["activations"] == ((L + 1) * A, (L + 1) * A)
     assert act.h2d_bytes == t.h2d_bytes + (L + 1) * A and act.d2h_bytes == t.d2h_bytes + (L + 1) * A
-    # shfx's NVMe tier: m and v each way (and the masters with nvme_masters)
+    # shfx's NVMe tier: m and v each way (and the masters with nvme_masters); fp32's tier beyond
+    # RAM: m and v (the image is the master)
     assert step_traffic(GPT3, "nvme").ssd == {"m, v": (8 * P, 8 * P)}
     assert step_traffic(GPT3, "nvme", nvme_masters=True).ssd == {"master, m, v": (12 * P, 12 * P)}
+    assert step_traffic(replace(GPT3, precision="fp32"), "nvme-all").ssd == {"image": (2 * 4 * PAGED, 4 * PAGED), "m, v": (8 * P, 8 * P)}
     assert step_traffic(GPT3).ssd == {}
 
 
@@ -154,9 +230,9 @@ def test_the_175b_step_adds_up_from_the_profiles_figures():
     # the SSD's time: reads at 7 GB/s and writes at 6 GB/s, one after the other (ssd_duplex 0.5:
     # running both at once gains nothing)
     assert hw.ssd_duplex == 0.5
-    assert st.ssd_s == pytest.approx((4 * SLOT + 12 * P) / 7e9 + 14 * P / 6e9, rel=1e-12)
+    assert st.ssd_s == pytest.approx((4 * PAGED + 12 * P) / 7e9 + (2 * PAGED + 12 * P) / 6e9, rel=1e-12)
     # PCIe at 25 GB/s each way, the activations included
-    assert st.h2d_s == pytest.approx((4 * SLOT + (L + 1) * A) / 25e9, rel=1e-12)
+    assert st.h2d_s == pytest.approx((2 * (2 * SLOT - (2 * h + V * h) - N_BLOCK) + (L + 1) * A) / 25e9, rel=1e-12)
     assert st.d2h_s == pytest.approx(t.d2h_bytes / 25e9, rel=1e-12)
     # compute: a block's forward and its backward (recompute + 2 forwards' work) L times, then the
     # head's and the tail's (the tail's forward keeps its graph: its backward does not recompute)
@@ -237,7 +313,7 @@ def test_cli_plan_shows_the_175b_gpt_trainable_on_the_4090(capsys):
     assert "does not fit (over: device: activations (checkpoints))" in lines["stronghold+nvme-all:"]
     row = lines["stronghold+nvme-all+act-host:"]
     step = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host", window=2)
-    assert "fits (tightest: ssd: optimizer states (m, v))" in row and f"step {step.step_s:.1f} s (bottleneck ssd)" in row
+    assert "fits (tightest: device: working set (one block))" in row and f"step {step.step_s:.1f} s (bottleneck ssd)" in row
     assert "published: LoHan (arXiv 2403.06504v2, abstract)" in out and "step time: not found" in out
     assert "stronghold+nvme-all+act-host: predicted " in out and "vs LoHan's 87" in out
     # updates not overlapped: the gradients' SSD round trip in the step
