@@ -72,9 +72,24 @@ for i, (x, y) in enumerate(batches):
         open("/proc/self/clear_refs", "w").write("5")  # the training's high-water mark from here
 train_peak = status("VmHWM")
 led = cm.variant.ledger().static("host")
+import dataclasses, pickle
+from shfx.cost_model.simulate import simulate
+predicted = None
+if cfg["tier"] == "ram":  # the profile of the model (compute, links, the host update): the same with the tier
+    from shfx.profiler import profile_costs
+    costs = profile_costs(cm._engine, cm.variant, list(batches[0]))
+    with open(cfg["costs"], "wb") as f:
+        pickle.dump(costs, f)
+    predicted = simulate(cm.variant.train, costs).step_s
+elif cfg["rate"] is not None:  # the tier's program with that profile and the emulated SSD's rates
+    with open(cfg["costs"], "rb") as f:
+        costs = pickle.load(f)
+    bps = float(shfx.passes.units.parse_bandwidth(cfg["rate"]))
+    costs = costs.with_links(dataclasses.replace(costs.links, ssd_read_bps=bps, ssd_write_bps=bps))
+    predicted = simulate(cm.variant.train, costs).step_s
 out = {"base": base, "setup_peak": setup_peak, "train_peak": train_peak, "device_peak": cm.backend.peak_bytes,
        "ledger_host": sum(led.values()), "host_bytes": cm._engine.host_bytes(), "n_params": n_params,
-       "step_s": times, "losses": [float.hex(v) for v in losses],
+       "step_s": times, "losses": [float.hex(v) for v in losses], "predicted_s": predicted,
        "ssd": {k: v for k, v in cm.variant.train.bytes_moved().items() if k.startswith("ssd")},
        "actions": " ".join(cm.variant.train.actions())}
 h = hashlib.sha256()
@@ -112,23 +127,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--budget-ratio", type=float, default=4.0, help="parameters + gradients + states over the host budget")
     p.add_argument("--precisions", default="fp32,bf16")
-    p.add_argument("--rate", default=None, help="emulated SSD rate (default: the disk's own)")
+    p.add_argument("--rate", default=None, help="emulated SSD rate of the memory runs (default: the disk's own)")
+    p.add_argument("--predict-rates", default="200MB/s,100MB/s",
+                   help="emulated SSD rates of the step-time runs: measured against the simulator's prediction")
     p.add_argument("--dir", default=None)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "param_tier.json"))
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="shfx-param-tier-", dir=args.dir)
     out: dict = {"config": vars(args), "load_before": os.getloadavg(), "runs": []}
+    costs = os.path.join(work, "costs.pkl")
     try:
         for prec in args.precisions.split(","):
             ram = _run({"tier": "ram", "precision": prec, "layers": args.layers, "hidden": args.hidden, "steps": args.steps,
-                        "dir": work, "budget": None, "rate": None})  # fmt: skip
+                        "dir": work, "budget": None, "rate": None, "costs": costs})  # fmt: skip
             budget = int(state_bytes(ram["n_params"], prec) / args.budget_ratio)
             tier = _run({"tier": "params", "precision": prec, "layers": args.layers, "hidden": args.hidden, "steps": args.steps,
-                         "dir": work, "budget": budget, "rate": args.rate})  # fmt: skip
+                         "dir": work, "budget": budget, "rate": args.rate, "costs": costs})  # fmt: skip
+            timed = [_run({"tier": "params", "precision": prec, "layers": args.layers, "hidden": args.hidden, "steps": max(6, args.steps // 2),
+                           "dir": work, "budget": None, "rate": rate, "costs": costs}) | {"rate": rate}
+                     for rate in args.predict_rates.split(",") if rate]  # fmt: skip
             capture = ram["train_peak"] - ram["base"] - ram["device_peak"] - ram["ledger_host"]
             overhead = tier["base"] + tier["device_peak"] + max(capture, 0) + SLACK
             out["runs"].append({"precision": prec, "budget": budget, "host RAM": ram, "parameter tier": tier,
                                 "capture": capture, "overhead": overhead, "under_budget": tier["train_peak"] <= budget + overhead,
+                                "timed": timed,
                                 "bitwise": ram["losses"] == tier["losses"] and ram["weights_sha256"] == tier["weights_sha256"]})  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -148,6 +170,16 @@ def main(argv: list[str] | None = None) -> dict:
                   f"| {x['ledger_host'] / MiB:.1f} MiB | {x['base'] / MiB:.0f} MiB | {x['device_peak'] / MiB:.0f} MiB | {r['capture'] / MiB:.0f} MiB "
                   f"| {x['setup_peak'] / MiB:.0f} MiB | {x['train_peak'] / MiB:.0f} MiB | {net / MiB:.0f} MiB "
                   f"| {med(x['step_s']) * 1e3:.0f} ms | {r['bitwise'] if name == 'parameter tier' else ''} | {ok} |")
+    print("\n## step time on the emulated SSD: measured (median after the first step) vs the simulator's prediction "
+          "(the tier's program, the all-in-RAM run's profile, the SSD's rates)\n")
+    print("| precision | run | SSD bytes per step (r / w) | predicted | measured | measured / predicted |\n| --- | --- | --- | --- | --- | --- |")
+    for r in out["runs"]:
+        ram = r["host RAM"]
+        print(f"| {r['precision']} | host RAM | - | {ram['predicted_s'] * 1e3:.0f} ms | {med(ram['step_s']) * 1e3:.0f} ms "
+              f"| {med(ram['step_s']) / ram['predicted_s']:.2f} |")
+        for t in r["timed"]:
+            print(f"| {r['precision']} | parameter tier, {t['rate']} | {t['ssd']['ssd_read'] / MiB:.0f} / {t['ssd']['ssd_write'] / MiB:.0f} MiB "
+                  f"| {t['predicted_s'] * 1e3:.0f} ms | {med(t['step_s']) * 1e3:.0f} ms | {med(t['step_s']) / t['predicted_s']:.2f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -449,6 +449,13 @@ class CompiledModel(StateMethods):
         # (mixed precision: the profile's steps take the inputs as a call gives them, cast to the
         # 16-bit dtype; ``tensors`` are the call's own, kept for report() and retune())
         tensors = cast_inputs(tensors, variant.captured.working_dtype)
+        if self._store is not None and self._store.paged:
+            raise UsageError(
+                "cm.report() and cm.retune() profile probe programs whose prefetches read the images from host RAM, which "
+                "the parameter tier (Offload(params='nvme')) keeps on the SSD: not run yet. Its step program simulates "
+                "with the costs of the same model profiled without the tier: shfx.cost_model.simulate.simulate("
+                "cm.variant.train, costs) (benchmarks/param_tier.py does it)"
+            )
         return tune_variant(
             self._engine, self._backend, variant, tensors, policy, how, tolerance=self.tune_tolerance,
             rollback=self._config.rollback, ssd_rates=self._ssd_rates, refresh=refresh,

@@ -297,7 +297,7 @@ def test_four_times_the_host_budget_trains_20_steps_bitwise_under_the_budget(tmp
     spec = importlib.util.spec_from_file_location("param_tier_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = bench.main(["--layers", "6", "--hidden", "384", "--steps", "20", "--out", str(tmp_path / "r.json"), "--dir", str(tmp_path)])
+    out = bench.main(["--layers", "12", "--hidden", "256", "--steps", "20", "--predict-rates", "", "--out", str(tmp_path / "r.json"), "--dir", str(tmp_path)])
     for r in out["runs"]:
         assert r["bitwise"], r["precision"]
         assert r["under_budget"], (r["precision"], r["parameter tier"]["train_peak"], r["budget"], r["overhead"])
