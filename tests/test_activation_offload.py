@@ -349,3 +349,34 @@ def test_auto_with_room_offloads_nothing():
 def test_nvme_activations_are_refused_with_the_reason():
     with pytest.raises(shfx.UsageError, match=r"activations='nvme'.*planned but not run"):
         _compile(_long_gpt(), "8GiB", "nvme")
+
+
+def test_cuda_like_streams_bitwise():
+    """The emulated device's CUDA-like mode (copies enqueued on stream queues, launched where
+    issued, as on a GPU): the offload's cross-stream waits hold, and training stays bitwise."""
+    batches = _batches(2)
+    model = _long_gpt()
+    ref = copy.deepcopy(model)
+    device = shfx.EmulatedDevice(memory="8GiB", h2d="1GB/s", d2h="1GB/s", cuda_like=True)
+    cm = shfx.compile(model, device=device, window=2, optimizer=shfx.optim.AdamW(lr=1e-2), offload=shfx.Offload(activations="host"))
+    torch.manual_seed(5)
+    losses = []
+    for x, y in batches:
+        loss = cm(x, y)
+        loss.backward()
+        cm.step()
+        cm.zero_grad()
+        losses.append(loss.detach().clone())
+    assert cm.program.count(ActionKind.OFFLOAD_ACTIVATIONS) > 0
+    cm.sync()
+    cm.close()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    torch.manual_seed(5)
+    for (x, y), got in zip(batches, losses):
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(loss, got)
+    for (k, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(p, q), k

@@ -94,17 +94,23 @@ class ActivationStash:
             if name in ctx.host_values:
                 ctx.drop(name)
 
-    def fetch(self, ctx: Any, names: Sequence[str]) -> None:
+    def fetch(self, ctx: Any, names: Sequence[str], compute_stream: Any = None) -> None:
         """``AF``: copy each value host -> a new device tensor (h2d, exact), kept under the same
         name and term as the forward kept it; the host buffer is free again.
 
         NOTE: on CUDA the copy is asynchronous; the buffer can be taken again only by a later
         ``AO``, which waits for a forward, which the compute stream orders after the backward
-        that waited for this copy."""
+        that waited for this copy. The device tensor is allocated on the h2d stream and read and
+        freed by the compute stream (``compute_stream``, the CUDA stream the step's compute runs
+        on): ``record_stream`` keeps the caching allocator from handing its block to the next
+        fetch before the backward's kernels are done with it (the one tensor of the runtime that
+        crosses streams this way; ``shfx/runtime/cuda.py``'s note)."""
         b = self.backend
         for name in names:
             host = ctx.host_values[name]
             dev = torch.empty(host.shape, dtype=host.dtype, device=b.device)
+            if compute_stream is not None:
+                dev.record_stream(compute_stream)
             b.h2d_copy(dev, host)
             ctx.put(name, dev)
             ctx.host_values.pop(name, None)

@@ -420,9 +420,12 @@ class ActionHandlers:
 
     def run_fetch_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         """AF g (h2d): the values AO g offloaded, back on the device for B g."""
-        stash = self.engine.activation_stash
+        eng = self.engine
+        stash = eng.activation_stash
         names = stash.names(ctx.variant.train, m.stage)
-        return self._submit(m, lambda: stash.fetch(ctx, names), deps)
+        # (CUDA: the stream the step's compute runs on, the issuing thread's; the fetched tensors cross to it)
+        compute = eng.backend.compute.current() if eng.backend.name == "cuda" else None
+        return self._submit(m, lambda: stash.fetch(ctx, names, compute), deps)
 
     # ---- the transfers' tasks --------------------------------------------------------------------
     def prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:
