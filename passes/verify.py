@@ -70,6 +70,7 @@ from .meta import get_meta
 from .actions import KINDS
 from .program import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SN, SR, SW, U, US, ActionKind, Program, ScheduleError
 from .actions import AF, AO
+from .actions import PD, PR, PW
 from .stages import backward_stages, consumers_of
 
 __all__ = ["verify_program", "VerificationError", "ProgramView", "RULES"]
@@ -784,9 +785,97 @@ def activation_offload(v: ProgramView) -> Iterator[Violation]:
             yield n, f"{v.act(n)} offloads stage {s}'s activations and nothing fetches them back for B{s} (AF{s})"
 
 
+def param_tier(v: ProgramView) -> Iterator[Violation]:
+    """11. The parameter tier (``program.ssd_images``): a PARAM_READ, PARAM_DROP or PARAM_WRITE
+    names a group whose image is on the SSD; a read fills an image buffer in
+    ``0..image_window-1`` that no group holds, waiting for the drop or write that freed it; a
+    PREFETCH of the stage owning such a group and the group's CPU_STEP wait for the read that
+    brought its image (all of it); a drop waits for every prefetch that read the image since and
+    follows no update of it, a write waits for the update; an OFFLOAD_GRAD sending gradients to
+    such a group waits for the SSD_READ that brought its host-window buffer; the program ends with
+    every image buffer free."""
+    p = v.program
+    paged, iw = p.ssd_images, p.image_window
+    if not paged and not any(get_meta(n).kind in (PR, PD, PW) for n in v.nodes):
+        return
+    owner = {st.index: st.update_group for st in p.stages if st.update_group in paged}
+    held: dict[int, tuple[int | None, fx.Node, list[fx.Node]]] = {}  # group -> (buffer, PR, PFs since)
+    holder: dict[int, int] = {}
+    freed_by: dict[int, fx.Node] = {}
+    updated: dict[int, fx.Node] = {}
+    states: dict[int, fx.Node] = {}  # group -> its SR (the host-window buffer its gradient lands in)
+    for n in v.nodes:
+        m = get_meta(n)
+        k, g = m.kind, m.stage
+        if k in (PR, PD, PW) and g not in paged:
+            yield n, f"{v.act(n)} moves group {g}'s image, which is not on the SSD (ssd_images {sorted(paged)})"
+            continue
+        if k == SR:
+            states[g] = n
+        elif k == SW:
+            states.pop(g, None)
+        if k == PR:
+            b = m.buffer
+            if b is None or not 0 <= b < iw:
+                yield n, f"{v.act(n)} reads into image buffer {b}, outside 0..{iw - 1}"
+                continue
+            if g in held:
+                yield n, f"{v.act(n)} reads group {g}'s image again while it is on the host (buffer {held[g][0]})"
+                continue
+            if b in holder:
+                yield n, f"{v.act(n)} fills image buffer {b} while group {holder[b]}'s image still holds it"
+            elif b in freed_by and not v.waits_done(n, freed_by[b]):
+                yield n, f"{v.act(n)} reuses image buffer {b} before {v.act(freed_by[b])} has freed it"
+            held[g] = (b, n, [])
+            holder[b] = g
+            updated.pop(g, None)
+        elif k == PF and m.stage in owner:
+            g = owner[m.stage]
+            if g not in held:
+                yield n, f"{v.act(n)} prefetches group {g}'s image, which is on the SSD: no PR{g} brought it to the host"
+                continue
+            if not v.waits_done(n, held[g][1]):
+                yield n, f"{v.act(n)} does not wait for {v.act(held[g][1])}: it would copy an image still being read"
+            held[g][2].append(n)
+        elif k == U and g in paged:
+            if g not in held:
+                yield n, f"{v.act(n)} updates group {g}, whose image is on the SSD: no PR{g} brought it to the host"
+                continue
+            if not v.waits_done(n, held[g][1]):
+                yield n, f"{v.act(n)} does not wait for {v.act(held[g][1])}: it would write an image still being read"
+            updated[g] = n
+        elif k == OG:
+            for g2 in sorted(set(p.stages[m.stage].grad_groups) & paged):
+                sr = states.get(g2)
+                if sr is None or not v.waits_done(n, sr):
+                    yield n, f"{v.act(n)} copies group {g2}'s gradient into its host-window buffer, but does not wait for the SR{g2} that brings it"
+        elif k in (PD, PW):
+            if g not in held:
+                yield n, f"{v.act(n)} frees group {g}'s image buffer, but the image is not on the host (no PR{g} before it)"
+                continue
+            b, _, readers = held.pop(g)
+            holder.pop(b, None)
+            if m.buffer != b:
+                yield n, f"{v.act(n)} frees image buffer {m.buffer}, but PR{g} read group {g}'s image into buffer {b}"
+            for r in readers:
+                if not v.waits_done(n, r):
+                    yield n, f"{v.act(n)} does not wait for {v.act(r)}: it would free an image still being copied"
+            u = updated.pop(g, None)
+            if k == PD and u is not None:
+                yield n, f"{v.act(n)} drops group {g}'s image after {v.act(u)} updated it: write it back (PW{g})"
+            elif k == PW and u is None:
+                yield n, f"{v.act(n)} writes back group {g}'s image, but no U{g} updated it since its read"
+            elif k == PW and not v.waits_done(n, u):
+                yield n, f"{v.act(n)} does not wait for {v.act(u)}: it would write back an image being updated"
+            if b is not None:
+                freed_by[b] = n
+    for g, (b, _, _) in sorted(held.items()):
+        yield None, f"the program ends with group {g}'s image still in image buffer {b}; free it (PD{g}) or write it back (PW{g})"
+
+
 RULES: tuple[Rule, ...] = (
     order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary, ssd_tier, data_parallel,
-    activation_offload,
+    activation_offload, param_tier,
 )
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 

@@ -302,3 +302,21 @@ def test_four_times_the_host_budget_trains_20_steps_bitwise_under_the_budget(tmp
         assert r["bitwise"], r["precision"]
         assert r["under_budget"], (r["precision"], r["parameter tier"]["train_peak"], r["budget"], r["overhead"])
         assert bench.state_bytes(r["parameter tier"]["n_params"], r["precision"]) >= 4 * r["budget"]
+
+
+def test_the_verifier_rule_names_a_missing_wait():
+    from shfx.passes.verify import VerificationError, verify_program
+
+    def without(prog, action, dep):
+        n = prog.find(action)
+        n.args = tuple(a for a in n.args if getattr(a, "name", None) != dep)
+        return prog
+
+    build = lambda: build_programs(chain(3), Stronghold(window=2, nvme=True, host_window=1), param_tier=True)[0]  # noqa: E731
+    verify_program(build(), "train")
+    with pytest.raises(VerificationError, match=r"PF2 \(#\d+\) does not wait for PR2 .*an image still being read"):
+        verify_program(without(build(), "PF2", "pr2"), "train")
+    with pytest.raises(VerificationError, match=r"PD0 \(#\d+\) does not wait for PF0 .*an image still being copied"):
+        verify_program(without(build(), "PD0", "pf0"), "train")
+    with pytest.raises(VerificationError, match=r"OG2 .* does not wait for the SR2"):
+        verify_program(without(build(), "OG2", "sr2"), "train")
