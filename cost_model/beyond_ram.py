@@ -90,7 +90,8 @@ def step_traffic(
       stages still resident at the turn (the tail and the last blocks), ``e P_slot`` each, to the
       device; its gradients, ``4 P`` for a group cast to fp32 on the device and ``e P`` for the
       tied embedding's (as :func:`~shfx.cost_model.formulas.gpt_stage_times` charges them), from
-      it. Activation offload: ``(l + 1) A`` each way.
+      it. Activation offload: the inputs the offloaded stages' backwards need, ``8 b s + (l - 1) A``
+      (the head's token ids, the first ``l - 1`` blocks' checkpoints), each way.
     - SSD, ``"nvme"``: m and v read and written by each update, ``8 P_own`` each way (``12``
       with ``nvme_masters``).
     - SSD, ``"nvme-all"`` (the programs' ``PR``/``PW``/``SR``/``SW``, :func:`shfx.passes.policies.add_param_tier`):
@@ -101,7 +102,7 @@ def step_traffic(
       written by its update, ``8 P_own`` (``12``) each way. The gradient lands in the group's
       host-window buffer and is used by the update in the same step (LoHan's active gradient
       offloading); with ``overlap_updates=False`` it is written to the SSD after the backward
-      and read back by the update, ``4 P_own`` each way. ``+act-nvme``: ``(l + 1) A`` each way.
+      and read back by the update, ``4 P_own`` each way. ``+act-nvme``: the same bytes each way.
 
     >>> t = step_traffic(GPTShape(layers=2, hidden=64, heads=2, seq=16, vocab=128, precision="bf16"), "nvme-all")
     >>> t.ssd["master, m, v"][0] == 12 * (2 * (12 * 64**2 + 13 * 64) + (128 + 16) * 64 + 2 * 64)
@@ -123,7 +124,7 @@ def step_traffic(
     cast = {k: 0 if (e == 4 or k == "head") else counts[k]["own"] for k in mult}
     grads = sum((4 * cast[k] + e * (counts[k]["grad"] - cast[k])) * c for k, c in mult.items())
     A = b * s * h * e
-    acts = (L + 1) * A if tier and "+act-" in tier else 0
+    acts = 8 * b * s + (L - 1) * A if tier and "+act-" in tier else 0  # (the offloaded inputs: memory_model's)
     ssd: dict[str, tuple[int, int]] = {}
     if tier == "nvme":
         per = 12 if nvme_masters else 8

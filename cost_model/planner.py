@@ -495,11 +495,14 @@ def memory_model(
             ledger's parameter tier in closed form).
         image_window: with ``nvme_all``, the image buffers (default: what the program needs plus
             one, as ``shfx.passes.policies.add_param_tier`` chooses).
-        activations: ``"host"`` or ``"nvme"`` (``stronghold``, with checkpointing): the
-            checkpointed boundary activations leave the device after their stage's forward and
-            come back before its backward (``Offload(activations=...)``): the device keeps those of
-            the ``window + 1`` stages in flight; host RAM (or the SSD, through two pinned buffers
-            of one activation on the host) holds all ``l + 1``: term :data:`ACTIVATIONS_OFFLOADED`.
+        activations: ``"host"`` or ``"nvme"`` (``stronghold``, with checkpointing;
+            ``Offload(activations=...)``): as the ledger's activation offload
+            (:mod:`shfx.passes.activations`), every stage but the last block and the tail sends
+            the inputs its backward needs (the head's token ids, the blocks' checkpoints) off the
+            device after its forward and gets them back before its backward, ``8 b s + (l - 1) A``
+            bytes in host RAM (or on the SSD, through two pinned buffers of one activation on the
+            host: not in the ledger yet), term :data:`ACTIVATIONS_OFFLOADED`; the device's peak
+            then holds ``2 A`` + the output of checkpoints and ``max(out + A, 2 A)`` of gradients.
         ranks: data parallel over this many ranks (default: the target's, 1 without data
             parallel). The terms are then one rank's: the device's unchanged, the host's as the
             ledger counts them (:func:`shfx.passes.ledger.host_terms` with ``ranks``): the fp32
@@ -560,12 +563,18 @@ def memory_model(
     out = 4 if fam.loss_in_model else b * s * V * elt  # the loss (a scalar, in fp32 as the GPT computes it) or the logits
     korthikanti = s * b * h * (34 + (5 * a * s / h if attention_scores else 0)) * elt / 2  # bytes per layer
     if fam.checkpointing and activations is not None:
-        acts = inputs + min(L + 1, window + 1) * A + out  # only the stages in flight keep theirs on the device
+        # (the ledger's activation offload, shfx.passes.activations: every stage but the last block
+        # and the tail sends the inputs its backward needs to the host after its forward; the peak,
+        # in a block's backward, holds the last block's and the tail's inputs, the output and two
+        # boundary gradients)
+        acts = 2 * A + out
     elif fam.checkpointing:
         acts = inputs + (L + 1) * A + out  # the head's and every block's output, kept for the backward
     else:
         acts = inputs + A + int(L * korthikanti) + out  # every layer's activations
     act_grads = out + A  # the output's gradient and one boundary gradient (the peak is the tail's backward)
+    if fam.checkpointing and activations is not None:
+        act_grads = max(act_grads, 2 * A)
     ws = 0
     if working_set:
         # logits, then (loss in the model) their fp32 copy and its log-softmax (fp32)
@@ -666,11 +675,12 @@ def memory_model(
     if nvme_all:
         host, ssd, host_window, image_window = _nvme_all_terms(fam, L, group32, group16, window, host_window, image_window, rollback, host)
     if activations is not None:
+        offloaded = 8 * b * s + (L - 1) * A  # the head's token ids, the first l - 1 blocks' inputs
         if activations == "host":
-            host[ACTIVATIONS_OFFLOADED] = (L + 1) * A
-        else:  # on the SSD, through pinned bounce buffers on the host
+            host[ACTIVATIONS_OFFLOADED] = offloaded
+        else:  # on the SSD, through pinned bounce buffers on the host (not in the ledger yet)
             host[ACTIVATIONS_OFFLOADED] = _STAGING_BUFFERS * A
-            ssd = {**ssd, ACTIVATIONS_OFFLOADED: (L + 1) * A}
+            ssd = {**ssd, ACTIVATIONS_OFFLOADED: offloaded}
     settings = {
         "window": window,
         "resident_first": resident_first,

@@ -157,6 +157,9 @@ def test_step_traffic_is_the_programs_bytes(precision):
             assert moved == want, (precision, layers, window, tier)
 
 
+OFFLOADED = 8 * b * s + (L - 1) * A  # the head's token ids and the first l - 1 blocks' inputs
+
+
 def test_activation_offload_bytes_are_the_hand_count():
     W = 2
     on_device = memory_model("stronghold", GPT3, RTX, window=W, **BEYOND_RAM_TIERS["nvme-all"])
@@ -164,13 +167,53 @@ def test_activation_offload_bytes_are_the_hand_count():
     to_ssd = memory_model("stronghold", GPT3, RTX, window=W, **BEYOND_RAM_TIERS["nvme-all+act-nvme"])
     inputs, loss = 8 * b * s * 2, 4  # token ids and targets (int64), the fp32 loss
     assert on_device.device["activations (checkpoints)"] == inputs + (L + 1) * A + loss
-    # the device keeps the activations of the W + 1 stages in flight
-    assert to_host.device["activations (checkpoints)"] == inputs + (W + 1) * A + loss
-    assert to_host.device_total == on_device.device_total - (L + 1 - (W + 1)) * A
-    assert to_host.host_total == on_device.host_total + (L + 1) * A
+    assert on_device.device["activation gradients"] == loss + A
+    # every stage but the last block and the tail sends its backward's inputs to the host: the
+    # peak keeps the last block's and the tail's, the loss, and two boundary gradients
+    assert to_host.device["activations (checkpoints)"] == 2 * A + loss
+    assert to_host.device["activation gradients"] == 2 * A
+    assert to_host.host["offloaded activations"] == OFFLOADED
+    assert to_host.host_total == on_device.host_total + OFFLOADED
     # to the SSD through two pinned buffers of one activation
     assert to_ssd.host_total == on_device.host_total + 2 * A
-    assert to_ssd.ssd_total == on_device.ssd_total + (L + 1) * A
+    assert to_ssd.ssd_total == on_device.ssd_total + OFFLOADED
+
+
+@pytest.mark.parametrize("precision,loss_in_model", [("bf16", True), ("fp32", False)])
+def test_activation_offload_is_the_ledgers(precision, loss_in_model):
+    """memory_model(activations="host") is the ledger's replay of the activation-offload
+    program (PipelineOptions(activations="host"), shfx.passes.activations) on a grid (l >= 2)."""
+    import torch
+
+    from shfx.cost_model.planner import Target
+    from shfx.models import GPT
+    from shfx.passes.ledger import replay
+    from shfx.passes.pipeline import PipelineOptions, compile_variant
+    from shfx.passes.policies import Stronghold
+
+    emu = Target("emulated", 1 << 40, emulated=True)
+    for layers, window in ((2, 1), (4, 2), (6, 3)):
+        fam = GPTShape(hidden=32, heads=2, seq=16, batch=2, vocab=64, layers=layers, precision=precision, loss_in_model=loss_in_model)
+        with torch.device("meta"):
+            model = GPT(fam)
+            idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+        opts = PipelineOptions(policy=Stronghold(window=window), verify=False, precision=precision, plan_only=True, activations="host")
+        v = compile_variant(model, (idx, idx) if loss_in_model else (idx,), {}, opts)
+        led = replay(
+            v.programs[0], programs=v.programs, group_bytes=[g.host_master_bytes for g in v.graph.groups],
+            working_bytes=[g.working_bytes for g in v.graph.groups],
+        )  # fmt: skip
+        bd = memory_model("stronghold", fam, emu, window=window, activations="host")
+        where = (precision, loss_in_model, layers, window)
+        assert {k: x for k, x in bd.device.items() if x} == {k: x for k, x in led.terms_at_peak("device").items() if x}, where
+        assert {k: x for k, x in bd.host.items() if x} == {k: x for k, x in led.static("host").items() if x}, where
+        # and the step's copies are the program's
+        moved = v.programs[0].bytes_moved()
+        t = step_traffic(fam, "nvme-all+act-host", window=window)
+        plain = step_traffic(fam, "nvme-all", window=window)
+        assert (moved["h2d"], moved["d2h"]) == (t.h2d_bytes, t.d2h_bytes), where
+        a = fam.batch * fam.seq * fam.hidden * fam.param_bytes  # one boundary activation of this model
+        assert t.h2d_bytes - plain.h2d_bytes == t.d2h_bytes - plain.d2h_bytes == 8 * fam.batch * fam.seq + (layers - 1) * a
 
 
 def test_the_tiers_are_refused_where_not_modelled():
@@ -213,8 +256,8 @@ def test_all_ssd_step_traffic_is_the_hand_count():
     assert (slow.ssd_read_bytes, slow.ssd_write_bytes) == (t.ssd_read_bytes + 4 * P, t.ssd_write_bytes + 4 * P)
     # activations to the SSD and back, and over PCIe both ways
     act = step_traffic(GPT3, "nvme-all+act-nvme")
-    assert act.ssd["activations"] == ((L + 1) * A, (L + 1) * A)
-    assert act.h2d_bytes == t.h2d_bytes + (L + 1) * A and act.d2h_bytes == t.d2h_bytes + (L + 1) * A
+    assert act.ssd["activations"] == (OFFLOADED, OFFLOADED)
+    assert act.h2d_bytes == t.h2d_bytes + OFFLOADED and act.d2h_bytes == t.d2h_bytes + OFFLOADED
     # shfx's NVMe tier: m and v each way (and the masters with nvme_masters); fp32's tier beyond
     # RAM: m and v (the image is the master)
     assert step_traffic(GPT3, "nvme").ssd == {"m, v": (8 * P, 8 * P)}
@@ -232,7 +275,7 @@ def test_the_175b_step_adds_up_from_the_profiles_figures():
     assert hw.ssd_duplex == 0.5
     assert st.ssd_s == pytest.approx((4 * PAGED + 12 * P) / 7e9 + (2 * PAGED + 12 * P) / 6e9, rel=1e-12)
     # PCIe at 25 GB/s each way, the activations included
-    assert st.h2d_s == pytest.approx((2 * (2 * SLOT - (2 * h + V * h) - N_BLOCK) + (L + 1) * A) / 25e9, rel=1e-12)
+    assert st.h2d_s == pytest.approx((2 * (2 * SLOT - (2 * h + V * h) - N_BLOCK) + OFFLOADED) / 25e9, rel=1e-12)
     assert st.d2h_s == pytest.approx(t.d2h_bytes / 25e9, rel=1e-12)
     # compute: a block's forward and its backward (recompute + 2 forwards' work) L times, then the
     # head's and the tail's (the tail's forward keeps its graph: its backward does not recompute)
