@@ -319,3 +319,40 @@ def test_the_verifier_rule_names_a_missing_wait():
         verify_program(without(build(), "PD0", "pf0"), "train")
     with pytest.raises(VerificationError, match=r"OG2 .* does not wait for the SR2"):
         verify_program(without(build(), "OG2", "sr2"), "train")
+
+
+def test_a_failing_image_read_names_its_action_and_frees_the_buffers(tmp_path, monkeypatch):
+    from shfx.errors import ActionError
+    from shfx.runtime import ssd as ssd_mod
+
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    ref = copy.deepcopy(model)
+    batches = _batches(2)
+    cm, _ = _train(model, batches[:1], _tier(tmp_path))
+    cm_ref, _ = _train(ref, batches[:1], _tier(tmp_path / "ref"))
+    try:
+        real, calls = ssd_mod._read_full, []
+
+        def broken(fd, buf, offset):
+            calls.append(offset)
+            if len(calls) == 2:
+                raise OSError(5, "Input/output error")
+            return real(fd, buf, offset)
+
+        monkeypatch.setattr(ssd_mod, "_read_full", broken)
+        with pytest.raises(ActionError, match=r"PR\d+") as e:
+            cm(*batches[1]).backward()
+        assert e.value.action.startswith("PR")
+        monkeypatch.undo()
+        assert not cm.engine.ssd.image_at and not cm.engine.ssd.where  # every buffer free again
+        for c in (cm, cm_ref):  # the failed forward changed nothing: the next step is the reference's
+            torch.manual_seed(3)
+            c(*batches[1]).backward()
+            c.step()
+            c.zero_grad()
+        sd, ref_sd = cm.state_dict(), cm_ref.state_dict()
+        assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    finally:
+        cm.close()
+        cm_ref.close()

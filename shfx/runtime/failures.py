@@ -171,6 +171,8 @@ class StepFailures:
         if eng.holder is ctx:
             eng.holder = None
         ctx.release_all()
+        if eng.ssd is not None and eng.ssd.images is not None:
+            eng.ssd.reset_images()  # (the parameter tier: the forward's image buffers, read or not, free again)
         if eng.dp is not None:  # (after the quiesce: the local gradients whose RS never ran)
             if ctx.accumulation is not None:
                 ctx.accumulation.local.clear()
