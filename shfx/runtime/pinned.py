@@ -93,7 +93,9 @@ class PinnedAllocator:
     ):
         self._register = register or _cudart_register
         self._unregister = unregister or _cudart_unregister
-        self._lock = threading.Lock()
+        # NOTE: reentrant: a buffer's finalizer (_release) may run inside a locked block when an
+        # allocation there triggers the garbage collector; the blocks iterate over copies
+        self._lock = threading.RLock()
         self._live: dict[int, tuple[int, weakref.finalize, str]] = {}  # ptr -> (registered bytes, finalizer, pool key)
         self._planned: set[int] = set()  # the live buffers the plan counts (and the bounce buffers)
         self.allocations = 0
@@ -110,7 +112,7 @@ class PinnedAllocator:
     @property
     def live_bytes(self) -> int:
         with self._lock:
-            return sum(n for n, _, _ in self._live.values())
+            return sum(n for n, _, _ in list(self._live.values()))
 
     def alloc(self, nbytes: int, key: str = "", planned: bool = False) -> torch.Tensor:
         """A zeroed uint8 host tensor of ``nbytes`` bytes whose pages are pinned (whatever the
@@ -129,7 +131,7 @@ class PinnedAllocator:
             if planned:
                 self._planned.add(ptr)
             self.allocations += 1
-            self.peak_bytes = max(self.peak_bytes, sum(n for n, _, _ in self._live.values()))
+            self.peak_bytes = max(self.peak_bytes, sum(n for n, _, _ in list(self._live.values())))
         return span[:nbytes]
 
     # ---- the budget and the plan ----------------------------------------------------------------
@@ -157,11 +159,12 @@ class PinnedAllocator:
         ``"gradient g"``, ``"staging"``, ...): pinned if the plan pins it, or else if it fits
         beside what the plan reserves (a buffer the plan does not know, or leaves out only
         because the budget is full); else ordinary memory, which the backend copies through
-        the bounce buffers."""
+        the bounce buffers (where the plan pinned everything it has none: a buffer made later
+        that does not fit is copied from pageable memory, as with ``pin_memory=False``)."""
         size = page_rounded(nbytes)
         key = kind_of(what)
         with self._lock:
-            live = sum(n for n, _, _ in self._live.values())
+            live = sum(n for n, _, _ in list(self._live.values()))
             plan, budget = self.plan, self.budget_bytes
             planned = plan is not None and self._taken[key] < plan.count(key)
             if planned:
@@ -171,7 +174,7 @@ class PinnedAllocator:
             else:  # a buffer the plan does not pin (or one more than it counts): beside what it reserves and is not allocated yet
                 reserved = 0
                 if plan is not None:
-                    reserved = max(0, plan.pinned_bytes - sum(self._live[p][0] for p in self._planned))
+                    reserved = max(0, plan.pinned_bytes - sum(self._live[p][0] for p in list(self._planned) if p in self._live))
                 pin = live + size + reserved <= budget
             if pin and planned:
                 self._taken[key] += 1
@@ -205,7 +208,7 @@ class PinnedAllocator:
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
         with self._lock:
-            return any(p <= lo and hi <= p + n for p, (n, _, _) in self._live.items())
+            return any(p <= lo and hi <= p + n for p, (n, _, _) in list(self._live.items()))
 
     def _release(self, ptr: int) -> None:
         with self._lock:
