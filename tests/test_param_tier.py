@@ -126,26 +126,23 @@ def _train(model, batches, offload=None, precision="fp32", **kw):
         model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
         optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=offload, precision=precision, **kw,
     )  # fmt: skip
-    torch.manual_seed(123)  # once: every step's dropout masks come from the user's stream
-    losses = []
-    for x, y in batches:
-        loss = cm(x, y)
-        loss.backward()
-        cm.step()
-        cm.zero_grad()
-        losses.append(loss.detach().clone())
-    return cm, losses
+    return cm, _steps(cm, cm, batches)
 
 
 def _eager(model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    return _steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True), batches)
+
+
+def _steps(forward, optimizer, batches):
+    """One step per batch (forward, backward, step, zero_grad); the losses. Seeded once: every
+    step's dropout masks come from the user's stream."""
     torch.manual_seed(123)
     losses = []
     for x, y in batches:
-        loss = model(x, y)
+        loss = forward(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
         losses.append(loss.detach().clone())
     return losses
 

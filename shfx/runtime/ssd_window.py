@@ -445,17 +445,7 @@ class SSDWindow:
     def reset_images(self) -> None:
         """After a failed or abandoned step, or a forward-only call (nothing running): an image an
         update changed is written back, every image buffer is freed."""
-        errors = []
-        for g in list(self.image_at):
-            if g in self._image_dirty:
-                try:
-                    self.write_image(g)
-                    continue
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
-            self._free_image(g)
-        if errors:
-            raise errors[0]
+        _write_back_or_free(list(self.image_at), lambda g: g in self._image_dirty, self.write_image, self._free_image)
 
     def is_staged(self, g: int) -> bool:
         return g in self.where
@@ -488,18 +478,7 @@ class SSDWindow:
             for g in list(self.where):
                 self._free(g)
             return
-        errors = []
-        for g in list(self.where):
-            b = self.where[g]
-            if self._read_ok[b]:
-                try:
-                    self.write(g)
-                    continue
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
-            self._free(g)
-        if errors:
-            raise errors[0]
+        _write_back_or_free(list(self.where), lambda g: self._read_ok[self.where[g]], self.write, self._free)
 
     # ---- reading and loading the states (state_dict, checkpoints) --------------------------------
     def snapshot(self, g: int) -> Any:
@@ -591,3 +570,20 @@ class SSDWindow:
             self.write_stream.close()
         finally:
             self.ssd.close()  # (the optimizer keeps pointing here: reading a state now says the store is closed)
+
+
+def _write_back_or_free(groups: Sequence[int], changed: Any, write: Any, free: Any) -> None:
+    """After a failed step: each of ``groups`` that ``changed`` says holds what the SSD must get
+    is written back (``write``, which frees it), the others freed (``free``); every group is
+    handled before the first error is raised."""
+    errors = []
+    for g in groups:
+        if changed(g):
+            try:
+                write(g)
+                continue
+            except BaseException as e:  # noqa: BLE001 - the others still go back before raising
+                errors.append(e)
+        free(g)
+    if errors:
+        raise errors[0]
