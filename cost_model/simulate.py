@@ -4,9 +4,9 @@ how much device memory the step needs, and which resource bounds the step time.
 The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program:
 
 - **Issue order.** ``program.nodes`` is issue order. Every stream runs its actions in that
-  order, one at a time: ``compute`` (FORWARD, BACKWARD), ``h2d`` (PREFETCH), ``d2h``
-  (OFFLOAD_BUFFERS, the copy part of OFFLOAD_GRAD) and ``host`` (the accumulation part of
-  OFFLOAD_GRAD). An action starts when its stream is free *and* every dependency
+  order, one at a time: ``compute`` (FORWARD, BACKWARD), ``h2d`` (PREFETCH, and activation
+  offload's FETCH_ACTIVATIONS), ``d2h`` (OFFLOAD_BUFFERS, the copy part of OFFLOAD_GRAD, activation
+  offload's OFFLOAD_ACTIVATIONS) and ``host`` (the accumulation part of OFFLOAD_GRAD). An action starts when its stream is free *and* every dependency
   (:meth:`shfx.passes.program.Program.deps`) is done, so an action whose dependencies are done still
   waits behind the previous action of its stream (a ``WorkerStream``).
 - **The host optimizer** (``cpu``) is a pool of ``costs.optimizer_workers`` workers. Workers take

@@ -380,3 +380,15 @@ def test_cuda_like_streams_bitwise():
         assert torch.equal(loss, got)
     for (k, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(p, q), k
+
+
+def test_the_option():
+    off = shfx.Offload(activations="host")  # valid without a path: nothing goes to the SSD
+    assert not off.uses_nvme and str(off) == "Offload(host, activations on the host)"
+    with pytest.raises(ValueError, match="activations must be 'device', 'host', 'nvme' or 'auto'"):
+        shfx.Offload(activations="ssd")
+    cm = _compile(_long_gpt(), "8GiB", "host")
+    try:
+        assert cm.config.pipeline_options().activations == "host"
+    finally:
+        cm.close()
