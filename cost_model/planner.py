@@ -1060,6 +1060,7 @@ def plan(
     window: int = 2,
     resident_first: int | str = 0,
     tiers: Sequence[str] = (),
+    tier_options: dict | None = None,
     **memory_kw,
 ) -> Plan:
     """:func:`largest_trainable` for each policy. ``resident_first`` applies to ``stronghold``
@@ -1067,7 +1068,8 @@ def plan(
     layers, trying k = 0, 1, ... until two in a row gain nothing); ``memory_kw`` go to :func:`memory_model`.
     ``tiers``: names of :data:`BEYOND_RAM_TIERS` (``"nvme-all"``, ``"nvme-all+act-host"``,
     ``"nvme-all+act-nvme"``), each a ``stronghold`` row (``window``, ``resident_first=0``) after
-    the policies' rows, named ``stronghold+<tier>``.
+    the policies' rows, named ``stronghold+<tier>``; ``tier_options``: more :func:`memory_model`
+    options for those rows only (``host_window``, ``image_window``).
 
     >>> p = plan(GPTShape(hidden=2048, heads=16, seq=1024, batch=4, vocab=50304), "V100-32GB-PCIe3")
     >>> [(r.policy, r.layers) for r in p.rows]
@@ -1093,7 +1095,8 @@ def plan(
         if t not in BEYOND_RAM_TIERS:
             raise ValueError(f"unknown tier {t!r}; known: {', '.join(BEYOND_RAM_TIERS)}")
         kw = {key: v for key, v in memory_kw.items() if key not in ("nvme", "nvme_masters")}
-        rows.append(largest_trainable("stronghold", family, tgt, max_layers=max_layers, **dict(kw, window=window, resident_first=0, **BEYOND_RAM_TIERS[t])))
+        kw.update(tier_options or {}, window=window, resident_first=0, **BEYOND_RAM_TIERS[t])
+        rows.append(largest_trainable("stronghold", family, tgt, max_layers=max_layers, **kw))
     ws, slack, wset = _resolve(tgt, memory_kw.get("workspace_bytes"), memory_kw.get("allocator_slack", 0.0), memory_kw.get("working_set"))
     settings = dict(
         window=window,

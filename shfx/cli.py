@@ -391,7 +391,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="NVMe capacity: adds stronghold+nvme and zero-infinity+nvme rows (the NVMe tier: optimizer states on "
                         "the SSD, a host window of them in RAM); zero-infinity's own row spills there when host RAM overflows")
     p.add_argument("--host-window", type=_positive_int, default=2,
-                   help="the NVMe tier's host window: groups whose optimizer states are in host RAM at once")
+                   help="the NVMe tier's host window: groups whose optimizer states are in host RAM at once (the tiers "
+                        "beyond host RAM: their states, master and gradient)")
     p.add_argument("--nvme-masters", action="store_true",
                    help="the NVMe tier holds the fp32 master weights too (mixed precision only)")
     p.add_argument("--tiers", type=_tiers_arg, default=None,
@@ -468,6 +469,8 @@ def _stronghold_steps(result, family, hw, layers: int | None, overlap_updates: b
             fits = ""
             if n is not None:
                 kw = dict(BEYOND_RAM_TIERS.get(tier or "", {}))
+                if st.get("nvme_all"):
+                    kw.update(host_window=st["host_window"], image_window=st["image_window"])
                 if tier == "nvme":
                     kw.update(nvme=True, host_window=st["host_window"], nvme_masters=st["nvme_masters"])
                 bd = memory_model("stronghold", family.with_layers(n), result.hardware, window=st["window"],
@@ -573,7 +576,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--tiers is not modelled with data parallel (--ranks); drop one")
     result = plan(
         family, target, policies=policies, window=args.window, resident_first=args.resident_first,
-        max_layers=args.max_layers, tiers=tiers, **kw,
+        max_layers=args.max_layers, tiers=tiers, tier_options={"host_window": args.host_window}, **kw,
     )
     if args.json != "-":
         print(result)
@@ -603,7 +606,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 from shfx.cost_model.planner import BEYOND_RAM_TIERS
 
                 bd = memory_model(
-                    "stronghold", family.with_layers(args.layers), target, window=args.window,
+                    "stronghold", family.with_layers(args.layers), target, window=args.window, host_window=args.host_window,
                     **BEYOND_RAM_TIERS[pol.removeprefix("stronghold+")], **kw,
                 )
             elif isinstance(pol, str):

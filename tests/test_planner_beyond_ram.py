@@ -64,6 +64,9 @@ def test_the_plan_rows_name_the_limiting_term():
     over = memory_model("stronghold", GPT3.with_layers(r.layers + 1), RTX, **BEYOND_RAM_TIERS["nvme-all+act-host"])
     assert not over.fits() and over.binding() == r.binding
     assert largest_trainable("stronghold", GPT3, RTX, **BEYOND_RAM_TIERS["nvme-all+act-host"]).layers == r.layers
+    # the tier rows' own options (shfx plan --host-window)
+    three = plan(GPT3, RTX, policies=["stronghold"], tiers=["nvme-all"], tier_options={"host_window": 3}).row("stronghold+nvme-all")
+    assert three.breakdown.settings["host_window"] == 3 and three.breakdown.host["SSD host window"] == 3 * 16 * N_BLOCK + 4 * (three.layers + 2)
 
 
 def test_all_ssd_host_and_ssd_bytes_are_the_hand_count():
