@@ -346,7 +346,8 @@ class CompiledModel(StateMethods):
             self._ensure_store(captured, graph)
             self._check_one_stage(graph)
             probe = Stronghold(window=1)
-            pv = Variant(captured.signature, captured, graph, probe, *build_programs(graph.specs, probe))
+            # (with activation offload the probe offloads too: it must fit where the training does)
+            pv = Variant(captured.signature, captured, graph, probe, *build_programs(graph.specs, probe, activations=self._options.activations))
             report = self._tune(pv, tensors, policy, how="auto")
             self._reports[captured.signature] = report
             return report.tune.policy

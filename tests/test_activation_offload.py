@@ -392,3 +392,20 @@ def test_the_option():
         assert cm.config.pipeline_options().activations == "host"
     finally:
         cm.close()
+
+
+@pytest.mark.slow  # (window="auto" profiles: ~70 s on 2 loaded cores)
+def test_window_auto_profiles_with_offload(peaks):
+    """The tuner's probe programs offload as the training does: without it the window-1 probe
+    overflows the budget the offloaded training fits."""
+    cap = (peaks["device"][0] + peaks["host"][0]) // 2
+    x, y = _batches(1)[0]
+    device = shfx.EmulatedDevice(memory=cap, h2d=None, d2h=None)
+    cm = shfx.compile(_long_gpt(), device=device, window="auto", optimizer=shfx.optim.AdamW(lr=1e-2),
+                      offload=shfx.Offload(activations="host"))  # fmt: skip
+    try:
+        cm(x, y).backward()
+        cm.step()
+        assert cm.program.count(ActionKind.OFFLOAD_ACTIVATIONS) > 0 and cm.backend.peak_bytes <= cap
+    finally:
+        cm.close()
