@@ -306,6 +306,7 @@ def precision_specs(specs: Sequence[StageSpec], precision: str, *, captured_byte
         replace(
             st,
             prefetch_bytes=sc(st.prefetch_bytes),
+            image_bytes=sc(st.image_bytes),
             grad_bytes=sc(st.grad_bytes),
             slot_bytes=sc(st.slot_bytes),
             activation_bytes=activations(st),

@@ -54,7 +54,7 @@ A rule is a function of a :class:`ProgramView` (the program's issue order, reach
 residency, computed once) yielding ``(action or None, message)``:
 
 >>> [rule.__name__ for rule in RULES]
-['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel', 'activation_offload']
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel', 'activation_offload', 'param_tier']
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def assert_rejects(p: Program, pattern: str) -> None:
 
 
 def test_the_rule_is_registered_after_the_nvme_rule():
-    assert RULES[-2].__name__ == "ssd_tier" and RULES[-1] is data_parallel
+    names = [r.__name__ for r in RULES]
+    assert names.index("ssd_tier") + 1 == names.index("data_parallel") and RULES[names.index("data_parallel")] is data_parallel
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 8])
