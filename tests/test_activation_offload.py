@@ -239,13 +239,16 @@ def test_runtime_reservations_are_the_ledger():
 SIM_SHAPE = GPTShape(vocab=64, seq=512, layers=6, heads=2, hidden=16, dropout=0.0)
 
 
-def _measured_and_predicted(bw: float, steps: int = 6) -> tuple[float, float, float]:
+def _measured_and_predicted(bw: float, steps: int = 6, profiled: bool = False) -> tuple[float, float, float]:
     """Median measured step time of ``steps`` steps with activation offload on an emulated device
     whose links move ``bw`` bytes/s, and the simulator's step time of the same program with the
     links at ``bw`` and each stage's compute as it ran in those steps (its median duration in the
     runtime's own trace, with the measured hand-offs: :func:`~shfx.cost_model.trace.in_situ_costs`):
-    the copies, AO/AF included, are the simulator's to place and time. Returns (measured,
-    predicted, link share: the busier link's bytes over its rate, over the measured step)."""
+    the copies, AO/AF included, are the simulator's to place and time. With ``profiled`` the
+    costs are instead profiled on the backend after the steps (``shfx.profiler.profile_costs``,
+    as ``window="auto"`` does; not cached: the profile cache keys a device by its description,
+    which does not tell 1 MB/s from 2 MB/s links). Returns (measured, predicted, link share: the
+    busier link's bytes over its rate, over the measured step)."""
     import dataclasses
     import statistics
 
@@ -274,6 +277,10 @@ def _measured_and_predicted(bw: float, steps: int = 6) -> tuple[float, float, fl
         # (the links at their configured rate, with the per-copy hand-off the steps showed)
         links = dataclasses.replace(costs.links, h2d_bps=bw, d2h_bps=bw, duplex=cm.backend.spec.duplex)
         costs = CostTable(costs.costs, links, source="in situ compute and hand-offs, configured link rates")
+        if profiled:
+            from shfx.profiler import profile_costs
+
+            costs = profile_costs(cm.engine, cm.variant, [x, x], cache=False)
         predicted = simulate(program, costs).step_s
         measured = statistics.median(t1 - t0 for t0, t1, _ in traces)
         moved = program.bytes_moved()
@@ -296,6 +303,13 @@ def _one_thread():
 def test_simulator_predicts_the_step_with_offload(bw, _one_thread):
     measured, predicted, link_share = _measured_and_predicted(bw)
     assert link_share > 0.4  # the copies (the offloads among them) are much of the step
+    assert predicted == pytest.approx(measured, rel=0.10), (measured, predicted)
+
+
+@pytest.mark.slow  # (two profiles: ~40 s)
+@pytest.mark.parametrize("bw", [1e6, 2e6], ids=["1MB/s", "2MB/s"])
+def test_simulator_predicts_the_step_with_offload_from_a_profile(bw, _one_thread):
+    measured, predicted, _ = _measured_and_predicted(bw, profiled=True)
     assert predicted == pytest.approx(measured, rel=0.10), (measured, predicted)
 
 
