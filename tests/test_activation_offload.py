@@ -423,3 +423,51 @@ def test_window_auto_profiles_with_offload(peaks):
         assert cm.program.count(ActionKind.OFFLOAD_ACTIVATIONS) > 0 and cm.backend.peak_bytes <= cap
     finally:
         cm.close()
+
+
+# ---- with the other features: the same run with and without offload, bitwise ------------------------------
+
+SMALL = GPTShape(vocab=64, seq=64, layers=4, heads=2, hidden=16, dropout=0.1)
+COMBOS = {
+    "clipping": {"max_grad_norm": 0.5},
+    "accumulation": {"grad_accum_steps": 2},
+    "bf16": {"precision": "bf16"},
+    "zero-offload": {"policy": "zero-offload"},
+    "steps-in-step": {"overlap_update": False, "rollback": True},
+}
+
+
+# (the fast run keeps clipping and bf16; the others, ~30 s together, run with SHFX_SLOW=1)
+@pytest.mark.parametrize("name", [n if n in ("clipping", "bf16") else pytest.param(n, marks=pytest.mark.slow) for n in COMBOS])
+def test_offload_changes_nothing_with_other_features(name):
+    kw = dict(COMBOS[name])
+    accum = kw.get("grad_accum_steps", 1)
+    if "policy" not in kw:
+        kw["window"] = 2
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, SMALL.vocab, (2, SMALL.seq), generator=g) for _ in range(2 * accum)]
+    states, losses = [], []
+    for acts in ("device", "host"):
+        torch.manual_seed(0)
+        model = GPT(SMALL)
+        offload = shfx.Offload(activations=acts) if acts != "device" else None
+        cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1GiB"), optimizer=shfx.optim.AdamW(lr=1e-2),
+                          offload=offload, **kw)  # fmt: skip
+        torch.manual_seed(1)
+        got = []
+        for i, x in enumerate(batches):
+            loss = cm(x, x)
+            loss.backward()
+            got.append(loss.detach().float())
+            if (i + 1) % accum == 0:
+                cm.step()
+                cm.zero_grad()
+        if acts == "host":
+            assert cm.program.count(ActionKind.OFFLOAD_ACTIVATIONS) > 0, cm.program.actions()
+        cm.sync()
+        cm.close()
+        losses.append(torch.stack(got))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert torch.equal(losses[0], losses[1])
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
