@@ -471,3 +471,26 @@ def test_offload_changes_nothing_with_other_features(name):
     assert torch.equal(losses[0], losses[1])
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_two_forwards_then_one_backward():
+    """The first forward's backward runs cold (another forward came between): its cold program
+    fetches what that forward offloaded, from host buffers the second forward did not take."""
+    shape = GPTShape(vocab=64, seq=64, layers=4, heads=2, hidden=16, dropout=0.0)
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randint(0, 64, (2, 64), generator=g) for _ in range(2)]
+    res = []
+    for acts in ("device", "host"):
+        torch.manual_seed(0)
+        model = GPT(shape)
+        cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="1GiB"), window=2, optimizer=shfx.optim.AdamW(lr=1e-2),
+                          grad_accum_steps=2, offload=shfx.Offload(activations=acts) if acts != "device" else None)  # fmt: skip
+        l1, l2 = cm(xs[0], xs[0]), cm(xs[1], xs[1])
+        (l1 + l2).backward()
+        cm.step()
+        cm.zero_grad()
+        cm.sync()
+        cm.close()
+        res.append((torch.stack([l1.detach(), l2.detach()]), {k: v.clone() for k, v in model.state_dict().items()}))
+    assert torch.equal(res[0][0], res[1][0])
+    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
