@@ -87,8 +87,8 @@ def add_activation_offload(acts: Sequence[Action], stages: Sequence[StageSpec], 
     at the end of the trailer of ``F g`` (the second forward after it waits for it and frees
     the device copy: :func:`shfx.passes.program.lower_actions`), and ``AF g`` at the end of the trailer
     of the backward ``FETCH_AHEAD + 1`` places before ``B g`` in the backward order (it waits for
-    that backward, so the device never holds more than ``FETCH_AHEAD + 1`` offloaded stages'
-    activations). A stage that is not eligible (:func:`eligible_stages`) is refused."""
+    that backward, so in the backward the device holds at most ``FETCH_AHEAD + 1`` offloaded
+    stages' activations). A stage that is not eligible (:func:`eligible_stages`) is refused."""
     acts = list(acts)
     chosen = sorted(set(chosen))
     ok = set(eligible_stages(acts, stages))
@@ -101,7 +101,6 @@ def add_activation_offload(acts: Sequence[Action], stages: Sequence[StageSpec], 
             f"that wait on the device from their forward to their backward (the first {FETCH_AHEAD + 1} of the "
             "backward order keep theirs)"
         )
-    fwd = [a.stage for a in acts if a.kind == F]
     order = _backward_order(acts)
     ao_after: dict[int, list[Action]] = {}  # forward stage -> AOs at the end of its trailer
     af_after: dict[int, list[Action]] = {}  # backward stage -> AFs at the end of its trailer
