@@ -494,3 +494,14 @@ def test_two_forwards_then_one_backward():
         res.append((torch.stack([l1.detach(), l2.detach()]), {k: v.clone() for k, v in model.state_dict().items()}))
     assert torch.equal(res[0][0], res[1][0])
     assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+
+
+@pytest.mark.slow  # (2 spawned ranks: ~1 min)
+def test_two_ranks_with_offload_match_ddp_bitwise(tmp_path):
+    """Data parallel with activation offload: 2 ranks against eager DDP, bitwise (the harness of
+    tests/test_data_parallel.py)."""
+    from test_data_parallel import _check_ddp_results, _spawn
+
+    configs = [dict(name="gpt_tied", window=2, offload=shfx.Offload(activations="host"))]
+    results = _spawn(tmp_path, 2, "ddp", timeout_s=240, configs=configs)
+    _check_ddp_results(results, configs, 2)

@@ -438,7 +438,7 @@ def _against_ddp(
     on_ssd = sum(hi - lo for lo, hi in (store.shard_of(i) for i in sorted(win.groups))) if win is not None else 0
     counts = dict(
         host=cm.engine.host_bytes() - store.staging_bytes - cm.engine.gradients.pending_host_bytes - dp.buffer_bytes
-        - cm.engine.journal.host_bytes,
+        - cm.engine.journal.host_bytes - cm.engine.activation_stash.allocated_bytes,  # (activation offload's host copies)
         # rollback: the step journal's copies of this rank's shards (master, states, step) = the ledger's
         rollback=(cm.engine.journal.host_bytes, led.get("rollback copies", 0)),
         ledger=sum(
