@@ -529,8 +529,10 @@ def _timing_step(
 
 def _cache_key(engine: Engine, variant: Variant) -> tuple:
     # NOTE: the graph's code is part of the key: two models with the same input signature and
-    # stage count (a GPT with and without dropout) have different costs.
-    return (variant.signature, engine.backend.describe(), len(variant.graph.stages), hash(variant.captured.gm.code))
+    # stage count (a GPT with and without dropout) have different costs. So is an emulated
+    # device's spec itself: its description rounds link rates to 0.01 GB/s (1 and 2 MB/s alike).
+    spec = getattr(engine.backend, "spec", None)
+    return (variant.signature, engine.backend.describe(), repr(spec), len(variant.graph.stages), hash(variant.captured.gm.code))
 
 
 def profile_costs(

@@ -505,3 +505,20 @@ def test_two_ranks_with_offload_match_ddp_bitwise(tmp_path):
     configs = [dict(name="gpt_tied", window=2, offload=shfx.Offload(activations="host"))]
     results = _spawn(tmp_path, 2, "ddp", timeout_s=240, configs=configs)
     _check_ddp_results(results, configs, 2)
+
+
+def test_profile_cache_tells_slow_links_apart():
+    """Found measuring the offload's step time at 1 and 2 MB/s: the profile cache keyed an
+    emulated device by its description, which rounds both to '0.00 GB/s'."""
+    from types import SimpleNamespace
+
+    from shfx.profiler import _cache_key
+    from shfx.runtime.emulated import EmulatedBackend
+
+    variant = SimpleNamespace(signature="sig", graph=SimpleNamespace(stages=[0, 1]), captured=SimpleNamespace(gm=SimpleNamespace(code="c")))
+    keys = []
+    for bw in ("1MB/s", "2MB/s"):
+        b = EmulatedBackend(shfx.EmulatedDevice(memory="1GiB", h2d=bw, d2h=bw))
+        keys.append(_cache_key(SimpleNamespace(backend=b), variant))
+        b.close()
+    assert keys[0] != keys[1]
