@@ -246,8 +246,7 @@ def _measured_and_predicted(bw: float, steps: int = 6, profiled: bool = False) -
     runtime's own trace, with the measured hand-offs: :func:`~shfx.cost_model.trace.in_situ_costs`):
     the copies, AO/AF included, are the simulator's to place and time. With ``profiled`` the
     costs are instead profiled on the backend after the steps (``shfx.profiler.profile_costs``,
-    as ``window="auto"`` does; not cached: the profile cache keys a device by its description,
-    which does not tell 1 MB/s from 2 MB/s links). Returns (measured, predicted, link share: the
+    as ``window="auto"`` does; fresh, not from the process's cache). Returns (measured, predicted, link share: the
     busier link's bytes over its rate, over the measured step)."""
     import dataclasses
     import statistics
