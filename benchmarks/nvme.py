@@ -371,9 +371,15 @@ def _tier_child(cfg: dict) -> dict:
 
 def tier(argv: list[str]) -> dict:
     """``--tier``: the NVMe tier in training, each run in a fresh process (its peak RSS is its own):
-    (``--tier --params``: the parameter tier, :mod:`benchmarks.param_tier`, with its arguments)
+    (``--tier --params``: the parameter tier, :mod:`benchmarks.param_tier`, with its arguments;
+    ``--tier --activations``: activation offload, :mod:`benchmarks.activation_offload`)
     a GPT trained host-only, and with its AdamW states on the SSD store (host window 1) unthrottled
     and on the emulated SSD at the given rates; peak RSS and median step time of each."""
+    if "--activations" in argv:  # activation offload (boundary activations in host RAM): its own script
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import activation_offload
+
+        return activation_offload.main([a for a in argv if a not in ("--tier", "--activations")])
     if "--params" in argv:  # the parameter tier (params, gradients and states on the SSD): its own script
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import param_tier
