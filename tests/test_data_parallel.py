@@ -1342,6 +1342,7 @@ def test_a_process_group_of_some_ranks(tmp_path):
     _check_ddp_results(results[1:], configs, 2)
 
 
+@pytest.mark.slow  # (two more spawned ranks; two ranks against DDP bitwise runs by default)
 def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
     """N ranks with batch B == one process with batch N*B, up to rounding: the one process's
     loss is the mean over N*B samples, shfx's gradient the mean (over ranks) of per-rank means,

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "host_adam.py"
 
@@ -27,6 +29,7 @@ def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=180)  # fmt: skip
 
 
+@pytest.mark.slow  # (the benchmark script's smoke run, ~9 s; the host AdamW's results are tested in test_host_optim*)
 def test_host_adam_runs_every_section_at_tiny_sizes(tmp_path):
     out = tmp_path / "host_adam.json"
     p = run(out, "--sizes", "50K", "--config-sizes", "50K", "--configs", "1x1,2x1", "--check-size", "20K",

@@ -207,7 +207,8 @@ def test_budget_below_the_minimum_is_refused_before_training():
 # ---- a small budget trains bitwise as the default -----------------------------------------------------
 @pytest.mark.parametrize(
     "model_fn,precision,cuda_like",
-    [(gpt, "fp32", False), (gpt, "fp32", True), (gpt, "bf16", False), (gpt_tied, "fp32", True)],
+    [(gpt, "fp32", False), pytest.param(gpt, "fp32", True, marks=pytest.mark.slow), pytest.param(gpt, "bf16", False, marks=pytest.mark.slow),
+     (gpt_tied, "fp32", True)],  # (the second fp32 and the bf16 runs under SHFX_SLOW)
     ids=["fp32", "fp32-cuda-like", "bf16", "tied-cuda-like"],
 )
 def test_small_budget_trains_bitwise_like_the_default(monkeypatch, model_fn, precision, cuda_like):
@@ -377,6 +378,7 @@ def _dp_rank(rank: int, world: int, port: int, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow  # (2 spawned ranks; the one-process ledger = pool tests run by default)
 def test_data_parallel_ranks_pin_what_their_ledger_says_and_train_alike(tmp_path):
     import multiprocessing as mp
     import socket
@@ -406,7 +408,7 @@ def test_data_parallel_ranks_pin_what_their_ledger_says_and_train_alike(tmp_path
 
 
 # ---- the parameter tier: its window buffers take the paged groups' places -------------------------------
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_parameter_tier_windows_are_planned_and_a_small_budget_trains_alike(tmp_path, monkeypatch, precision):
     from shfx.models import GPT, GPTShape
 
@@ -441,7 +443,9 @@ def test_parameter_tier_windows_are_planned_and_a_small_budget_trains_alike(tmp_
 
 
 # ---- activation offload's buffers: made after the plan, pinned beside it ------------------------------
-@pytest.mark.parametrize("kw", [{}, {"pinned": 40 * PAGE}, {"pin_memory": False}], ids=["default", "small", "unpinned"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"pinned": 40 * PAGE}, pytest.param({"pin_memory": False}, marks=pytest.mark.slow)], ids=["default", "small", "unpinned"]
+)
 def test_offloaded_activations_are_pinned_beside_the_plan(monkeypatch, kw):
     monkeypatch.setattr(plan_mod, "BOUNCE_CHUNK_BYTES", PAGE)
     cm = _compiled(offload=shfx.Offload(activations="host"), **kw)

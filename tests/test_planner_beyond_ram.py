@@ -117,7 +117,9 @@ def _ledger_of_param_tier(fam: GPTShape, window: int, host_window: int):
     return v.programs[0], led
 
 
-@pytest.mark.parametrize("precision,vocab", [("bf16", 64), ("fp32", 64), ("bf16", 512)])  # (512: the head is the largest group)
+@pytest.mark.parametrize(  # (512: the head is the largest group; the 16-bit variants under SHFX_SLOW)
+    "precision,vocab", [pytest.param("bf16", 64, marks=pytest.mark.slow), ("fp32", 64), pytest.param("bf16", 512, marks=pytest.mark.slow)]
+)
 def test_the_all_ssd_closed_form_is_the_ledgers_parameter_tier(precision, vocab):
     """memory_model(nvme_all=True) is the ledger's replay of the parameter tier's real program,
     byte for byte, on a grid of sizes, windows and host windows (h % 32 == 0: no padding)."""
@@ -135,7 +137,7 @@ def test_the_all_ssd_closed_form_is_the_ledgers_parameter_tier(precision, vocab)
         assert {k: v for k, v in bd.device.items() if v} == {k: v for k, v in led.terms_at_peak("device").items() if v}, where
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=pytest.mark.slow), "fp32"])
 def test_step_traffic_is_the_programs_bytes(precision):
     """step_traffic's SSD and PCIe bytes are the real programs' (Program.bytes_moved) for the
     NVMe tier and the parameter tier."""
@@ -182,7 +184,7 @@ def test_activation_offload_bytes_are_the_hand_count():
     assert to_ssd.ssd_total == on_device.ssd_total + OFFLOADED
 
 
-@pytest.mark.parametrize("precision,loss_in_model", [("bf16", True), ("fp32", False)])
+@pytest.mark.parametrize("precision,loss_in_model", [pytest.param("bf16", True, marks=pytest.mark.slow), ("fp32", False)])
 def test_activation_offload_is_the_ledgers(precision, loss_in_model):
     """memory_model(activations="host") is the ledger's replay of the activation-offload
     program (PipelineOptions(activations="host"), shfx.passes.activations) on a grid (l >= 2)."""
