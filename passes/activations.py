@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .actions import AF, AO, B, F, Action
-from .stages import StageSpec, Value, backward_stages
+from .stages import StageSpec, backward_stages, offloaded_values
 
 __all__ = ["offloaded_values", "offloaded_bytes", "eligible_stages", "add_activation_offload", "FETCH_AHEAD"]
 
@@ -32,32 +32,6 @@ and the second forward after it waits for it (its copy overlaps the forward in b
 frees the device copy as it starts."""
 
 
-def _boundary(stages: Sequence[StageSpec]) -> list[tuple[Value, ...]]:
-    from .ledger import boundary_values  # (the ledger imports the program module, which imports this one)
-
-    return boundary_values(stages)[0]
-
-
-def offloaded_values(stages: Sequence[StageSpec]) -> dict[int, tuple[Value, ...]]:
-    """Stage index -> the boundary values an ``AO`` of that stage copies to the host and frees:
-    its inputs that are not model outputs, whose last forward reader is the stage (no later
-    forward needs them) and which the stage's own backward reads first (it runs one). Stages
-    with none are left out.
-
-    >>> from shfx.passes.stages import chain
-    >>> {s: [v.name for v in vs] for s, vs in offloaded_values(chain(3, activation_bytes=8)).items()}
-    {1: ['s0:out'], 2: ['s1:out']}
-    """
-    stages = list(stages)
-    back = backward_stages(stages)
-    out: dict[int, tuple[Value, ...]] = {}
-    for s, ins in zip(stages, _boundary(stages)):
-        if s.index not in back:
-            continue
-        vals = tuple(v for v in ins if not v.output and v.consumers and max(v.consumers) == s.index and v.nbytes)
-        if vals:
-            out[s.index] = vals
-    return out
 
 
 def offloaded_bytes(stages: Sequence[StageSpec], stage: int) -> int:

@@ -30,9 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Part", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "device_cast_groups", "align", "PRECISIONS", "precision_dtype"]
+__all__ = ["ALIGN", "TensorInfo", "CopyDtypes", "Part", "Group", "Copy", "SlotPlan", "plan_groups", "plan_slot", "device_cast_groups", "align", "PRECISIONS", "precision_dtype", "STAGING"]
 
 ALIGN = 64
+
+STAGING = 2
+"""Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``):
+the ledger's ``STAGING_BUFFERS`` and the pinned plan's staging buffers."""
 
 
 def align(n: int) -> int:

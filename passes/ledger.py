@@ -57,11 +57,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .actions import AF, AO, SN, B, F
+from .layout import STAGING
 from .meta import get_meta
 from .pinned import PINNED_TERMS, PinnedPlan
 from .program import Program
 from .sharding import SHARD_ALIGN, shard_chunk, shard_numel, shard_range  # noqa: F401 (re-exported: the one sharding rule)
-from .stages import StageSpec, Value, consumers_of
+from .stages import StageSpec, Value, boundary_values, consumers_of, offloaded_values  # noqa: F401 (boundary_values: re-exported)
 
 __all__ = [
     "DEVICE_TERMS",
@@ -128,8 +129,7 @@ HOST_WINDOW = "SSD host window"
 as the largest SSD group's read (its optimizer states, and its master weights when those are on
 the SSD), that a group's state is read into for its update and written back from."""
 
-STAGING_BUFFERS = 2
-"""Host staging buffers gradients are copied through at most (``HostStore(staging_buffers=2)``)."""
+STAGING_BUFFERS = STAGING  # (passes.layout's: the pinned plan counts them too)
 DP_IMAGE = "parameter image (whole)"
 """Data parallel (``ranks > 1``): the host image every rank holds whole (what a PREFETCH sends,
 the model's parameters view it), beside the rank's fp32 master *shard*. In fp32 it is the whole
@@ -222,20 +222,6 @@ class Ledger:
                     cur += c.nbytes
                     rows.append(f"  {e.event:<15} {c.term:<26} {c.nbytes:>+12} = {format_bytes(cur):>10}  {c.what}")
         return "\n".join(rows)
-
-
-def boundary_values(stages: Sequence[StageSpec]) -> tuple[list[tuple[Value, ...]], list[tuple[Value, ...]]]:
-    """Each stage's input and output values; a synthetic spec (no values listed) has one output
-    of ``activation_bytes`` that the stages naming it as a producer read."""
-    if any(s.outputs or s.inputs for s in stages):
-        return [s.inputs for s in stages], [s.outputs for s in stages]
-    cons = consumers_of(list(stages))
-    outs = [
-        (Value(f"{s.name or s.index}:out", s.activation_bytes, s.index, tuple(sorted(cons[s.index])), True, not cons[s.index]),)
-        for s in stages
-    ]
-    ins = [tuple(outs[p][0] for p in sorted(s.producers)) for s in stages]
-    return ins, outs
 
 
 def _borrowed(spec: StageSpec) -> tuple[tuple[str, int, int], ...]:
@@ -641,8 +627,6 @@ class _Replay:
         moved = {get_meta(n).stage for n in program.nodes if get_meta(n).kind in (AO, AF)}
         self.offloaded: dict[int, tuple[Value, ...]] = {}
         if moved:
-            from .activations import offloaded_values
-
             self.offloaded = {s: vs for s, vs in offloaded_values(program.stages).items() if s in moved}
         # a value is freed after the backward of its earliest reader that runs one; a value no
         # backward reads, once every reader's forward ran (model outputs: at the end)
@@ -834,7 +818,7 @@ def replay(
         for s, vs in sorted(rp.offloaded.items()) for v in vs
     ]  # fmt: skip
     if pinned is not None:
-        setup += pinned.changes([c for c in setup if c.tier == "host"])
+        setup += [Change(*row) for row in pinned.changes([c for c in setup if c.tier == "host"])]
     entries = [Entry("setup", "setup", tuple(setup))]
     nodes = program.nodes
     metas = [get_meta(n) for n in nodes]

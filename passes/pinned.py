@@ -40,6 +40,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .layout import STAGING
+
 __all__ = [
     "PAGE",
     "BOUNCE_BUFFERS",
@@ -154,13 +156,12 @@ class PinnedPlan:
         """Whether the plan knows buffers of key ``key`` (pinned or not)."""
         return any(kind_of(n) == key for n, _ in self.pinned + self.unpinned)
 
-    def changes(self, host: Sequence | None = None) -> list:
-        """The ledger's ``"pinned"`` tier (:data:`PINNED_TERMS`) as :class:`~shfx.passes.ledger.Change`
-        rows. ``host``: the setup's host changes of a program (:func:`shfx.passes.ledger.host_terms`):
+    def changes(self, host: Sequence | None = None) -> list[tuple[str, str, str, int]]:
+        """The ledger's ``"pinned"`` tier (:data:`PINNED_TERMS`) as ``(tier, term, what, nbytes)``
+        rows (the fields of :class:`~shfx.passes.ledger.Change`, which the ledger makes of them).
+        ``host``: the setup's host changes of a program (:func:`shfx.passes.ledger.host_terms`):
         then only the gradient and staging buffers that program allocates are counted (the plan
         reserves them for every trainable group, whichever are updated on the host)."""
-        from .ledger import Change
-
         grads: dict[int, int] | None = None
         staging: list[int] | None = None
         if host is not None:  # (their sizes as the program allocates them: data parallel's are shards)
@@ -182,8 +183,8 @@ class PinnedPlan:
                 if not staging:
                     continue
                 n = staging.pop(0)
-            out.append(Change("pinned", PINNED_TERMS[0], name, page_rounded(n, self.page)))
-        out += [Change("pinned", PINNED_TERMS[1], f"bounce buffer {i}", self.bounce_bytes) for i in range(self.bounce_buffers)]
+            out.append(("pinned", PINNED_TERMS[0], name, page_rounded(n, self.page)))
+        out += [("pinned", PINNED_TERMS[1], f"bounce buffer {i}", self.bounce_bytes) for i in range(self.bounce_buffers)]
         # the link buffers the plan does not know (made after it): pinned, in order, while they
         # fit beside all it reserves (shfx.runtime.pinned.PinnedAllocator.take)
         used = self.pinned_bytes
@@ -192,7 +193,7 @@ class PinnedPlan:
                 n = page_rounded(c.nbytes, self.page)
                 if self.budget_bytes is None or used + n <= self.budget_bytes:
                     used += n
-                    out.append(Change("pinned", PINNED_TERMS[0], c.what, n))
+                    out.append(("pinned", PINNED_TERMS[0], c.what, n))
         return out
 
     def describe(self) -> str:
@@ -259,7 +260,7 @@ def plan_for_groups(
 ) -> PinnedPlan:  # fmt: skip
     """The plan of a host store laid out as ``groups`` (:class:`shfx.passes.layout.Group`), made
     before any of its buffers exists: every group's image (``nbytes``), the gradient buffer of
-    every group with a trainable region (``grad_bytes``) and :data:`~shfx.passes.ledger.STAGING_BUFFERS`
+    every group with a trainable region (``grad_bytes``) and :data:`~shfx.passes.layout.STAGING`
     staging buffers of the largest one (``data_parallel``: one more, the buffer a borrowed
     gradient is copied through beside the local gradients' buffers). With the parameter tier
     (``Offload(params="nvme")``), the ``paged`` groups have no image or gradient buffer of their
@@ -271,11 +272,10 @@ def plan_for_groups(
     which groups are updated on the device and how many staging buffers the program uses, so
     the plan reserves a gradient buffer for every trainable group and the most staging buffers
     any program uses; :meth:`PinnedPlan.changes` counts those a program allocates."""
-    from .ledger import STAGING_BUFFERS
 
     paged = set(paged)
     grads = [g.grad_bytes if g.trainable_numel else 0 for g in groups]
-    staging = STAGING_BUFFERS + (1 if data_parallel else 0)
+    staging = STAGING + (1 if data_parallel else 0)
     cands = pinned_candidates(
         [0 if g.index in paged else g.nbytes for g in groups], [0 if g in paged else n for g, n in enumerate(grads)],
         staging, max(grads, default=0),

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .actions import AF, AG, AO, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PD, PF, PR, PW, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
-from .stages import StageSpec, backward_stages, consumers_of
+from .stages import StageSpec, backward_stages, consumers_of, offloaded_values
 from .units import format_bytes
 
 __all__ = [
@@ -781,8 +781,6 @@ def lower_actions(
             # activation offload (shfx.passes.activations): no slot; the stage's offloadable values
             spec = need_stage(pos, act)
             if offloadable is None:
-                from .activations import offloaded_values
-
                 offloadable = offloaded_values(stages)
             if s not in offloadable:
                 raise fail(

@@ -9,9 +9,10 @@ with :func:`chain`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["StageSpec", "Value", "backward_stages", "chain", "consumers_of"]
+__all__ = ["StageSpec", "Value", "backward_stages", "boundary_values", "chain", "consumers_of", "offloaded_values"]
 
 
 @dataclass(frozen=True)
@@ -228,3 +229,40 @@ def backward_stages(stages: list[StageSpec]) -> frozenset[int]:
         elif any(p in need for p in s.producers):
             need.add(s.index)
     return frozenset(need) if need else frozenset(s.index for s in stages)
+
+
+def boundary_values(stages: Sequence[StageSpec]) -> tuple[list[tuple[Value, ...]], list[tuple[Value, ...]]]:
+    """Each stage's input and output values; a synthetic spec (no values listed) has one output
+    of ``activation_bytes`` that the stages naming it as a producer read."""
+    if any(s.outputs or s.inputs for s in stages):
+        return [s.inputs for s in stages], [s.outputs for s in stages]
+    cons = consumers_of(list(stages))
+    outs = [
+        (Value(f"{s.name or s.index}:out", s.activation_bytes, s.index, tuple(sorted(cons[s.index])), True, not cons[s.index]),)
+        for s in stages
+    ]
+    ins = [tuple(outs[p][0] for p in sorted(s.producers)) for s in stages]
+    return ins, outs
+
+
+def offloaded_values(stages: Sequence[StageSpec]) -> dict[int, tuple[Value, ...]]:
+    """Stage index -> the boundary values an ``AO`` of that stage copies to the host and frees
+    (activation offload, :mod:`shfx.passes.activations`):
+    its inputs that are not model outputs, whose last forward reader is the stage (no later
+    forward needs them) and which the stage's own backward reads first (it runs one). Stages
+    with none are left out.
+
+    >>> from shfx.passes.stages import chain
+    >>> {s: [v.name for v in vs] for s, vs in offloaded_values(chain(3, activation_bytes=8)).items()}
+    {1: ['s0:out'], 2: ['s1:out']}
+    """
+    stages = list(stages)
+    back = backward_stages(stages)
+    out: dict[int, tuple[Value, ...]] = {}
+    for s, ins in zip(stages, boundary_values(stages)[0]):
+        if s.index not in back:
+            continue
+        vals = tuple(v for v in ins if not v.output and v.consumers and max(v.consumers) == s.index and v.nbytes)
+        if vals:
+            out[s.index] = vals
+    return out
