@@ -230,13 +230,13 @@ class SSDWindow:
                 self.images.append(self.store.backend.alloc_host(nbytes, self.store.pin, "image window"))
                 self._image_holder.append(None)
 
-    def _io(self, direction: str, g: int, bufs: Sequence[torch.Tensor], version: int = 0) -> None:
+    def _io(self, direction: str, g: int, bufs: Sequence[torch.Tensor], version: int = 0, extra: bool = False) -> None:
         """Read (``"read"``) or write group ``g``'s state extents (of ``version``) into / from
         ``bufs`` (in the order of its ``ssd_states``); returns when every request ended,
         raising the first one's error (never leaving one in flight, which would block the next
         request on its key)."""
         io = self.ssd.read_into if direction == "read" else self.ssd.write_from
-        names = [name for name, _ in self.layout[g]] + [name for name, _ in self.extra.get(g, ())][: max(0, len(bufs) - len(self.layout[g]))]
+        names = [name for name, _ in self.layout[g] + (self.extra.get(g, []) if extra else [])]
         keys = [(name, g) if version == 0 else (name, g, version) for name in names]
         errors = []
         reqs = []
@@ -274,18 +274,16 @@ class SSDWindow:
         every read completed (raises the store's :class:`shfx.errors.SSDIOError`)."""
         self._loading.pop(g, None)  # (a load's copies not flushed: nothing was written into them)
         b = self._claim(g, buffer)
-        if g in self.paged:  # (the parameter tier: the master too; the update stages the state)
-            self._io("read", g, self._views_of(g, b) + self._extra_views(g, b), version=self.latest(g))
-            self._read_ok[b] = True
-            self._snap = None
+        paged = g in self.paged  # (the parameter tier: the master too; the update stages the state)
+        self._io("read", g, self._views_of(g, b) + self._extra_views(g, b), version=self.latest(g), extra=paged)
+        self._read_ok[b] = True
+        self._snap = None
+        if paged:
             grp = self.store.groups[g]
             master = self.buffers[b]["master"][: grp.trainable_numel] if self.extra[g] else None
             self.store.page_state(g, master, self.buffers[b]["grad"][: grp.trainable_numel])
-            return
-        self._io("read", g, self._views_of(g, b), version=self.latest(g))
-        self._read_ok[b] = True
-        self._snap = None
-        self._stage(g, b)
+        else:
+            self._stage(g, b)
 
     def write(self, g: int) -> None:
         """SW g: write ``g``'s staged states back; the buffer is free when every write
@@ -299,11 +297,9 @@ class SSDWindow:
             with self._cond:
                 self._pending[g] = version
         else:
-            self._io("write", g, self._views_of(g, b) + (self._extra_views(g, b) if g in self.paged else []))
+            self._io("write", g, self._views_of(g, b) + self._extra_views(g, b), extra=g in self.paged)
         self._snap = None
-        if g in self.paged:
-            self.store.unpage_state(g)
-        self._free(g)
+        self._free(g)  # (a paged group's master and gradient leave the store with it)
 
     def _extra_views(self, g: int, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
