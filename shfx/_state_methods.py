@@ -48,10 +48,23 @@ class StateMethods:
         if store is None or not store.paged_keys or self._engine is None or self._engine.ssd is None:
             return
         keys = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] in store.paged_keys]
-        if keys:
+        if keys and getattr(self, "_paged_unread", False):  # (a load's targets: it overwrites them, nothing to read)
+            for k in keys:
+                state_dict[k] = torch.empty(state_dict[k].shape, dtype=state_dict[k].dtype)
+        elif keys:
             values = self._engine.ssd.read_paged([k[len(prefix) :] for k in keys])
             for k in keys:
                 state_dict[k] = values[k[len(prefix) :]]
+
+    def _load_targets(self) -> dict[str, Any]:
+        """The model's state dict as the tensors a load writes into: with the parameter tier the
+        paged tensors are fresh host tensors of their shape and dtype (the load overwrites them
+        and writes them to the SSD), not read from it."""
+        self._paged_unread = True
+        try:
+            return self.module.state_dict()
+        finally:
+            self._paged_unread = False
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
         """Load weights into the host store (through the model's own tensors; with the parameter

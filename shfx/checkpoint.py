@@ -268,7 +268,7 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     md, meta = _read_meta(path)
     cm._settle()
     _check_common(meta, path, scheduler)
-    targets = _model_targets(path, md, cm.module.state_dict(), strict)  # the model's tensors are the host store's
+    targets = _model_targets(path, md, cm._load_targets(), strict)  # the model's tensors are the host store's
     if cm.optimizer is not None:  # before the first call its load_state_dict keeps the state for it
         _load_optimizer(path, md, meta, cm.module.named_parameters(), cm.optimizer)
     _load_model(path, targets)
