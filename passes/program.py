@@ -501,16 +501,13 @@ def lower_actions(
         )
     if ssd_images and (isinstance(image_window, bool) or not isinstance(image_window, int) or image_window < 1):
         raise ScheduleError(f"groups {sorted(ssd_images)} keep their image on the SSD, so the program needs image_window >= 1, got {image_window!r}")
-    images_free = list(range(image_window if ssd_images else 0))  # image buffers, lowest first
-    image_freed_by: dict[int, fx.Node] = {}  # image buffer -> the PD/PW that last freed it
+    images = _Pool(range(image_window if ssd_images else 0))  # image buffers (freed by a PD or PW)
     image_of: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # group -> (buffer, its PR, the PFs reading it)
-    buffers_free = list(range(host_window))  # host-window buffers, lowest first
-    buffer_freed_by: dict[int, fx.Node] = {}  # buffer -> the SW that last freed it
+    buffers = _Pool(range(host_window))  # host-window buffers (freed by an SW)
     on_host: dict[int, tuple[int, fx.Node]] = {}  # group -> (buffer, its SR)
     updated: set[int] = set()  # groups on the host whose update ran since their SR
     graph = fx.Graph()
-    free = list(range(len(persistent), num_slots))  # free slots, lowest first
-    last_release: dict[int, fx.Node] = {}  # slot -> R that freed it
+    slots = _Pool(range(len(persistent), num_slots))  # slots not held by a persistent stage (freed by an R)
     # stage -> (slot, PF or None when loaded before the step, readers)
     resident: dict[int, tuple[int, fx.Node | None, list[fx.Node]]] = {s: (k, None, []) for k, s in enumerate(persistent)}
     last: dict[Action, fx.Node] = {}  # most recent node of each action
@@ -652,12 +649,10 @@ def lower_actions(
             if k == SR:
                 if s in on_host:
                     raise fail(pos, act, f"group {s}'s state is already on the host in buffer {on_host[s][0]}")
-                if not buffers_free:
+                if not buffers.free:
                     held = ", ".join(f"buffer {b}: group {g}" for g, (b, _) in sorted(on_host.items()))
                     raise fail(pos, act, f"all {host_window} host-window buffers are in use ({held}); write one back first (SW)")
-                buffer = buffers_free.pop(0)
-                if buffer in buffer_freed_by:
-                    deps.append(buffer_freed_by[buffer])
+                buffer = buffers.take(deps)
             else:
                 if s not in on_host:
                     raise fail(pos, act, f"group {s}'s state is not on the host; read it first (SR{s})")
@@ -676,12 +671,10 @@ def lower_actions(
             if k == PR:
                 if s in image_of:
                     raise fail(pos, act, f"group {s}'s image is already on the host in image buffer {image_of[s][0]}")
-                if not images_free:
+                if not images.free:
                     held = ", ".join(f"buffer {b}: group {g}" for g, (b, _, _) in sorted(image_of.items()))
                     raise fail(pos, act, f"all {image_window} image buffers are in use ({held}); free one first (PD or PW)")
-                buffer = images_free.pop(0)
-                if buffer in image_freed_by:
-                    deps.append(image_freed_by[buffer])
+                buffer = images.take(deps)
                 for kind in (ActionKind.CPU_STEP, PW):  # (this step's update of it written back first)
                     if Action(kind, s) in last:
                         deps.append(last[Action(kind, s)])
@@ -834,12 +827,10 @@ def lower_actions(
                     refresh = True
                     deps.extend(readers or ([pf] if pf is not None else []))
                 else:
-                    if not free:
+                    if not slots.free:
                         held = ", ".join(f"slot {sl}: stage {st}" for st, (sl, _, _) in sorted(resident.items()))
                         raise fail(pos, act, f"all {num_slots} slots are in use ({held}); release one first")
-                    slot = free.pop(0)
-                    if slot in last_release:
-                        deps.append(last_release[slot])
+                    slot = slots.take(deps)
                 ob = last.get(Action(ActionKind.OFFLOAD_BUFFERS, s))
                 if ob is not None and ob not in deps:
                     deps.append(ob)
@@ -956,16 +947,12 @@ def lower_actions(
         elif k == SW:
             on_host.pop(s)
             updated.discard(s)
-            buffer_freed_by[buffer] = node
-            buffers_free.append(buffer)
-            buffers_free.sort()
+            buffers.give(buffer, node)
         if k == PR:
             image_of[s] = (buffer, node, [])
         elif k in (PD, PW):
             image_of.pop(s)
-            image_freed_by[buffer] = node
-            images_free.append(buffer)
-            images_free.sort()
+            images.give(buffer, node)
         elif k == ActionKind.PREFETCH and spec.update_group in image_of:
             image_of[spec.update_group][2].append(node)
         if k == ActionKind.GRAD_NORM:
@@ -985,9 +972,7 @@ def lower_actions(
             resident[reader_of][2].append(node)
         elif k == ActionKind.RELEASE:
             sl = resident.pop(s)[0]
-            last_release[sl] = node
-            free.append(sl)
-            free.sort()
+            slots.give(sl, node)
 
     if keep_graph:
         _mark_keep_graph(graph)
@@ -998,6 +983,27 @@ def lower_actions(
         ssd_images=ssd_images, image_window=image_window if ssd_images else 0,
     )  # fmt: skip
 
+
+
+class _Pool:
+    """Numbered buffers a program hands out (slots, host-window and image buffers): :meth:`take`
+    gives the lowest free one, adding to ``deps`` the action that last freed it (the new user
+    waits for it); :meth:`give` frees one by an action."""
+
+    def __init__(self, numbers: Iterable[int]):
+        self.free = sorted(numbers)
+        self.freed_by: dict[int, fx.Node] = {}
+
+    def take(self, deps: list[fx.Node]) -> int:
+        n = self.free.pop(0)
+        if n in self.freed_by:
+            deps.append(self.freed_by[n])
+        return n
+
+    def give(self, n: int, node: fx.Node) -> None:
+        self.freed_by[n] = node
+        self.free.append(n)
+        self.free.sort()
 
 
 def _dedupe(nodes: list[fx.Node]) -> list[fx.Node]:
