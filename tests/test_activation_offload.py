@@ -127,6 +127,7 @@ import torch  # noqa: E402
 
 import shfx  # noqa: E402
 from shfx.models import GPT, GPTShape  # noqa: E402
+from zoo import seeded_steps  # noqa: E402
 
 SHAPE = GPTShape(vocab=64, seq=512, layers=6, heads=2, hidden=16, dropout=0.1)
 BATCH = 4
@@ -186,26 +187,11 @@ def test_refused_without_offload_trains_bitwise_with_it(peaks):
     model = _long_gpt()
     ref = copy.deepcopy(model)
     cm = _compile(model, cap, "host")
-    torch.manual_seed(123)
-    losses = []
-    for x, y in batches:
-        loss = cm(x, y)
-        loss.backward()
-        cm.step()
-        cm.zero_grad()
-        losses.append(loss.detach().clone())
+    losses = seeded_steps(cm, cm, batches)
     assert cm.backend.peak_bytes <= cap
     assert any(a.startswith("AO") for a in cm.variant.train.actions())
     cm.sync()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    torch.manual_seed(123)
-    ref_losses = []
-    for x, y in batches:
-        loss = ref(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.detach().clone())
+    ref_losses = seeded_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), batches)
     for a, b in zip(losses, ref_losses):
         assert torch.equal(a, b)
     for (k, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from zoo import seeded_steps
 
 import shfx
 from shfx.errors import UsageError
@@ -126,25 +127,11 @@ def _train(model, batches, offload=None, precision="fp32", **kw):
         model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
         optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=offload, precision=precision, **kw,
     )  # fmt: skip
-    return cm, _steps(cm, cm, batches)
+    return cm, seeded_steps(cm, cm, batches)
 
 
 def _eager(model, batches):
-    return _steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True), batches)
-
-
-def _steps(forward, optimizer, batches):
-    """One step per batch (forward, backward, step, zero_grad); the losses. Seeded once: every
-    step's dropout masks come from the user's stream."""
-    torch.manual_seed(123)
-    losses = []
-    for x, y in batches:
-        loss = forward(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
-    return losses
+    return seeded_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True), batches)
 
 
 def test_fp32_trains_bitwise_as_eager_with_everything_on_the_ssd(tmp_path):

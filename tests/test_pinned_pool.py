@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from zoo import gpt, gpt_tied, token_batch
+from zoo import gpt, gpt_tied, seeded_steps, token_batch
 
 import shfx
 from shfx.passes import pinned as plan_mod
@@ -422,14 +422,7 @@ def test_parameter_tier_windows_are_planned_and_a_small_budget_trains_alike(tmp_
         tier = shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=str(tmp_path / name), host_window=2)
         cm = shfx.compile(GPT(shape), device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
                           optimizer=shfx.optim.AdamW(lr=1e-2), offload=tier, precision=precision, **kw)  # fmt: skip
-        torch.manual_seed(123)  # (once: dropout draws from the user's stream)
-        losses = []
-        for x, y in batches:
-            loss = cm(x, y)
-            loss.backward()
-            cm.step()
-            cm.zero_grad()
-            losses.append(loss.detach().clone())
+        losses = seeded_steps(cm, cm, batches)  # (seeded once: dropout draws from the user's stream)
         pool, prog = cm.backend.pinned, cm.variant.train
         names = [n for n, _ in pool.plan.pinned + pool.plan.unpinned]
         assert prog.ssd_images and not any(f"image {i}" in names for i in prog.ssd_images)
