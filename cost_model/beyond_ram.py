@@ -242,51 +242,123 @@ def tier_step(
 
 @dataclass(frozen=True)
 class PublishedFigure:
-    """What a paper reports for a setup: ``claim`` in words, ``step_s`` its step time and
-    ``tflops`` its throughput when found (None: not found; never guessed), ``source`` where."""
+    """A system's published throughput for a setup, exactly as its source gives it, and that setup
+    as shfx models it. Nothing is guessed: what the sources do not give is None, and what is
+    derived from a published number (a step time from a throughput) says so and how.
+
+    Attributes:
+        system: who (``"LoHan"``).
+        claim, claim_source: a claim in the source's words, and where it is.
+        source: where the throughput is (address, file, figure).
+        setup: the testbed, as the source gives it.
+        family: the model, batch, sequence length and precision it was measured at.
+        tflops: its throughput there (in the source's FLOP count).
+        other_batches: ``(batch, TFLOP/s)`` at the same setup (``None``: out of memory).
+        step_s: its step time when published (None: not published).
+        profiles: ``(profile, what it stands for)``: shfx's profiles to predict its setup on.
+        note: what of ``family`` is not in the source's own words.
+    """
 
     system: str
-    setup: str
     claim: str
+    claim_source: str
     source: str
+    setup: str
+    family: GPTShape
+    tflops: float
+    other_batches: tuple[tuple[int, float | None], ...] = ()
     step_s: float | None = None
-    tflops: float | None = None
-    tflops_source: str = ""
+    profiles: tuple[tuple[str, str], ...] = ()
     note: str = ""
 
-    def line(self) -> str:
-        step = f"{self.step_s:.1f} s per step" if self.step_s is not None else "step time: not found"
-        tp = f"; {self.tflops:g} TFLOP/s ({self.tflops_source})" if self.tflops is not None else ""
-        return f"{self.system} ({self.source}): {self.claim}; {step}{tp}" + (f" ({self.note})" if self.note else "")
+    def lines(self) -> list[str]:
+        """The published facts, one line each: the claim, then the throughput with its setup."""
+        f = self.family
+        others = ", ".join(f"{t:g} at batch {b}" if t is not None else f"out of memory at batch {b}" for b, t in self.other_batches)
+        step = f"{self.step_s:.1f} s per step" if self.step_s is not None else "step time: not published"
+        return [
+            f"{self.system} ({self.claim_source}): \"{self.claim}\"",
+            f"{self.system} ({self.source}): {self.setup}: {self.tflops:g} TFLOP/s at batch {f.batch} x seq {f.seq}, "
+            f"{f.precision}" + (f" ({others})" if others else "") + f"; {step}" + (f" ({self.note})" if self.note else ""),
+        ]
+
+    def implied_step_s(self, family: GPTShape | None = None, *, flops: str = "shfx") -> float:
+        """The step the published rate would take for ``family`` (default: its own setup), with a
+        FLOP count: ``"shfx"``, :func:`~shfx.cost_model.formulas.flops_per_iteration` (the blocks'
+        recompute included, as :meth:`TierStep.tflops` counts); ``"6N"``, ``6 N b s`` (none).
+        Derived, not published: the source's own FLOP count is not stated.
+
+        >>> round(LOHAN_175B.implied_step_s()), round(LOHAN_175B.implied_step_s(flops="6N"))
+        (267, 198)
+        """
+        f = family or self.family
+        if flops == "shfx":
+            n = float(flops_per_iteration(f.layers, f.hidden, f.seq, f.batch, f.vocab))
+        elif flops == "6N":
+            n = 6.0 * f.num_params() * f.batch * f.seq
+        else:
+            raise ValueError(f"flops must be 'shfx' or '6N', got {flops!r}")
+        return n / (self.tflops * 1e12)
+
+    def derived(self) -> str:
+        """The step its published rate implies at its own setup, under both FLOP counts."""
+        n = self.implied_step_s() * self.tflops * 1e12
+        return (
+            f"{self.system}'s step, derived (not published): {n / 1e15:.1f} PFLOP per step at its setup (shfx's count, "
+            f"96 b s l h^2 (1 + s/6h + V/16lh), recompute included) / {self.tflops:g} TFLOP/s = {self.implied_step_s():.0f} s; "
+            f"{self.implied_step_s(flops='6N'):.0f} s with 6 N b s (no recompute); its own FLOP count is not stated"
+        )
 
     def compare(self, step: TierStep, family: GPTShape) -> str:
-        """The prediction beside the published throughput: shfx's model TFLOP/s, the step the
-        published rate would be at this size and batch (same FLOP count), and the SSD bandwidth
-        that step would need for the predicted bytes (reads and writes one after the other)."""
-        ours = f"predicted {step.tflops(family):.1f} TFLOP/s (model FLOPs with recompute over the {step.step_s:.0f} s step)"
-        if self.tflops is None:
-            return ours
-        at = step.step_s * step.tflops(family) / self.tflops
+        """The prediction at ``family`` (another setup than the published one) beside the published
+        rate: shfx's step and model TFLOP/s, the step the published rate would take at this size
+        and batch (the same FLOP count), and the SSD bandwidth that step would need for the
+        predicted bytes (reads and writes one after the other)."""
+        at = self.implied_step_s(family.with_layers(step.layers))
         t = step.traffic
-        need = (t.ssd_read_bytes + t.ssd_write_bytes) / at / 1e9 if t.ssd else 0.0
+        ssd = t.ssd_read_bytes + t.ssd_write_bytes
+        need = f", needing {ssd / at / 1e9:.0f} GB/s of SSD bandwidth for this step's {ssd / 1e12:.2f} TB" if ssd else ""
         return (
-            f"{ours} vs {self.system}'s {self.tflops:g}: a {at:.0f} s step at this batch"
-            + (f", which would need {need:.0f} GB/s of SSD bandwidth for this step's {(t.ssd_read_bytes + t.ssd_write_bytes) / 1e12:.2f} TB" if need else "")
+            f"predicted {step.step_s:.0f} s (bottleneck {step.bottleneck}), {step.tflops(family):.1f} TFLOP/s at batch "
+            f"{family.batch} x seq {family.seq}, {family.precision}; {self.system}'s {self.tflops:g} would be a {at:.0f} s step here{need}"
         )
+
+    def at_setup(self, tier: str | None, *, window: int = 2, overlap_updates: bool = True) -> list[str]:
+        """shfx's prediction at the published setup (its ``family``) on each of ``profiles``,
+        beside the published rate (as a step with shfx's FLOP count)."""
+        f, ours = self.family, self.implied_step_s()
+        out = []
+        for name, what in self.profiles:
+            st = tier_step(f, name, tier, window=window, overlap_updates=overlap_updates)
+            out.append(
+                f"at {self.system}'s setup (batch {f.batch} x seq {f.seq}, {f.precision}) on {name} ({what}): predicted "
+                f"{st.step_s:.0f} s (bottleneck {st.bottleneck}), {st.tflops(f):.1f} TFLOP/s vs {self.system}'s {self.tflops:g} "
+                f"({ours:.0f} s with the same FLOP count)"
+            )
+        return out
 
 
 LOHAN_175B = PublishedFigure(
     system="LoHan",
-    setup="GPT 175B, RTX 4090, 256 GB main memory, NVMe SSDs",
     claim="the first to fine-tune a 175B model on an RTX 4090 and 256 GB main memory",
-    source="arXiv 2403.06504v2, abstract",
-    step_s=None,
-    tflops=87.0,
-    tflops_source=(
-        "GPT-3 175B on the 4090, the paper's first version (Fuyou, arXiv 2403.06504v1, its 175B throughput figure) as "
-        "quoted by a secondary summary (onlyaistuff.com: 'It achieves 87 TFLOPS on 4090 and 172 TFLOPS on A100-80GB when "
-        "fine-tuning a GPT-3 175B model'); not read from the paper, and its batch, host RAM and SSD count not confirmed"
+    claim_source="arXiv 2403.06504v2, abstract",
+    source="github.com/RC4ML/LoHan, the paper's ICDE 2025 artifact, evaluation_data.md, Figure 7(b)",
+    setup=(
+        "GPT 175B (96 layers, 96 heads, hidden 12288) on one RTX 4090; testbed 2x Xeon Gold 5320, 768 GB DDR4, "
+        "12x Intel D7-P5510 3.84 TB SSDs in RAID-0"
     ),
-    note="no step time for this setup found in the sources searched; none is invented here",
+    family=GPTShape(layers=96, hidden=12288, heads=96, seq=1024, batch=16, vocab=50257, precision="fp16"),
+    tflops=86.9,
+    other_batches=((8, 52.6), (32, None)),
+    profiles=(
+        ("RTX4090-24GB", "one consumer SSD"),
+        ("RTX4090-24GB-12xNVMe", "LoHan's 12 drives at spec-sheet rates, summed: an upper bound"),
+    ),
+    note=(
+        "seq 1024 and fp16: the artifact's main.py defaults, --max_seq_len 1024 and the model .half(), "
+        "not read from the paper; its GPT has no LM head"
+    ),
 )
-"""LoHan's published result for the setup of issue 26's ``shfx plan`` check."""
+"""LoHan's published 175B throughput on one RTX 4090, beside which ``shfx plan --model gpt3-175b``
+prints its predictions (issue 26). The paper's first version's 175B figure, "87 TFLOPS on 4090"
+as a secondary summary quotes it, matches this 86.9 rounded."""

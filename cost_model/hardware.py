@@ -230,6 +230,21 @@ PROFILES["RTX4090-24GB"] = Hardware(
     ssd_write_bps=6 * GB,
 )
 
+# RTX 4090 with LoHan's SSDs: the profile above with the twelve Intel (Solidigm) D7-P5510 3.84 TB
+# drives of LoHan's testbed striped (RAID-0) instead of one consumer drive. The testbed: "Dual Intel
+# Xeon Gold 5320 CPU", "768 GB 3200 MHz DDR4 (16 channels in total)", one RTX 4090, "12x D7-P5510
+# 3.84 TB SSD" (github.com/RC4ML/LoHan, the paper's ICDE 2025 artifact, evaluation_data.md; its
+# make_raid.sh makes /dev/nvme0n1..nvme11n1 one mdadm level-0 array). Per drive 6,500 MB/s sequential
+# read and 3,400 MB/s write (Solidigm's D7-P5510 figures for the 3.84 TB model as a KX kdb+ file-system
+# benchmark's test-setup table quotes them; not read from Solidigm's page here).
+# NOTE: 12 x those (78 / 40.8 GB/s) is an estimate and an upper bound: spec-sheet rates summed, as if
+# the array striped perfectly; the artifact does not publish the array's measured rate. Host RAM,
+# cores and memory bandwidth stay the RTX4090-24GB profile's (256 GiB; the testbed had 768 GB:
+# --host 768GB).
+PROFILES["RTX4090-24GB-12xNVMe"] = replace(
+    PROFILES["RTX4090-24GB"], name="RTX4090-24GB-12xNVMe", ssd_read_bps=12 * 6.5 * GB, ssd_write_bps=12 * 3.4 * GB
+)
+
 # H100 (PCIe 5) with four NVMe drives striped (RAID-0), as DeepNVMe reads and writes them: the
 # device, link and host of "H100-80GB-PCIe5" above, the SSD figures DeepNVMe measured with four
 # NVMe SSDs in RAID-0 and CPU buffers: "10GB/sec reads and 5GB/sec writes" (DeepSpeed blog

@@ -591,10 +591,14 @@ def _run_plan(args: argparse.Namespace) -> int:
             if args.model == "gpt3-175b":
                 from shfx.cost_model.beyond_ram import LOHAN_175B, tier_step
 
-                print(f"  published: {LOHAN_175B.line()}")
+                for line in LOHAN_175B.lines():
+                    print(f"  published: {line}")
+                print(f"  {LOHAN_175B.derived()}")
                 t = next((t for t in tiers if "+act-" in t), tiers[-1])
                 st = tier_step(family.with_layers(args.layers), target, t, window=args.window, overlap_updates=args.overlap_updates)
-                print(f"  stronghold+{t}: {LOHAN_175B.compare(st, family)}")
+                print(f"  stronghold+{t}, this setup: {LOHAN_175B.compare(st, family)}")
+                for line in LOHAN_175B.at_setup(t, window=args.window, overlap_updates=args.overlap_updates):
+                    print(f"  stronghold+{t}, {line}")
     if args.layers is not None:
         print(f"\nat {args.layers} layers ({family.with_layers(args.layers).num_params() / 1e9:.2f} B params):")
         from shfx.cost_model.planner import updates_on_device

@@ -329,17 +329,47 @@ def test_four_drives_shorten_the_ssd_bound_by_their_bandwidth():
 
 
 def test_lohan_figure_is_cited_not_invented():
-    assert LOHAN_175B.step_s is None and "2403.06504" in LOHAN_175B.source
-    assert "step time: not found" in LOHAN_175B.line()
-    # its throughput, quoted with where it comes from; the comparison is the same FLOP count
-    assert LOHAN_175B.tflops == 87.0 and "2403.06504v1" in LOHAN_175B.tflops_source
+    # exactly as the artifact's evaluation_data.md gives Figure 7(b), and no step time (not published)
+    f = LOHAN_175B
+    assert f.step_s is None and "step time: not published" in f.lines()[1]
+    assert "github.com/RC4ML/LoHan" in f.source and "evaluation_data.md, Figure 7(b)" in f.source
+    assert f.tflops == 86.9 and f.other_batches == ((8, 52.6), (32, None))
+    assert (f.family.layers, f.family.heads, f.family.hidden, f.family.batch) == (96, 96, 12288, 16)
+    assert "12x Intel D7-P5510 3.84 TB SSDs in RAID-0" in f.setup and "768 GB DDR4" in f.setup
+    assert "arXiv 2403.06504v2, abstract" in f.lines()[0] and "256 GB main memory" in f.lines()[0]
+    # what is not the artifact's own words says so: seq 1024 and fp16 are its script's defaults
+    assert (f.family.seq, f.family.precision) == (1024, "float16") and "main.py defaults" in f.note
+    # the derived step: the published rate over a FLOP count, shfx's (recompute included) or 6 N b s
+    fb, sb = f.family.batch, f.family.seq
+    flops = 96 * fb * sb * L * h * h * (1 + sb / (6 * h) + V / (16 * L * h))  # REFERENCE.md, full recompute
+    assert f.implied_step_s() == pytest.approx(flops / 86.9e12, rel=1e-12)
+    assert f.implied_step_s(flops="6N") == pytest.approx(6 * f.family.num_params() * fb * sb / 86.9e12, rel=1e-12)
+    assert f"= {flops / 86.9e12:.0f} s" in f.derived() and "(not published)" in f.derived()
+
+
+def test_lohan_comparison_at_this_setup_and_at_its_own():
     step = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host")
-    flops = 96 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))  # REFERENCE.md, full recompute
+    flops = 96 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     assert step.tflops(GPT3) == pytest.approx(flops / step.step_s / 1e12, rel=1e-12)
-    at = flops / 87e12
+    at = flops / 86.9e12
     line = LOHAN_175B.compare(step, GPT3)
-    assert f"a {at:.0f} s step at this batch" in line
+    assert f"predicted {step.step_s:.0f} s (bottleneck ssd)" in line and f"would be a {at:.0f} s step here" in line
     assert f"{(step.traffic.ssd_read_bytes + step.traffic.ssd_write_bytes) / at / 1e9:.0f} GB/s of SSD bandwidth" in line
+    # at LoHan's batch, sequence and precision, on one SSD and on its twelve drives
+    one, twelve = LOHAN_175B.at_setup("nvme-all+act-host")
+    for line, name in ((one, "RTX4090-24GB"), (twelve, "RTX4090-24GB-12xNVMe")):
+        st = tier_step(LOHAN_175B.family, PROFILES[name], "nvme-all+act-host")
+        assert f"on {name} (" in line and f"predicted {st.step_s:.0f} s (bottleneck {st.bottleneck})" in line
+        assert f"{st.tflops(LOHAN_175B.family):.1f} TFLOP/s vs LoHan's 86.9 ({LOHAN_175B.implied_step_s():.0f} s" in line
+    a = tier_step(LOHAN_175B.family, PROFILES["RTX4090-24GB"], "nvme-all+act-host")
+    c = tier_step(LOHAN_175B.family, PROFILES["RTX4090-24GB-12xNVMe"], "nvme-all+act-host")
+    assert a.bottleneck == "ssd" and c.bottleneck == "compute" and a.traffic == c.traffic
+
+
+def test_the_12_drive_profile_is_the_4090_with_lohans_drives():
+    p = PROFILES["RTX4090-24GB-12xNVMe"]
+    assert (p.ssd_read_bps, p.ssd_write_bps) == (12 * 6.5e9, 12 * 3.4e9)
+    assert replace(p, name="RTX4090-24GB", ssd_read_bps=7e9, ssd_write_bps=6e9) == PROFILES["RTX4090-24GB"]
 
 
 # ---- shfx plan ------------------------------------------------------------------------------------
@@ -362,8 +392,12 @@ def test_cli_plan_shows_the_175b_gpt_trainable_on_the_4090(capsys):
     row = lines["stronghold+nvme-all+act-host:"]
     step = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host", window=2)
     assert "fits (tightest: device: working set (one block))" in row and f"step {step.step_s:.1f} s (bottleneck ssd)" in row
-    assert "published: LoHan (arXiv 2403.06504v2, abstract)" in out and "step time: not found" in out
-    assert "stronghold+nvme-all+act-host: predicted " in out and "vs LoHan's 87" in out
+    assert "published: LoHan (arXiv 2403.06504v2, abstract)" in out and "step time: not published" in out
+    assert "published: LoHan (github.com/RC4ML/LoHan" in out and "86.9 TFLOP/s at batch 16 x seq 1024" in out
+    assert "LoHan's step, derived (not published): " in out
+    assert "stronghold+nvme-all+act-host, this setup: predicted " in out and "LoHan's 86.9 would be a " in out
+    assert "stronghold+nvme-all+act-host, at LoHan's setup (batch 16 x seq 1024, float16) on RTX4090-24GB (" in out
+    assert "stronghold+nvme-all+act-host, at LoHan's setup (batch 16 x seq 1024, float16) on RTX4090-24GB-12xNVMe (" in out
     # updates not overlapped: the gradients' SSD round trip in the step
     assert main(args + ["--model", "gpt3-175b", "--policies", "stronghold", "--tiers", "nvme-all+act-host", "--no-overlap-updates"]) == 0
     slow = tier_step(GPT3, PROFILES["RTX4090-24GB"], "nvme-all+act-host", window=2, overlap_updates=False)
