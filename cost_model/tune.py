@@ -19,6 +19,12 @@ fewest SSD stalls), every H = 1..(groups on the SSD) is simulated and the smalle
 time is within ``tolerance`` of the fastest H (and whose host memory fits ``host_capacity_bytes``,
 when given) is taken, as W is: host RAM then holds H groups' states instead of every group's.
 :attr:`TuneResult.host_rows` has the table and :attr:`TuneResult.reason` says why.
+
+With the parameter tier (``param_tier=True``: images, masters and gradients on the SSD too) each
+candidate gets its image reads and write-backs before the features; with ``image_window="auto"``
+the image buffers I are chosen with H (from the fewest the chosen window's order needs to three
+more): among the (H, I) that fit, the one holding the least host memory within ``tolerance`` of
+the fastest.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shfx.passes.features import PassRefused, run_passes
-from shfx.passes.policies import Policy, Stronghold, ZeroInfinity, resolve_policy
-from shfx.passes.program import Program
+from shfx.passes.policies import Policy, Stronghold, ZeroInfinity, add_param_tier, least_image_window, resolve_policy
+from shfx.passes.program import Program, ScheduleError
 from shfx.passes.schedule import data_parallel_program
 from shfx.passes.stages import StageSpec
 from shfx.passes.units import format_bytes, format_seconds
@@ -76,6 +82,7 @@ class HostWindowRow:
     bottleneck: str
     timeline: Timeline = field(repr=False, compare=False)
     policy: Policy | None = field(default=None, repr=False, compare=False)
+    image_window: int | None = None  # the parameter tier's image buffers (None: without it)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class TuneResult:
     policy: Policy | None = None  # the chosen policy, every "auto" field a number
     host_window: int | None = None  # the chosen host window (the NVMe tier), None without it
     host_rows: list[HostWindowRow] = field(default_factory=list)  # one per host window tried
+    image_window: int | None = None  # the parameter tier's image buffers of the chosen program (None: without it)
 
     def row(self, window: int, resident_first: int | None = None) -> WindowRow:
         k = self.resident_first if resident_first is None else resident_first
@@ -170,13 +178,17 @@ class TuneResult:
         if not self.host_rows:
             return ""
         best = min(r.step_s for r in self.host_rows if r.fits) if any(r.fits for r in self.host_rows) else None
-        lines = [f"  {'H':>3}  {'step (pred.)':>13}  {'host memory':>12}  {'of which window':>15}  {'fits':>4}  {'SSD on path':>11}  {'vs best':>8}"]
+        icol = any(r.image_window is not None for r in self.host_rows)  # (the parameter tier: H and I)
+        ww, of = (16, "of which windows") if icol else (15, "of which window")
+        lines = [f"  {'H':>3}" + (f"  {'I':>3}" if icol else "")
+                 + f"  {'step (pred.)':>13}  {'host memory':>12}  {of:>{ww}}  {'fits':>4}  {'SSD on path':>11}  {'vs best':>8}"]  # fmt: skip
         for r in self.host_rows:
-            mark = "  <- chosen" if r.host_window == self.host_window else ""
+            mark = "  <- chosen" if (r.host_window, r.image_window) == (self.host_window, self.image_window) else ""
             rel = f"{100 * (r.step_s / best - 1):+.1f}%" if best else ""
             lines.append(
-                f"  {r.host_window:>3}  {format_seconds(r.step_s):>13}  {format_bytes(r.host_bytes):>12}  "
-                f"{format_bytes(r.window_bytes):>15}  {'yes' if r.fits else 'no':>4}  {format_seconds(r.ssd_s):>11}  {rel:>8}{mark}"
+                f"  {r.host_window:>3}" + (f"  {r.image_window:>3}" if icol else "")
+                + f"  {format_seconds(r.step_s):>13}  {format_bytes(r.host_bytes):>12}  "
+                f"{format_bytes(r.window_bytes):>{ww}}  {'yes' if r.fits else 'no':>4}  {format_seconds(r.ssd_s):>11}  {rel:>8}{mark}"
             )
         return "\n".join(lines)
 
@@ -292,6 +304,10 @@ def tune_window(
     host_capacity_bytes: int | None = None,
     ranks: int = 1,
     features: Sequence[tuple[Any, dict]] = (),
+    param_tier: bool = False,
+    image_window: int | str | None = None,
+    masters: bool = False,
+    host_bytes: Callable[[Program], int] | None = None,
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -325,6 +341,14 @@ def tune_window(
             candidate before it is timed, so the tuner prices the program that will run
             (updates in ``step()``, the journal's copies ``SN``, fp16's unscales ``US``); a
             candidate a pass refuses is left out.
+        param_tier: the parameter tier (``Offload(params="nvme")``): each candidate gets its
+            image reads and write-backs (:func:`~shfx.passes.policies.add_param_tier`, ``masters``
+            its fp32 masters too) before the features, with ``image_window`` image buffers: an
+            int, None (the fewest the candidate's order needs, plus one) or ``"auto"``: chosen
+            with the host window H, over the fewest the order needs to three more, by H's rule.
+        host_bytes: the host memory of a candidate program (default: the ledger's static host
+            terms of :func:`shfx.passes.ledger.replay`), what ``host_capacity_bytes`` bounds; a
+            compiled model passes its variant's (its groups' real masters and working copies).
 
     Raises:
         NoWindowFits: when no window fits the budget (or no host window the host budget).
@@ -342,17 +366,27 @@ def tune_window(
         raise ValueError(f"ranks must be an int >= 1 (data-parallel processes), got {ranks!r}")
     n = len(specs)
     pol = resolve_policy(policy, "auto") if not isinstance(policy, Policy) else policy
+    tune_i = param_tier and image_window == "auto"
+    if image_window is not None and not param_tier:
+        raise ValueError("image_window sets the parameter tier's image buffers: it needs param_tier=True")
+    if image_window is not None and image_window != "auto" and (isinstance(image_window, bool) or not isinstance(image_window, int) or image_window < 1):
+        raise ValueError(f"image_window must be an int >= 1, None or 'auto', got {image_window!r}")
     tune_h = "host_window" in pol.auto
     if not pol.windowed and not tune_h:
         raise ValueError(f"policy {pol.name!r} has no window to tune")
-    if tune_h and ranks > 1:
+    if (tune_h or param_tier) and ranks > 1:
         raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled; tune without one of them")
+    lower = _Lowering(specs, features, param_tier, masters, host_bytes)
+    hw_fixed = None if tune_h else getattr(pol, "host_window", None)
     if tune_h:
         # NOTE: (k, W) are chosen at the largest host window (no SSD stall the window could
         # hide), then H at the chosen (k, W); H barely moves the device side, W not the host
         pol = pol.replace(host_window=n)
+    host_grid = tune_h or tune_i
+    iw_first = None if tune_i else image_window  # ((k, W) with the default image buffers when I is tuned)
     if not pol.windowed:
-        return _tune_host_window(specs, costs, pol, tolerance, host_windows, host_capacity_bytes, rollback, None, features)
+        return _tune_host_window(lower, costs, pol, tolerance, host_windows if tune_h else [hw_fixed], host_capacity_bytes,
+                                 rollback, None, image_window)  # fmt: skip
     has_k = "resident_first" in pol.options()
     if resident_first is not None:
         if not has_k:
@@ -378,9 +412,13 @@ def tune_window(
     for k, w in pairs:
         concrete = pol.replace(window=w, **({"resident_first": k} if has_k else {}))
         try:
-            prog = run_passes(concrete.program(specs), features)
+            prog = lower(concrete, iw_first)
         except PassRefused:
             continue  # (a feature this candidate cannot run: clipping in step() with device updates)
+        except ScheduleError:
+            if not param_tier:
+                raise
+            continue  # (a fixed image_window fewer than this window's order needs)
         tl = simulate(data_parallel_program(prog, ranks), costs, rollback=rollback)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
@@ -412,54 +450,102 @@ def tune_window(
         resident_first=chosen.resident_first,
         policy=chosen.policy,
     )
-    if tune_h:
+    if param_tier:
+        assert chosen.policy is not None
+        result.image_window = lower(chosen.policy, iw_first).image_window
+    if host_grid:
         assert chosen.policy is not None
         h = chosen.policy.program(specs).host_window  # (a function policy has no placement: its program says)
-        result.reason = f"At the largest host window (H={h}): " + result.reason
-        return _tune_host_window(specs, costs, chosen.policy, tolerance, host_windows, host_capacity_bytes, rollback, result, features)
+        result.reason = f"At the largest host window (H={h}): " + result.reason if tune_h else result.reason
+        return _tune_host_window(lower, costs, chosen.policy, tolerance, host_windows if tune_h else [hw_fixed],
+                                 host_capacity_bytes, rollback, result, image_window)  # fmt: skip
     return result
 
 
+class _Lowering:
+    """A candidate policy's program as the training would run it: the policy's lowering, the
+    parameter tier (``param_tier``: with ``image_window`` buffers, None the default), the
+    configuration's feature passes; and its host memory (``host_bytes``, default the ledger's)."""
+
+    def __init__(self, specs: Sequence[StageSpec], features: Sequence[tuple[Any, dict]], param_tier: bool, masters: bool,
+                 host_bytes: Callable[[Program], int] | None):  # fmt: skip
+        self.specs, self.features, self.param_tier, self.masters = specs, features, param_tier, masters
+        self._host_bytes = host_bytes
+
+    def __call__(self, concrete: Policy, image_window: int | None = None) -> Program:
+        prog = concrete.program(self.specs)
+        if self.param_tier:
+            prog = add_param_tier(prog, image_window, masters=self.masters)
+        return run_passes(prog, self.features)
+
+    def least_image_window(self, concrete: Policy) -> int:
+        return least_image_window(concrete.program(self.specs))
+
+    def host_terms(self, prog: Program) -> tuple[int, int]:
+        """The host bytes of ``prog`` and, of them, its SSD windows' buffers."""
+        from shfx.passes.ledger import HOST_WINDOW, IMAGE_WINDOW, replay
+
+        host = replay(prog).static("host")
+        need = self._host_bytes(prog) if self._host_bytes is not None else sum(host.values())
+        return need, host.get(HOST_WINDOW, 0) + host.get(IMAGE_WINDOW, 0)
+
+
 def _tune_host_window(
-    specs: Sequence[StageSpec],
+    lower: _Lowering,
     costs: CostModel,
     pol: Policy,
     tolerance: float,
-    host_windows: Sequence[int] | None,
+    host_windows: Sequence[int | None] | None,
     host_capacity_bytes: int | None,
     rollback: bool | float,
     result: TuneResult | None,
-    features: Sequence[tuple[Any, dict]] = (),
+    image_window: int | str | None = None,
 ) -> TuneResult:
-    """Choose the host window of ``pol`` (its other fields concrete): the smallest H within
-    ``tolerance`` of the fastest H that fits ``host_capacity_bytes``."""
-    from shfx.passes.ledger import HOST_WINDOW, replay
-
+    """Choose the host window of ``pol`` (its other fields concrete), and with the parameter
+    tier and ``image_window="auto"`` its image buffers too: among the (H, I) whose host memory
+    fits ``host_capacity_bytes``, the one holding the least host memory whose step time is within
+    ``tolerance`` of the fastest (without the tier: the smallest such H)."""
+    specs = lower.specs
     groups = len(pol.replace(host_window=1).program(specs).ssd_groups)
     if not groups:
         raise ValueError(f"{pol!r} puts no optimizer state on the SSD (every group is updated on the device): no host window to tune")
     hs = sorted(set(host_windows)) if host_windows is not None else list(range(1, groups + 1))
-    if not hs or hs[0] < 1:
+    if not hs or hs[0] is None or hs[0] < 1:
         raise ValueError(f"host_windows must be ints >= 1, got {host_windows!r}")
+    if image_window == "auto":
+        least = max(1, lower.least_image_window(pol.replace(host_window=1)))
+        paged = len(lower(pol.replace(host_window=1), least).ssd_images)
+        iws: list[int | None] = list(range(least, max(least, min(least + 3, paged)) + 1))
+    else:
+        iws = [image_window]
     rows: list[HostWindowRow] = []
     for h in hs:
-        concrete = pol.replace(host_window=h)
-        prog = run_passes(concrete.program(specs), features)
-        tl = simulate(prog, costs, rollback=rollback)
-        host = replay(prog).static("host")
-        need = sum(host.values())
-        fits = host_capacity_bytes is None or need <= host_capacity_bytes
-        rows.append(HostWindowRow(h, tl.step_s, need, host.get(HOST_WINDOW, 0), tl.by_resource.get("ssd", 0.0), fits, tl.bottleneck, tl, concrete))
+        for iw in iws:
+            concrete = pol.replace(host_window=h)
+            try:
+                prog = lower(concrete, iw)
+            except ScheduleError:
+                if not lower.param_tier:
+                    raise
+                continue  # (a fixed image_window fewer than this order needs)
+            tl = simulate(prog, costs, rollback=rollback)
+            need, window = lower.host_terms(prog)
+            fits = host_capacity_bytes is None or need <= host_capacity_bytes
+            rows.append(HostWindowRow(h, tl.step_s, need, window, tl.by_resource.get("ssd", 0.0), fits, tl.bottleneck, tl,
+                                      concrete, prog.image_window if lower.param_tier else None))  # fmt: skip
+    if not rows:
+        raise ScheduleError(f"image_window={image_window} is fewer than {pol!r}'s order needs (the least: {lower.least_image_window(pol)})")
     feasible = [r for r in rows if r.fits]
     if not feasible:
         small = min(rows, key=lambda r: r.host_bytes)
+        what = f"H={small.host_window}" + (f", I={small.image_window}" if small.image_window is not None else "")
         raise NoWindowFits(
-            f"no host window fits the host budget of {format_bytes(host_capacity_bytes or 0)}: even H={small.host_window} "
+            f"no host window fits the host budget of {format_bytes(host_capacity_bytes or 0)}: even {what} "
             f"needs {format_bytes(small.host_bytes)} of host memory (masters, gradients and the window's buffers)",
             rows,
         )
-    best = min(feasible, key=lambda r: (r.step_s, r.host_window))
-    chosen = min((r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)), key=lambda r: r.host_window)
+    best = min(feasible, key=lambda r: (r.step_s, r.host_bytes))
+    chosen = min((r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)), key=lambda r: (r.host_bytes, r.host_window, r.image_window or 0))
     why = _explain_host(rows, chosen, best, tolerance, host_capacity_bytes, groups)
     if result is None:  # the window was not tuned: a one-row window table of the chosen program
         tl = chosen.timeline
@@ -467,6 +553,7 @@ def _tune_host_window(
         row = WindowRow(w, tl.step_s, tl.peak_device_bytes, True, tl.bottleneck, dict(tl.by_resource), tl, 0, chosen.policy)
         result = TuneResult([row], w, w, tolerance, None, "", getattr(costs, "source", ""), 0, chosen.policy)
     result.host_window = chosen.host_window
+    result.image_window = chosen.image_window
     result.host_rows = rows
     result.policy = chosen.policy
     result.reason = (result.reason + " " if result.reason else "") + why
@@ -474,23 +561,33 @@ def _tune_host_window(
 
 
 def _explain_host(rows: list[HostWindowRow], chosen: HostWindowRow, best: HostWindowRow, tolerance: float, capacity: int | None, groups: int) -> str:
+    def name(r: HostWindowRow) -> str:
+        return f"H={r.host_window}" + (f", I={r.image_window}" if r.image_window is not None else "")
+
+    tier = chosen.image_window is not None
+    images = f"{chosen.image_window} image" + ("s" if chosen.image_window != 1 else "")
+    what = (f"{chosen.host_window} of the {groups} groups' masters, gradients and optimizer states and {images}"
+            if tier else f"{chosen.host_window} of the {groups} groups' optimizer states")  # fmt: skip
     parts = [
-        f"Host window {chosen.host_window} (of {groups} groups on the SSD): predicted {format_seconds(chosen.step_s)} per step, "
-        + ("the fastest" if chosen.host_window == best.host_window else
-           f"within {100 * tolerance:.0f}% of the fastest (H={best.host_window}, {format_seconds(best.step_s)})")
-        + f"; host RAM holds {chosen.host_window} of the {groups} groups' optimizer states at a time "
-        f"({format_bytes(chosen.window_bytes)} of window buffers)."
+        (f"Host window {chosen.host_window}, image window {chosen.image_window}" if tier else f"Host window {chosen.host_window}")
+        + f" (of {groups} groups on the SSD): predicted {format_seconds(chosen.step_s)} per step, "
+        + ("the fastest" if chosen is best else
+           f"within {100 * tolerance:.0f}% of the fastest ({name(best)}, {format_seconds(best.step_s)})")
+        + f"; host RAM holds {what} at a time ({format_bytes(chosen.window_bytes)} of window buffers)."
     ]  # fmt: skip
-    smaller = [r for r in rows if r.host_window < chosen.host_window and r.fits]
+    smaller = [r for r in rows if r.host_bytes < chosen.host_bytes and r.fits]
+    unfit = [r for r in rows if not r.fits]
     if smaller:
-        s = smaller[-1]
+        s = max(smaller, key=lambda r: r.host_bytes)
         parts.append(
-            f"H={s.host_window} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower: each read there waits for the "
+            f"{name(s)} would be {100 * (s.step_s / chosen.step_s - 1):.0f}% slower: each read there waits for the "
             f"write-back that frees its buffer (critical path: {format_seconds(s.ssd_s)} on the SSD, bottleneck {s.bottleneck})."
         )
     elif chosen.ssd_s > 0.05 * chosen.step_s:
-        parts.append(f"The SSD is on the critical path for {format_seconds(chosen.ssd_s)}: a larger window hides no more of it.")
-    unfit = [r for r in rows if not r.fits]
+        larger = "a larger window that fits hides no more of it" if unfit else "a larger window hides no more of it"
+        parts.append(f"The SSD is on the critical path for {format_seconds(chosen.ssd_s)}: {larger}.")
     if unfit and capacity is not None:
-        parts.append(f"H>={unfit[0].host_window} does not fit: it needs {format_bytes(unfit[0].host_bytes)} of {format_bytes(capacity)} host memory.")
+        u = min(unfit, key=lambda r: r.host_bytes)
+        label = name(u) if tier else f"H>={u.host_window}"  # (without the tier host memory grows with H)
+        parts.append(f"{label} does not fit: it needs {format_bytes(u.host_bytes)} of {format_bytes(capacity)} host memory.")
     return " ".join(parts)

@@ -35,7 +35,7 @@ from .ledger import HostOptimizerStates, Ledger, host_terms, pool_sizes, replay
 from .pinned import PinnedPlan
 from .lowering import check_window, checked_stages
 from .partition import StageGraph, partition_stages
-from .policies import Policy, add_param_tier, resolve_policy
+from .policies import Policy, Stronghold, add_param_tier, least_image_window, resolve_policy
 from .actions import ActionKind
 from .meta import get_meta
 from .program import Program, ScheduleError
@@ -44,9 +44,9 @@ from .schedule import cold_backward_program, eval_program
 from .stages import StageSpec
 from .verify import verify_program
 
-__all__ = ["PipelineOptions", "Variant", "compile_variant", "with_policy", "build_programs"]
+__all__ = ["PipelineOptions", "Variant", "compile_variant", "with_policy", "build_programs", "probe_policy", "probe_variant"]
 
-Chooser = Callable[[Captured, StageGraph, Policy], Policy]
+Chooser = Callable[[Captured, StageGraph, Policy], "Policy | tuple[Policy, dict]"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class PipelineOptions:
     loss_scaling: bool = False
     activations: Any = "device"
     param_tier: bool = False
-    image_window: int | None = None
+    image_window: int | str | None = None
     optimizer: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -296,15 +296,44 @@ def candidate_passes(program: Program) -> list:
     )  # fmt: skip
 
 
-def with_policy(variant: Variant, policy: Policy | str, *, verify: bool = True, ranks: int | None = None) -> Variant:
+def with_policy(
+    variant: Variant, policy: Policy | str, *, verify: bool = True, ranks: int | None = None, image_window: Any = "same"
+) -> Variant:
     """The same stages lowered with another policy (a probe program for the profiler, another
     policy for the planner): no new capture. ``ranks``: data-parallel processes (None: the
-    variant's own)."""
+    variant's own). ``image_window``: the parameter tier's image buffers (default the variant's)."""
     pol = resolve_policy(policy)
     ranks = variant.train.ranks if ranks is None else ranks
-    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify, ranks=ranks, **feature_options(variant.train))
+    opts = feature_options(variant.train)
+    if image_window != "same":
+        opts["image_window"] = image_window
+    train, ev, cold = build_programs(variant.graph.specs, pol, verify=verify, ranks=ranks, **opts)
     done = tuple(p for p in variant.passes if p in ("capture", "capture-dynamic", "partition", "retarget"))
     return dataclasses.replace(variant, policy=pol, train=train, eval=ev, cold=cold, passes=done + ("lower", "derive"))
+
+
+def probe_policy(policy: Any, param_tier: bool) -> Policy:
+    """The policy of the profiler's probe programs (one stage on the device at a time) for a
+    training with ``policy``: ``Stronghold(window=1)``; with the parameter tier the same groups
+    on the SSD as ``policy``'s (its ``resident_first``) and the NVMe tier with one host-window
+    buffer: the least host memory any training of the tier holds, so the profile needs none the
+    training does not."""
+    if not param_tier:
+        return Stronghold(window=1)
+    k = getattr(policy, "resident_first", 0)
+    return Stronghold(window=1, resident_first=k if isinstance(k, int) else 0, nvme=True, host_window=1)
+
+
+def probe_variant(variant: Variant, window: int = 1, *, ranks: int | None = 1, verify: bool = True) -> Variant:
+    """``variant``'s stages under :func:`probe_policy` with ``window`` (the profiler's probes:
+    1, and 2 for its pipelined compute step), with the same features; with the parameter tier
+    the fewest image buffers the probe's order needs
+    (:func:`~shfx.passes.policies.least_image_window`)."""
+    tier = bool(variant.train.ssd_images)
+    pol = probe_policy(variant.policy, tier).replace(window=window)
+    if not tier:
+        return with_policy(variant, pol, verify=verify, ranks=ranks)
+    return with_policy(variant, pol, verify=verify, ranks=ranks, image_window=least_image_window(pol.program(variant.graph.specs)))
 
 
 def compile_variant(
@@ -349,10 +378,16 @@ def compile_variant(
             st.gm = retarget_device(st.gm, options.device)
         passes.append("retarget")
     policy = options.policy
-    if policy.auto:
+    if policy.auto or options.image_window == "auto":
         if choose is None:
-            raise ScheduleError(f"{policy!r} leaves {', '.join(policy.auto)} to the tuner, and no chooser was given")
-        policy = choose(captured, graph, policy)
+            auto = list(policy.auto) + (["image_window"] if options.image_window == "auto" else [])
+            raise ScheduleError(f"{policy!r} leaves {', '.join(auto)} to the tuner, and no chooser was given")
+        chosen = choose(captured, graph, policy)
+        if isinstance(chosen, tuple):  # (the policy and the build options the tuner chose: the tier's image_window)
+            policy, extra = chosen
+            options = dataclasses.replace(options, **extra)
+        else:
+            policy = chosen
         passes.append("choose")
     verify = options.verify or options.verify_each_pass
     train, ev, cold = build_programs(

@@ -65,6 +65,7 @@ __all__ = [
     "add_ssd_tier",
     "add_param_tier",
     "param_tier_groups",
+    "least_image_window",
     "Stronghold",
     "Resident",
     "L2L",
@@ -505,6 +506,21 @@ def param_tier_groups(program: Program) -> frozenset[int]:
         if st.update_group in program.ssd_groups and st.update_group not in shared
         and not st.buffer_out_bytes and not st.recompute_buffer_bytes
     )  # fmt: skip
+
+
+def least_image_window(program: Program) -> int:
+    """The fewest image buffers the parameter tier needs over ``program`` (a program with the
+    NVMe tier, before :func:`add_param_tier`): the most images its order holds at once when
+    each is read right before its first use; 0 when no group's image can live on the SSD.
+
+    >>> from shfx.passes.stages import chain
+    >>> least_image_window(Stronghold(window=1, nvme=True, host_window=1).program(chain(3)))
+    1
+    """
+    groups = param_tier_groups(program)
+    if not groups:
+        return 0
+    return image_window_needed([get_meta(n).action for n in program.nodes], program.stages, groups)
 
 
 def add_param_tier(program: Program, image_window: int | None = None, masters: bool = False) -> Program:

@@ -19,8 +19,8 @@ from shfx.passes.actions import KINDS
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import StageGraph
 from shfx.passes.pinned import plan_for_groups
-from shfx.passes.pipeline import Variant, build_programs, compile_variant, with_policy
-from shfx.passes.policies import Policy, Stronghold
+from shfx.passes.pipeline import Variant, build_programs, compile_variant, probe_policy, with_policy
+from shfx.passes.policies import Policy, Stronghold, least_image_window
 from shfx.passes.program import ActionKind, Program
 
 from shfx.cost_model.report import WindowReport
@@ -233,6 +233,7 @@ class CompiledModel(StateMethods):
         self._store: HostStore | None = None
         self._param_ssd: Any = None  # the parameter tier's SSD store, from the host store's layout to the window
         self._paged_hook: Any = None  # the parameter tier's state_dict hook on the model
+        self._pinned_windows: tuple[int, int] | None = None  # the (image, gradient) windows the pinned plan has
         # per model tensor in the host store: (key, tensor, its data_ptr, owning module and name
         # and requires_grad for a parameter): what __call__ checks the model against
         self._bound: list[Bound] = []
@@ -342,14 +343,29 @@ class CompiledModel(StateMethods):
     ) -> Variant:
         groups = self._store.groups if self._store is not None else None
 
-        def choose(captured: Captured, graph: StageGraph, policy: Policy) -> Policy:
-            self._ensure_store(captured, graph)
+        def choose(captured: Captured, graph: StageGraph, policy: Policy) -> Policy | tuple[Policy, dict]:
+            opts = self._options
+            probe = probe_policy(policy, opts.param_tier)
+            # (with activation offload the probe offloads too: it must fit where the training does;
+            # with the parameter tier its groups' images are on the SSD as in training, with the
+            # fewest buffers: the host store is laid out for it, paged, before the profile)
+            least = least_image_window(probe.program(graph.specs)) if opts.param_tier else None
+            pv = Variant(captured.signature, captured, graph, probe, *build_programs(
+                graph.specs, probe, activations=opts.activations, param_tier=opts.param_tier, image_window=least or None,
+                masters=opts.param_tier and captured.working_dtype is not None,
+            ))  # fmt: skip
+            tier = pv if pv.train.ssd_images else None
+            if tier is not None and self._store is None:  # (the least any choice holds; the choice is bounded below)
+                check_host_budget(pv, self.offload.host_budget_bytes, self._config.grad_accum_steps)
+            self._ensure_store(captured, graph, tier)
+            if tier is not None:  # (the probe's windows: the SSD store and its window before the profile)
+                ensure_ssd(self._engine, self._store, self.offload, pv, self._param_ssd)
+                self._param_ssd = None
             self._check_one_stage(graph)
-            probe = Stronghold(window=1)
-            # (with activation offload the probe offloads too: it must fit where the training does)
-            pv = Variant(captured.signature, captured, graph, probe, *build_programs(graph.specs, probe, activations=self._options.activations))
             report = self._tune(pv, tensors, policy, how="auto")
             self._reports[captured.signature] = report
+            if opts.image_window == "auto" and report.tune.image_window is not None:
+                return report.tune.policy, {"image_window": report.tune.image_window}
             return report.tune.policy
 
         dynamic_failed: tuple[list[DynamicDim], Exception] | None = None
@@ -375,9 +391,11 @@ class CompiledModel(StateMethods):
                 stacklevel=4,
             )
         warn_unused_window(variant, stacklevel=4)
-        if self._store is None and self.offload is not None:  # (before anything is laid out)
+        if self.offload is not None:  # (before anything is laid out, or the windows grow to the tuner's choice)
             check_host_budget(variant, self.offload.host_budget_bytes, self._config.grad_accum_steps)
         self._ensure_store(variant.captured, variant.graph, variant)
+        if self.pin_memory and variant.train.ssd_images:
+            self._plan_pinned(variant.graph, variant.train)
         if self.offload is not None and self.offload.activations == "auto":  # (the stages chosen from the costs)
             variant = narrow_activation_offload(variant, self._engine, tensors, self._backend.capacity_bytes)
         self._store.ensure_staging(variant.staging_buffers(self._config.grad_accum_steps))
@@ -403,11 +421,7 @@ class CompiledModel(StateMethods):
                 self._param_ssd, spill = param_tier_store(self.offload, variant)
                 paged = variant.train.ssd_images
             if self.pin_memory:  # the pinned pool's plan (refused here, before training, when the budget is too small)
-                tier = variant.train if paged else None  # (the parameter tier: its window buffers take the paged groups' places)
-                self._backend.pinned.set_plan(plan_for_groups(
-                    graph.groups, self._config.pinned, data_parallel=self._dp is not None, paged=paged,
-                    image_window=tier.image_window if tier else 0, gradient_window=tier.host_window if tier else 0,
-                ))  # fmt: skip
+                self._plan_pinned(graph, variant.train if paged else None)
             self._store = HostStore(
                 self._backend, graph.groups, model_tensors, pin=self.pin_memory, dp=self._dp, paged=paged, spill=spill,
             )  # (data parallel: broadcasts rank 0's weights, collectively)
@@ -423,6 +437,22 @@ class CompiledModel(StateMethods):
                     )
                 if k in self._store.tensors:
                     self._store.tensors[k].copy_(t)
+
+    def _plan_pinned(self, graph: StageGraph, tier: Program | None) -> None:
+        """The pinned pool's plan for the host store of ``graph`` (``tier``: a program with the
+        parameter tier, whose window buffers take the paged groups' places); planned again when a
+        later program's windows are larger (the tuner's choice after the probe's least windows)."""
+        windows = (tier.image_window, tier.host_window) if tier is not None else (0, 0)
+        planned = self._pinned_windows
+        if planned is not None:
+            if windows[0] <= planned[0] and windows[1] <= planned[1]:
+                return
+            windows = (max(windows[0], planned[0]), max(windows[1], planned[1]))
+        self._pinned_windows = windows
+        self._backend.pinned.set_plan(plan_for_groups(
+            graph.groups, self._config.pinned, data_parallel=self._dp is not None, paged=tier.ssd_images if tier is not None else (),
+            image_window=windows[0], gradient_window=windows[1],
+        ))  # fmt: skip
 
     def _ssd_rates(self) -> tuple[float, float]:
         """The SSD's read and write bytes/s for the tuner: the emulated rates of the Offload spec,
@@ -450,16 +480,12 @@ class CompiledModel(StateMethods):
         # (mixed precision: the profile's steps take the inputs as a call gives them, cast to the
         # 16-bit dtype; ``tensors`` are the call's own, kept for report() and retune())
         tensors = cast_inputs(tensors, variant.captured.working_dtype)
-        if self._store is not None and self._store.paged:
-            raise UsageError(
-                "cm.report() and cm.retune() profile probe programs whose prefetches read the images from host RAM, which "
-                "the parameter tier (Offload(params='nvme')) keeps on the SSD: not run yet. Its step program simulates "
-                "with the costs of the same model profiled without the tier: shfx.cost_model.simulate.simulate("
-                "cm.variant.train, costs) (benchmarks/param_tier.py does it)"
-            )
+        off = self.offload
         return tune_variant(
             self._engine, self._backend, variant, tensors, policy, how, tolerance=self.tune_tolerance,
             rollback=self._config.rollback, ssd_rates=self._ssd_rates, refresh=refresh,
+            host_budget=off.host_budget_bytes if off is not None else None, image_window=self._options.image_window,
+            grad_accum_steps=self._config.grad_accum_steps,
         )  # fmt: skip
 
     # ---- running ---------------------------------------------------------------------------
@@ -734,9 +760,12 @@ class CompiledModel(StateMethods):
         how = "auto" if policy.auto else "fixed"
         tensors = self._last_tensors or []
         report = self._tune(v, tensors, policy if how == "auto" else v.policy, how, refresh=True)
-        if how == "auto" and report.tune.policy != v.policy:
+        # (the parameter tier with image_window="auto": its image buffers are the tuner's too)
+        iw = report.tune.image_window if self._options.image_window == "auto" and v.train.ssd_images else v.train.image_window
+        if how == "auto" and (report.tune.policy != v.policy or iw != v.train.image_window):
             verify = self._config.verify or self._config.verify_each_pass
-            new = dataclasses.replace(with_policy(v, report.tune.policy, verify=verify), passes=v.passes)
+            new = with_policy(v, report.tune.policy, verify=verify, **({"image_window": iw} if v.train.ssd_images else {}))
+            new = dataclasses.replace(new, passes=v.passes)
             moved = sorted(set(new.device_groups) ^ set(v.device_groups))
             if eng.dp is not None and moved:
                 # NOTE: every rank has rank 0's choice, so every rank refuses alike. Moving a group
@@ -750,6 +779,12 @@ class CompiledModel(StateMethods):
                 )
             self._check_capacity(new)
             self._check_deferrable(new)
+            if new.train.ssd_groups:  # (the NVMe tier: the new windows within the host budget, then allocated)
+                if self.offload.host_budget_bytes is not None:
+                    check_host_budget(new, self.offload.host_budget_bytes, self._config.grad_accum_steps)
+                if self.pin_memory and new.train.ssd_images:
+                    self._plan_pinned(new.graph, new.train)
+                ensure_ssd(eng, self._store, self.offload, new, None)
             eng.replace_variant(v, new)
             for sig, x in self._variants.items():
                 if x is v:

@@ -561,7 +561,7 @@ def _check_nvme_supported(c: Config) -> None:
 
 def _check_param_tier(c: Config) -> None:
     """``Offload(params="nvme")``: what the parameter tier runs with (each refusal "not run yet",
-    docs/usage.md): one process, AdamW, the Stronghold policy with its window given, updates
+    docs/usage.md): one process, AdamW, the Stronghold policy (``resident_first`` given), updates
     overlapped with the backward (each gradient lands in its group's host window and is used at
     once), no accumulation, clipping, rollback or delayed update."""
     from .optim import AdamW
@@ -575,9 +575,9 @@ def _check_param_tier(c: Config) -> None:
     if getattr(pol, "name", None) != "stronghold":
         why.append((f"policy={getattr(pol, 'name', pol)!r}", "the gradients wait in the host window for their update, "
                     "which only an update during the backward keeps short", "policy=shfx.Stronghold(window=...)"))
-    elif pol.window == "auto" or getattr(pol, "resident_first", 0) == "auto":
-        why.append(("window='auto'/resident_first='auto'", "the tuner's profile runs probe programs on images in host RAM",
-                    "Stronghold(window=2) (an int), resident_first an int"))
+    elif getattr(pol, "resident_first", 0) == "auto":
+        why.append(("resident_first='auto'", "the groups whose images live on the SSD are laid out before the tuner runs, "
+                    "and they depend on how many first stages stay on the device", "resident_first=<int>"))
     if c.grad_accum_steps != 1:
         why.append((f"grad_accum_steps={c.grad_accum_steps}", "the gradient would have to wait on the SSD between backwards",
                     "grad_accum_steps=1"))
@@ -587,8 +587,6 @@ def _check_param_tier(c: Config) -> None:
         why.append(("max_grad_norm", "exact clipping holds every gradient until the total norm is known", "max_grad_norm=None"))
     if c.rollback:
         why.append(("rollback (fp16, skip_nonfinite)", "the undo copies of images on the SSD are not built", "precision='bf16' or 'fp32', rollback=False"))
-    if c.offload.host_window == "auto":
-        why.append(("host_window='auto'", "the tuner does not size the parameter tier's windows yet", "Offload(host_window=2, ...)"))
     if why:
         lines = "; ".join(f"{what}: {reason} (use {fix})" for what, reason, fix in why)
         raise UsageError(f"Offload(params='nvme') (the parameter tier) is not run yet with: {lines}")

@@ -21,8 +21,7 @@ class Offload:
     ``shfx.compile(model, offload=spec)`` turns the tier on: the spec sets the policy's fields
     (``Stronghold``/``ZeroInfinity`` ``nvme=True``, and ``host_window`` unless ``"auto"``, which
     leaves the policy's own), and the first call makes the SSD store under ``path``
-    (docs/usage.md, "NVMe tier"). ``params="nvme"`` is planned (``shfx plan``) but not run yet:
-    ``shfx.compile`` refuses it.
+    (docs/usage.md, "NVMe tier"; ``params="nvme"``: "Parameter tier").
 
     Args:
         optimizer: ``"host"`` (AdamW ``m`` and ``v`` in host RAM, as today) or ``"nvme"`` (on the
@@ -45,7 +44,14 @@ class Offload:
             number of bytes/s): requests are throttled to it so schedules and budgets can be
             tested on any disk. ``None``: the real disk's speed.
         host_window: how many groups' SSD-held copies are in host RAM at a time (an int >= 1), or
-            ``"auto"`` (the tuner's choice).
+            ``"auto"`` (the tuner's choice: the fewest within the tolerance of the fastest that
+            fit ``host_budget``).
+        image_window: the parameter tier's image buffers: an int >= 1, None (the fewest the
+            schedule needs, plus one read ahead) or ``"auto"`` (the tuner's choice, with
+            ``host_window``'s rule).
+        host_budget: the host memory the training may hold (``"64GiB"``, bytes): the ledger's
+            host terms are checked against it before anything is laid out, and the tuner's
+            ``"auto"`` windows are chosen among those that fit it.
         activations: where the checkpointed boundary activations wait between a stage's forward
             and its backward: ``"device"`` (as today), ``"host"`` (every stage that can, copied to
             pinned host buffers after its forward and back before its backward: ``AO``/``AF``
@@ -68,7 +74,7 @@ class Offload:
     host_window: int | Literal["auto"] = "auto"
     activations: Literal["device", "host", "nvme", "auto"] = "device"
     gradients: Literal["host", "nvme"] = "host"
-    image_window: int | None = None
+    image_window: int | Literal["auto"] | None = None
     host_budget: int | str | None = None
 
     def __post_init__(self) -> None:
@@ -86,8 +92,11 @@ class Offload:
                 "holds them for the update): pass params='nvme', gradients='nvme', optimizer='nvme'"
             )
         iw = self.image_window
-        if iw is not None and (isinstance(iw, bool) or not isinstance(iw, int) or iw < 1):
-            raise ValueError(f"Offload image_window must be an int >= 1 (images in host RAM at a time) or None (the fewest the schedule needs, plus one), got {iw!r}")
+        if iw is not None and iw != "auto" and (isinstance(iw, bool) or not isinstance(iw, int) or iw < 1):
+            raise ValueError(
+                f"Offload image_window must be an int >= 1 (images in host RAM at a time), None (the fewest the schedule "
+                f"needs, plus one) or 'auto' (the tuner's choice), got {iw!r}"
+            )
         if iw is not None and self.params != "nvme":
             raise ValueError("Offload image_window sets the parameter tier's image buffers: it needs params='nvme'")
         if self.host_budget is not None:

@@ -49,8 +49,7 @@ import torch
 
 from shfx.cost_model.costs import CostTable, Links, ProfileStats, StageCost
 from shfx.passes.meta import get_meta
-from shfx.passes.pipeline import Variant, with_policy
-from shfx.passes.policies import Stronghold
+from shfx.passes.pipeline import Variant, probe_variant
 from shfx.passes.program import ActionKind
 
 from .runtime.engine import Engine
@@ -476,7 +475,8 @@ class _Snapshot:
         self.engine = engine
         st = engine.store
         self.grad_state = list(st.grad_state)
-        self.grads = {g: st.grad(g).clone() for g, s in enumerate(st.grad_state) if s == GRAD_VALID}
+        # (a paged group's gradient lives in its window buffer during its step only: none to keep)
+        self.grads = {g: st.grad(g).clone() for g, s in enumerate(st.grad_state) if s == GRAD_VALID and g not in st.paged}
         self.current = engine.current
         self.buffers = []
         for stage in variant.graph.stages:
@@ -579,14 +579,20 @@ def _profile(
     # NOTE: one-rank probes, also under data parallel: a timing step reduces nothing (its local
     # gradients are dropped, shfx.runtime.gradients), so each rank profiles on its own, as many
     # rounds as it needs, without a collective that the other ranks would have to match
-    probe = with_policy(variant, Stronghold(window=1), ranks=1)
+    # (the parameter tier: the probes keep its groups on the SSD, one host-window buffer and the
+    # fewest image buffers: their reads are actions as in training, their backward updates nothing)
+    probe = probe_variant(variant, 1)
     program = probe.train
+    tier = bool(program.ssd_images)
     emulated = engine.backend.name == "emulated"
     # NOTE: compute timed alone runs 3-12% faster than inside a pipelined step, where copy,
     # host and optimizer threads share the processor (benchmarks/sim_accuracy.py); so on the
     # emulated device the compute costs come from pipelined steps of the window-2 program (no
     # update), measured with the device's real links, and the serialized step gives the gap.
-    pipe_v = with_policy(variant, Stronghold(window=2), ranks=1) if emulated and len(specs) > 1 else None
+    # With the parameter tier the compute costs come from the serialized step (as on CUDA): the
+    # window-2 probe would hold more image buffers than a window-1 training may have room for
+    # in its host budget.
+    pipe_v = probe_variant(variant, 2) if emulated and len(specs) > 1 and not tier else None
     cap = engine.backend.capacity_bytes
     if pipe_v is not None and cap is not None and pipe_v.ledger().peak("device") > cap:
         # NOTE: a device with room for one slot but not two (the training runs window 1):
@@ -632,6 +638,9 @@ def _profile(
 
     with engine.profiling(), _Snapshot(engine, variant), links.buffers():
         engine.ensure_pool((pipe_v or probe).slot_sizes)
+        if tier:  # (the training's windows are at least the probe's: nothing new in a later profile)
+            engine.ssd.ensure(program.host_window)
+            engine.ssd.ensure_images(program.image_window)
         est, samples, stats = run_rounds(
             one_round, family, rounds=rounds, max_rounds=max_rounds, tolerance=tolerance, budget=budget
         )  # fmt: skip

@@ -445,7 +445,7 @@ def test_state_dict_and_checkpoint_read_the_ssd(tmp_path):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(offload="params"), r"params='nvme'\) \(the parameter tier\) is not run yet with: host_window='auto'"),
+        (dict(offload="params", policy=shfx.Stronghold(resident_first="auto")), r"params='nvme'\) \(the parameter tier\) is not run yet with: resident_first='auto'"),
         (dict(optimizer="sgd"), "SGD without momentum keeps no optimizer state"),
         (dict(policy=shfx.Resident()), "updates every group on the device"),
         (dict(policy=shfx.Stronghold(nvme=True, host_window=2)), "give it in one place"),

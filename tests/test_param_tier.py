@@ -243,7 +243,7 @@ def test_checkpoint_round_trip(tmp_path):
         (dict(grad_accum_steps=2), r"grad_accum_steps=2"),
         (dict(overlap_update=False), r"overlap_update=False"),
         (dict(policy=shfx.ZeroInfinity()), r"policy='zero-infinity'"),
-        (dict(policy=shfx.Stronghold(window="auto")), r"window='auto'"),
+        (dict(policy=shfx.Stronghold(window="auto", resident_first="auto")), r"resident_first='auto'"),
         (dict(precision="fp16"), r"rollback"),
         (dict(optimizer=shfx.optim.SGD(lr=0.1, momentum=0.9)), r"optimizer=SGD"),
     ],
@@ -266,6 +266,74 @@ def test_a_host_budget_too_small_is_refused_before_the_store(tmp_path):
     assert isinstance(model.transformer.h[1].attn.c_attn.weight.untyped_storage().nbytes(), int)
     assert not torch.isnan(model.transformer.h[1].attn.c_attn.weight).any()  # the model's weights are untouched
     cm.close()
+
+
+def test_the_tuner_chooses_the_windows_within_the_host_budget():
+    from shfx.cost_model.costs import CostTable, Links, StageCost
+    from shfx.cost_model.tune import tune_window
+
+    specs = chain(6, prefetch_bytes=500_000)
+    costs = CostTable([StageCost(1.0, 3.0, update_s=0.5)] * 6, Links(1e6, 1e6, ssd_read_bps=2e6, ssd_write_bps=2e6))
+    pol = Stronghold(window="auto", nvme=True, host_window="auto")
+    free = tune_window(specs, costs, policy=pol, param_tier=True, image_window="auto")
+    hs, iws = {r.host_window for r in free.host_rows}, {r.image_window for r in free.host_rows}
+    assert hs == set(range(1, 7)) and min(iws) >= 1 and len(iws) > 1  # H over 1..groups, I from the least on
+    prog = free.policy.program(specs)
+    assert free.image_window >= 1 and prog.host_window == free.host_window
+    chosen = next(r for r in free.host_rows if (r.host_window, r.image_window) == (free.host_window, free.image_window))
+    fastest = min(r.step_s for r in free.host_rows)
+    assert chosen.step_s <= fastest * 1.02 + 1e-12  # within the tolerance of the fastest
+    assert all(r.host_bytes >= chosen.host_bytes for r in free.host_rows if r.step_s <= fastest * 1.02)  # the least memory of those
+    assert "  I  " in free.host_table() and "image window" in free.reason
+    # a host budget below the chosen pair's memory: the least memory that fits
+    least = min(r.host_bytes for r in free.host_rows)
+    tight = tune_window(specs, costs, policy=pol, param_tier=True, image_window="auto", host_capacity_bytes=least)
+    assert [(r.host_window, r.image_window) for r in tight.host_rows if r.fits] == [(tight.host_window, tight.image_window)]
+    assert "does not fit: it needs" in tight.reason
+    from shfx.cost_model.tune import NoWindowFits
+
+    with pytest.raises(NoWindowFits, match=r"even H=1, I=\d+ needs"):
+        tune_window(specs, costs, policy=pol, param_tier=True, image_window="auto", host_capacity_bytes=least - 1)
+    # a fixed image window: the windows whose order needs more are left out
+    fixed = tune_window(specs, costs, policy=pol, param_tier=True, image_window=1)
+    assert {r.image_window for r in fixed.host_rows} == {1} and fixed.window in (1, 6)
+
+
+def test_auto_windows_profile_through_the_ssd_and_train_bitwise_as_eager(tmp_path):
+    # window, host window and image window all "auto", under a host budget: the first call lays
+    # the store out paged for the probe (one host-window buffer, the fewest image buffers), profiles
+    # (its backward updates nothing: PW and SW free unwritten), and the tuner chooses among the
+    # windows whose ledger fits the budget; dropout draws from the user's stream (seeded once), so
+    # the profile must leave it where it was
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    ref = copy.deepcopy(model)
+    batches = _batches(3)
+    off = shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=str(tmp_path), image_window="auto",
+                       nvme_read="200MB/s", nvme_write="200MB/s", host_budget="300KiB")  # fmt: skip
+    cm = shfx.compile(
+        model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window="auto"),
+        optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=off,
+    )  # fmt: skip
+    try:
+        losses = seeded_steps(cm, cm, batches)
+        assert all(torch.equal(a, b) for a, b in zip(losses, _eager(ref, batches)))
+        tune = cm.report().tune
+        train = cm.variant.train
+        assert (train.host_window, train.image_window) == (tune.host_window, tune.image_window)
+        assert (cm.engine.ssd.host_window, len(cm.engine.ssd.images)) == (train.host_window, train.image_window)
+        host = sum(cm.variant.ledger().static("host").values())
+        assert cm.engine.host_bytes() == host <= 300 * 1024
+        assert any(not r.fits for r in tune.host_rows)  # (the budget bounded the choice)
+        assert not cm.engine.pending_updates and not cm.engine.ssd.where and not cm.engine.ssd.image_at
+        rep = cm.retune()  # (profiles through the SSD again, between steps)
+        assert rep.tune.host_rows and cm.engine.host_bytes() <= 300 * 1024
+        loss = cm(*batches[0])
+        loss.backward()
+        cm.step()
+        assert torch.isfinite(loss)
+    finally:
+        cm.close()
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shfx.passes.actions import KINDS
+from shfx.passes.actions import KINDS, PW, SR, SW
 from shfx.passes.attention import training_forward
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
@@ -256,24 +256,32 @@ class Engine:
         skip_updates: bool,
         serial: bool = False,
         into: list[tuple[fx.Node, Token]] | None = None,
+        profile: bool = False,
     ) -> list[tuple[fx.Node, Token]]:
         """Issue ``nodes`` in order, appending ``(node, token)`` to ``into`` as they are issued
         (so an interrupt part-way leaves the caller every token to wait for); with ``serial``
-        each waits for the previous one to finish (the profiler times actions in isolation)."""
+        each waits for the previous one to finish (the profiler times actions in isolation).
+        ``profile``: a profiler's backward (``skip_updates``), whose parameter-tier actions run
+        without their update."""
         issued: list[tuple[fx.Node, Token]] = [] if into is None else into
+        paged = self.ssd.paged if self.ssd is not None and skip_updates and profile else frozenset()
         for node in nodes:
             meta = get_meta(node)
-            if KINDS[meta.kind].update and skip_updates:
+            # NOTE: the parameter tier without its updates (the profiler's timing steps): a paged
+            # group's SR still gives its gradient a window buffer, its PW and SW free the buffers
+            # unwritten (ActionHandlers.run_tier_unupdated); every other update is skipped
+            tier = meta.kind in (SR, PW, SW) and meta.stage in paged
+            if KINDS[meta.kind].update and skip_updates and not tier:
                 continue
             deps = [ctx.env[d] for d in program.deps(node) if d in ctx.env]
             try:
-                tok = self._issue_action(ctx, meta, deps, cold)
+                tok = self.handlers.run_tier_unupdated(ctx, meta, deps) if tier else self._issue_action(ctx, meta, deps, cold)
             except BaseException as e:  # synchronous failure (CUDA issue path, bad state)
                 tok = DoneToken(str(meta.action), e)
             tok.label = str(meta.action)
             ctx.env[node] = tok
             issued.append((node, tok))
-            if KINDS[meta.kind].update:
+            if KINDS[meta.kind].update and not tier:
                 self.pending_updates.append((str(meta.action), tok))
             if serial:
                 tok.wait()
@@ -580,7 +588,7 @@ class Engine:
                             if scale is not None:  # as autograd's gradient of (loss * scale), fp32 scale
                                 gr = (gr.to(torch.float32) * scale).to(gr.dtype)
                             ctx.add_grad(v, gr)
-                self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued)
+                self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued, profile=profile)
                 compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
                 for _, tok in compute:
                     _settle(tok)

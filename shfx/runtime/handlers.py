@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shfx.passes.actions import KINDS
+from shfx.passes.actions import KINDS, PW, SR
 from shfx.passes.capture import CAPTURE_GATE
 from shfx.passes.partition import Stage
 from shfx.passes.pipeline import Variant
@@ -160,6 +160,18 @@ class ActionHandlers:
         """PW g: the updated image back to the SSD; its buffer is free when the token completes."""
         w = self._images(m)
         return w.write_stream.submit(self._timed(lambda: w.write_image(m.stage), m), deps, str(m.action))
+
+    def run_tier_unupdated(self, ctx: StepContext, m: ActionMeta, deps: list[Token]) -> Token:
+        """A paged group's ``SR``/``PW``/``SW`` in a backward without updates (the profiler's
+        timing steps): ``SR`` reads as always (the group's gradient lands in its window buffer),
+        ``PW`` frees the image buffer and ``SW`` the window buffer without writing (nothing
+        changed: no update ran)."""
+        w = self._images(m)
+        g = m.stage
+        if m.kind == SR:
+            return self.run_ssd_read(ctx, m, deps, False)
+        fn = (lambda: w.drop_image(g)) if m.kind == PW else (lambda: w.release(g))
+        return w.write_stream.submit(self._timed(fn, m), deps, str(m.action))
 
     def _data_parallel(self, m: ActionMeta) -> DataParallelRuntime:
         eng = self.engine

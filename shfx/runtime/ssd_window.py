@@ -301,6 +301,14 @@ class SSDWindow:
         self._snap = None
         self._free(g)  # (a paged group's master and gradient leave the store with it)
 
+    def release(self, g: int) -> None:
+        """Free group ``g``'s host-window buffer without writing it back (a backward that ran no
+        update: the profiler's timing steps; nothing in it changed)."""
+        if g not in self.where:
+            raise RuntimeError(f"group {g}'s optimizer state is not in a host-window buffer: nothing to release")
+        self._snap = None
+        self._free(g)
+
     def _extra_views(self, g: int, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
         return [buf[name][:n] for name, n in self.extra.get(g, ())]
