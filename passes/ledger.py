@@ -427,8 +427,11 @@ def host_terms(
     working = list(working_bytes or ())
     paged = [o for o in ssd if o.update_group in ssd_images]
     at = {g: g for g in owners} if group_bytes else {g: i for i, g in enumerate(owners)}
-    if ssd_masters:  # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
-        for o in ssd:
+    # the masters on the SSD: every SSD group's with ssd_masters; with the parameter tier
+    # (ssd_images) its own groups' only (a tied group's stays in RAM beside its image)
+    mastered = [o for o in ssd if not ssd_images or o.update_group in ssd_images] if ssd_masters else []
+    if mastered:  # (group_bytes is indexed by group; the synthetic default, by owner in stage order)
+        for o in mastered:
             masters[at[o.update_group]] -= o.update_bytes
     image_out = []  # the parameter tier: the images on the SSD
     for o in paged:
@@ -460,11 +463,10 @@ def host_terms(
             for o in host
             if o not in ssd
         ]
-    if ssd_masters:
-        out += [Change("ssd", "master parameters (fp32)", f"master weights of group {o.update_group}", o.update_bytes) for o in ssd]
+    out += [Change("ssd", "master parameters (fp32)", f"master weights of group {o.update_group}", o.update_bytes) for o in mastered]
     if ssd:
         # each buffer holds what one SSD read brings (ssd_bytes_of, with this optimizer's states)
-        per = max(_states_of(o, optimizer_states, optimizer) + (o.update_bytes if ssd_masters else 0) for o in ssd)
+        per = max(_states_of(o, optimizer_states, optimizer) + (o.update_bytes if o in mastered else 0) for o in ssd)
         per += max((o.update_bytes for o in paged), default=0)  # (the parameter tier: the gradient too)
         out += [Change("host", HOST_WINDOW, f"host-window buffer {i}", per) for i in range(host_window)]
         if paged:

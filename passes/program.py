@@ -645,7 +645,8 @@ def lower_actions(
             if s not in ssd_groups:
                 where = f"only groups {sorted(ssd_groups)} are" if ssd_groups else "no group is"
                 raise fail(pos, act, f"group {s}'s optimizer state is not placed on the SSD ({where}; ssd_groups=...)")
-            nbytes = ssd_bytes_of(by_index[owner_of[s]], ssd_masters)
+            # (the parameter tier moves only its own groups' masters: a tied group's stays in RAM)
+            nbytes = ssd_bytes_of(by_index[owner_of[s]], ssd_masters and (not ssd_images or s in ssd_images))
             if k == SR:
                 if s in on_host:
                     raise fail(pos, act, f"group {s}'s state is already on the host in buffer {on_host[s][0]}")

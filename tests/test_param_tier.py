@@ -170,6 +170,8 @@ def test_bf16_trains_bitwise_as_the_all_in_ram_run(tmp_path):
     try:
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
         assert cm.variant.train.ssd_masters
+        # the runtime's host memory is the ledger's (the tied embedding's fp32 master stays in RAM)
+        assert cm.engine.host_bytes() == sum(cm.variant.ledger().static("host").values())
         sd, ref_sd = cm.state_dict(), cm_ref.state_dict()
         for k in ref_sd:
             assert torch.equal(sd[k], ref_sd[k]), k
