@@ -49,7 +49,10 @@ The simulator mirrors how :class:`shfx.runtime.engine.Engine` executes a program
   ``ssd_read_bps``/``ssd_write_bps``, both at ``ssd_duplex`` times their rate while the other
   queue also moves bytes (the same fluid model as the link, on its own). A CPU_STEP of an SSD
   group waits for its read, the write-back for the update, a read for the write-back that freed
-  its host-window buffer (the program's edges).
+  its host-window buffer (the program's edges). Activations on the SSD (``AW``/``AR``,
+  ``Offload(activations="nvme")``) share these two queues, in issue order: an ``AW`` moves the
+  stage's offloaded bytes after its ``AO``, an ``AR`` before its ``AF``, each ``AO``/``AR`` waiting
+  for the action that emptied its window buffer.
 - **Data parallel** (``program.ranks = N > 1``): the collectives run on two FIFO queues,
   ``reduce`` (``RS g``) and ``gather`` (``AG g``), one collective each at a time, charged to the
   ``network`` resource. A collective of ``meta.bytes`` ``B`` is a ring
@@ -137,7 +140,7 @@ from typing import Any
 
 from shfx.passes.features import ROLLBACK
 from shfx.passes.meta import get_meta
-from shfx.passes.actions import CK, KINDS, NR, RESOURCES, SN, STREAMS, US
+from shfx.passes.actions import AR, AW, CK, KINDS, NR, RESOURCES, SN, STREAMS, US
 from shfx.passes.ledger import Ledger, replay
 from shfx.passes.program import B, F, GN, PF, R, ActionKind, ActionMeta, Program
 from shfx.passes.schedule import steady_state_program
@@ -427,12 +430,14 @@ def _check_costs(program: Program, costs: CostModel) -> tuple[dict[int, StageCos
             )
         _check_duplex_latency(links, "net_", "the two collective queues do not slow each other")
     ssd = getattr(program, "ssd_groups", None)
-    if ssd:
+    spill = getattr(program, "activation_window", 0)
+    if ssd or spill:
+        what = f"optimizer states on the SSD (groups {sorted(ssd)})" if ssd else "activations on the SSD"
         for name in ("ssd_read_bps", "ssd_write_bps"):
             bw = getattr(links, name, None)
             if bw is None or not (bw > 0 and math.isfinite(bw)):
                 raise SimulationError(
-                    f"program {program.name!r} reads and writes optimizer states on the SSD (groups {sorted(ssd)}), but "
+                    f"program {program.name!r} reads and writes {what}, but "
                     f"links.{name} is {bw!r}: give the drive's bandwidth, Links(..., ssd_read_bps=3e9, ssd_write_bps=2e9) "
                     "(a Hardware profile's ssd_read_bps/ssd_write_bps through analytic.links_of)"
                 )
@@ -501,6 +506,10 @@ class _Sim:
             k, s = nd.kind, nd.meta.stage
             if k == CK:  # the step's gate: a norm of one value per parameter, a comparison
                 nd.dur = self.dispatch_s
+                continue
+            if k in (AW, AR):  # a stage's activations over the drive
+                if s not in self.table:
+                    raise SimulationError(f"action {nd.meta.action}: program {self.program.name!r} has no stage {s}")
                 continue
             if KINDS[k].moves in _SSD or KINDS[k].moves in _NET:  # a copy: its bytes over the drive or the network
                 if k != NR and s not in owner:  # (NR0: one per step, not a group's)

@@ -54,6 +54,8 @@ __all__ = [
     "PR",
     "PD",
     "PW",
+    "AW",
+    "AR",
 ]
 
 
@@ -83,6 +85,8 @@ class ActionKind(str, enum.Enum):
     PARAM_READ = "PR"  # read one SSD-held group's image (working copy) into a host image-window buffer
     PARAM_DROP = "PD"  # free it once the prefetches reading it are done (unchanged: nothing written)
     PARAM_WRITE = "PW"  # write it back to the SSD after the group's update, freeing its buffer
+    ACTIVATION_WRITE = "AW"  # write a stage's offloaded activations from a host window buffer to the SSD
+    ACTIVATION_READ = "AR"  # read them back from the SSD into a host window buffer, ahead of their fetch
 
     @property
     def info(self) -> KindInfo:
@@ -117,12 +121,15 @@ AF = ActionKind.FETCH_ACTIVATIONS
 PR = ActionKind.PARAM_READ
 PD = ActionKind.PARAM_DROP
 PW = ActionKind.PARAM_WRITE
+AW = ActionKind.ACTIVATION_WRITE
+AR = ActionKind.ACTIVATION_READ
 
 STREAMS = ("compute", "h2d", "d2h", "host", "cpu", "none", "ssd_read", "ssd_write", "reduce", "gather")
 """Where actions run: the device's compute stream and two copy streams, the host FIFO that
 accumulates copied gradients (the second part of an OFFLOAD_GRAD), the host optimizer's pool,
 ``none`` (a RELEASE: a join that takes no time), and the NVMe tier's two queues: reads
-(SSD_READ) and write-backs (SSD_WRITE).
+(SSD_READ, PARAM_READ, ACTIVATION_READ) and writes (SSD_WRITE, PARAM_DROP, PARAM_WRITE,
+ACTIVATION_WRITE).
 
 NOTE: two SSD queues, not one, as the link has two copy streams: an NVMe drive serves reads and
 writes from separate submission queues at once, and in the steady state of a host window of
@@ -264,6 +271,14 @@ KINDS: dict[ActionKind, KindInfo] = {
               doc="free an image-window buffer once the prefetches reading it are done (the image is unchanged)"),
         _info(PW, "param_write", "ssd_write", "ssd", slotted=False, reads=False, update=True, moves="ssd_write",
               doc="write an SSD-held group's updated image back to the SSD after its update, freeing its buffer"),
+        # NOTE: activation offload to the SSD (Offload(activations="nvme"), shfx.passes.activations
+        # add_activation_spill): an AO then copies into one of the program's activation window
+        # buffers (ActionMeta.buffer), AW empties it onto the SSD, AR fills one again ahead of the
+        # AF, which empties it onto the device. Not update kinds: every train step runs them
+        _info(AW, "write_activations", "ssd_write", "ssd", slotted=False, reads=False, moves="ssd_write",
+              doc="write a stage's offloaded activations from their host window buffer to the SSD, freeing the buffer"),
+        _info(AR, "read_activations", "ssd_read", "ssd", slotted=False, reads=False, moves="ssd_read",
+              doc="read a stage's offloaded activations from the SSD into a host window buffer, ahead of their fetch"),
     )
 }  # fmt: skip
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .actions import AF, AG, AO, CK, DU, GN, NR, OG, OP, PF, RS, SN, SR, SW, U, US, Action
-from .activations import add_activation_offload, eligible_stages
+from .activations import add_activation_offload, add_activation_spill, eligible_stages
 from .lowering import add_collectives, add_deferred_updates, add_leading_refresh, add_ssd_transfers, last_contributors
 from .meta import get_meta
 from .program import Program, ScheduleError, lower_actions
@@ -599,7 +599,7 @@ LOSS_SCALING = FeaturePass(
 # ---- activation offload ------------------------------------------------------------------------------
 
 
-def activation_offload_program(program: Program, stages: tuple[int, ...] | None = None) -> Program:
+def activation_offload_program(program: Program, stages: tuple[int, ...] | None = None, window: int = 0) -> Program:
     """``Offload(activations="host")``: the boundary activations of ``stages`` (default: every
     stage that may, :func:`~shfx.passes.activations.eligible_stages`) leave the device after
     their forward and come back before their backward: ``AO g`` on the d2h queue right after
@@ -607,16 +607,28 @@ def activation_offload_program(program: Program, stages: tuple[int, ...] | None 
     the device copy as it starts), ``AF g`` on the h2d queue after the backward two places before ``B g``
     (waiting for it: its copy overlaps the backward in between), ``B g`` waiting for ``AF g``
     (:func:`~shfx.passes.activations.add_activation_offload`). Such a stage is recomputed from its
-    inputs alone in its backward (it keeps no graph).
+    inputs alone in its backward (it keeps no graph). With ``window`` (``Offload(activations="nvme")``)
+    the activations go on to the SSD through ``window`` host buffers: ``AW g`` after ``AO g``,
+    ``AR g`` ahead of ``AF g`` (:func:`~shfx.passes.activations.add_activation_spill`).
 
     >>> from shfx.passes.stages import chain
     >>> from shfx.passes.policies import Resident
     >>> " ".join(activation_offload_program(Resident().program(chain(5, activation_bytes=64))).actions())
     'F0 F1 AO1 F2 AO2 F3 F4 B4 DU4 AF2 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0'
+    >>> " ".join(activation_offload_program(Resident().program(chain(5, activation_bytes=64)), window=2).actions())
+    'F0 F1 AO1 AW1 F2 AO2 AW2 F3 F4 B4 AR2 AR1 DU4 AF2 B3 DU3 AF1 B2 DU2 B1 DU1 B0 DU0'
     """
     acts = [get_meta(n).action for n in program.nodes]
     chosen = eligible_stages(acts, program.stages) if stages is None else stages
-    return _relowered(program, add_activation_offload(acts, program.stages, chosen))
+    acts = add_activation_offload(acts, program.stages, chosen)
+    if not window:
+        return _relowered(program, acts)
+    prog = lower_actions(
+        add_activation_spill(acts, window), program.stages, program.num_slots, name=program.name,
+        persistent=program.persistent, **(program.tier | {"activation_window": window}),
+    )  # fmt: skip
+    prog.updates_outside = program.updates_outside
+    return prog
 
 
 def _not_offloading(p: Program) -> str | None:
@@ -647,19 +659,20 @@ ACTIVATION_OFFLOAD = FeaturePass(
     ensures=(Condition("every offloaded stage's backward waiting for its fetch AF", _fetched_before_backward),),
     transform=activation_offload_program,
     doc="AO g right after F g (d2h, waited for by the second forward after it), AF g two backwards ahead of B g (h2d): the stage's boundary "
-    "activations wait on the host",
+    "activations wait on the host (window > 0: on the SSD, AW g after AO g and AR g ahead of AF g through that many host buffers)",
 )
 
 
 def feature_passes(
     *, clip: bool = False, ranks: int = 1, updates_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False,
-    activations: str | tuple[int, ...] | None = None,
+    activations: str | tuple[int, ...] | None = None, activation_window: int = 0,
 ) -> list[tuple[FeaturePass, dict]]:  # fmt: skip
     """The feature passes a configuration asks for, in the order they compose: ``clip`` (exact
     clipping), ``updates_in_step`` (``overlap_update=False``: the updates in ``step()``, clipped
     there with ``clip``), ``ranks`` (data parallel), ``loss_scaling`` (fp16: the unscale and
     finite check), ``rollback`` (the journal's copies), ``activations`` (activation offload:
-    ``"host"`` every eligible stage, a tuple the stages chosen; None or ``"device"``: none)."""
+    ``"host"`` every eligible stage, a tuple the stages chosen; None or ``"device"``: none;
+    ``"nvme"`` every eligible stage, on the SSD through ``activation_window`` host buffers)."""
     out: list[tuple[FeaturePass, dict]] = []
     if updates_in_step:
         out.append((UPDATES_IN_STEP, {"clip": clip}))
@@ -674,6 +687,14 @@ def feature_passes(
     if activations not in (None, "device") and activations != ():
         # ("auto" builds every eligible stage's offload: the compiled model narrows it from the
         # costs, shfx.cost_model.offload_choice)
-        out.append((ACTIVATION_OFFLOAD, {"stages": None if activations in ("host", "auto") else tuple(activations)}))
+        every = activations in ("host", "auto", "nvme")
+        opts: dict = {"stages": None if every else tuple(activations)}
+        if activation_window:
+            opts["window"] = activation_window
+        elif activations == "nvme":
+            from .activations import ACTIVATION_WINDOW
+
+            opts["window"] = ACTIVATION_WINDOW
+        out.append((ACTIVATION_OFFLOAD, opts))
     return out
 

@@ -29,7 +29,10 @@ What it replays, as the runtime (``shfx.runtime.engine``) does it:
 - **AO s** / **AF s** (activation offload, :mod:`shfx.passes.activations`): an ``AO`` copies
   the stage's offloaded boundary values to the host, and the ``F`` that waits for it frees
   their device copies as it starts; an ``AF`` puts them back on the device. Their host copies
-  are setup buffers (``offloaded activations``), reused every step.
+  are setup buffers (``offloaded activations``), reused every step. With activations on the SSD
+  (``Program.activation_window``: ``AW``/``AR``) the host term is instead the program's window
+  buffers (:func:`shfx.passes.activations.window_buffer_bytes` each), and the SSD holds every
+  value an ``AW`` writes or an ``AR`` reads (term ``offloaded activations`` on the ``"ssd"`` tier).
 - **end** (of a backward, or of an inference forward): everything still held is freed.
 
 Copies, releases and updates allocate nothing (slots, gradient buffers and states are part of
@@ -56,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .actions import AF, AO, SN, B, F
+from .actions import AF, AO, AR, AW, SN, B, F
 from .layout import STAGING
 from .meta import get_meta
 from .pinned import PINNED_TERMS, PinnedPlan
@@ -343,6 +346,7 @@ def host_terms(
     updates_delayed: bool = False,  # (likewise)
     ssd_images: frozenset[int] | set[int] = frozenset(),
     image_window: int = 0,
+    activation_window: int = 0,  # (activation offload's buffers: the replay counts them, from the program's values)
 ) -> list[Change]:
     """The host memory of the setup: every group's master copy (``group_bytes``, or the owners'
     trainable bytes for synthetic specs), and for the groups updated on the host their gradient
@@ -767,6 +771,31 @@ class _Replay:
             self.forward(s, keep_graph=False, train=True)
 
 
+OFFLOADED = "offloaded activations"
+"""The term of activation offload's copies: on the host, one buffer per offloaded value
+(``"host"``), or the activation window's buffers (``"nvme"``); on the SSD, every value an
+``AW`` writes or an ``AR`` reads."""
+
+
+def _offload_terms(program: Program, offloaded: dict[int, tuple[Value, ...]]) -> list[Change]:
+    """Setup changes of activation offload: without a window one host buffer per offloaded value,
+    reused every step (pinned on CUDA); with one (``Program.activation_window``, activations on
+    the SSD) that many buffers of :func:`~shfx.passes.activations.window_buffer_bytes`, and each
+    value the program writes or reads on the SSD."""
+    if not program.activation_window:
+        return [
+            Change("host", OFFLOADED, f"host copy of activation {v.name!r}", v.nbytes)
+            for _, vs in sorted(offloaded.items()) for v in vs
+        ]  # fmt: skip
+    from .activations import window_buffer_bytes
+
+    per = window_buffer_bytes(program.stages, offloaded)
+    out = [Change("host", OFFLOADED, f"activation window {i}", per) for i in range(program.activation_window)]
+    on_ssd = sorted({get_meta(n).stage for n in program.nodes if get_meta(n).kind in (AW, AR)})
+    out += [Change("ssd", OFFLOADED, f"activation {v.name!r}", v.nbytes) for s in on_ssd for v in offloaded.get(s, ())]
+    return [c for c in out if c.nbytes]
+
+
 def replay(
     program: Program,
     *,
@@ -814,11 +843,7 @@ def replay(
         grad_accum_steps=grad_accum_steps, optimizer_states=optimizer_states, rollback=rollback,
         working_bytes=working_bytes, rank=rank, optimizer=optimizer, **program.tier,
     )  # fmt: skip
-    # activation offload: one host buffer per offloaded value, reused every step (pinned on CUDA)
-    setup += [
-        Change("host", "offloaded activations", f"host copy of activation {v.name!r}", v.nbytes)
-        for s, vs in sorted(rp.offloaded.items()) for v in vs
-    ]  # fmt: skip
+    setup += _offload_terms(program, rp.offloaded)
     if pinned is not None:
         setup += [Change(*row) for row in pinned.changes([c for c in setup if c.tier == "host"])]
     entries = [Entry("setup", "setup", tuple(setup))]

@@ -86,8 +86,11 @@ class PipelineOptions:
             tier's groups on the SSD too (:func:`~shfx.passes.policies.add_param_tier`), with
             ``image_window`` host buffers for the images (None: the fewest the order needs, plus one).
         activations: activation offload (``Offload(activations=...)``): ``"device"`` (none),
-            ``"host"`` (every eligible stage) or a tuple of the stages chosen: the
-            activation-offload feature pass (:data:`~shfx.passes.features.ACTIVATION_OFFLOAD`).
+            ``"host"`` (every eligible stage), ``"nvme"`` (every eligible stage, on the SSD) or a
+            tuple of the stages chosen: the activation-offload feature pass
+            (:data:`~shfx.passes.features.ACTIVATION_OFFLOAD`).
+        activation_window: with ``activations="nvme"``, the host buffers the activations pass
+            through (None: :data:`shfx.passes.activations.ACTIVATION_WINDOW`).
         optimizer: the host optimizer (:class:`shfx.optim.HostOptimizer`; not compared): the
             stage specs' ``ssd_state_bytes`` are sized by its states (``host_states``), what the
             NVMe tier's SSD reads and writes move (None: AdamW's m and v).
@@ -109,6 +112,7 @@ class PipelineOptions:
     rollback: bool = False
     loss_scaling: bool = False
     activations: Any = "device"
+    activation_window: int | None = None
     param_tier: bool = False
     image_window: int | str | None = None
     optimizer: Any = field(default=None, compare=False)
@@ -212,7 +216,7 @@ class Variant:
 def build_programs(
     specs: Sequence[StageSpec], policy: Policy, *, verify: bool = True, ranks: int = 1, updates_in_step: bool = False,
     clip_in_step: bool = False, rollback: bool = False, loss_scaling: bool = False, activations: Any = "device",
-    param_tier: bool = False,
+    activation_window: int | None = None, param_tier: bool = False,
     image_window: int | None = None, masters: bool = False,
 ) -> tuple[Program, Program, Program]:  # fmt: skip
     """The train program of ``policy`` for ``specs`` (run by ``ranks`` data-parallel processes:
@@ -227,7 +231,7 @@ def build_programs(
     in_step = updates_in_step and not (train.updates_outside or train.updates_delayed)
     passes = feature_passes(
         ranks=ranks, updates_in_step=in_step, clip=clip_in_step and in_step, rollback=rollback, loss_scaling=loss_scaling,
-        activations=activations,
+        activations=activations, activation_window=activation_window or 0,
     )  # fmt: skip
     train = run_passes(train, passes, verify=verify_program if verify else None)
     if verify:
@@ -278,7 +282,10 @@ def feature_options(program: Program) -> dict[str, bool]:
         "clip_in_step": program.updates_in_step and ActionKind.GRAD_NORM in kinds,
         "rollback": ActionKind.SNAPSHOT in kinds,
         "loss_scaling": ActionKind.UNSCALE in kinds,
-        "activations": "host" if ActionKind.OFFLOAD_ACTIVATIONS in kinds else "device",
+        "activations": (
+            "nvme" if ActionKind.ACTIVATION_WRITE in kinds else "host" if ActionKind.OFFLOAD_ACTIVATIONS in kinds else "device"
+        ),
+        "activation_window": program.activation_window or None,
         "param_tier": bool(program.ssd_images),
         "image_window": program.image_window or None,
         "masters": bool(program.ssd_images) and program.ssd_masters,
@@ -292,7 +299,7 @@ def candidate_passes(program: Program) -> list:
     o = feature_options(program)
     return feature_passes(
         updates_in_step=o["updates_in_step"], clip=o["clip_in_step"], rollback=o["rollback"], loss_scaling=o["loss_scaling"],
-        activations=o["activations"],
+        activations=o["activations"], activation_window=o["activation_window"] or 0,
     )  # fmt: skip
 
 
@@ -393,7 +400,7 @@ def compile_variant(
     train, ev, cold = build_programs(
         graph.specs, policy, verify=verify, ranks=options.ranks, updates_in_step=options.updates_in_step,
         clip_in_step=options.clip_in_step, rollback=options.rollback, loss_scaling=options.loss_scaling,
-        activations=options.activations, param_tier=options.param_tier, image_window=options.image_window, masters=options.param_tier and working != torch.float32,
+        activations=options.activations, activation_window=options.activation_window, param_tier=options.param_tier, image_window=options.image_window, masters=options.param_tier and working != torch.float32,
     )  # fmt: skip
     passes += ["lower", "derive"] + (["verify"] if verify else [])
     return Variant(captured.signature, captured, graph, policy, train, ev, cold, tuple(passes), journaled=options.rollback)

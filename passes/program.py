@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
-from .actions import AF, AG, AO, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PD, PF, PR, PW, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
+from .actions import AF, AG, AO, AR, AW, B, CK, DU, F, GN, KINDS, NR, OB, OG, OP, PD, PF, PR, PW, RS, R, SN, SR, STREAMS, SW, U, US, Action, ActionKind
 from .meta import get_meta, has_meta, set_meta
 from .stages import StageSpec, backward_stages, consumers_of, offloaded_values
 from .units import format_bytes
@@ -104,7 +104,9 @@ class ActionMeta:
             refreshed with the parameters the host optimizer updated.
         cost_s: predicted duration, filled by the cost model (None until annotated).
         buffer: SSD_READ and SSD_WRITE only: the host-window buffer (``0..host_window-1``) the
-            group's optimizer state is read into and written back from.
+            group's optimizer state is read into and written back from. PARAM_READ/DROP/WRITE: the
+            image buffer. With activations on the SSD (``Program.activation_window``), AO, AW, AR
+            and AF: the activation window buffer the stage's activations pass through.
         device: GRAD_NORM only: the group is updated on the device (``DU``), so its norms are
             computed there, on the compute stream, over the gradient in the gradient buffer of
             its (persistent) owner's slot (``slot``), where the ``DU`` after the gate reads it.
@@ -167,6 +169,10 @@ class Program:
             it, freed after them (PARAM_DROP, or PARAM_WRITE after an update); their gradients
             land in the group's host-window buffer (the OFFLOAD_GRAD waits for its SSD_READ).
         image_window: host buffers for those images (0 without the parameter tier).
+        activation_window: activation offload to the SSD (``Offload(activations="nvme")``): the
+            host buffers offloaded activations pass through (an ``AO`` fills one, an ``AW``
+            writes it to the SSD, an ``AR`` fills one again, the ``AF`` empties it); 0: the
+            activations an ``AO`` offloads wait in host buffers of their own (``"host"``).
         updates_in_step: the updates run in ``step()`` (``overlap_update=False``): everything
             from the gate ``CK0`` on is in phase ``"step"`` (:func:`shfx.passes.features.updates_in_step`).
         updates_delayed: ZeRO-Offload's delayed update (one step stale): the updates and their
@@ -196,6 +202,7 @@ class Program:
         updates_delayed: bool = False,
         ssd_images: Iterable[int] = (),
         image_window: int = 0,
+        activation_window: int = 0,
     ):
         self.graph = graph
         self.stages = tuple(stages)
@@ -209,6 +216,7 @@ class Program:
         self.ssd_masters = ssd_masters
         self.ssd_images = frozenset(ssd_images)
         self.image_window = image_window
+        self.activation_window = activation_window
         self.ranks = ranks
         self.updates_in_step = updates_in_step
         self.updates_delayed = updates_delayed
@@ -220,7 +228,9 @@ class Program:
         return {
             "ssd_groups": self.ssd_groups, "host_window": self.host_window, "ssd_masters": self.ssd_masters,
             "ranks": self.ranks, "updates_in_step": self.updates_in_step, "updates_delayed": self.updates_delayed,
-        } | ({"ssd_images": self.ssd_images, "image_window": self.image_window} if self.ssd_images else {})  # fmt: skip
+        } | ({"ssd_images": self.ssd_images, "image_window": self.image_window} if self.ssd_images else {}) | (
+            {"activation_window": self.activation_window} if self.activation_window else {}
+        )  # fmt: skip
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -250,9 +260,11 @@ class Program:
 
     def bytes_moved(self, phase: str | None = None) -> dict[str, int]:
         """Bytes the program moves per direction: ``{"h2d": ..., "d2h": ...}``; a program with
-        the NVMe tier also ``"ssd_read"`` and ``"ssd_write"``, a data-parallel one ``"reduce"``
-        and ``"gather"`` (the bytes each rank contributes to its collectives)."""
-        out = {"h2d": 0, "d2h": 0} | ({"ssd_read": 0, "ssd_write": 0} if self.ssd_groups else {})
+        the NVMe tier or activations on the SSD also ``"ssd_read"`` and ``"ssd_write"``, a
+        data-parallel one ``"reduce"`` and ``"gather"`` (the bytes each rank contributes to its
+        collectives)."""
+        ssd = self.ssd_groups or self.activation_window
+        out = {"h2d": 0, "d2h": 0} | ({"ssd_read": 0, "ssd_write": 0} if ssd else {})
         out |= {"reduce": 0, "gather": 0} if self.ranks > 1 else {}
         for n in self.nodes:
             m = get_meta(n)
@@ -349,6 +361,11 @@ class Program:
             f"{format_bytes(moved['ssd_read'])} read, {format_bytes(moved['ssd_write'])} written per step"
             if self.ssd_groups else ""
         )  # fmt: skip
+        if self.activation_window:
+            ssd += (
+                f"; activations on the SSD through {self.activation_window} host buffers, "
+                f"{format_bytes(sum(get_meta(n).bytes for n in self.nodes if get_meta(n).kind == AW))} written per step"
+            )
         if self.ranks > 1:
             ssd += (
                 f"; data parallel over {self.ranks} ranks: {format_bytes(moved['reduce'])} reduced, "
@@ -397,6 +414,7 @@ def lower_actions(
     updates_delayed: bool = False,
     ssd_images: Iterable[int] = (),
     image_window: int = 0,
+    activation_window: int = 0,
 ) -> Program:
     """Given actions in issue order, add dependency edges and slot assignments.
 
@@ -418,6 +436,13 @@ def lower_actions(
         forward offloaded) and for the last ``B`` issued before it (whose activations it
         replaces on the device); ``B s`` of a stage whose activations were offloaded waits for
         its ``AF s`` (an ``AO s`` without one is refused). An offloaded stage never keeps its graph.
+      - Activations on the SSD (``activation_window``: host buffers for them,
+        :func:`shfx.passes.activations.add_activation_spill`): ``AO s`` takes the free window
+        buffer freed longest ago and waits for the ``AW``/``AF`` that freed it; ``AW s`` waits
+        for ``AO s`` and frees its buffer (the values are on the SSD); ``AR s`` waits for ``AW s``
+        (when in this program: a cold backward reads what its forward wrote) and takes a buffer
+        as ``AO`` does; ``AF s`` waits for the ``AR s`` (or ``AO s``) that filled a buffer with
+        them and frees it. Each ``AW``/``AR`` moves the stage's offloaded bytes.
       - ``U g`` waits for ``OG j`` of every stage ``j`` that sends gradients to group ``g``; when
         the program has ``GN`` actions before it (exact gradient clipping), it waits for every
         one of them instead (the clip coefficient needs the norm of every gradient).
@@ -501,6 +526,16 @@ def lower_actions(
         )
     if ssd_images and (isinstance(image_window, bool) or not isinstance(image_window, int) or image_window < 1):
         raise ScheduleError(f"groups {sorted(ssd_images)} keep their image on the SSD, so the program needs image_window >= 1, got {image_window!r}")
+    if isinstance(activation_window, bool) or not isinstance(activation_window, int) or activation_window < 0:
+        raise ScheduleError(
+            f"activation_window must be an int >= 0 (host buffers of activations on the SSD; 0: none), got {activation_window!r}"
+        )
+    # activation window buffers (activations on the SSD): freed by an AW or AF; NOTE: handed out
+    # oldest-freed first, so a forward's AO fills a buffer whose AW is not the one just issued
+    # (its d2h copy overlaps the previous stage's write)
+    act_buffers = _Pool(range(activation_window), fifo=True)
+    act_in: dict[int, tuple[int, fx.Node]] = {}  # stage -> (window buffer, the AO or AR that filled it)
+    act_written: dict[int, fx.Node] = {}  # stage -> its AW (activations on the SSD)
     images = _Pool(range(image_window if ssd_images else 0))  # image buffers (freed by a PD or PW)
     image_of: dict[int, tuple[int, fx.Node, list[fx.Node]]] = {}  # group -> (buffer, its PR, the PFs reading it)
     buffers = _Pool(range(host_window))  # host-window buffers (freed by an SW)
@@ -771,7 +806,7 @@ def lower_actions(
             for before in (US, SN):
                 if k != before and Action(before, s) in last and (before == US or k == ActionKind.CPU_STEP):
                     deps.append(last[Action(before, s)])
-        elif k in (AO, AF):
+        elif k in (AO, AF, AW, AR):
             # activation offload (shfx.passes.activations): no slot; the stage's offloadable values
             spec = need_stage(pos, act)
             if offloadable is None:
@@ -782,19 +817,49 @@ def lower_actions(
                     "backward (every input is read by a later forward, or it runs no backward)"
                 )
             nbytes = sum(v.nbytes for v in offloadable[s])
+            if k in (AW, AR) and not activation_window:
+                raise fail(pos, act, "the program keeps offloaded activations in host RAM (activation_window=0): nothing goes to the SSD")
             if k == AO:
                 if phase == "backward":
                     raise fail(pos, act, "an activation offload follows its stage's forward, before the first BACKWARD")
                 if s in offloaded:
                     raise fail(pos, act, f"stage {s}'s activations are on the host already")
                 deps.append(need(pos, act, Action(F, s), "the forward whose inputs it copies"))
+                if activation_window:
+                    if not act_buffers.free:
+                        raise fail(pos, act, f"all {activation_window} activation window buffers are in use; write one to the SSD first (AW)")
+                    buffer = act_buffers.take(deps)
+            elif k == AW:
+                if s not in offloaded or s in act_written:
+                    raise fail(pos, act, f"no AO{s} before it put stage {s}'s activations in a window buffer")
+                if s not in act_in:
+                    raise fail(pos, act, f"stage {s}'s activations are not in a window buffer any more (AF{s} fetched them)")
+                buffer, filled = act_in[s]
+                deps.append(filled)
+            elif k == AR:
+                if s in act_in:
+                    raise fail(pos, act, f"stage {s}'s activations are in window buffer {act_in[s][0]} already")
+                if s in offloaded and s not in act_written:
+                    raise fail(pos, act, f"nothing wrote stage {s}'s activations to the SSD (AW{s}) before it")
+                if s not in offloaded and Action(F, s) in last:
+                    raise fail(pos, act, f"stage {s}'s activations are on the device: nothing offloaded them (AO{s})")
+                if s in act_written:
+                    deps.append(act_written[s])
+                if not act_buffers.free:
+                    raise fail(pos, act, f"all {activation_window} activation window buffers are in use; fetch one first (AF)")
+                buffer = act_buffers.take(deps)
             else:
                 if s in fetched:
                     raise fail(pos, act, f"stage {s}'s activations were fetched already (AF{s}) and B{s} has not read them")
-                if s in offloaded:
-                    deps.append(offloaded[s])
-                elif Action(F, s) in last:
+                if s not in offloaded and Action(F, s) in last:
                     raise fail(pos, act, f"stage {s}'s activations are on the device: nothing offloaded them (AO{s})")
+                if activation_window:  # (from the window buffer an AR, or the AO, filled)
+                    if s not in act_in:
+                        raise fail(pos, act, f"stage {s}'s activations are on the SSD; read them first (AR{s})")
+                    buffer, filled = act_in[s]
+                    deps.append(filled)
+                elif s in offloaded:
+                    deps.append(offloaded[s])
                 # (its device memory: after the backward issued before it, which freed what it held)
                 prev_b = [n for a, n in last.items() if a.kind == B]
                 if prev_b:
@@ -938,8 +1003,18 @@ def lower_actions(
         if k == AO:
             offloaded[s] = node
             recent_offloads.append(node)
+            if activation_window:
+                act_in[s] = (buffer, node)
         elif k == AF:
             fetched[s] = node
+            if activation_window:
+                act_buffers.give(act_in.pop(s)[0], node)
+                act_written.pop(s, None)
+        elif k == AW:
+            act_buffers.give(act_in.pop(s)[0], node)
+            act_written[s] = node
+        elif k == AR:
+            act_in[s] = (buffer, node)
         if k == SR:
             on_host[s] = (buffer, node)
             updated.discard(s)
@@ -981,7 +1056,7 @@ def lower_actions(
     return Program(
         graph, stages, num_slots, name, persistent, ssd_groups=ssd_groups, host_window=host_window, ssd_masters=ssd_masters,
         ranks=ranks, updates_in_step=updates_in_step, updates_delayed=updates_delayed,
-        ssd_images=ssd_images, image_window=image_window if ssd_images else 0,
+        ssd_images=ssd_images, image_window=image_window if ssd_images else 0, activation_window=activation_window,
     )  # fmt: skip
 
 
@@ -991,9 +1066,10 @@ class _Pool:
     gives the lowest free one, adding to ``deps`` the action that last freed it (the new user
     waits for it); :meth:`give` frees one by an action."""
 
-    def __init__(self, numbers: Iterable[int]):
+    def __init__(self, numbers: Iterable[int], fifo: bool = False):
         self.free = sorted(numbers)
         self.freed_by: dict[int, fx.Node] = {}
+        self.fifo = fifo  # hand out the one freed longest ago instead of the lowest
 
     def take(self, deps: list[fx.Node]) -> int:
         n = self.free.pop(0)
@@ -1004,7 +1080,8 @@ class _Pool:
     def give(self, n: int, node: fx.Node) -> None:
         self.freed_by[n] = node
         self.free.append(n)
-        self.free.sort()
+        if not self.fifo:
+            self.free.sort()
 
 
 def _dedupe(nodes: list[fx.Node]) -> list[fx.Node]:

@@ -48,7 +48,7 @@ def eval_program(program: Program) -> Program:
     is kept for a backward.
     """
     # (an inference forward keeps nothing for a backward: no activation offload)
-    acts = [get_meta(n).action for n in program.phase_nodes("forward") if get_meta(n).kind.value != "AO"]
+    acts = [get_meta(n).action for n in program.phase_nodes("forward") if get_meta(n).kind.value not in ("AO", "AW")]
     acts += [Action(R, s) for s in resident_after_forward(program) if s not in program.persistent]
     ev = lower_actions(
         acts, program.stages, program.num_slots, name=f"{program.name}/eval", keep_graph=False, persistent=program.persistent,

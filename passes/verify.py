@@ -44,6 +44,13 @@ the lowering that built it), one rule per invariant (:data:`RULES`, in this orde
     an ``AF s`` comes after the ``AO s`` and waits for it; the ``B s`` of an offloaded stage waits
     for the ``AF s`` issued since (no ``B`` of an offloaded stage without its fetch), and its
     forward keeps no graph (the backward recomputes from the fetched inputs).
+11. **parameter tier**: see :func:`param_tier`.
+12. **activations on the SSD** (:func:`activation_spill`): with ``program.activation_window`` the
+    offloaded activations pass through that many host buffers: an ``AO``/``AR`` fills a buffer
+    in range that no stage holds, waiting for the ``AW``/``AF`` that emptied it; an ``AW`` writes
+    the buffer its ``AO`` filled and waits for it; an ``AR`` waits for the ``AW`` of its stage (in
+    this program) and an ``AF`` for the ``AR`` (or ``AO``) that filled its buffer; the program ends
+    with every buffer empty.
 
 Persistent stages (``program.persistent``) start resident in slots ``0..k-1``; a PREFETCH of
 one refreshes its slot and must wait for every reader since; a DEVICE_STEP reads the slot of the
@@ -54,7 +61,7 @@ A rule is a function of a :class:`ProgramView` (the program's issue order, reach
 residency, computed once) yielding ``(action or None, message)``:
 
 >>> [rule.__name__ for rule in RULES]
-['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel', 'activation_offload', 'param_tier']
+['order', 'residency', 'slot_reuse', 'data_flow', 'grads_before_update', 'completeness', 'step_boundary', 'ssd_tier', 'data_parallel', 'activation_offload', 'param_tier', 'activation_spill']
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ import torch.fx as fx
 from .meta import get_meta
 from .actions import KINDS
 from .program import AG, B, CK, DU, F, GN, NR, OB, OG, OP, PF, RS, R, SN, SR, SW, U, US, ActionKind, Program, ScheduleError
-from .actions import AF, AO
+from .actions import AF, AO, AR, AW
 from .actions import PD, PR, PW
 from .stages import backward_stages, consumers_of
 
@@ -873,9 +880,73 @@ def param_tier(v: ProgramView) -> Iterator[Violation]:
         yield None, f"the program ends with group {g}'s image still in image buffer {b}; free it (PD{g}) or write it back (PW{g})"
 
 
+def activation_spill(v: ProgramView) -> Iterator[Violation]:
+    """12. Activations on the SSD (``program.activation_window``, ``Offload(activations="nvme")``):
+    every ``AO``, ``AW``, ``AR`` and ``AF`` names a buffer in ``0..activation_window-1``; an
+    ``AO`` or ``AR`` fills one no stage holds, waiting for the ``AW``/``AF`` that emptied it (so
+    at most ``activation_window`` stages' activations are in host RAM); an ``AW`` empties the
+    buffer its ``AO`` filled, waiting for it (it writes the copy); an ``AR`` waits for its stage's
+    ``AW`` when the program has one (it reads what was written); an ``AF`` empties the buffer its
+    ``AR`` (or ``AO``) filled, waiting for it; ``AW``/``AR`` only with a window; the program ends
+    with every buffer empty."""
+    p = v.program
+    aw = p.activation_window
+    kinds = (AO, AW, AR, AF)
+    if not aw:
+        for n in v.nodes:
+            if get_meta(n).kind in (AW, AR):
+                yield n, f"{v.act(n)} moves activations on the SSD, but the program has no activation window (activation_window=0)"
+        return
+    held: dict[int, tuple[int, fx.Node]] = {}  # stage -> (buffer, the AO or AR that filled it)
+    holder: dict[int, int] = {}  # buffer -> stage
+    freed_by: dict[int, fx.Node] = {}  # buffer -> the AW or AF that emptied it
+    written: dict[int, fx.Node] = {}  # stage -> its AW
+    for n in v.nodes:
+        m = get_meta(n)
+        k, s = m.kind, m.stage
+        if k not in kinds:
+            continue
+        b = m.buffer
+        if b is None or not 0 <= b < aw:
+            yield n, f"{v.act(n)} uses activation window buffer {b}, outside 0..{aw - 1}"
+            continue
+        if k in (AO, AR):
+            if s in held:
+                yield n, f"{v.act(n)} puts stage {s}'s activations in buffer {b}, but they are in buffer {held[s][0]} already"
+                continue
+            if b in holder:
+                yield n, f"{v.act(n)} fills activation window buffer {b} while stage {holder[b]}'s activations still hold it"
+            elif b in freed_by and not v.waits_done(n, freed_by[b]):
+                yield n, f"{v.act(n)} does not wait for {v.act(freed_by[b])}: it would fill buffer {b} before it is emptied"
+            if k == AR and s in written and not v.waits_done(n, written[s]):
+                yield n, f"{v.act(n)} does not wait for {v.act(written[s])}: it would read activations still being written"
+            held[s] = (b, n)
+            holder[b] = s
+            continue
+        got = held.get(s)
+        if got is None:
+            what = "write" if k == AW else "fetch"
+            yield n, f"{v.act(n)} would {what} stage {s}'s activations from a window buffer, but none holds them (no AO{s} or AR{s} before it)"
+            continue
+        filled_b, filled = got
+        if b != filled_b:
+            yield n, f"{v.act(n)} empties buffer {b}, but {v.act(filled)} put stage {s}'s activations in buffer {filled_b}"
+        if k == AW and get_meta(filled).kind != AO:
+            yield n, f"{v.act(n)} writes stage {s}'s activations, but {v.act(filled)} read them from the SSD (nothing to write)"
+        if not v.waits_done(n, filled):
+            yield n, f"{v.act(n)} does not wait for {v.act(filled)}: it would copy a buffer still being filled"
+        del held[s]
+        holder.pop(filled_b, None)
+        freed_by[filled_b] = n
+        if k == AW:
+            written[s] = n
+    for s, (b, _) in sorted(held.items()):
+        yield None, f"the program ends with stage {s}'s activations still in activation window buffer {b}; write them (AW{s}) or fetch them (AF{s})"
+
+
 RULES: tuple[Rule, ...] = (
     order, residency, slot_reuse, data_flow, grads_before_update, completeness, step_boundary, ssd_tier, data_parallel,
-    activation_offload, param_tier,
+    activation_offload, param_tier, activation_spill,
 )
 """The rules :func:`verify_program` runs by default, one per invariant, numbered as above."""
 

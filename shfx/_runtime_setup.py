@@ -81,14 +81,19 @@ def start_engine(
         delayed_update=c.delayed_update, rollback=c.rollback, skip_nonfinite=c.skip_nonfinite, scaler=c.scaler,
         max_grad_norm=c.max_grad_norm, norm_type=c.norm_type, recompute=c.recompute, dp=dp,
         param_keys_by_group=by_group, clip_order=[where[id(p)] for p in module.parameters() if id(p) in where],
+        activations_on=c.offload if c.offload is not None and c.offload.activations == "nvme" else None,
     )  # fmt: skip
 
 
 def ensure_ssd(engine: Engine, store: HostStore, offload: Offload | None, variant: Variant, ssd_store: Any = None) -> None:
     """The NVMe tier: the first variant with SSD transfers makes the SSD store (its extents
     from the host store's groups, the disk space checked by the store before anything is
-    allocated) and the engine's host window; a later one grows the window if it needs more."""
+    allocated) and the engine's host window; a later one grows the window if it needs more.
+    Activations on the SSD (``Offload(activations="nvme")``): the variant's activation window
+    buffers and SSD store (its space checked here, before its first step)."""
     prog = variant.train
+    if prog.activation_window and engine.activation_window is not None:
+        engine.activation_window.prepare(prog)
     if not prog.ssd_groups:
         return
     eng = engine

@@ -148,6 +148,7 @@ class Config:
             clip_in_step=self.max_grad_norm is not None and not self.overlap_update, rollback=self.rollback,
             loss_scaling=self.precision == "fp16", optimizer=self.optimizer,
             activations=self.offload.activations if self.offload is not None else "device",
+            activation_window=self.offload.activation_window if self.offload is not None else None,
             param_tier=self.offload is not None and self.offload.params == "nvme",
             image_window=self.offload.image_window if self.offload is not None else None,
         )  # fmt: skip
@@ -480,13 +481,13 @@ def check_supported(c: Config) -> None:
 
 
 def _check_activation_offload(c: Config) -> None:
-    """``Offload(activations="nvme")`` is planned, not run: refused with the reason."""
-    if c.offload is not None and c.offload.activations == "nvme":
+    """``Offload(activations="nvme")``: what it does not run with yet (docs/usage.md,
+    "Activation offload"): data parallel (each rank's activations on its own SSD file is not
+    built or tested)."""
+    if c.offload is not None and c.offload.activations == "nvme" and c.data_parallel is not None:
         raise UsageError(
-            "Offload(activations='nvme') (boundary activations on the SSD) is planned but not run: the activations of a "
-            "step are written once and read once, so they would go through the SSD store's window at the link's "
-            "pace with nothing to reuse, and the store does not stage them yet. Use activations='host' (pinned host "
-            "buffers, reused every step) or 'auto'"
+            "Offload(activations='nvme') (boundary activations on the SSD) is not run yet with data_parallel: each rank's "
+            "activation store on its SSD is not built; use activations='host' with data parallel"
         )
 
 

@@ -57,7 +57,10 @@ class Offload:
             pinned host buffers after its forward and back before its backward: ``AO``/``AF``
             actions, docs/usage.md "Activation offload"; valid without a path), ``"auto"`` (the
             stages whose copies hide behind compute, as many as the device budget needs) or
-            ``"nvme"`` (planned: refused by ``shfx.compile``).
+            ``"nvme"`` (every stage that can, on to the SSD under ``path`` through
+            ``activation_window`` host buffers: ``AW``/``AR`` actions; needs a path).
+        activation_window: with ``activations="nvme"``, the host buffers the activations pass
+            through (an int >= 1; None: :data:`shfx.passes.activations.ACTIVATION_WINDOW`, 2).
 
     >>> Offload(optimizer="nvme", path="/mnt/nvme/shfx", nvme_read="3GB/s").read_bps
     3000000000.0
@@ -76,6 +79,7 @@ class Offload:
     gradients: Literal["host", "nvme"] = "host"
     image_window: int | Literal["auto"] | None = None
     host_budget: int | str | None = None
+    activation_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.activations not in ("device", "host", "nvme", "auto"):
@@ -99,6 +103,11 @@ class Offload:
             )
         if iw is not None and self.params != "nvme":
             raise ValueError("Offload image_window sets the parameter tier's image buffers: it needs params='nvme'")
+        aw = self.activation_window
+        if aw is not None and (isinstance(aw, bool) or not isinstance(aw, int) or aw < 1):
+            raise ValueError(f"Offload activation_window must be an int >= 1 (activation buffers in host RAM at a time) or None (2), got {aw!r}")
+        if aw is not None and self.activations != "nvme":
+            raise ValueError("Offload activation_window sets the host buffers of activations on the SSD: it needs activations='nvme'")
         if self.host_budget is not None:
             from shfx.passes.units import parse_bytes
 
@@ -113,7 +122,18 @@ class Offload:
         hw = self.host_window
         if hw != "auto" and (isinstance(hw, bool) or not isinstance(hw, int) or hw < 1):
             raise ValueError(f"Offload host_window must be an int >= 1 (groups in host RAM at a time) or 'auto', got {hw!r}")
-        if not self.uses_nvme:
+        if not self.uses_nvme and self.activations == "nvme":
+            if hw != "auto":
+                raise ValueError(
+                    f"Offload(host_window={hw!r}) sets the host window of optimizer states on the SSD, but only the activations "
+                    "are on it (activations='nvme'): drop host_window, or add optimizer='nvme'"
+                )
+            if self.path is None:
+                raise ValueError(
+                    "Offload(activations='nvme') needs a path: the directory on the SSD for the activations' scratch file, "
+                    "e.g. Offload(activations='nvme', path='/mnt/nvme/shfx')"
+                )
+        elif not self.uses_nvme:
             given = [f"{k}={v!r}" for k, v in {**rates, "path": self.path}.items() if v is not None]
             if hw != "auto":
                 given.append(f"host_window={hw!r}")
@@ -155,6 +175,13 @@ class Offload:
 
     def __str__(self) -> str:
         acts = f", activations on the {self.activations}" if self.activations != "device" else ""
+        if self.activations == "nvme":
+            acts = f", activations on NVMe through {self.activation_window or 2} host buffers"
+        if not self.uses_nvme and self.activations == "nvme":
+            rates = ""
+            if self.nvme_read is not None or self.nvme_write is not None:
+                rates = f", emulated read {format_bandwidth(self.read_bps)} write {format_bandwidth(self.write_bps)}"
+            return f"Offload(host{acts} at {os.fspath(self.path)}{rates})"
         if not self.uses_nvme:
             return f"Offload(host{acts})"
         on = ["parameters, gradients", "optimizer states"] if self.params == "nvme" else ["optimizer states"]

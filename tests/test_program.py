@@ -10,7 +10,7 @@ from shfx.passes.schedule import check_window, cold_backward_program, eval_progr
 from shfx.passes.stages import StageSpec, chain
 
 
-@pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0", "DU5", "OP1", "GN3", "SR2", "SW10", "RS3", "AG11", "SN4", "US6"])
+@pytest.mark.parametrize("s", ["PF0", "F3", "R12", "B7", "OG2", "OB4", "U0", "DU5", "OP1", "GN3", "SR2", "SW10", "RS3", "AG11", "SN4", "US6", "AO3", "AW3", "AR12", "AF1"])
 def test_action_round_trip(s):
     a = Action.from_str(s)
     assert str(a) == s
@@ -48,6 +48,8 @@ def test_streams_of_kinds():
         ActionKind.PARAM_READ: "ssd_read",
         ActionKind.PARAM_DROP: "ssd_write",
         ActionKind.PARAM_WRITE: "ssd_write",
+        ActionKind.ACTIVATION_WRITE: "ssd_write",
+        ActionKind.ACTIVATION_READ: "ssd_read",
     }
 
 

@@ -55,6 +55,7 @@ class StepContext:
         # stash the host buffers go back to (shfx.runtime.activations)
         self.host_values: dict[str, torch.Tensor] = {}
         self.stash: Any = None
+        self.act_window: Any = None  # (activations on the SSD: the window whose buffers it may hold)
         self.grad_src: dict[int, str] = {}  # stage -> where its backward wrote param grads ("slot"/"buffer")
         self.dev_pending: dict[str, torch.Tensor] = {}  # borrowed param -> its grad, for a device-updated owner
         self.no_grads: set[int] = set()
@@ -163,6 +164,8 @@ class StepContext:
         if self.host_values and self.stash is not None:  # (offloaded values no backward fetched)
             self.stash.give_back(list(self.host_values.values()))
         self.host_values.clear()
+        if self.act_window is not None:  # (window buffers an AO or AR filled and nothing emptied)
+            self.act_window.release(self)
         _release(self.engine.backend, self._held)
 
 

@@ -40,7 +40,7 @@ from shfx.passes.program import ActionMeta, Program
 from shfx.passes.units import format_bytes
 
 from ..errors import NonFiniteGradient, UsageError
-from .activations import ActivationStash
+from .activations import ActivationStash, ActivationWindow
 from .backend import Backend, MemoryEvent
 from .clipping import Clipping
 from .context import StepContext, fork_rng
@@ -122,11 +122,13 @@ class Engine:
         dp: DataParallelRuntime | None = None,
         param_keys_by_group: dict[int, list] | None = None,
         clip_order: Sequence[tuple[int, str]] = (),
+        activations_on: Any = None,
     ):
         """Everything comes from ``shfx.compile``'s :class:`~shfx.config.Config` (the compiled
         model passes its fields) and the host store: ``param_keys_by_group`` is group -> its
         trainable ``(key, tensor)`` pairs, ``clip_order`` every trainable parameter's ``(group,
-        key)`` in the model's order (gradient clipping stacks the norms in it, as torch does)."""
+        key)`` in the model's order (gradient clipping stacks the norms in it, as torch does),
+        ``activations_on`` the ``Offload`` spec when activations go to the SSD (its path and rates)."""
         self.backend = backend
         self.store = store
         self.optimizer = optimizer
@@ -155,6 +157,8 @@ class Engine:
         self.ssd: SSDWindow | None = None
         # activation offload's host buffers (shfx.runtime.activations; Offload(activations=...))
         self.activation_stash = ActivationStash(backend)
+        # Offload(activations="nvme"): the window of host buffers and the SSD store they go through
+        self.activation_window: ActivationWindow | None = ActivationWindow(backend, activations_on) if activations_on is not None else None
         # data parallel (shfx.runtime.data_parallel; shfx.compile(data_parallel=...)), or None
         self.dp: DataParallelRuntime | None = dp
         self.skip_nonfinite = skip_nonfinite
@@ -683,6 +687,8 @@ class Engine:
                 self.pool.close()
             self.loaded = None
             try:
+                if self.activation_window is not None:
+                    self.activation_window.close()
                 if self.ssd is not None:
                     self.ssd.close()
             finally:

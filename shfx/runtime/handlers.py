@@ -424,20 +424,62 @@ class ActionHandlers:
 
     def run_offload_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
         """AO g (d2h): the stage's offloaded boundary values copied to host buffers, their device
-        copies freed (:class:`~shfx.runtime.activations.ActivationStash`)."""
+        copies freed (:class:`~shfx.runtime.activations.ActivationStash`), or, with activations
+        on the SSD, to window buffer ``m.buffer`` (:class:`~shfx.runtime.activations.ActivationWindow`)."""
+        if m.buffer is not None:
+            w, train = self._activation_window(ctx, m)
+            return self._submit(m, lambda: w.offload(ctx, train, m.stage, m.buffer), deps)
         stash = self.engine.activation_stash
         ctx.stash = stash
         names = stash.names(ctx.variant.train, m.stage)
         return self._submit(m, lambda: stash.offload(ctx, names), deps)
 
     def run_fetch_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
-        """AF g (h2d): the values AO g offloaded, back on the device for B g."""
+        """AF g (h2d): the values AO g offloaded (or AR g read back), on the device for B g."""
         eng = self.engine
-        stash = eng.activation_stash
-        names = stash.names(ctx.variant.train, m.stage)
         # (CUDA: the stream the step's compute runs on, the issuing thread's; the fetched tensors cross to it)
         compute = eng.backend.compute.current() if eng.backend.name == "cuda" else None
+        if m.buffer is not None:
+            w, train = self._activation_window(ctx, m)
+            return self._submit(m, lambda: w.fetch(ctx, train, m.stage, m.buffer, compute), deps)
+        stash = eng.activation_stash
+        names = stash.names(ctx.variant.train, m.stage)
         return self._submit(m, lambda: stash.fetch(ctx, names, compute), deps)
+
+    def _activation_window(self, ctx: StepContext, m: ActionMeta) -> tuple[Any, Any]:
+        """The engine's activation window, ready for ``ctx``'s train program (its buffers and SSD
+        store: made at its first use, :meth:`ActivationWindow.prepare`), and that program."""
+        w = self.engine.activation_window
+        if w is None:
+            raise ScheduleError(
+                f"{m.action}: the program sends activations to the SSD, but this model was compiled without a place for them; "
+                "compile with offload=shfx.Offload(activations='nvme', path=...)"
+            )
+        train = ctx.variant.train
+        w.prepare(train)
+        ctx.act_window = w
+        return w, train
+
+    def _activation_streams(self) -> tuple[Any, Any]:
+        """The SSD queues: the NVMe tier's when it exists (its transfers and the activations' run
+        in issue order, one queue per direction), else the activation window's own."""
+        eng = self.engine
+        if eng.ssd is not None:
+            return eng.ssd.read_stream, eng.ssd.write_stream
+        return eng.activation_window.streams()
+
+    def run_write_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """AW g (ssd_write): window buffer ``m.buffer`` to the stage's extents on the SSD; the
+        buffer is free when the token completes."""
+        w, train = self._activation_window(ctx, m)
+        stream = self._activation_streams()[1]
+        return stream.submit(self._timed(lambda: w.write(ctx, train, m.stage, m.buffer), m), deps, str(m.action))
+
+    def run_read_activations(self, ctx: StepContext, m: ActionMeta, deps: list[Token], cold: bool) -> Token:
+        """AR g (ssd_read): the stage's extents into window buffer ``m.buffer``, for AF g."""
+        w, train = self._activation_window(ctx, m)
+        stream = self._activation_streams()[0]
+        return stream.submit(self._timed(lambda: w.read(ctx, train, m.stage, m.buffer), m), deps, str(m.action))
 
     # ---- the transfers' tasks --------------------------------------------------------------------
     def prefetch(self, stage: Stage, slot: int, variant: Variant | None = None) -> None:

@@ -144,7 +144,7 @@ class Residency:
     def host_bytes(self) -> int:
         """Host memory the runtime holds: the host store (weights, gradients), the host
         optimizer's states, the staging buffers, the buffers borrowed gradients wait in, the host
-        buffers of offloaded activations and, under data parallel, the local-gradient and
+        buffers of offloaded activations (or their window, on the way to the SSD) and, under data parallel, the local-gradient and
         collective buffers."""
         eng = self.engine
         states = 0
@@ -162,4 +162,5 @@ class Residency:
             eng.store.host_bytes + states + eng.store.staging_bytes + eng.gradients.pending_host_bytes
             + eng.journal.host_bytes + (eng.dp.buffer_bytes if eng.dp is not None else 0)
             + eng.activation_stash.allocated_bytes
+            + (eng.activation_window.host_bytes if eng.activation_window is not None else 0)
         )  # fmt: skip
