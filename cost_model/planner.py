@@ -500,8 +500,9 @@ def memory_model(
             (:mod:`shfx.passes.activations`), every stage but the last block and the tail sends
             the inputs its backward needs (the head's token ids, the blocks' checkpoints) off the
             device after its forward and gets them back before its backward, ``8 b s + (l - 1) A``
-            bytes in host RAM (or on the SSD, through two pinned buffers of one activation on the
-            host: not in the ledger yet), term :data:`ACTIVATIONS_OFFLOADED`; the device's peak
+            bytes in host RAM (or on the SSD, through the activation window's two host buffers of
+            one activation, :data:`shfx.passes.activations.ACTIVATION_WINDOW`), term
+            :data:`ACTIVATIONS_OFFLOADED`; the device's peak
             then holds ``2 A`` + the output of checkpoints and ``max(out + A, 2 A)`` of gradients.
         ranks: data parallel over this many ranks (default: the target's, 1 without data
             parallel). The terms are then one rank's: the device's unchanged, the host's as the
@@ -678,8 +679,10 @@ def memory_model(
         offloaded = 8 * b * s + (L - 1) * A  # the head's token ids, the first l - 1 blocks' inputs
         if activations == "host":
             host[ACTIVATIONS_OFFLOADED] = offloaded
-        else:  # on the SSD, through pinned bounce buffers on the host (not in the ledger yet)
-            host[ACTIVATIONS_OFFLOADED] = _STAGING_BUFFERS * A
+        else:  # on the SSD, through the activation window's host buffers, each one block's input
+            from shfx.passes.activations import ACTIVATION_WINDOW
+
+            host[ACTIVATIONS_OFFLOADED] = ACTIVATION_WINDOW * max(A, 8 * b * s)
             ssd = {**ssd, ACTIVATIONS_OFFLOADED: offloaded}
     settings = {
         "window": window,

@@ -179,15 +179,16 @@ def test_activation_offload_bytes_are_the_hand_count():
     assert to_host.device["activation gradients"] == 2 * A
     assert to_host.host["offloaded activations"] == OFFLOADED
     assert to_host.host_total == on_device.host_total + OFFLOADED
-    # to the SSD through two pinned buffers of one activation
+    # to the SSD through the activation window's two buffers of one activation
     assert to_ssd.host_total == on_device.host_total + 2 * A
     assert to_ssd.ssd_total == on_device.ssd_total + OFFLOADED
 
 
 @pytest.mark.parametrize("precision,loss_in_model", [pytest.param("bf16", True, marks=pytest.mark.slow), ("fp32", False)])
 def test_activation_offload_is_the_ledgers(precision, loss_in_model):
-    """memory_model(activations="host") is the ledger's replay of the activation-offload
-    program (PipelineOptions(activations="host"), shfx.passes.activations) on a grid (l >= 2)."""
+    """memory_model(activations="host"/"nvme") is the ledger's replay of the activation-offload
+    program (PipelineOptions(activations=...), shfx.passes.activations) on a grid (l >= 2): with
+    "nvme" the host holds the window's two buffers of one activation, the SSD every value."""
     import torch
 
     from shfx.cost_model.planner import Target
@@ -202,16 +203,18 @@ def test_activation_offload_is_the_ledgers(precision, loss_in_model):
         with torch.device("meta"):
             model = GPT(fam)
             idx = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
-        opts = PipelineOptions(policy=Stronghold(window=window), verify=False, precision=precision, plan_only=True, activations="host")
-        v = compile_variant(model, (idx, idx) if loss_in_model else (idx,), {}, opts)
-        led = replay(
-            v.programs[0], programs=v.programs, group_bytes=[g.host_master_bytes for g in v.graph.groups],
-            working_bytes=[g.working_bytes for g in v.graph.groups],
-        )  # fmt: skip
-        bd = memory_model("stronghold", fam, emu, window=window, activations="host")
-        where = (precision, loss_in_model, layers, window)
-        assert {k: x for k, x in bd.device.items() if x} == {k: x for k, x in led.terms_at_peak("device").items() if x}, where
-        assert {k: x for k, x in bd.host.items() if x} == {k: x for k, x in led.static("host").items() if x}, where
+        for acts in ("host", "nvme"):
+            opts = PipelineOptions(policy=Stronghold(window=window), verify=False, precision=precision, plan_only=True, activations=acts)
+            v = compile_variant(model, (idx, idx) if loss_in_model else (idx,), {}, opts)
+            led = replay(
+                v.programs[0], programs=v.programs, group_bytes=[g.host_master_bytes for g in v.graph.groups],
+                working_bytes=[g.working_bytes for g in v.graph.groups],
+            )  # fmt: skip
+            bd = memory_model("stronghold", fam, emu, window=window, activations=acts)
+            where = (precision, loss_in_model, layers, window, acts)
+            assert {k: x for k, x in bd.device.items() if x} == {k: x for k, x in led.terms_at_peak("device").items() if x}, where
+            assert {k: x for k, x in bd.host.items() if x} == {k: x for k, x in led.static("host").items() if x}, where
+            assert {k: x for k, x in bd.ssd.items() if x} == {k: x for k, x in led.static("ssd").items() if x}, where
         # and the step's copies are the program's
         moved = v.programs[0].bytes_moved()
         t = step_traffic(fam, "nvme-all+act-host", window=window)
