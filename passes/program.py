@@ -830,7 +830,9 @@ def lower_actions(
                         raise fail(pos, act, f"all {activation_window} activation window buffers are in use; write one to the SSD first (AW)")
                     buffer = act_buffers.take(deps)
             elif k == AW:
-                if s not in offloaded or s in act_written:
+                if s in act_written:
+                    raise fail(pos, act, f"stage {s}'s activations are on the SSD already (AW{s} before it)")
+                if s not in offloaded:
                     raise fail(pos, act, f"no AO{s} before it put stage {s}'s activations in a window buffer")
                 if s not in act_in:
                     raise fail(pos, act, f"stage {s}'s activations are not in a window buffer any more (AF{s} fetched them)")

@@ -130,7 +130,9 @@ def tune_variant(
                 raise _profile_out_of_memory(e, policy, how) from e
             failed = _profile_out_of_memory(e, policy, how)
             failed.__cause__ = e
-        read_bps, write_bps = ssd_rates() if getattr(policy, "nvme", False) and failed is None else (None, None)
+        # (an NVMe policy's SSD reads and writes, or activations on the SSD: Offload(activations="nvme"))
+        on_ssd = getattr(policy, "nvme", False) or variant.train.activation_window
+        read_bps, write_bps = ssd_rates() if on_ssd and failed is None else (None, None)
     if dp is not None:
         capacity = _agreed_capacity(dp, capacity, failed)
     if read_bps is not None:  # the simulator needs the SSD's speed to choose the host window

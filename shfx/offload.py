@@ -176,7 +176,9 @@ class Offload:
     def __str__(self) -> str:
         acts = f", activations on the {self.activations}" if self.activations != "device" else ""
         if self.activations == "nvme":
-            acts = f", activations on NVMe through {self.activation_window or 2} host buffers"
+            from shfx.passes.activations import ACTIVATION_WINDOW
+
+            acts = f", activations on NVMe through {self.activation_window or ACTIVATION_WINDOW} host buffers"
         if not self.uses_nvme and self.activations == "nvme":
             rates = ""
             if self.nvme_read is not None or self.nvme_write is not None:

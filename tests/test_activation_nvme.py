@@ -416,3 +416,19 @@ def test_the_option_and_its_refusals(tmp_path):
     c = Config.from_args(device="emulated", optimizer=shfx.optim.AdamW(lr=1e-2), offload=off)  # (no process group needed)
     with pytest.raises(shfx.UsageError, match=r"activations='nvme'.*not run yet with data_parallel"):
         check_supported(dataclasses.replace(c, data_parallel=shfx.DataParallel()))
+
+
+@pytest.mark.slow  # (window="auto" profiles: ~20 s)
+def test_window_auto_simulates_the_ssd(tmp_path):
+    """The tuner simulates each window's program with its AW/AR on the SSD at the spec's rates
+    (it needs them: without, the simulator refuses a program with SSD transfers)."""
+    x, y = _batches(1)[0]
+    cm = shfx.compile(_model(), device=shfx.EmulatedDevice(memory="1GiB", h2d="100MB/s", d2h="100MB/s"), window="auto",
+                      optimizer=shfx.optim.AdamW(lr=1e-2),
+                      offload=shfx.Offload(activations="nvme", path=str(tmp_path), nvme_read="50MB/s", nvme_write="50MB/s"))  # fmt: skip
+    try:
+        cm(x, y).backward()
+        cm.step()
+        assert cm.program.count(ActionKind.ACTIVATION_WRITE) > 0
+    finally:
+        cm.close()

@@ -154,7 +154,8 @@ class ActivationWindow:
         self._holder: list[tuple[int, int] | None] = []  # buffer -> (context id, stage) holding it
         self._lock = threading.Lock()
         self._stores: dict[tuple, Any] = {}  # extents -> its SSDStore
-        self._of: dict[int, tuple[tuple, dict[int, tuple[tuple[str, int, torch.dtype | None], ...]]]] = {}
+        # id(train program) -> (its store's key, stage -> (value, offset in a buffer, extent bytes) of each value)
+        self._of: dict[int, tuple[tuple, dict[int, tuple[tuple[str, int, int], ...]]]] = {}
         self._written: dict[tuple[tuple, str], int] = {}  # (store, value) -> the context whose values the extent holds
         self._streams: tuple[Any, Any] | None = None
         self.peak_held = 0  # the most buffers held at once
