@@ -48,11 +48,12 @@ class StateMethods:
         if store is None or not store.paged_keys or self._engine is None or self._engine.ssd is None:
             return
         keys = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] in store.paged_keys]
-        if keys and getattr(self, "_paged_unread", False):  # (a load's targets: it overwrites them, nothing to read)
+        mode = getattr(self, "_paged_as", None)
+        if keys and mode == "empty":  # (a load's targets: it overwrites them, nothing to read)
             for k in keys:
                 state_dict[k] = torch.empty(state_dict[k].shape, dtype=state_dict[k].dtype)
-        elif keys:
-            values = self._engine.ssd.read_paged([k[len(prefix) :] for k in keys])
+        elif keys:  # (mode "meta": what a read would give, as meta tensors: a streaming save's placeholders)
+            values = self._engine.ssd.read_paged([k[len(prefix) :] for k in keys], meta=mode == "meta")
             for k in keys:
                 state_dict[k] = values[k[len(prefix) :]]
 
@@ -60,11 +61,25 @@ class StateMethods:
         """The model's state dict as the tensors a load writes into: with the parameter tier the
         paged tensors are fresh host tensors of their shape and dtype (the load overwrites them
         and writes them to the SSD), not read from it."""
-        self._paged_unread = True
+        return self._state_dict_as("empty")
+
+    def _state_dict_for_save(self) -> dict[str, Any]:
+        """The model's state dict as a streaming checkpoint save describes it (after
+        :meth:`state_dict`'s settling): with the parameter tier the paged tensors are meta
+        tensors of the shapes and dtypes :meth:`state_dict` would read (``shfx.checkpoint``
+        reads them one group at a time, ``SSDWindow.paged_group``); the others are the live
+        tensors of the host store."""
+        self._settle()
+        if self._engine is not None:
+            self._engine.sync_to_host()
+        return self._state_dict_as("meta")
+
+    def _state_dict_as(self, mode: str) -> dict[str, Any]:
+        self._paged_as = mode
         try:
             return self.module.state_dict()
         finally:
-            self._paged_unread = False
+            self._paged_as = None
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True):
         """Load weights into the host store (through the model's own tensors; with the parameter

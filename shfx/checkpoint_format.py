@@ -83,6 +83,8 @@ def _as_tensor(field: str, v: Any) -> torch.Tensor:
         if not isinstance(v, (int, float)):
             raise UsageError(f"optimizer state {field!r} is a {type(v).__name__}; a checkpoint holds tensors and numbers")
         v = torch.tensor(float(v))
+    if v.is_meta:  # (a streaming save's placeholder: kept as it is, a view of its group's meta buffer)
+        return v
     t = v.detach().cpu()  # no copy on the CPU
     return t.reshape(()) if field == "step" and t.numel() == 1 else t
 
@@ -158,7 +160,9 @@ def _as_tuple(x: Any) -> Any:
 
 
 # ---- writing ---------------------------------------------------------------------------------------
-def _writer(path: str):
+def _writer(path: str, **options: Any):
+    """DCP's ``FileSystemWriter`` into ``path`` (its files fsynced; ``options``: its other
+    arguments), stopping at the tests' kill point between the shards and the metadata."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     class _Writer(FileSystemWriter):
@@ -168,7 +172,7 @@ def _writer(path: str):
             _test_kill_point("data")
             return fut
 
-    return _Writer(path, sync_files=True)
+    return _Writer(path, sync_files=True, **options)
 
 
 def _fsync_dir(path: str) -> None:

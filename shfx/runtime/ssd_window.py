@@ -43,8 +43,9 @@ RAM for all of them, which the tier exists to avoid.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +117,7 @@ class SSDWindow:
         self.where: dict[int, int] = {}  # group -> its buffer
         self._views: dict[tuple[int, int], Any] = {}  # (group, buffer) -> the optimizer state over it
         self._snap: tuple[int, Any] | None = None  # the last group read for state_dict()
+        self._placeholders: dict[int, list[torch.Tensor]] | None = None  # (within placeholders())
         # (versioned) the extents' version holding each group's committed state, and the one a
         # write of the step in progress went to (committed or discarded at the step's end)
         self._current: dict[int, int] = {g: 0 for g in self.groups}
@@ -377,10 +379,14 @@ class SSDWindow:
                 self._image_holder[b] = None
 
     # ---- the parameter tier's values (state_dict, load_state_dict, checkpoints) -------------------
-    def _paged_copies(self, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _paged_copies(self, g: int, meta: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Paged group ``g``'s image and trainable master as uint8 copies (read from the SSD, or
-        from its window buffers while a step holds them)."""
+        from its window buffers while a step holds them); ``meta``: meta tensors of their sizes
+        (nothing read)."""
         grp = self.store.groups[g]
+        if meta:
+            master = torch.empty(grp.master_bytes, dtype=torch.uint8, device="meta") if self.extra.get(g) else None
+            return torch.empty(grp.nbytes, dtype=torch.uint8, device="meta"), master
         if g in self.image_at:
             image = self.images[self.image_at[g]][: grp.nbytes].clone()
         else:
@@ -395,25 +401,39 @@ class SSDWindow:
                 self.ssd.read_into(("master", g), master).wait()
         return image, master
 
-    def read_paged(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The values of the paged groups' ``keys`` (parameters, buffers), read one group at a
-        time: a trainable parameter's fp32 master (mixed precision), else its image."""
+    def _paged_values(self, g: int, keys: Sequence[str], image: torch.Tensor, master: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Views of paged group ``g``'s ``keys`` over its copies ``image`` and ``master``: a
+        trainable parameter's fp32 master (mixed precision), else its image."""
         from .host_store import _host_info, typed_view
 
+        grp = self.store.groups[g]
         out: dict[str, torch.Tensor] = {}
+        for k in keys:
+            info = grp.info(k)
+            if master is not None and k in grp.master_offsets and grp.master_offsets[k] < grp.master_bytes:
+                out[k] = typed_view(master, grp.master_offsets[k], _host_info(info))
+            else:
+                out[k] = typed_view(image, grp.offsets[k], info)
+        return out
+
+    def read_paged(self, keys: Sequence[str], meta: bool = False) -> dict[str, torch.Tensor]:
+        """The values of the paged groups' ``keys`` (parameters, buffers), read one group at a
+        time: a trainable parameter's fp32 master (mixed precision), else its image; each its
+        own tensor. ``meta``: meta tensors of those shapes and dtypes (nothing read)."""
         by_group: dict[int, list[str]] = {}
         for k in keys:
             by_group.setdefault(self.store.paged_keys[k], []).append(k)
+        out: dict[str, torch.Tensor] = {}
         for g, ks in sorted(by_group.items()):
-            grp = self.store.groups[g]
-            image, master = self._paged_copies(g)
-            for k in ks:
-                info = grp.info(k)
-                if master is not None and k in grp.master_offsets and grp.master_offsets[k] < grp.master_bytes:
-                    out[k] = typed_view(master, grp.master_offsets[k], _host_info(info)).clone()
-                else:
-                    out[k] = typed_view(image, grp.offsets[k], info).clone()
+            values = self._paged_values(g, ks, *self._paged_copies(g, meta))
+            out.update(values if meta else {k: v.clone() for k, v in values.items()})
         return out
+
+    def paged_group(self, g: int) -> dict[str, torch.Tensor]:
+        """Every value of paged group ``g`` (as :meth:`read_paged`), as views of one copy of the
+        group read from the SSD (a streaming checkpoint save holds one group at a time)."""
+        keys = [k for k, i in self.store.paged_keys.items() if i == g]
+        return self._paged_values(g, keys, *self._paged_copies(g))
 
     def write_paged(self, values: dict[str, torch.Tensor]) -> None:
         """Set paged tensors' values (``{key: tensor}``) on the SSD, one group at a time: the
@@ -498,13 +518,36 @@ class SSDWindow:
             st = self.optimizer.state.get(g)
             if st is not None:
                 return st
+        if self._placeholders is not None:
+            bufs = self._placeholders.setdefault(g, [torch.empty(n, dtype=self.dtype, device="meta") for _, n in self.layout[g]])
+            return self._state_copy(g, bufs, self.steps[g])
         if self._snap is not None and self._snap[0] == g:
             return self._snap[1]
-        bufs = [torch.empty(n, dtype=self.dtype) for _, n in self.layout[g]]
-        self._io("read", g, bufs, version=self.latest(g))
-        snap = self._state_copy(g, bufs, self.steps[g].clone())
+        snap = self._state_copy(g, self.read_state(g), self.steps[g].clone())
         self._snap = (g, snap)
         return snap
+
+    def read_state(self, g: int) -> list[torch.Tensor]:
+        """Copies of group ``g``'s flat state buffers (its ``ssd_states``' order), read from the
+        SSD (its latest version); not kept (:meth:`snapshot` keeps the last group it read)."""
+        bufs = [torch.empty(n, dtype=self.dtype) for _, n in self.layout[g]]
+        self._io("read", g, bufs, version=self.latest(g))
+        return bufs
+
+    @contextlib.contextmanager
+    def placeholders(self) -> Iterator[dict[int, list[torch.Tensor]]]:
+        """Within: :meth:`snapshot` gives a group's state over meta tensors (the shapes and
+        dtypes of its states, its live step counters; nothing read), so ``cm.optimizer.state``
+        describes what a checkpoint holds without reading it. Yields ``{group: its meta flat
+        buffers}`` (:meth:`read_state`'s order), filled as groups are described: a streaming save
+        maps each placeholder back to its buffer and reads it one group at a time. Between steps."""
+        if self.where:
+            raise RuntimeError("a step holds groups in the host windows: describe the states between steps")
+        self._placeholders = {}
+        try:
+            yield self._placeholders
+        finally:
+            self._placeholders = None
 
     def loadable(self, g: int) -> Any:
         """Group ``g``'s state as copies to be written into (data parallel's checkpoint load:
