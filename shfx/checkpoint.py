@@ -79,6 +79,8 @@ from .checkpoint_format import (  # noqa: F401 - each name stays importable from
     rng_state,
     set_rng_state,
 )
+from ._checkpoint_stream import GroupReads, StreamingSavePlanner
+from ._checkpoint_stream import writer as stream_writer
 from .errors import UsageError
 
 __all__ = ["save", "load", "save_from", "load_into", "read_info", "AsyncSave", "STATE_FILE", "FORMAT"]
@@ -162,10 +164,17 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
     _remove_leftovers(parent, prefix, real)
 
 
-def _write_checkpoint(directory: str, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+def _write_checkpoint(directory: str, tensors: dict[str, Any], meta: dict[str, Any], reads: GroupReads | None = None) -> None:
+    """DCP's directory of ``tensors`` and the state file. Through the streaming planner: each
+    tensor is written from a copy freed once written (never the whole state twice in RAM), and
+    the placeholders ``reads`` names are read one group at a time (:mod:`shfx._checkpoint_stream`)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, storage_writer=_writer(directory), no_dist=_no_dist())
+    planner = StreamingSavePlanner(reads)
+    try:
+        dcp.save(tensors, storage_writer=stream_writer(directory), planner=planner, no_dist=_no_dist())
+    finally:
+        planner.release()
     with open(os.path.join(directory, STATE_FILE), "wb") as f:
         torch.save(meta, f)
         f.flush()
@@ -175,13 +184,55 @@ def _write_checkpoint(directory: str, tensors: dict[str, Any], meta: dict[str, A
 def _state(model_sd: dict[str, torch.Tensor], named_params: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tensors for DCP, param_groups and steps)`` of a model's state dict and its torch
     Optimizer over ``named_params``: the one save path of eager models and compiled ones (whose
-    tensors are views of the host store)."""
+    tensors are views of the host store; placeholders, meta tensors, are kept as they are)."""
     state, groups = _optimizer_state(named_params, optimizer)
     steps = max((int(e["step"]) for e in state.values() if "step" in e), default=0)
-    tensors: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in model_sd.items()}}
+    tensors: dict[str, Any] = {"model": {k: v if v.is_meta else v.detach().cpu() for k, v in model_sd.items()}}
     if state:
         tensors["optimizer"] = {"state": state}
     return tensors, {"param_groups": groups, "steps": steps}
+
+
+def _streamed_state(cm) -> tuple[dict[str, Any], dict[str, Any], GroupReads | None]:
+    """:func:`_state` of a compiled model, with what lives on the SSD (the parameter tier's
+    images and fp32 masters, the NVMe tier's optimizer states) as placeholders, and the
+    :class:`GroupReads` that reads them one group at a time: the model's values of a paged group
+    from one read of its image and master (``SSDWindow.paged_group``), a group's optimizer
+    states from one read of its flat state buffers (``SSDWindow.read_state``), each placeholder
+    a view of its group's meta buffer (``SSDWindow.placeholders``) mapped onto the read one."""
+    model_sd = cm._state_dict_for_save()  # settles the step, copies device-updated weights back to the host
+    ssd = cm._engine.ssd if cm._engine is not None else None
+    if ssd is None:
+        return (*_state(model_sd, cm.module.named_parameters(), cm.optimizer), None)
+    with ssd.placeholders() as described:
+        tensors, info = _state(model_sd, cm.module.named_parameters(), cm.optimizer)
+    paged = ssd.store.paged_keys
+    group_of: dict[str, tuple[str, int]] = {f"model.{k}": ("model", paged[k]) for k in tensors["model"] if k in paged}
+    buffer_of = {id(b): (g, i) for g, bufs in described.items() for i, b in enumerate(bufs)}
+    views: dict[str, tuple[int, tuple[int, ...], tuple[int, ...], int]] = {}
+    for name, fields in tensors.get("optimizer", {}).get("state", {}).items():
+        for field, t in fields.items():
+            if not t.is_meta:
+                continue
+            base = t._base if t._base is not None else t
+            if id(base) not in buffer_of:
+                raise RuntimeError(
+                    f"the optimizer state {field!r} of {name!r} is not a view of its group's flat state buffers: "
+                    f"{type(cm.optimizer).__name__}'s states cannot be saved from the SSD one group at a time"
+                )
+            g, i = buffer_of[id(base)]
+            key = f"optimizer.state.{name}.{field}"
+            group_of[key] = ("optimizer", g)
+            views[key] = (i, tuple(t.shape), t.stride(), t.storage_offset())
+
+    def read(group: tuple[str, int]) -> dict[str, torch.Tensor]:
+        section, g = group
+        if section == "model":
+            return {f"model.{k}": v for k, v in ssd.paged_group(g).items()}
+        bufs = ssd.read_state(g)
+        return {key: bufs[i].as_strided(*where) for key, (i, *where) in views.items() if group_of[key] == group}
+
+    return tensors, info, GroupReads(group_of, read)
 
 
 def _stage(tensors: Any, staging: dict[str, torch.Tensor], prefix: str = "") -> Any:
@@ -210,12 +261,22 @@ def save(
             "a checkpoint was loaded before the first call and its optimizer state is applied at that call; call "
             f"the model once (a training step) before saving again ({pending['path']!r} is still the checkpoint)"
         )
+    if not async_save:  # what lives on the SSD is read one group at a time while it is written
+        tensors, info, reads = _streamed_state(cm)
+        meta = _meta(info["steps"], info["param_groups"], scheduler, cm.scaler, extra, cm.skipped_steps)
+        _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta, reads))
+        return None
+    ssd = cm._engine.ssd if cm._engine is not None else None
+    if ssd is not None and ssd.paged:
+        raise UsageError(
+            "async_save=True with the parameter tier (Offload(params='nvme')) is not built: the weights and optimizer "
+            "states live on the SSD, which the next steps rewrite while a background save would read them, and staging "
+            "them in RAM would hold the whole model there; call cm.save_checkpoint(path) (async_save=False: it reads "
+            "the SSD one group at a time while it writes)"
+        )
     model_sd = cm.state_dict()  # settles the step, copies device-updated weights back to the host
     tensors, info = _state(model_sd, cm.module.named_parameters(), cm.optimizer)
     meta = _meta(info["steps"], info["param_groups"], scheduler, cm.scaler, extra, cm.skipped_steps)
-    if not async_save:
-        _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta))
-        return None
     tensors, path = _stage(tensors, cm._checkpoint_staging), os.path.abspath(path)
     return AsyncSave(path, job=lambda: _atomic_write(path, lambda d: _write_checkpoint(d, tensors, meta)))
 
