@@ -130,6 +130,8 @@ class StateMethods:
         AdamW states: 12 bytes per fp32 parameter, kept for the next asynchronous save) and
         writes it in a background thread while training goes on; :meth:`wait_checkpoint`, the
         next save or load and :meth:`close` wait for it (and raise its error, if it failed).
+        With the parameter tier (``Offload(params="nvme")``) a save reads the SSD one group at a
+        time while it writes, and ``async_save=True`` is refused (it would stage the whole model).
 
         >>> import tempfile, torch, shfx
         >>> cm = shfx.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), blocks=False,
