@@ -112,6 +112,29 @@ def test_the_format_is_an_eager_save_s_and_plain_dcp_loads_it(tmp_path):
     assert all(torch.equal(got[f"model.{k}"], v) for k, v in sd.items())
 
 
+def test_on_a_machine_with_cuda_the_writer_still_takes_one_tensor_at_a_time(tmp_path, monkeypatch):
+    # DCP's writer resolves ahead (and sorts by size) where CUDA is available unless its copy-ahead
+    # is 0: the streaming save, which frees each copy once written, must not get that loader
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    cm = _compile(GPT(SHAPE), tmp_path / "ssd")
+    try:
+        seeded_steps(cm, cm, _batches(1))
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            cm.save_checkpoint(str(tmp_path / "ckpt"))
+        sd = cm.state_dict()
+        opt = {n: cm.optimizer.state[p] for n, p in cm.module.named_parameters()}
+    finally:
+        cm.close()
+    tensors = shfx.checkpoint.read_info(str(tmp_path / "ckpt"))["tensors"]
+    got = {k: torch.empty(s, dtype=d) for k, (s, d) in tensors.items()}
+    dcp.load(got, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert all(torch.equal(got[f"model.{k}"], v) for k, v in sd.items())
+    assert all(torch.equal(got[f"optimizer.state.{n}.{f}"], t) for n, st in opt.items() for f, t in st.items())
+
+
 def _heap_bytes():
     """glibc's bytes in use (every arena and mmapped block: what torch's CPU tensors take), or
     None off glibc."""
