@@ -468,6 +468,8 @@ def host_terms(
             if o not in ssd
         ]
     out += [Change("ssd", "master parameters (fp32)", f"master weights of group {o.update_group}", o.update_bytes) for o in mastered]
+    if grad_accum_steps > 1:  # (the parameter tier: the gradient summed so far waits on the SSD between micro-steps)
+        out += [Change("ssd", "gradients (fp32)", f"accumulated gradient of group {o.update_group}", o.update_bytes) for o in paged]
     if ssd:
         # each buffer holds what one SSD read brings (ssd_bytes_of, with this optimizer's states)
         per = max(_states_of(o, optimizer_states, optimizer) + (o.update_bytes if o in mastered else 0) for o in ssd)

@@ -26,12 +26,13 @@ from .runtime.host_store import HostStore
 __all__ = ["ensure_ssd", "start_engine", "param_tier_store"]
 
 
-def param_tier_store(offload: Offload, variant: Variant) -> tuple[Any, Any]:
+def param_tier_store(offload: Offload, variant: Variant, accumulate: bool = False) -> tuple[Any, Any]:
     """The parameter tier (``Offload(params="nvme")``): the SSD store, made before the host
     store (which writes each paged group's image and master into it as it lays the group
     out), and that write, ``spill(g, image, master)``. Extents: AdamW's ``m`` and ``v`` of every
     group of the NVMe tier, and each paged group's ``image`` (all its tensors, as a PREFETCH
-    sends them) and ``master`` (mixed precision: the fp32 trainable region)."""
+    sends them), ``master`` (mixed precision: the fp32 trainable region) and, with ``accumulate``
+    (``grad_accum_steps > 1``), ``grad``: the gradient summed over the micro-steps before the last."""
     from .runtime.ssd import SSDStore, group_extents
 
     prog = variant.train
@@ -41,6 +42,8 @@ def param_tier_store(offload: Offload, variant: Variant) -> tuple[Any, Any]:
         extents[("image", g)] = groups[g].nbytes
         if groups[g].separate_master:
             extents[("master", g)] = groups[g].master_bytes
+        if accumulate:  # (grad_accum_steps > 1: the gradient waits on the SSD between micro-steps)
+            extents[("grad", g)] = groups[g].grad_bytes
     ssd = SSDStore.from_offload(offload, extents)
 
     def spill(g: int, image: Any, master: Any) -> None:

@@ -564,7 +564,8 @@ def _check_param_tier(c: Config) -> None:
     """``Offload(params="nvme")``: what the parameter tier runs with (each refusal "not run yet",
     docs/usage.md): one process, AdamW, the Stronghold policy (``resident_first`` given), updates
     overlapped with the backward (each gradient lands in its group's host window and is used at
-    once), no accumulation, clipping, rollback or delayed update."""
+    once; with accumulation the micro-steps before the last write it to the SSD), no clipping,
+    rollback or delayed update."""
     from .optim import AdamW
 
     pol = c.policy
@@ -579,9 +580,6 @@ def _check_param_tier(c: Config) -> None:
     elif getattr(pol, "resident_first", 0) == "auto":
         why.append(("resident_first='auto'", "the groups whose images live on the SSD are laid out before the tuner runs, "
                     "and they depend on how many first stages stay on the device", "resident_first=<int>"))
-    if c.grad_accum_steps != 1:
-        why.append((f"grad_accum_steps={c.grad_accum_steps}", "the gradient would have to wait on the SSD between backwards",
-                    "grad_accum_steps=1"))
     if not c.overlap_update:
         why.append(("overlap_update=False", "the gradients would wait for step() in host RAM", "overlap_update=True"))
     if c.max_grad_norm is not None:

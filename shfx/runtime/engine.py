@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shfx.passes.actions import KINDS, PW, SR, SW
+from shfx.passes.actions import KINDS, PR, PW, SR, SW, U
 from shfx.passes.attention import training_forward
 from shfx.passes.meta import get_meta
 from shfx.passes.partition import Stage
@@ -260,26 +260,39 @@ class Engine:
         skip_updates: bool,
         serial: bool = False,
         into: list[tuple[fx.Node, Token]] | None = None,
-        profile: bool = False,
+        unupdated: str | None = None,
     ) -> list[tuple[fx.Node, Token]]:
         """Issue ``nodes`` in order, appending ``(node, token)`` to ``into`` as they are issued
         (so an interrupt part-way leaves the caller every token to wait for); with ``serial``
         each waits for the previous one to finish (the profiler times actions in isolation).
-        ``profile``: a profiler's backward (``skip_updates``), whose parameter-tier actions run
-        without their update."""
+        ``unupdated``: a backward without updates (``skip_updates``) whose parameter-tier
+        actions still run without their update: ``"profile"`` (the profiler's timing steps) or
+        ``"accumulate"`` (a micro-step before the last: the gradient goes to the SSD)."""
         issued: list[tuple[fx.Node, Token]] = [] if into is None else into
-        paged = self.ssd.paged if self.ssd is not None and skip_updates and profile else frozenset()
+        paged = self.ssd.paged if self.ssd is not None and skip_updates and unupdated else frozenset()
         for node in nodes:
             meta = get_meta(node)
-            # NOTE: the parameter tier without its updates (the profiler's timing steps): a paged
-            # group's SR still gives its gradient a window buffer, its PW and SW free the buffers
-            # unwritten (ActionHandlers.run_tier_unupdated); every other update is skipped
-            tier = meta.kind in (SR, PW, SW) and meta.stage in paged
+            # NOTE: the parameter tier without its updates: a paged group's SR still gives its
+            # gradient a window buffer (with the gradient accumulated so far), its SW frees it
+            # (writing the gradient when accumulating), an image read only the update needed is
+            # not made and its PW is dropped (ActionHandlers.run_tier_unupdated); every other
+            # update is skipped
+            tier = meta.kind in (SR, PW, SW, PR) and meta.stage in paged
+            if tier and meta.kind == PR and all(KINDS[get_meta(u).kind].update for u in node.users):
+                continue  # (an image read for the update alone)
+            if tier and meta.kind == PR:
+                tier = False  # (a read a prefetch needs: as always)
             if KINDS[meta.kind].update and skip_updates and not tier:
                 continue
             deps = [ctx.env[d] for d in program.deps(node) if d in ctx.env]
+            if tier and meta.kind in (SW, PW):  # (what the skipped update waited for: the gradient's copy, the prefetches)
+                upd = next((u for u in program.deps(node) if get_meta(u).kind == U), None)
+                deps += [ctx.env[d] for d in (program.deps(upd) if upd is not None else ()) if d in ctx.env]
             try:
-                tok = self.handlers.run_tier_unupdated(ctx, meta, deps) if tier else self._issue_action(ctx, meta, deps, cold)
+                tok = (
+                    self.handlers.run_tier_unupdated(ctx, meta, deps, accumulate=unupdated == "accumulate")
+                    if tier else self._issue_action(ctx, meta, deps, cold)
+                )  # fmt: skip
             except BaseException as e:  # synchronous failure (CUDA issue path, bad state)
                 tok = DoneToken(str(meta.action), e)
             tok.label = str(meta.action)
@@ -592,8 +605,11 @@ class Engine:
                             if scale is not None:  # as autograd's gradient of (loss * scale), fp32 scale
                                 gr = (gr.to(torch.float32) * scale).to(gr.dtype)
                             ctx.add_grad(v, gr)
-                self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued, profile=profile)
-                compute = [(n, t) for n, t in issued if not KINDS[get_meta(n).kind].update]
+                # (the parameter tier: a micro-step before the last sends its gradients to the SSD)
+                unupdated = "profile" if profile else "accumulate" if not final and self.grad_accum_steps > 1 else None
+                self.issue(ctx, program, nodes, cold=cold, skip_updates=not final, serial=serial, into=issued, unupdated=unupdated)
+                # (without updates, the parameter tier's SR/PW/SW are this backward's own: waited for here)
+                compute = [(n, t) for n, t in issued if unupdated or not KINDS[get_meta(n).kind].update]
                 for _, tok in compute:
                     _settle(tok)
             failure = self.failures.failure(program, [(n, t) for n, t in compute if not _skipped_refresh(n, t)])

@@ -161,16 +161,21 @@ class ActionHandlers:
         w = self._images(m)
         return w.write_stream.submit(self._timed(lambda: w.write_image(m.stage), m), deps, str(m.action))
 
-    def run_tier_unupdated(self, ctx: StepContext, m: ActionMeta, deps: list[Token]) -> Token:
-        """A paged group's ``SR``/``PW``/``SW`` in a backward without updates (the profiler's
-        timing steps): ``SR`` reads as always (the group's gradient lands in its window buffer),
-        ``PW`` frees the image buffer and ``SW`` the window buffer without writing (nothing
-        changed: no update ran)."""
+    def run_tier_unupdated(self, ctx: StepContext, m: ActionMeta, deps: list[Token], accumulate: bool = False) -> Token:
+        """A paged group's ``SR``/``PW``/``SW`` in a backward without its update (the profiler's
+        timing steps; with ``accumulate``, a micro-step before the last): ``SR`` gives the
+        group's gradient a window buffer (holding the gradient accumulated so far), ``PW`` frees
+        the image buffer unwritten (nothing changed it), ``SW`` frees the window buffer, writing
+        the gradient to the SSD when accumulating (:class:`~shfx.runtime.ssd_window.SSDWindow`'s
+        ``stage_gradient``, ``write_gradient``)."""
         w = self._images(m)
         g = m.stage
         if m.kind == SR:
-            return self.run_ssd_read(ctx, m, deps, False)
-        fn = (lambda: w.drop_image(g)) if m.kind == PW else (lambda: w.release(g))
+            return w.read_stream.submit(self._timed(lambda: w.stage_gradient(g, m.buffer, accumulate), m), deps, str(m.action))
+        if m.kind == PW:  # (an image read for a prefetch too; one read for the update alone was not made)
+            fn = lambda: w.drop_image(g) if g in w.image_at else None  # noqa: E731
+        else:
+            fn = (lambda: w.write_gradient(g)) if accumulate else (lambda: w.release(g))
         return w.write_stream.submit(self._timed(fn, m), deps, str(m.action))
 
     def _data_parallel(self, m: ActionMeta) -> DataParallelRuntime:

@@ -218,18 +218,23 @@ class HostStore:
     def page_out(self, g: int) -> None:
         self.buffers[g] = None
 
-    def page_state(self, g: int, master: torch.Tensor | None, grad: torch.Tensor) -> None:
+    def page_state(self, g: int, master: torch.Tensor | None, grad: torch.Tensor, valid: bool = False) -> None:
         """Paged group ``g``'s fp32 master (mixed precision; None in fp32, where the image is the
-        master) and gradient are these host-window views until :meth:`unpage_state`."""
+        master) and gradient are these host-window views until :meth:`unpage_state`; ``valid``:
+        ``grad`` holds the gradient accumulated so far (read back from the SSD), which the
+        gradient's copy adds to."""
         if master is not None:
             self._paged_master[g] = master
         self._paged_grad[g] = grad
-        self.grad_state[g] = GRAD_NONE
+        self.grad_state[g] = GRAD_VALID if valid else GRAD_NONE
 
-    def unpage_state(self, g: int) -> None:
+    def unpage_state(self, g: int, keep_grad: bool = False) -> None:
+        """The window buffer goes: the gradient was used by the update, or (``keep_grad``:
+        gradient accumulation) written to the SSD, where it stays the group's gradient."""
         self._paged_master.pop(g, None)
         self._paged_grad.pop(g, None)
-        self.grad_state[g] = GRAD_NONE  # (the gradient leaves with the window buffer: it was used)
+        if not keep_grad:
+            self.grad_state[g] = GRAD_NONE
 
     def _paged_out(self, g: int, what: str) -> RuntimeError:
         from shfx.passes.program import ScheduleError

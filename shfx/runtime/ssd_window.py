@@ -211,9 +211,9 @@ class SSDWindow:
             self.where[g] = b
             return b
 
-    def _free(self, g: int) -> None:
+    def _free(self, g: int, keep_grad: bool = False) -> None:
         if g in self.paged:
-            self.store.unpage_state(g)
+            self.store.unpage_state(g, keep_grad)
         with self._cond:
             b = self.where.pop(g)
             self._holder[b] = None
@@ -283,7 +283,8 @@ class SSDWindow:
         if paged:
             grp = self.store.groups[g]
             master = self.buffers[b]["master"][: grp.trainable_numel] if self.extra[g] else None
-            self.store.page_state(g, master, self.buffers[b]["grad"][: grp.trainable_numel])
+            valid = self._accumulated(g, b)  # (gradient accumulation: the earlier micro-steps' sum, the OG adds to it)
+            self.store.page_state(g, master, self.buffers[b]["grad"][: grp.trainable_numel], valid)
         else:
             self._stage(g, b)
 
@@ -310,6 +311,43 @@ class SSDWindow:
             raise RuntimeError(f"group {g}'s optimizer state is not in a host-window buffer: nothing to release")
         self._snap = None
         self._free(g)
+
+    # ---- the parameter tier's gradients between micro-steps (grad_accum_steps > 1) -------------------
+    def accumulates(self, g: int) -> bool:
+        """Whether paged group ``g``'s gradient has an SSD extent (gradient accumulation)."""
+        return ("grad", g) in self.ssd.extents
+
+    def _accumulated(self, g: int, b: int) -> bool:
+        """The gradient accumulated so far into buffer ``b``'s gradient (when there is one)."""
+        from .host_store import GRAD_VALID
+
+        if not (self.accumulates(g) and self.store.grad_state[g] == GRAD_VALID):
+            return False
+        self.ssd.read_into(("grad", g), self.buffers[b]["grad"][: self.store.groups[g].trainable_numel]).wait()
+        return True
+
+    def stage_gradient(self, g: int, buffer: int | None, accumulated: bool) -> None:
+        """``SR g`` of a backward that runs no update of paged group ``g`` (a micro-step before
+        the last, the profiler's timing steps): a host-window buffer for its gradient (its ``OG``
+        lands there), holding the gradient accumulated so far (read from the SSD) when
+        ``accumulated``; master and states are not read."""
+        b = self._claim(g, buffer)
+        try:
+            valid = accumulated and self._accumulated(g, b)
+        except BaseException:
+            self._free(g, keep_grad=True)  # (the sum so far stays on the SSD)
+            raise
+        self._snap = None
+        self.store.page_state(g, None, self.buffers[b]["grad"][: self.store.groups[g].trainable_numel], valid)
+
+    def write_gradient(self, g: int) -> None:
+        """``SW g`` of a micro-step before the last: paged group ``g``'s gradient, accumulated so
+        far, to its SSD extent; the buffer is free when the write completed."""
+        b = self.where.get(g)
+        if b is None:
+            raise RuntimeError(f"group {g}'s gradient is not in a host-window buffer: SW{g} has nothing to write")
+        self.ssd.write_from(("grad", g), self.buffers[b]["grad"][: self.store.groups[g].trainable_numel]).wait()
+        self._free(g, keep_grad=True)
 
     def _extra_views(self, g: int, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
