@@ -84,7 +84,8 @@ class PipelineOptions:
             the loss-scaling feature pass (:data:`~shfx.passes.features.LOSS_SCALING`).
         param_tier: ``Offload(params="nvme")``: the images, masters and gradients of the NVMe
             tier's groups on the SSD too (:func:`~shfx.passes.policies.add_param_tier`), with
-            ``image_window`` host buffers for the images (None: the fewest the order needs, plus one).
+            ``image_window`` host buffers for the images (None: the fewest the order needs, plus one;
+            ``"auto"``: the tuner's choice, returned by the chooser).
         activations: activation offload (``Offload(activations=...)``): ``"device"`` (none),
             ``"host"`` (every eligible stage), ``"nvme"`` (every eligible stage, on the SSD) or a
             tuple of the stages chosen: the activation-offload feature pass
@@ -357,8 +358,9 @@ def compile_variant(
 
     ``groups``: the host layout of an earlier capture of the same model (its tensors keep their
     owners). ``choose(captured, graph, policy)`` returns the policy with its ``"auto"`` fields
-    chosen (the tuner, which needs the model on a device); without it an ``"auto"`` policy is an
-    error.
+    chosen (the tuner, which needs the model on a device), or ``(policy, options)`` with build
+    options it chose too (the parameter tier's ``image_window`` when ``"auto"``); without it an
+    ``"auto"`` policy is an error.
 
     ``dynamic``: capture these dimensions dynamic (:func:`~shfx.passes.capture.capture_model_dynamic`:
     one graph for every size in their ranges, byte counts at the largest); it raises
