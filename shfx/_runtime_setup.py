@@ -26,18 +26,21 @@ from .runtime.host_store import HostStore
 __all__ = ["ensure_ssd", "start_engine", "param_tier_store"]
 
 
-def param_tier_store(offload: Offload, variant: Variant, accumulate: bool = False) -> tuple[Any, Any]:
+def param_tier_store(offload: Offload, variant: Variant, accumulate: bool = False, optimizer: Any = None) -> tuple[Any, Any]:
     """The parameter tier (``Offload(params="nvme")``): the SSD store, made before the host
     store (which writes each paged group's image and master into it as it lays the group
-    out), and that write, ``spill(g, image, master)``. Extents: AdamW's ``m`` and ``v`` of every
-    group of the NVMe tier, and each paged group's ``image`` (all its tensors, as a PREFETCH
+    out), and that write, ``spill(g, image, master)``. Extents: the states of ``optimizer``
+    (:meth:`shfx.optim.HostOptimizer.ssd_extents`; None: AdamW's ``m`` and ``v``) of every group of
+    the NVMe tier, and each paged group's ``image`` (all its tensors, as a PREFETCH
     sends them), ``master`` (mixed precision: the fp32 trainable region) and, with ``accumulate``
     (``grad_accum_steps > 1``), ``grad``: the gradient summed over the micro-steps before the last."""
     from .runtime.ssd import SSDStore, group_extents
 
     prog = variant.train
     groups = variant.graph.groups
-    extents = group_extents([groups[g] for g in sorted(prog.ssd_groups)])
+    # (the host optimizer's states: AdamW's m and v, SGD's momentum, Adafactor's factors)
+    states = optimizer.ssd_extents if optimizer is not None else ("m", "v")
+    extents = group_extents([groups[g] for g in sorted(prog.ssd_groups)], states=states)
     for g in sorted(prog.ssd_images):
         extents[("image", g)] = groups[g].nbytes
         if groups[g].separate_master:

@@ -418,7 +418,9 @@ class CompiledModel(StateMethods):
             model_tensors = {**captured.params, **captured.buffers, **captured.constants}
             paged, spill = frozenset(), None
             if variant is not None and variant.train.ssd_images:
-                self._param_ssd, spill = param_tier_store(self.offload, variant, accumulate=self._config.grad_accum_steps > 1)
+                self._param_ssd, spill = param_tier_store(
+                    self.offload, variant, accumulate=self._config.grad_accum_steps > 1, optimizer=self.optimizer,
+                )  # fmt: skip
                 paged = variant.train.ssd_images
             if self.pin_memory:  # the pinned pool's plan (refused here, before training, when the budget is too small)
                 self._plan_pinned(graph, variant.train if paged else None)

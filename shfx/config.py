@@ -562,18 +562,15 @@ def _check_nvme_supported(c: Config) -> None:
 
 def _check_param_tier(c: Config) -> None:
     """``Offload(params="nvme")``: what the parameter tier runs with (each refusal "not run yet",
-    docs/usage.md): one process, AdamW, the Stronghold policy (``resident_first`` given), updates
+    docs/usage.md): one process, the Stronghold policy (``resident_first`` given), updates
     overlapped with the backward (each gradient lands in its group's host window and is used at
     once; with accumulation the micro-steps before the last write it to the SSD), no clipping,
-    rollback or delayed update."""
-    from .optim import AdamW
-
+    rollback or delayed update. Its optimizers are the NVMe tier's (AdamW, SGD with momentum,
+    Adafactor), checked after this."""
     pol = c.policy
     why = []
     if c.data_parallel is not None:
         why.append(("data_parallel", "each rank's shards of the images and masters on its SSD are not built", "data_parallel=None"))
-    if not isinstance(c.optimizer, AdamW):
-        why.append((f"optimizer={type(c.optimizer).__name__}", "the tier stages AdamW's m and v with the master", "optimizer=shfx.optim.AdamW(...)"))
     if getattr(pol, "name", None) != "stronghold":
         why.append((f"policy={getattr(pol, 'name', pol)!r}", "the gradients wait in the host window for their update, "
                     "which only an update during the backward keeps short", "policy=shfx.Stronghold(window=...)"))

@@ -143,6 +143,12 @@ class HostOptimizer(torch.optim.Optimizer):
         """Bytes of group ``group``'s states that are not per element (none by default)."""
         return 0
 
+    def ssd_extents(self, group: Any) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of the flat state buffers of ``group`` (a :class:`shfx.passes.layout.Group`)
+        the NVMe tier keeps on the SSD, as the host runner names them (its ``ssd_states``), known
+        before any host store exists: the parameter tier's store is made first. AdamW: ``m``, ``v``."""
+        return [("m", group.state_bytes), ("v", group.state_bytes)]
+
     def _step_counters(self, group: Any) -> int:
         """Step counters of group ``group`` (one by default: shfx keeps one per stage)."""
         return 1
@@ -525,6 +531,9 @@ class SGD(HostOptimizer):
     data_parallel = "sharded"  # (momentum is elementwise: a flat range of it is exact)
     per_element_states = 1  # the momentum buffer (the runner keeps one whatever the momentum)
 
+    def ssd_extents(self, group: Any) -> list[tuple[str, int]]:
+        return [("momentum", group.state_bytes)]
+
     def __init__(
         self,
         params: Any = None,
@@ -587,6 +596,9 @@ class Adafactor(HostOptimizer):
 
         shapes = [tuple(i.shape) for i in group.infos if i.kind == "param" and i.trainable]
         return sum(_factored_numel(sh) for sh in shapes) * group.dtypes.state.itemsize
+
+    def ssd_extents(self, group: Any) -> list[tuple[str, int]]:
+        return [("factors", self._whole_state_bytes(group))]
 
     def _step_counters(self, group: Any) -> int:
         """One per trainable parameter, as torch keeps them."""

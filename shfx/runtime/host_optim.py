@@ -635,6 +635,16 @@ def _on_ssd_refusal(runner: Any, g: int) -> None:
 # it, and per-parameter views are bitwise what torch runs by construction.
 
 
+def _master_grad(store: HostStore, g: int, bare: bool) -> list[torch.Tensor]:
+    """Group ``g``'s flat master and gradient, or (``bare``: a state never updated, whose group's
+    master and gradient are not on the host: the parameter tier's) meta tensors of their sizes,
+    so a state's views have their shapes and nothing else."""
+    if not bare:
+        return [store.master(g), store.grad(g)]
+    grp = store.groups[g]
+    return [torch.empty(grp.trainable_numel, dtype=d, device="meta") for d in (grp.dtypes.master, grp.dtypes.grad)]
+
+
 def _param_views(store: HostStore, g: int, layout, bufs: list[torch.Tensor], shaped: bool = False):
     """Per parameter group ``(index, [views of each of bufs], shapes, spans)``."""
     grp = store.groups[g]
@@ -734,9 +744,11 @@ class _SGDState:
     __slots__ = ("step", "momentum_buffer", "pgs")
 
     def __init__(
-        self, store: HostStore, g: int, layout, *, step: torch.Tensor | None = None, momentum_buffer: torch.Tensor | None = None
+        self, store: HostStore, g: int, layout, *, step: torch.Tensor | None = None, momentum_buffer: torch.Tensor | None = None,
+        bare: bool = False,
     ) -> None:  # fmt: skip
-        # step / momentum_buffer: the NVMe tier's (a host-window buffer's views, or copies)
+        # step / momentum_buffer: the NVMe tier's (a host-window buffer's views, or copies);
+        # bare: the parameter tier's copies of a paged group's states (read, loaded, never updated)
         grp = store.groups[g]
         # updates so far (torch's first-step test)
         self.step = torch.zeros((), dtype=torch.float32) if step is None else step
@@ -745,7 +757,7 @@ class _SGDState:
         # the update over whole parameters, as for AdamW); spans stay group element offsets
         lo, hi = _bounds(store, g)
         self.momentum_buffer = torch.zeros(hi - lo, dtype=grp.dtypes.state) if momentum_buffer is None else momentum_buffer
-        bufs = [store.master(g), store.grad(g), self.momentum_buffer]
+        bufs = [*_master_grad(store, g, bare), self.momentum_buffer]
         self.pgs = []
         for k, spans in layout:
             spans = _clip(spans, lo, hi)
@@ -876,8 +888,8 @@ class HostSGD(_HostRunner):
         lo, hi = _bounds(self.store, g)
         return [("momentum", hi - lo)]
 
-    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> _SGDState:
-        return _SGDState(self.store, g, _layout(self.config, self.store.groups[g]), step=steps, momentum_buffer=bufs[0])
+    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor, bare: bool = False) -> _SGDState:
+        return _SGDState(self.store, g, _layout(self.config, self.store.groups[g]), step=steps, momentum_buffer=bufs[0], bare=bare)
 
     def ssd_buffers(self, st: _SGDState) -> tuple[list[torch.Tensor], torch.Tensor]:
         return [st.momentum_buffer], st.step
@@ -896,12 +908,14 @@ class _AdafactorState:
     __slots__ = ("steps", "factors", "pgs", "index", "flat_steps")
 
     def __init__(
-        self, store: HostStore, g: int, layout, *, factors: torch.Tensor | None = None, steps: torch.Tensor | None = None
+        self, store: HostStore, g: int, layout, *, factors: torch.Tensor | None = None, steps: torch.Tensor | None = None,
+        bare: bool = False,
     ) -> None:  # fmt: skip
         # factors / steps: the NVMe tier's (a host-window buffer's views, or copies; ``steps`` one
-        # element per parameter, in this order: each parameter's step is a 0-dim view of it)
+        # element per parameter, in this order: each parameter's step is a 0-dim view of it);
+        # bare: the parameter tier's copies of a paged group's states (read, loaded, never updated)
         grp = store.groups[g]
-        pgs = _param_views(store, g, layout, [store.master(g), store.grad(g)], shaped=True)
+        pgs = _param_views(store, g, layout, _master_grad(store, g, bare), shaped=True)
         size = 0
         for _, _, shapes, _ in pgs:
             for sh in shapes:
@@ -1075,8 +1089,8 @@ class HostAdafactor(_HostRunner):
         """The group's step counters: one per parameter, as torch keeps them."""
         return torch.zeros(self._counts(g)[1], dtype=torch.float32)
 
-    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> _AdafactorState:
-        return _AdafactorState(self.store, g, _layout(self.config, self.store.groups[g]), factors=bufs[0], steps=steps)
+    def ssd_state(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor, bare: bool = False) -> _AdafactorState:
+        return _AdafactorState(self.store, g, _layout(self.config, self.store.groups[g]), factors=bufs[0], steps=steps, bare=bare)
 
     def ssd_buffers(self, st: _AdafactorState) -> tuple[list[torch.Tensor], torch.Tensor]:
         steps = st.flat_steps if st.flat_steps is not None else torch.stack(st.steps) if st.steps else torch.zeros(0)

@@ -356,9 +356,7 @@ class SSDWindow:
     def _state_copy(self, g: int, bufs: Sequence[torch.Tensor], steps: torch.Tensor) -> Any:
         """The runner's state of group ``g`` over copies of its states (state_dict, loads): for a
         paged group without the views an update needs (its master and gradient are not on the host)."""
-        if g in self.paged:
-            return self.optimizer.ssd_state(g, bufs, steps, bare=True)
-        return self.optimizer.ssd_state(g, bufs, steps)
+        return self.optimizer.ssd_state(g, bufs, steps, bare=g in self.paged)
 
     def stage_paged(self, g: int) -> None:
         """The update of paged group ``g`` is about to run: its state over the window's views,
