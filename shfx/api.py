@@ -351,7 +351,8 @@ class CompiledModel(StateMethods):
             # fewest buffers: the host store is laid out for it, paged, before the profile)
             least = least_image_window(probe.program(graph.specs)) if opts.param_tier else None
             pv = Variant(captured.signature, captured, graph, probe, *build_programs(
-                graph.specs, probe, activations=opts.activations, param_tier=opts.param_tier, image_window=least or None,
+                graph.specs, probe, activations=opts.activations, activation_window=opts.activation_window,
+                param_tier=opts.param_tier, image_window=least or None,
                 masters=opts.param_tier and captured.working_dtype is not None,
             ))  # fmt: skip
             tier = pv if pv.train.ssd_images else None
