@@ -60,11 +60,13 @@ def check_parameter_tier(device, precision: str, path: str) -> None:
         cm.close()
 
 
-def check_activation_offload(device, precision: str) -> None:
+def check_activation_offload(device, precision: str, path: str | None = None) -> None:
+    """``path``: the activations go on to the SSD there (``activations="nvme"``), else host RAM."""
     ref, a, sa, _ = _train(device, precision)
-    cm, b, sb, _ = _train(device, precision, shfx.Offload(activations="host"))
+    off = shfx.Offload(activations="nvme", path=path) if path else shfx.Offload(activations="host")
+    cm, b, sb, _ = _train(device, precision, off)
     try:
-        assert any(str(x).startswith("AO") for x in cm.program.actions())
+        assert any(str(x).startswith("AW" if path else "AO") for x in cm.program.actions())
         assert all(torch.equal(x, y) for x, y in zip(a, b)), (a, b)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
         assert cm.backend.peak_bytes < ref.backend.peak_bytes  # the boundary activations left the device
@@ -79,12 +81,14 @@ def test_parameter_tier_on_cuda_trains_bitwise_as_all_in_ram(tmp_path, precision
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_activation_offload_on_cuda_trains_bitwise_with_less_device_memory(precision):
-    check_activation_offload("cuda", precision)
+@pytest.mark.parametrize("where", ["host", "nvme"])
+def test_activation_offload_on_cuda_trains_bitwise_with_less_device_memory(tmp_path, precision, where):
+    check_activation_offload("cuda", precision, str(tmp_path) if where == "nvme" else None)
 
 
 if __name__ == "__main__":  # the bodies on the emulated device
     for p in ("fp32", "bf16"):
         check_parameter_tier(shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), p, tempfile.mkdtemp())
         check_activation_offload(shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), p)
+        check_activation_offload(shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), p, tempfile.mkdtemp())
     print("ok", file=sys.stderr)
