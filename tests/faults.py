@@ -92,3 +92,20 @@ def run_with_deadline(fn, seconds: float = 60, why: str = ""):
     if "error" in result:
         raise result["error"]
     return result.get("value")
+
+
+def fail_nth_ssd_read(monkeypatch, n: int = 2) -> list[int]:
+    """Make the ``n``-th read of any SSD store fail with an I/O error (``OSError(EIO)``), as a
+    disk would; the offsets read so far are returned (``monkeypatch.undo()`` heals it)."""
+    from shfx.runtime import ssd as ssd_mod
+
+    real, calls = ssd_mod._read_full, []
+
+    def broken(fd, buf, offset):
+        calls.append(offset)
+        if len(calls) == n:
+            raise OSError(5, "Input/output error")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(ssd_mod, "_read_full", broken)
+    return calls

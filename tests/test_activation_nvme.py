@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from faults import fail_nth_ssd_read
 from zoo import seeded_steps
 
 import shfx
@@ -301,7 +302,6 @@ def test_with_the_nvme_tiers(tmp_path, tier):
 
 def test_a_failing_read_names_its_action_and_holds_no_buffer(tmp_path, monkeypatch):
     from shfx.errors import ActionError
-    from shfx.runtime import ssd as ssd_mod
 
     model = _model()
     ref = copy.deepcopy(model)
@@ -312,15 +312,7 @@ def test_a_failing_read_names_its_action_and_holds_no_buffer(tmp_path, monkeypat
     try:
         for c in (cm, cm_ref):
             seeded_steps(c, c, batches[:1])
-        real, calls = ssd_mod._read_full, []
-
-        def broken(fd, buf, offset):
-            calls.append(offset)
-            if len(calls) == 2:
-                raise OSError(5, "Input/output error")
-            return real(fd, buf, offset)
-
-        monkeypatch.setattr(ssd_mod, "_read_full", broken)
+        fail_nth_ssd_read(monkeypatch, 2)
         loss = cm(*batches[1])
         with pytest.raises(ActionError, match=r"AR\d+") as e:
             loss.backward()

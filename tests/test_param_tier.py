@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from faults import fail_nth_ssd_read
 from zoo import seeded_steps
 
 import shfx
@@ -454,7 +455,6 @@ def test_the_verifier_rule_names_a_missing_wait():
 
 def test_a_failing_image_read_names_its_action_and_frees_the_buffers(tmp_path, monkeypatch):
     from shfx.errors import ActionError
-    from shfx.runtime import ssd as ssd_mod
 
     torch.manual_seed(0)
     model = GPT(SHAPE)
@@ -463,15 +463,7 @@ def test_a_failing_image_read_names_its_action_and_frees_the_buffers(tmp_path, m
     cm, _ = _train(model, batches[:1], _tier(tmp_path))
     cm_ref, _ = _train(ref, batches[:1], _tier(tmp_path / "ref"))
     try:
-        real, calls = ssd_mod._read_full, []
-
-        def broken(fd, buf, offset):
-            calls.append(offset)
-            if len(calls) == 2:
-                raise OSError(5, "Input/output error")
-            return real(fd, buf, offset)
-
-        monkeypatch.setattr(ssd_mod, "_read_full", broken)
+        fail_nth_ssd_read(monkeypatch, 2)
         with pytest.raises(ActionError, match=r"PR\d+") as e:
             cm(*batches[1]).backward()
         assert e.value.action.startswith("PR")

@@ -40,14 +40,7 @@ def _compile(model, path, precision="fp32"):
 
 def _go_on(forward, optimizer, batches) -> list[torch.Tensor]:
     """Steps without seeding: the RNG where the run (or the checkpoint loaded) left it."""
-    losses = []
-    for x, y in batches:
-        loss = forward(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
-    return losses
+    return seeded_steps(forward, optimizer, batches, seed=None)
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

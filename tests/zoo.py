@@ -140,12 +140,14 @@ def hf_batch(step: int, micro: int = 0, batch: int = 2) -> tuple[tuple, dict, di
     return (), {"input_ids": x, "attention_mask": mask, "labels": y}, {}
 
 
-def seeded_steps(forward, optimizer, batches, seed: int = 123) -> list[torch.Tensor]:
+def seeded_steps(forward, optimizer, batches, seed: int | None = 123) -> list[torch.Tensor]:
     """One step per ``(x, y)`` batch (``loss = forward(x, y)``, backward, ``optimizer.step()``,
     ``zero_grad()``; a compiled model is its own optimizer); the losses. Seeded once, before the
     first step: every step's dropout masks come from the user's stream (no reseeding between
-    steps, which would hide a feature that draws from it)."""
-    torch.manual_seed(seed)
+    steps, which would hide a feature that draws from it). ``seed=None``: not seeded (the stream
+    where the run, or a checkpoint loaded, left it)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     losses = []
     for x, y in batches:
         loss = forward(x, y)

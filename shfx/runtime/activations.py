@@ -21,6 +21,8 @@ import torch
 
 from shfx.passes.activations import offloaded_values
 
+from .ssd import wait_all
+
 __all__ = ["ActivationStash", "ActivationWindow"]
 
 
@@ -264,7 +266,7 @@ class ActivationWindow:
         key, stages = self._of[id(program)]
         store = self._stores[key]
         try:
-            _all_done([store.write_from(("activation", name), raw) for name, raw, _ in self._views(program, stage, b, ctx)])
+            wait_all([store.write_from(("activation", name), raw) for name, raw, _ in self._views(program, stage, b, ctx)])
             with self._lock:
                 for name, _, _ in stages[stage]:
                     self._written[(key, name)] = ctx.id
@@ -290,7 +292,7 @@ class ActivationWindow:
         self._claim(ctx, stage, b)
         try:
             views = self._views(program, stage, b, ctx)
-            _all_done([store.read_into(("activation", name), raw) for name, raw, _ in views])
+            wait_all([store.read_into(("activation", name), raw) for name, raw, _ in views])
         except BaseException:
             self._free(b)
             raise
@@ -338,13 +340,3 @@ class ActivationWindow:
             self._stores.clear()
 
 
-def _all_done(requests: Sequence[Any]) -> None:
-    """Wait for every SSD request, then raise the first one's error (none is left in flight)."""
-    errors = []
-    for r in requests:
-        try:
-            r.wait()
-        except BaseException as e:  # noqa: BLE001 - every request ends before raising
-            errors.append(e)
-    if errors:
-        raise errors[0]

@@ -79,7 +79,7 @@ from shfx.offload import Offload
 from shfx.passes.layout import Group
 from shfx.passes.units import format_bytes, parse_bandwidth, parse_bytes
 
-__all__ = ["SSDStore", "SSDRequest", "Extent", "check_space", "group_extents", "MIN_ALIGNMENT"]
+__all__ = ["SSDStore", "SSDRequest", "Extent", "check_space", "group_extents", "wait_all", "MIN_ALIGNMENT"]
 
 MIN_ALIGNMENT = 4096
 """Extents start at multiples of max(this, the filesystem's block size); direct I/O needs it."""
@@ -96,6 +96,19 @@ class Extent:
     offset: int
     nbytes: int
     padded_bytes: int
+
+
+def wait_all(requests: Sequence[Any], errors: Sequence[BaseException] = ()) -> None:
+    """Wait for every request, then raise the first error (of ``errors``, those of issuing them,
+    then of the requests): none is left in flight, which would block the next request on its key."""
+    errors = list(errors)
+    for r in requests:
+        try:
+            r.wait()
+        except BaseException as e:  # noqa: BLE001 - every request ends before raising
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def check_space(path: str | os.PathLike, nbytes: int) -> int:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .ssd import SSDStore, group_extents
+from .ssd import SSDStore, group_extents, wait_all
 from .streams import WorkerStream
 
 __all__ = ["SSDWindow"]
@@ -247,13 +247,7 @@ class SSDWindow:
                 reqs.append(io(key, buf))
             except BaseException as e:  # noqa: BLE001 - the others still end before raising
                 errors.append(e)
-        for r in reqs:
-            try:
-                r.wait()
-            except BaseException as e:  # noqa: BLE001 - every request ends before raising
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        wait_all(reqs, errors)
 
     def _views_of(self, g: int, b: int) -> list[torch.Tensor]:
         buf = self.buffers[b]
