@@ -388,11 +388,19 @@ class HostOptimizer(torch.optim.Optimizer):
         }
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, read: Callable[[list[int]], dict[int, dict]] | None = None) -> None:
         """Load torch's format (from this class or its torch counterpart): every group's
         hyperparameters, and the per-parameter state copied into the flat buffers. Parameters
         of one stage share a step counter: their steps must be equal, and either all or none of
-        a stage's trainable parameters must have state."""
+        a stage's trainable parameters must have state. Everything is checked before any stage
+        changes (each stage's entries against what its state holds), so a refused state dict
+        changes nothing.
+
+        ``read`` (a checkpoint read one stage at a time, as ``shfx.checkpoint`` does): the
+        state's tensors are placeholders (meta tensors of the shapes and dtypes to load; each
+        ``step`` a real value), checked as they are, and ``read(indices)`` gives the real
+        ``{index: {name: tensor}}`` of the parameters at those indices, called once per stage
+        just before that stage's state is written: one stage's state is in memory at a time."""
         groups, saved = self.param_groups, state_dict.get("param_groups")
         if saved is None or "state" not in state_dict:
             raise ValueError("load_state_dict expects torch's format: a dict with 'state' and 'param_groups'")
@@ -408,50 +416,57 @@ class HostOptimizer(torch.optim.Optimizer):
             cm._settle()
         if self.runner is None:
             # before the first call: the host store holding the state is laid out then (bind)
-            state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()} for i, e in state_dict["state"].items()}
+            if read is not None:
+                state = read(sorted(i for i, e in state_dict["state"].items() if e))
+            else:
+                state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()} for i, e in state_dict["state"].items()}
             self.__dict__["_pending"] = {"state": state, "param_groups": saved}
         else:
-            # the flat buffers are written stage by stage: a state dict refused half way (a shape
-            # that does not fit) puts back the state as it was, so a refused load changes nothing
-            sd = self.state_dict()
-            before = {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
-                      "param_groups": sd["param_groups"]}  # fmt: skip
-            try:
-                self._load_state(state_dict)
-            except BaseException:
-                self._load_state(before)
-                raise
+            self._load_state(state_dict, read)
         for g, s in zip(groups, saved):
             for k, v in s.items():
                 if k not in ("params", "param_names"):
                     g[k] = v
 
-    def _load_state(self, state_dict: dict[str, Any]) -> None:
-        """The per-parameter part of :meth:`load_state_dict`, into the runner's buffers."""
+    def _load_state(self, state_dict: dict[str, Any], read: Callable[[list[int]], dict[int, dict]] | None = None) -> None:
+        """The per-parameter part of :meth:`load_state_dict`, into the runner's buffers: every
+        stage checked (the runner's ``check_group``), then each written (``read``: its entries
+        read first)."""
         by_index: dict[int, torch.Tensor] = {}
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             for p, i in zip(g["params"], s["params"]):
                 by_index[i] = p
         per_group: dict[int, list] = {}
-        for p in by_index.values():
+        for i, p in by_index.items():
             w = self._where.get(id(p))
             if w is not None:
-                per_group.setdefault(w[0], []).append((p, w))
-        entries = {id(p): state_dict["state"].get(i) for i, p in by_index.items()}
+                per_group.setdefault(w[0], []).append((i, w))
         plan = []
         for g, items in sorted(per_group.items()):  # every check before any stage changes
-            have = [(w, entries[id(p)]) for p, w in items if entries[id(p)]]
+            have = [(i, w, state_dict["state"][i]) for i, w in items if state_dict["state"].get(i)]
             if have and len(have) != len(items):
                 raise ValueError(
                     f"the state dict has state for {len(have)} of the {len(items)} trainable parameters of stage {g}; "
                     "shfx keeps one step counter per stage, so load either all of them or none"
                 )
-            steps = {float(e["step"]) for _, e in have if "step" in e}
+            steps = {float(e["step"]) for _, _, e in have if "step" in e}
             if len(steps) > 1:
                 raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
             plan.append((g, have))
         for g, have in plan:
-            self.runner.load_group(g, have, self._device_state(g))
+            self.runner.check_group(g, [(w, e) for _, w, e in have], self._device_state(g))
+        for g, have in plan:
+            # (read: this stage's state only, freed before the next stage's is read)
+            self.runner.load_group(g, _read_entries(have, read), self._device_state(g))
+
+
+def _read_entries(have: list[tuple[int, Any, dict]], read: Callable[[list[int]], dict[int, dict]] | None) -> list:
+    """A stage's ``[(where, entry)]`` of ``have`` (``[(index, where, entry)]``), the entries
+    read by ``read`` when it is given."""
+    if read is None or not have:
+        return [(w, e) for _, w, e in have]
+    got = read([i for i, _, _ in have])
+    return [(w, got[i]) for i, w, _ in have]
 
 
 class AdamW(HostOptimizer):

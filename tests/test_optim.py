@@ -316,6 +316,35 @@ def test_state_dict_loaded_before_the_first_call():
     cm.close()
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "SGD", "Adafactor"])
+def test_a_state_dict_refused_in_the_last_stage_changes_no_stage(kind):
+    # every stage is checked (the runner's check_group) before any is written: no copy of the
+    # current states is kept to undo a refusal, and none is needed
+    make_shfx, _ = OPTIMIZERS[kind]
+    make_model, make_batch = ZOO["bn_net"]
+    torch.manual_seed(0)
+    model = make_model()
+    cm = shfx.compile(model, device=_device(), window=2, optimizer=make_shfx(model))
+    args, kwargs, aux = make_batch(0, 0)
+    loss_of(cm(*args, **kwargs), aux).backward()
+    cm.step()
+    cm.zero_grad()
+    before = copy.deepcopy(cm.optimizer.state_dict())
+    bad = copy.deepcopy(before)
+    for e in bad["state"].values():  # (every state of the first stages scaled: what a partial load would show)
+        for k, t in e.items():
+            if k != "step":
+                t.add_(1.0)
+    last = max(bad["state"])
+    field = next(k for k in bad["state"][last] if k != "step")
+    bad["state"][last][field] = torch.zeros(3, 5)
+    with pytest.raises(ValueError, match=rf"{field}'? of a parameter of shape .* is \(3, 5\)"):
+        cm.optimizer.load_state_dict(bad)
+    after = cm.optimizer.state_dict()
+    assert all(torch.equal(t, after["state"][i][k]) for i, e in before["state"].items() for k, t in e.items())
+    cm.close()
+
+
 # ---- SGD and Adafactor against torch -------------------------------------------------------------
 OPTIMIZERS = {
     "AdamW": adamw_pair(weight_decay=0.01),

@@ -128,22 +128,32 @@ def _kernel(
 
 
 
-def copy_state_entries(entries: list, dst: dict[str, torch.Tensor | None], shard: tuple[int, int] | None = None) -> None:
-    """Copy torch-format per-parameter states ``[((g, off, n, shape), {name: tensor})]`` into
-    flat buffers ``dst`` (``{"exp_avg": m, "exp_avg_sq": v}``; a None buffer is skipped), each
-    parameter's at its offset; a missing or misshapen state raises ``ValueError`` naming it.
-    ``shard``: the buffers hold only elements ``[lo, hi)`` of the group (data parallel): each
-    parameter's part inside it is copied."""
+def check_state_entries(entries: list, names: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming the first state ``names`` of torch-format per-parameter
+    states ``[((g, off, n, shape), {name: tensor})]`` that is missing or not of its parameter's
+    shape (the tensors may be meta placeholders: only shapes are read)."""
     for (_, off, n, shape), e in entries:
-        for name, buf in dst.items():
-            if buf is None:
-                continue
+        for name in names:
             src = e.get(name)
             if src is None or tuple(src.shape) != tuple(shape):
                 raise ValueError(
                     f"state {name!r} of a parameter of shape {tuple(shape)} is "
                     f"{'missing' if src is None else tuple(src.shape)} in the state dict"
                 )
+
+
+def copy_state_entries(entries: list, dst: dict[str, torch.Tensor | None], shard: tuple[int, int] | None = None) -> None:
+    """Copy torch-format per-parameter states ``[((g, off, n, shape), {name: tensor})]`` into
+    flat buffers ``dst`` (``{"exp_avg": m, "exp_avg_sq": v}``; a None buffer is skipped), each
+    parameter's at its offset; a missing or misshapen state raises ``ValueError`` naming it
+    (:func:`check_state_entries`, before anything is copied). ``shard``: the buffers hold only
+    elements ``[lo, hi)`` of the group (data parallel): each parameter's part inside it is copied."""
+    check_state_entries(entries, [name for name, buf in dst.items() if buf is not None])
+    for (_, off, n, shape), e in entries:
+        for name, buf in dst.items():
+            if buf is None:
+                continue
+            src = e[name]
             if shard is None:
                 buf[off : off + n].view(shape).copy_(src)
                 continue
@@ -483,6 +493,22 @@ class HostAdamW:
         if st.max_exp_avg_sq is not None:
             out["max_exp_avg_sq"] = st.max_exp_avg_sq[off : off + n].view(shape)
         return out
+
+    def check_group(self, g: int, entries: list[tuple[tuple, dict]], dev: Any = None) -> None:
+        """Raise what :meth:`load_group` would refuse for these entries, changing nothing (their
+        tensors may be meta placeholders of the shapes to load; the steps are read): a load
+        checks every group first, so a refused one changes nothing."""
+        if not entries:
+            return
+        steps = {float(e["step"]) for _, e in entries}
+        if len(steps) != 1:
+            raise ValueError(f"the parameters of stage {g} have different steps {sorted(steps)}; shfx keeps one per stage")
+        amsgrad = any("max_exp_avg_sq" in e for _, e in entries)
+        if amsgrad and dev is not None:
+            raise NotImplementedError("amsgrad is not supported by the device-side optimizer")
+        if amsgrad and self.ssd is not None and g in self.ssd.groups:
+            raise NotImplementedError("amsgrad is not supported with the NVMe tier (its third state is not on the SSD)")
+        check_state_entries(entries, ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else []))
 
     def load_group(self, g: int, entries: list[tuple[tuple, dict]], dev: Any = None) -> None:
         """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
@@ -862,6 +888,10 @@ class HostSGD(_HostRunner):
             return {}  # data parallel: ranges per rank (DataParallelRuntime.state_pieces, what checkpoints save)
         return {"momentum_buffer": st.momentum_buffer[off : off + n].view(shape)}
 
+    def check_group(self, g: int, entries: list, dev: Any = None) -> None:
+        """As :meth:`HostAdamW.check_group`: a momentum buffer of another shape is refused."""
+        check_state_entries([(w, e) for w, e in entries if e.get("momentum_buffer") is not None], ["momentum_buffer"])
+
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
         if dev is not None:  # a group updated on the device: into its device state
             entries = [(w, e) for w, e in entries if e.get("momentum_buffer") is not None]
@@ -1052,6 +1082,16 @@ class HostAdafactor(_HostRunner):
             return {}
         return {"step": step, "row_var": r, "col_var": c} if v is None else {"step": step, "variance": v}
 
+    def check_group(self, g: int, entries: list, dev: Any = None) -> None:
+        """As :meth:`HostAdamW.check_group`: the entries against the views of a state over meta
+        buffers (the group's factored layout, nothing allocated)."""
+        if not entries:
+            return
+        size, nparams = self._counts(g)
+        factors = torch.empty(size, dtype=self.store.groups[g].dtypes.state, device="meta")
+        st = self.ssd_state(g, [factors], torch.zeros(nparams), bare=True)
+        _load_factored(entries, lambda off: self._views_at(st, off), write=False)
+
     def load_group(self, g: int, entries: list, dev: Any = None) -> None:
         if dev is not None:  # a group updated on the device: into its device state
             for t in dev.tensors():
@@ -1100,12 +1140,14 @@ class HostAdafactor(_HostRunner):
         _load_factored(entries, lambda off: self._views_at(st, off))
 
 
-def _load_factored(entries: list, views_at) -> None:
+def _load_factored(entries: list, views_at, write: bool = True) -> None:
     """Write torch-format Adafactor entries into the states ``views_at(offset)`` gives
-    (``(step, row_var, col_var, variance)`` of the parameter there)."""
+    (``(step, row_var, col_var, variance)`` of the parameter there), every entry checked before
+    anything is written (``write=False``: only checked)."""
+    pairs = []
     for (_, off, n, shape), e in entries:
         step, r, c, v = views_at(off)
-        step.copy_(e["step"])
+        pairs.append((step, e["step"]))
         for name, dst in (("row_var", r), ("col_var", c), ("variance", v)):
             if dst is None:
                 continue
@@ -1115,6 +1157,9 @@ def _load_factored(entries: list, views_at) -> None:
                     f"Adafactor state {name!r} of a parameter of shape {tuple(shape)} is "
                     f"{'missing' if src is None else tuple(src.shape)} in the state dict"
                 )
+            pairs.append((dst, src))
+    if write:
+        for dst, src in pairs:
             dst.copy_(src)
 
 
