@@ -1,8 +1,8 @@
-"""The streaming checkpoint save: what lives on the SSD (the parameter tier's images and fp32
-masters, the NVMe tier's optimizer states) is written one group at a time, never the whole model
-in host RAM.
+"""The streaming checkpoint save and load: what lives on the SSD (the parameter tier's images and
+fp32 masters, the NVMe tier's optimizer states) is written and read one group at a time, never
+the whole model in host RAM.
 
-The state dict handed to ``torch.distributed.checkpoint.save`` holds a meta tensor (a
+**Save.** The state dict handed to ``torch.distributed.checkpoint.save`` holds a meta tensor (a
 *placeholder*) of the shape and dtype of each such tensor: DCP plans from shapes, dtypes and
 properties, so the plan and the metadata are those of a save of the read tensors, and the
 checkpoint is the same format. :class:`StreamingSavePlanner` orders the plan so that each
@@ -10,6 +10,16 @@ group's items are consecutive, and its :meth:`~StreamingSavePlanner.resolve_data
 writer calls for one item at a time, reads the item's group (:class:`GroupReads`) when the
 writer reaches its first item and drops it when the writer moves on. Held at once: one group's
 tensors and the copy of the item being written.
+
+**Load.** :class:`CheckpointReader` reads a few keys at a time into tensors the caller gives
+(views of a group's buffers), one ``torch.distributed.checkpoint.load`` of exactly those keys
+per call, the metadata read once. ``shfx.checkpoint`` calls it once per group, after checking
+everything against the metadata (names, shapes), and writes the group to the SSD
+before the next. Held at once: the caller's targets and DCP's copy of the item being read.
+
+NOTE: one load per group, not one load whose planner writes each group out as its items
+arrive: ``FileSystemReader`` reads the items file by file, so the items of a group saved in
+several files (data parallel's ranks) would not arrive together.
 
 NOTE: what torch's ``FileSystemWriter`` keeps (torch 2.13, ``filesystem.py``): with
 ``thread_count=1`` it writes the plan's items in order into one file, asking ``resolve_data``
@@ -30,10 +40,10 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-__all__ = ["GroupReads", "StreamingSavePlanner", "writer"]
+__all__ = ["CheckpointReader", "GroupReads", "StreamingLoadPlanner", "StreamingSavePlanner", "writer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +128,57 @@ def writer(path: str):
     from .checkpoint_format import _writer
 
     return _writer(path, per_thread_copy_ahead=0)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+class StreamingLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner over a flat state dict of flattened keys (``model.<name>``,
+    ``optimizer.state.<name>.<field>``) that are a few of the checkpoint's: nothing to flatten,
+    and no pass over the checkpoint's other keys (the default planner's check for checkpoints
+    older than torch 2.4 looks at every key of the metadata on each load). Each tensor is read
+    (``torch.load`` of its bytes) and copied into its target in place."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+class _CachedReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read from the file once, however many loads."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+class CheckpointReader:
+    """A checkpoint's tensors read into given tensors in place, a few keys at a time: each
+    :meth:`read` is one ``torch.distributed.checkpoint.load`` of exactly the keys given, the
+    metadata read once. Attributes for a caller that measures: ``loads`` (the keys of each
+    call, in order)."""
+
+    def __init__(self, path: str, no_dist: bool = True) -> None:
+        self.path = path
+        self.no_dist = no_dist
+        self._reader = _CachedReader(path)
+        self.loads: list[list[str]] = []
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """DCP's metadata by flattened key (``TensorStorageMetadata``: ``size``, ``properties.dtype``)."""
+        return self._reader.read_metadata().state_dict_metadata
+
+    def read(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Read the checkpoint's value of each flattened key into its target (same shape; DCP
+        casts to the target's dtype)."""
+        import torch.distributed.checkpoint as dcp
+
+        if not targets:
+            return
+        self.loads.append(list(targets))
+        with torch.no_grad():
+            dcp.load(dict(targets), storage_reader=self._reader, planner=StreamingLoadPlanner(), no_dist=self.no_dist)

@@ -49,19 +49,18 @@ class StateMethods:
             return
         keys = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] in store.paged_keys]
         mode = getattr(self, "_paged_as", None)
-        if keys and mode == "empty":  # (a load's targets: it overwrites them, nothing to read)
-            for k in keys:
-                state_dict[k] = torch.empty(state_dict[k].shape, dtype=state_dict[k].dtype)
-        elif keys:  # (mode "meta": what a read would give, as meta tensors: a streaming save's placeholders)
+        if keys:  # (mode "meta": what a read would give, as meta tensors: a streaming save's or load's placeholders)
             values = self._engine.ssd.read_paged([k[len(prefix) :] for k in keys], meta=mode == "meta")
             for k in keys:
                 state_dict[k] = values[k[len(prefix) :]]
 
     def _load_targets(self) -> dict[str, Any]:
-        """The model's state dict as the tensors a load writes into: with the parameter tier the
-        paged tensors are fresh host tensors of their shape and dtype (the load overwrites them
-        and writes them to the SSD), not read from it."""
-        return self._state_dict_as("empty")
+        """The model's state dict as a checkpoint load checks it: the tensors of the host store
+        (the load writes into them in place; before the first call the model's own), and with
+        the parameter tier the paged tensors as meta tensors of their shapes and dtypes (nothing
+        read or allocated: ``shfx.checkpoint`` reads them one group at a time into the SSD
+        window, ``SSDWindow.load_paged``)."""
+        return self._state_dict_as("meta")
 
     def _state_dict_for_save(self) -> dict[str, Any]:
         """The model's state dict as a streaming checkpoint save describes it (after
@@ -160,13 +159,21 @@ class StateMethods:
         and return its ``extra``: training then goes on exactly as the run that saved it.
 
         Works before the first call too (in a fresh process: compile, load, train): the weights
-        load into the model at once, the optimizer state when the first call has laid out the
+        load into the model at once, the optimizer states when the first call has laid out the
         host store. ``scheduler``: loads its saved state. ``strict``: the checkpoint's weights
         must have exactly the model's names. ``restore_rng``: set the RNG states saved (so
         dropout draws the masks the saving run would have drawn next).
 
+        What it holds: the optimizer states are read one stage at a time; with the NVMe and
+        parameter tiers (``Offload(optimizer="nvme")``, ``Offload(params="nvme")``) each group on
+        the SSD is read from the checkpoint into the SSD window's buffers and written to the SSD
+        before the next, so the host holds about one group's optimizer states beyond training.
+        Everything it can refuse is checked first (names and shapes from the checkpoint's metadata,
+        its steps, each stage's states against the stage): a refused load changes nothing.
+
         Raises:
-            UsageError: a checkpoint of another model, or between a backward and its ``cm.step()``.
+            UsageError: a checkpoint of another model, or between a backward and its ``cm.step()``
+                (before the first call, what only the store's layout can check is raised at that call).
         """
         from . import checkpoint
 

@@ -79,45 +79,114 @@ from .checkpoint_format import (  # noqa: F401 - each name stays importable from
     rng_state,
     set_rng_state,
 )
-from ._checkpoint_stream import GroupReads, StreamingSavePlanner
+from ._checkpoint_stream import CheckpointReader, GroupReads, StreamingSavePlanner
 from ._checkpoint_stream import writer as stream_writer
-from .errors import UsageError
+from .errors import ShfxError, UsageError
+from .optim import HostOptimizer
 
 __all__ = ["save", "load", "save_from", "load_into", "read_info", "AsyncSave", "STATE_FILE", "FORMAT"]
 
 
 # ---- the optimizer state by parameter name (eager torch.optim and cm.optimizer alike) ---------------
-def _load_optimizer(
-    path: str, md: dict[str, Any], meta: dict[str, Any], named_params: Any, optimizer: torch.optim.Optimizer
-) -> None:
-    """Load a checkpoint's optimizer state and hyperparameters into ``optimizer`` (eager, or
-    ``cm.optimizer`` before or after its first call) through ``optimizer.load_state_dict``, the
-    checkpoint's names mapped onto the optimizer's parameters and groups. A load that is
-    refused changes nothing."""
-    named_params = list(named_params)
-    saved = _load_optim_tensors(path, md)
+_OPT = "optimizer.state."
+
+
+def _optim_placeholders(reader: CheckpointReader) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's ``optimizer.state.*`` as ``{param name: {field: tensor}}``: meta tensors
+    of their shapes and dtypes (nothing read), but each ``step`` read (a few bytes: the checks
+    need its value)."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    steps: dict[str, torch.Tensor] = {}
+    for k, m in reader.metadata.items():
+        if not k.startswith(_OPT):
+            continue
+        name, _, field = k[len(_OPT) :].rpartition(".")
+        shape, dtype = tuple(m.size), m.properties.dtype
+        t = torch.empty(shape, dtype=dtype, device="cpu" if field == "step" else "meta")
+        if field == "step":
+            steps[k] = t
+        state.setdefault(name, {})[field] = t
+    reader.read(steps)
+    return state
+
+
+def _torch_format(
+    path: str, meta: dict[str, Any], named_params: list, optimizer: torch.optim.Optimizer, saved: dict[str, dict], hyperparams: bool
+) -> tuple[dict[str, Any], dict[int, str]]:
+    """``(torch's state-dict format of the checkpoint's optimizer state for optimizer, each
+    parameter index's name)``: the checkpoint's names mapped onto the optimizer's parameters
+    (indices numbered across its groups in order, as ``optimizer.state_dict()`` numbers them,
+    without reading its state) and each group given the hyperparameters of the checkpoint's
+    group its parameters were in (``hyperparams=False``: its own). Refused: state for a
+    parameter the optimizer does not update, groups that mix the checkpoint's."""
     names = _names(named_params)
     hps_by_group = _group_hyperparams(path, meta, named_params, optimizer)
-    sd = optimizer.state_dict()
+    index: dict[int, int] = {}
+    name_of: dict[int, str] = {}
     held: set[str] = set()
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for group, sdg, hps in zip(optimizer.param_groups, sd["param_groups"], hps_by_group):
-        for p, index in zip(group["params"], sdg["params"]):
+    groups = []
+    for group, hps in zip(optimizer.param_groups, hps_by_group):
+        packed = {k: v for k, v in group.items() if k != "params"}
+        if hyperparams:
+            packed.update({k: tuple(v) if isinstance(v, list) else v for k, v in hps.items()})
+        packed["params"] = []
+        for p in group["params"]:
+            i = index.setdefault(id(p), len(index))
+            packed["params"].append(i)
             n = names.get(id(p))
             held.add(n)
+            name_of[i] = n
             if n in saved:
-                state[index] = saved[n]
-        sdg.update({k: tuple(v) if isinstance(v, list) else v for k, v in hps.items()})
+                state[i] = saved[n]
+        groups.append(packed)
     unknown = sorted(set(saved) - held)
     if unknown:
         raise UsageError(
             f"the checkpoint has optimizer state for {unknown[0]!r} ({len(unknown)} such), which this optimizer does not "
             "update; load a checkpoint of this model (same parameter names and requires_grad)"
         )
-    sd["state"] = state
+    return {"state": state, "param_groups": groups}, name_of
+
+
+def _load_optimizer(
+    reader: CheckpointReader, meta: dict[str, Any], named_params: Any, optimizer: torch.optim.Optimizer, *,
+    states: bool = True, hyperparams: bool = True,
+) -> None:  # fmt: skip
+    """Load a checkpoint's optimizer state and hyperparameters into ``optimizer`` (eager, or
+    ``cm.optimizer`` before or after its first call) through ``optimizer.load_state_dict``, the
+    checkpoint's names mapped onto the optimizer's parameters and groups. A load that is
+    refused changes nothing. ``cm.optimizer`` checks the checkpoint's shapes (placeholders)
+    first and reads the state one stage at a time while it writes it (its ``read=``); a torch
+    Optimizer gets it all at once. ``states=False``: the hyperparameters only (the states are
+    loaded at the first call, :func:`apply_pending`); ``hyperparams=False``: the states only."""
+    named_params = list(named_params)
+    saved = _optim_placeholders(reader)
+    sd, name_of = _torch_format(reader.path, meta, named_params, optimizer, saved, hyperparams)
+    failed: list[BaseException] = []
+
+    def read(indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        wanted = {(i, f): torch.empty(t.shape, dtype=t.dtype) for i in indices for f, t in sd["state"][i].items() if t.is_meta}
+        try:
+            reader.read({f"{_OPT}{name_of[i]}.{f}": t for (i, f), t in wanted.items()})
+        except BaseException as e:
+            failed.append(e)
+            raise
+        return {i: {f: wanted.get((i, f), t) for f, t in sd["state"][i].items()} for i in indices}
+
+    if not states:
+        sd["state"] = {}
     try:
-        optimizer.load_state_dict(sd)  # torch's and shfx's optimizers change nothing when they refuse
+        if isinstance(optimizer, HostOptimizer):
+            optimizer.load_state_dict(sd, read=read)  # (checks every stage, then reads and writes one at a time)
+        else:
+            sd["state"] = read(sorted(sd["state"]))
+            optimizer.load_state_dict(sd)  # torch's optimizers change nothing when they refuse
+    except ShfxError:
+        raise
     except (ValueError, KeyError, RuntimeError) as e:
+        if failed:  # (the checkpoint's files could not be read: not a refusal)
+            raise
         raise UsageError(
             f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: {e}. Load a checkpoint "
             "saved from this model with the same kind of optimizer"
@@ -293,34 +362,25 @@ def read_info(path: str) -> dict[str, Any]:
     return {**{k: meta[k] for k in keys}, "tensors": tensors}
 
 
-def _load_model(path: str, targets: dict[str, torch.Tensor]) -> None:
-    """Load ``model.*`` into ``targets`` (from :func:`_model_targets`) in place."""
-    import torch.distributed.checkpoint as dcp
-
-    if targets:
-        with torch.no_grad():
-            dcp.load({"model": targets}, storage_reader=_reader(path), no_dist=_no_dist())
-
-
-def _load_optim_tensors(path: str, md: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-    """The ``optimizer.state.*`` tensors of a checkpoint, as ``{param name: {field: tensor}}``."""
-    import torch.distributed.checkpoint as dcp
-
-    pre = "optimizer.state."
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for k, m in md.items():
-        if not k.startswith(pre):
-            continue
-        name, _, field = k[len(pre) :].rpartition(".")
-        state.setdefault(name, {})[field] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    if state:
-        dcp.load({"optimizer": {"state": state}}, storage_reader=_reader(path), no_dist=_no_dist())
-    return state
+def _loads_states_at_first_call(cm) -> bool:
+    """Whether a load before the first call leaves ``cm.optimizer``'s states to that call: a
+    shfx optimizer in one process, whose states can then be read one stage at a time into the
+    host store or the SSD (the NVMe and parameter tiers) once they are laid out, instead of
+    being held in RAM until then. (Data parallel keeps them until then: each rank keeps its
+    shard of them.)"""
+    return cm._engine is None and isinstance(cm.optimizer, HostOptimizer) and getattr(cm, "_dp", None) is None
 
 
 def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_rng: bool = True) -> Any:
     """Load what :func:`save` wrote into a compiled model (see :meth:`CompiledModel.load_checkpoint`).
-    Under data parallel (``cm._engine.dp`` set) every rank calls it: :func:`shfx.dp_checkpoint.load`."""
+    Under data parallel (``cm._engine.dp`` set) every rank calls it: :func:`shfx.dp_checkpoint.load`.
+
+    Everything a load can refuse is checked against the checkpoint's metadata before anything
+    is written; then the weights the host store holds are read into it in place, and what lives
+    on the SSD (the parameter tier's weights, the NVMe tier's optimizer states) one group at a
+    time, each group read into the SSD window's buffers and written to the SSD before the next.
+    Before the first call the weights go into the model's own tensors and the optimizer states
+    wait for that call (:func:`apply_pending`), which reads them the same way."""
     if getattr(getattr(cm, "_engine", None), "dp", None) is not None:
         from . import dp_checkpoint
 
@@ -329,27 +389,49 @@ def load(cm, path: str, *, scheduler: Any = None, strict: bool = True, restore_r
     md, meta = _read_meta(path)
     cm._settle()
     _check_common(meta, path, scheduler)
-    targets = _model_targets(path, md, cm._load_targets(), strict)  # the model's tensors are the host store's
-    if cm.optimizer is not None:  # before the first call its load_state_dict keeps the state for it
-        _load_optimizer(path, md, meta, cm.module.named_parameters(), cm.optimizer)
-    _load_model(path, targets)
+    reader = CheckpointReader(os.path.realpath(path), _no_dist())  # (the directory the link names now)
+    targets = _model_targets(path, md, cm._load_targets(), strict)  # (the tier's paged weights: placeholders)
+    defer = _loads_states_at_first_call(cm)
+    if cm.optimizer is not None:
+        _load_optimizer(reader, meta, cm.module.named_parameters(), cm.optimizer, states=not defer)
+    paged = cm._store.paged_keys if cm._store is not None else {}
+    reader.read({f"model.{k}": t for k, t in targets.items() if k not in paged})  # in place
     if cm._engine is not None:
-        if cm._store.paged_keys:  # (the parameter tier: the model's state_dict gave copies; to the SSD)
-            cm._engine.ssd.write_paged({k: t for k, t in targets.items() if k in cm._store.paged_keys})
+        if any(k in paged for k in targets):  # (the parameter tier: one group at a time, into the window, to the SSD)
+            cm._engine.ssd.load_paged(
+                [k for k in targets if k in paged], lambda views: reader.read({f"model.{k}": v for k, v in views.items()})
+            )
         cm._store.refresh_working()  # mixed precision: the 16-bit image from the loaded masters
         cm._engine.invalidate_device_weights()
         cm._engine.skipped_steps = meta["skipped_steps"]
+        cm._pending_checkpoint = None  # (one refused at the first call: this load replaces it)
     else:  # the engine exists at the first call
-        cm._pending_checkpoint = {"path": path, "skipped_steps": meta["skipped_steps"]}
+        cm._pending_checkpoint = {
+            "path": reader.path, "skipped_steps": meta["skipped_steps"], "states": defer and cm.optimizer is not None
+        }  # fmt: skip
     _load_common(meta, path, scheduler, cm.scaler, restore_rng)
     return meta["extra"]
 
 
 def apply_pending(cm, variant) -> None:
-    """At the first call after :func:`load` ran before it: what the engine keeps (the optimizer
-    state is the optimizer's own, loaded at that call by ``cm.optimizer``)."""
-    pending, cm._pending_checkpoint = cm._pending_checkpoint, None
+    """At the first call after :func:`load` ran before it, once the host store and the SSD
+    window are laid out: the optimizer states, read one stage at a time (the hyperparameters
+    were loaded then), and what the engine keeps. A refused state (what only the store's
+    layout can tell: a stage's parameters with and without state, or with different steps) is
+    raised here, and at every call until another checkpoint is loaded, with nothing written."""
+    pending = cm._pending_checkpoint
+    if pending["states"]:
+        path = pending["path"]
+        _, meta = _read_meta(path)
+        try:
+            _load_optimizer(CheckpointReader(path, _no_dist()), meta, cm.module.named_parameters(), cm.optimizer, hyperparams=False)
+        except UsageError as e:
+            raise UsageError(
+                f"the optimizer state of the checkpoint loaded before the first call ({path!r}) is refused: {e}; load "
+                "another checkpoint (cm.load_checkpoint) before calling the model"
+            ) from e
     cm._engine.skipped_steps = pending["skipped_steps"]
+    cm._pending_checkpoint = None
 
 
 # ---- eager PyTorch ----------------------------------------------------------------------------------
@@ -388,8 +470,9 @@ def load_into(
     md, meta = _read_meta(path)
     _check_common(meta, path, scheduler)
     targets = _model_targets(path, md, model.state_dict(), strict)
+    reader = CheckpointReader(path, _no_dist())
     if optimizer is not None:
-        _load_optimizer(path, md, meta, model.named_parameters(), optimizer)
-    _load_model(path, targets)
+        _load_optimizer(reader, meta, model.named_parameters(), optimizer)
+    reader.read({f"model.{k}": t for k, t in targets.items()})  # in place
     _load_common(meta, path, scheduler, scaler, restore_rng)
     return meta["extra"]

@@ -21,8 +21,10 @@ feature pass places the transfers again); an update of an SSD group without its 
 program error (``ScheduleError``), not read inline.
 
 The step counters (one 0-dim fp32 tensor per group) stay in host RAM. The states start as
-zeros: :meth:`SSDWindow.__init__` writes zeros into every extent (or the state a checkpoint
-loaded before the first call put in RAM), so every ``SR`` reads what the program says it reads
+zeros: :meth:`SSDWindow.__init__` writes zeros into every extent (or the state
+``cm.optimizer.load_state_dict`` put in RAM before the first call; ``cm.load_checkpoint``
+before the first call leaves the states to that call, which reads them one group at a time
+into the SSD: :meth:`load_group`), so every ``SR`` reads what the program says it reads
 (the store's byte counters equal ``Program.bytes_moved()`` from the first step). A failed or interrupted step calls :meth:`SSDWindow.reset` once nothing runs: a group
 whose read completed is written back as it is in its buffer (updated or not), every buffer is
 freed.
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -469,32 +471,65 @@ class SSDWindow:
         """Set paged tensors' values (``{key: tensor}``) on the SSD, one group at a time: the
         image (and, in mixed precision, the fp32 master, the image's working copy cast from it
         as ``p16.copy_(master)``). Between steps."""
+
+        def fill(views: dict[str, torch.Tensor]) -> None:
+            for k, view in views.items():
+                view.copy_(values[k].detach().reshape(view.shape))
+
+        self.load_paged(values, fill)
+
+    def load_paged(self, keys: Iterable[str], fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Set paged tensors' values on the SSD one group at a time, as a reader gives them:
+        for each group, its image (and master) is read into the window's buffers, free between
+        steps, ``fill({key: view})`` writes the values of the group's ``keys`` into their views
+        (a trainable parameter's fp32 master in mixed precision, else its image: a checkpoint
+        reads them there, nothing else is allocated), the image's working copy of each loaded
+        master is cast from it (``p16.copy_(master)``), and both are written back. The group's
+        other tensors keep their values. Between steps."""
         from .host_store import _host_info, typed_view
 
         if self.image_at or self.where:
             raise RuntimeError("a step holds paged groups in the host windows: load between steps")
         by_group: dict[int, list[str]] = {}
-        for k in values:
+        for k in keys:
             by_group.setdefault(self.store.paged_keys[k], []).append(k)
         for g, ks in sorted(by_group.items()):
             grp = self.store.groups[g]
-            image, master = self._paged_copies(g)
+            image, master = self._load_buffers(g)
+            views = {}
+            cast = []
+            for k in ks:
+                info = grp.info(k)
+                view = typed_view(image, grp.offsets[k], info)
+                if master is not None and k in grp.master_offsets and grp.master_offsets[k] < grp.master_bytes:
+                    views[k] = typed_view(master, grp.master_offsets[k], _host_info(info))
+                    cast.append((view, views[k]))
+                else:
+                    views[k] = view
             with torch.no_grad():
-                for k in ks:
-                    info = grp.info(k)
-                    src = values[k].detach().reshape(info.shape)
-                    view = typed_view(image, grp.offsets[k], info)
-                    if master is not None and k in grp.master_offsets and grp.master_offsets[k] < grp.master_bytes:
-                        mview = typed_view(master, grp.master_offsets[k], _host_info(info))
-                        mview.copy_(src)
-                        view.copy_(mview)
-                    else:
-                        view.copy_(src)
+                fill(views)
+                for view, mview in cast:
+                    view.copy_(mview)
             reqs = [self.ssd.write_from(("image", g), image)]
             if master is not None:
                 reqs.append(self.ssd.write_from(("master", g), master))
-            for r in reqs:
-                r.wait()
+            wait_all(reqs)
+
+    def _load_buffers(self, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Paged group ``g``'s image and master (uint8) read from the SSD into the first image
+        buffer and the first host-window buffer's master (free between steps: a load allocates
+        nothing for them); fresh copies where the window has no such buffer."""
+        grp = self.store.groups[g]
+        if not self.images or (self.extra.get(g) and not self.buffers):
+            return self._paged_copies(g)
+        image = self.images[0][: grp.nbytes]
+        reqs = [self.ssd.read_into(("image", g), image)]
+        master = None
+        if self.extra.get(g):
+            master = self.buffers[0]["master"][: grp.trainable_numel].view(torch.uint8)
+            reqs.append(self.ssd.read_into(("master", g), master))
+        wait_all(reqs)
+        return image, master
 
     def reset_images(self) -> None:
         """After a failed or abandoned step, or a forward-only call (nothing running): an image an
@@ -613,10 +648,14 @@ class SSDWindow:
     def load_group(self, g: int, entries: list) -> None:
         """Set group ``g``'s state from torch-format entries ``[((g, off, n, shape), state)]``
         (empty: fresh, zeros and step 0), written to the SSD through one group-sized buffer
-        (the runner's ``ssd_load`` fills it)."""
+        (the runner's ``ssd_load`` fills it): the first host-window buffer between steps."""
         if g in self.where:
             raise RuntimeError(f"group {g}'s optimizer state is in a host-window buffer (a step is running): load it between steps")
-        bufs, steps = self._zeros(g), self.optimizer.ssd_steps(g)
+        if self.where or not self.buffers:
+            bufs = self._zeros(g)
+        else:  # (between steps the window's buffers are free: the first one's views, zeroed, no allocation)
+            bufs = [t.zero_() for t in self._views_of(g, 0)]
+        steps = self.optimizer.ssd_steps(g)
         if entries:
             self.optimizer.ssd_load(g, self._state_copy(g, bufs, steps), entries)
         with self._cond:
@@ -628,8 +667,8 @@ class SSDWindow:
 
     def _write_initial(self) -> None:
         """Every extent starts as the group's state: zeros (fresh states), or the state the
-        optimizer already holds in RAM (one loaded before the first call, as from
-        ``cm.load_checkpoint``), which then leaves RAM."""
+        optimizer already holds in RAM (``cm.optimizer.load_state_dict`` before the first call;
+        data parallel's checkpoint load before it), which then leaves RAM."""
         for g in sorted(self.groups):
             with self.optimizer._lock:
                 st = self.optimizer.state.pop(g, None)
