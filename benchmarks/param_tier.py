@@ -51,10 +51,11 @@ torch.manual_seed(0)
 model = GPT(GPTShape(vocab=256, seq=32, layers=cfg["layers"], heads=8, hidden=cfg["hidden"], dropout=0.1))
 n_params = sum(p.numel() for p in model.parameters())
 off = None
+auto = cfg.get("auto", False)  # window, host window and image window: the tuner's (profiled through the tier)
 if cfg["tier"] == "params":
-    off = shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=cfg["dir"], host_window=1,
-                       host_budget=cfg["budget"], nvme_read=cfg["rate"], nvme_write=cfg["rate"])
-cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="4GiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
+    off = shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=cfg["dir"], host_window="auto" if auto else 1,
+                       image_window="auto" if auto else None, host_budget=cfg["budget"], nvme_read=cfg["rate"], nvme_write=cfg["rate"])
+cm = shfx.compile(model, device=shfx.EmulatedDevice(memory="4GiB", h2d=None, d2h=None), policy=shfx.Stronghold(window="auto" if auto else 2),
                   optimizer=shfx.optim.AdamW(lr=1e-3, weight_decay=0.01), offload=off, precision=cfg["precision"], recompute="full")
 g = torch.Generator().manual_seed(1)
 batches = [(torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g)) for _ in range(cfg["steps"])]
@@ -71,6 +72,8 @@ for i, (x, y) in enumerate(batches):
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # (the first step's transient heap back to the OS, in both runs)
         open("/proc/self/clear_refs", "w").write("5")  # the training's high-water mark from here
 train_peak = status("VmHWM")
+# (the training's own: the profile and the report below allocate scratch on the device and the host)
+device_peak, host_bytes = cm.backend.peak_bytes, cm._engine.host_bytes()
 led = cm.variant.ledger().static("host")
 import dataclasses, pickle
 from shfx.cost_model.simulate import simulate
@@ -87,8 +90,15 @@ elif cfg["rate"] is not None:  # the tier's program with that profile and the em
     bps = float(shfx.passes.units.parse_bandwidth(cfg["rate"]))
     costs = costs.with_links(dataclasses.replace(costs.links, ssd_read_bps=bps, ssd_write_bps=bps))
     predicted = simulate(cm.variant.train, costs).step_s
-out = {"base": base, "setup_peak": setup_peak, "train_peak": train_peak, "device_peak": cm.backend.peak_bytes,
-       "ledger_host": sum(led.values()), "host_bytes": cm._engine.host_bytes(), "n_params": n_params,
+own = chosen = None
+if cfg["tier"] == "params" and cfg["rate"] is not None:  # the tuner's prediction, from a profile through the tier itself
+    rep = cm.report()
+    t = rep.tune
+    w = cm.variant.policy.window  # (the running window: a fixed window's report ranks every window)
+    chosen = {"window": w, "host_window": cm.variant.train.host_window, "image_window": cm.variant.train.image_window}
+    own = next((r.step_s for r in t.host_rows if (r.host_window, r.image_window) == (t.host_window, t.image_window)), None) if t.host_rows else t.row(w).step_s
+out = {"predicted_own_profile_s": own, "chosen": chosen, "base": base, "setup_peak": setup_peak, "train_peak": train_peak, "device_peak": device_peak,
+       "ledger_host": sum(led.values()), "host_bytes": host_bytes, "n_params": n_params,
        "step_s": times, "losses": [float.hex(v) for v in losses], "predicted_s": predicted,
        "ssd": {k: v for k, v in cm.variant.train.bytes_moved().items() if k.startswith("ssd")},
        "actions": " ".join(cm.variant.train.actions())}
@@ -130,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rate", default=None, help="emulated SSD rate of the memory runs (default: the disk's own)")
     p.add_argument("--predict-rates", default="200MB/s,100MB/s",
                    help="emulated SSD rates of the step-time runs: measured against the simulator's prediction")
+    p.add_argument("--no-auto", dest="auto", action="store_false",
+                   help="skip the run with the tuner's windows (window, host_window, image_window 'auto') under the budget")
     p.add_argument("--dir", default=None)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "param_tier.json"))
     args = p.parse_args(argv)
@@ -146,6 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
             timed = [_run({"tier": "params", "precision": prec, "layers": args.layers, "hidden": args.hidden, "steps": max(6, args.steps // 2),
                            "dir": work, "budget": None, "rate": rate, "costs": costs}) | {"rate": rate}
                      for rate in args.predict_rates.split(",") if rate]  # fmt: skip
+            # the tuner's windows (window, host_window, image_window "auto") under the same budget, at the first rate
+            timed += [_run({"tier": "params", "precision": prec, "layers": args.layers, "hidden": args.hidden, "steps": max(6, args.steps // 2),
+                            "dir": work, "budget": budget, "rate": rate, "costs": costs, "auto": True}) | {"rate": rate, "auto": True}
+                      for rate in args.predict_rates.split(",")[:1] if rate and args.auto]  # fmt: skip
             capture = ram["train_peak"] - ram["base"] - ram["device_peak"] - ram["ledger_host"]
             overhead = tier["base"] + tier["device_peak"] + max(capture, 0) + SLACK
             out["runs"].append({"precision": prec, "budget": budget, "host RAM": ram, "parameter tier": tier,
@@ -171,15 +187,20 @@ def main(argv: list[str] | None = None) -> dict:
                   f"| {x['setup_peak'] / MiB:.0f} MiB | {x['train_peak'] / MiB:.0f} MiB | {net / MiB:.0f} MiB "
                   f"| {med(x['step_s']) * 1e3:.0f} ms | {r['bitwise'] if name == 'parameter tier' else ''} | {ok} |")
     print("\n## step time on the emulated SSD: measured (median after the first step) vs the simulator's prediction "
-          "(the tier's program, the all-in-RAM run's profile, the SSD's rates)\n")
-    print("| precision | run | SSD bytes per step (r / w) | predicted | measured | measured / predicted |\n| --- | --- | --- | --- | --- | --- |")
+          "(the tier's program and the SSD's rates, with the all-in-RAM run's profile, and with the compiled model's own "
+          "profile through the tier: cm.report())\n")
+    print("| precision | run | W, H, I | SSD bytes per step (r / w) | predicted (RAM profile) | predicted (own profile) | measured "
+          "| measured / predicted (RAM / own) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out["runs"]:
         ram = r["host RAM"]
-        print(f"| {r['precision']} | host RAM | - | {ram['predicted_s'] * 1e3:.0f} ms | {med(ram['step_s']) * 1e3:.0f} ms "
+        print(f"| {r['precision']} | host RAM | 2 | - | {ram['predicted_s'] * 1e3:.0f} ms | - | {med(ram['step_s']) * 1e3:.0f} ms "
               f"| {med(ram['step_s']) / ram['predicted_s']:.2f} |")
         for t in r["timed"]:
-            print(f"| {r['precision']} | parameter tier, {t['rate']} | {t['ssd']['ssd_read'] / MiB:.0f} / {t['ssd']['ssd_write'] / MiB:.0f} MiB "
-                  f"| {t['predicted_s'] * 1e3:.0f} ms | {med(t['step_s']) * 1e3:.0f} ms | {med(t['step_s']) / t['predicted_s']:.2f} |")
+            c, m, own = t["chosen"], med(t["step_s"]), t["predicted_own_profile_s"]
+            run = f"parameter tier, {t['rate']}" + (", tuned under the budget" if t.get("auto") else "")
+            print(f"| {r['precision']} | {run} | {c['window']}, {c['host_window']}, {c['image_window']} "
+                  f"| {t['ssd']['ssd_read'] / MiB:.0f} / {t['ssd']['ssd_write'] / MiB:.0f} MiB "
+                  f"| {t['predicted_s'] * 1e3:.0f} ms | {own * 1e3:.0f} ms | {m * 1e3:.0f} ms | {m / t['predicted_s']:.2f} / {m / own:.2f} |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
