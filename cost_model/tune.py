@@ -47,11 +47,13 @@ __all__ = ["WindowRow", "HostWindowRow", "TuneResult", "NoWindowFits", "tune_win
 
 
 class NoWindowFits(ValueError):
-    """Not even window 1 fits the device budget; ``.rows`` holds what each window needs."""
+    """Not even window 1 fits the device budget (``what="device"``), or no host window the host
+    budget (``what="host"``); ``.rows`` holds what each candidate needs."""
 
-    def __init__(self, message: str, rows: list):
+    def __init__(self, message: str, rows: list, what: str = "device"):
         super().__init__(message)
         self.rows = rows
+        self.what = what
 
 
 @dataclass(frozen=True)
@@ -422,12 +424,23 @@ def tune_window(
         tl = simulate(data_parallel_program(prog, ranks), costs, rollback=rollback)
         need = tl.peak_device_bytes + reserve_bytes
         fits = capacity_bytes is None or need <= capacity_bytes
+        if fits and host_grid and host_capacity_bytes is not None:
+            # (a window whose least host memory, one host-window buffer and the fewest image
+            # buffers its order needs, is over the host budget cannot be chosen: no H, I fits)
+            fits = _least_host_bytes(lower, concrete, image_window) <= host_capacity_bytes
         rows.append(WindowRow(w, tl.step_s, need, fits, tl.bottleneck, dict(tl.by_resource), tl, k, concrete))
     if not rows:
         raise ValueError(f"every candidate of {pol!r} was refused by a feature pass ({', '.join(p.name for p, _ in features)})")
     feasible = [r for r in rows if r.fits]
     if not feasible:
         smallest = min(rows, key=lambda r: r.peak_device_bytes)
+        if host_grid and host_capacity_bytes is not None and (capacity_bytes is None or smallest.peak_device_bytes <= capacity_bytes):
+            least = min(_least_host_bytes(lower, r.policy, image_window) for r in rows)
+            raise NoWindowFits(
+                f"no window fits the host budget of {format_bytes(host_capacity_bytes)}: even one host-window buffer and "
+                f"the fewest image buffers need {format_bytes(least)} of host memory (masters, gradients and the windows' buffers)",
+                rows, what="host",
+            )  # fmt: skip
         raise NoWindowFits(
             f"no window fits the device budget of {format_bytes(capacity_bytes or 0)}: even W={smallest.window} "
             f"needs {format_bytes(smallest.peak_device_bytes)} (its slot plus the activations kept for backward)",
@@ -460,6 +473,17 @@ def tune_window(
         return _tune_host_window(lower, costs, chosen.policy, tolerance, host_windows if tune_h else [hw_fixed],
                                  host_capacity_bytes, rollback, result, image_window)  # fmt: skip
     return result
+
+
+def _least_host_bytes(lower: _Lowering, pol: Policy, image_window: int | str | None) -> int:
+    """The least host memory ``pol``'s program can hold: one host-window buffer and (the
+    parameter tier, ``image_window`` ``"auto"``) the fewest image buffers its order needs."""
+    one = pol.replace(host_window=1) if "host_window" in pol.options() else pol
+    iw = max(1, lower.least_image_window(one)) if lower.param_tier and image_window == "auto" else image_window
+    try:
+        return lower.host_terms(lower(one, iw))[0]
+    except ScheduleError:  # (a fixed image_window fewer than this order needs: it cannot run)
+        return 1 << 62
 
 
 class _Lowering:
@@ -542,7 +566,7 @@ def _tune_host_window(
         raise NoWindowFits(
             f"no host window fits the host budget of {format_bytes(host_capacity_bytes or 0)}: even {what} "
             f"needs {format_bytes(small.host_bytes)} of host memory (masters, gradients and the window's buffers)",
-            rows,
+            rows, what="host",
         )
     best = min(feasible, key=lambda r: (r.step_s, r.host_bytes))
     chosen = min((r for r in feasible if r.step_s <= best.step_s * (1 + tolerance)), key=lambda r: (r.host_bytes, r.host_window, r.image_window or 0))

@@ -23,7 +23,7 @@ from shfx.cost_model.report import WindowReport
 from shfx.cost_model.tune import NoWindowFits, TuneResult, tune_window
 
 from ._capacity import capacity_bytes
-from .errors import OutOfDeviceMemory
+from .errors import OutOfDeviceMemory, UsageError
 from .offload import Offload
 from .runtime.backend import Backend
 from .runtime.data_parallel import DataParallelRuntime
@@ -153,6 +153,12 @@ def tune_variant(
                 param_tier=tier, image_window=image_window, masters=tier and variant.train.ssd_masters,
             )  # fmt: skip
         except NoWindowFits as e:
+            if e.what == "host":
+                raise UsageError(
+                    f"{e}. Declared: Offload(host_budget={format_bytes(host_budget or 0)}); use a larger host_budget, "
+                    "more stages (smaller groups, smaller window buffers), or the parameter tier "
+                    "(Offload(params='nvme', gradients='nvme', optimizer='nvme')) if the masters are in host RAM"
+                ) from e
             raise OutOfDeviceMemory(
                 f"{e}. Device: {backend.describe()}. Use a smaller batch or sequence, more stages "
                 "(smaller blocks), or a device with more memory.",
