@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shfx.passes.features import PassRefused, run_passes
-from shfx.passes.policies import Policy, Stronghold, ZeroInfinity, add_param_tier, least_image_window, resolve_policy
+from shfx.passes.policies import (
+    Policy, Stronghold, ZeroInfinity, add_param_tier, least_image_window, param_tier_groups, resolve_policy,
+)
 from shfx.passes.program import Program, ScheduleError
 from shfx.passes.schedule import data_parallel_program
 from shfx.passes.stages import StageSpec
@@ -309,7 +311,7 @@ def tune_window(
     param_tier: bool = False,
     image_window: int | str | None = None,
     masters: bool = False,
-    host_bytes: Callable[[Program], int] | None = None,
+    host_terms: Callable[[Program], dict[str, int]] | None = None,
 ) -> TuneResult:
     """Pick a window (see the module docstring).
 
@@ -348,9 +350,10 @@ def tune_window(
             its fp32 masters too) before the features, with ``image_window`` image buffers: an
             int, None (the fewest the candidate's order needs, plus one) or ``"auto"``: chosen
             with the host window H, over the fewest the order needs to three more, by H's rule.
-        host_bytes: the host memory of a candidate program (default: the ledger's static host
-            terms of :func:`shfx.passes.ledger.replay`), what ``host_capacity_bytes`` bounds; a
-            compiled model passes its variant's (its groups' real masters and working copies).
+        host_terms: the host terms of a candidate program, ``{term: bytes}`` (default: the
+            ledger's static host terms of :func:`shfx.passes.ledger.replay`), whose sum
+            ``host_capacity_bytes`` bounds; a compiled model passes its variant's (its groups' real
+            masters and working copies).
 
     Raises:
         NoWindowFits: when no window fits the budget (or no host window the host budget).
@@ -378,7 +381,7 @@ def tune_window(
         raise ValueError(f"policy {pol.name!r} has no window to tune")
     if (tune_h or param_tier) and ranks > 1:
         raise ValueError(f"data parallel ({ranks} ranks) with the NVMe tier is not modelled; tune without one of them")
-    lower = _Lowering(specs, features, param_tier, masters, host_bytes)
+    lower = _Lowering(specs, features, param_tier, masters, host_terms)
     hw_fixed = None if tune_h else getattr(pol, "host_window", None)
     if tune_h:
         # NOTE: (k, W) are chosen at the largest host window (no SSD stall the window could
@@ -489,12 +492,12 @@ def _least_host_bytes(lower: _Lowering, pol: Policy, image_window: int | str | N
 class _Lowering:
     """A candidate policy's program as the training would run it: the policy's lowering, the
     parameter tier (``param_tier``: with ``image_window`` buffers, None the default), the
-    configuration's feature passes; and its host memory (``host_bytes``, default the ledger's)."""
+    configuration's feature passes; and its host memory (``host_terms``, default the ledger's)."""
 
     def __init__(self, specs: Sequence[StageSpec], features: Sequence[tuple[Any, dict]], param_tier: bool, masters: bool,
-                 host_bytes: Callable[[Program], int] | None):  # fmt: skip
+                 host_terms: Callable[[Program], dict[str, int]] | None):  # fmt: skip
         self.specs, self.features, self.param_tier, self.masters = specs, features, param_tier, masters
-        self._host_bytes = host_bytes
+        self._host_terms = host_terms
 
     def __call__(self, concrete: Policy, image_window: int | None = None) -> Program:
         prog = concrete.program(self.specs)
@@ -506,12 +509,11 @@ class _Lowering:
         return least_image_window(concrete.program(self.specs))
 
     def host_terms(self, prog: Program) -> tuple[int, int]:
-        """The host bytes of ``prog`` and, of them, its SSD windows' buffers."""
+        """The host bytes of ``prog`` and, of them, its SSD windows' buffers (one replay)."""
         from shfx.passes.ledger import HOST_WINDOW, IMAGE_WINDOW, replay
 
-        host = replay(prog).static("host")
-        need = self._host_bytes(prog) if self._host_bytes is not None else sum(host.values())
-        return need, host.get(HOST_WINDOW, 0) + host.get(IMAGE_WINDOW, 0)
+        host = self._host_terms(prog) if self._host_terms is not None else replay(prog).static("host")
+        return sum(host.values()), host.get(HOST_WINDOW, 0) + host.get(IMAGE_WINDOW, 0)
 
 
 def _tune_host_window(
@@ -538,7 +540,7 @@ def _tune_host_window(
         raise ValueError(f"host_windows must be ints >= 1, got {host_windows!r}")
     if image_window == "auto":
         least = max(1, lower.least_image_window(pol.replace(host_window=1)))
-        paged = len(lower(pol.replace(host_window=1), least).ssd_images)
+        paged = len(param_tier_groups(pol.replace(host_window=1).program(specs)))
         iws: list[int | None] = list(range(least, max(least, min(least + 3, paged)) + 1))
     else:
         iws = [image_window]

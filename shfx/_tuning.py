@@ -29,7 +29,7 @@ from .runtime.backend import Backend
 from .runtime.data_parallel import DataParallelRuntime
 from .runtime.engine import Engine
 
-__all__ = ["clamped_window", "host_bytes_of", "measure_ssd_rates", "tune_variant", "warn_unused_window"]
+__all__ = ["clamped_window", "host_terms_of", "measure_ssd_rates", "tune_variant", "warn_unused_window"]
 
 
 def clamped_window(variant: Variant) -> int | None:
@@ -105,7 +105,7 @@ def tune_variant(
     fixed one, ``how="fixed"``), choose one. ``tolerance`` and ``rollback`` are the compile
     options; ``ssd_rates()`` gives the SSD's read and write bytes/s (asked only for an NVMe policy).
     ``host_budget``: ``Offload(host_budget=...)``, the bound of the host windows' choice (the
-    ledger's host terms of each candidate, :func:`host_bytes_of`); ``image_window``: the
+    ledger's host terms of each candidate, :func:`host_terms_of`); ``image_window``: the
     parameter tier's (``"auto"``: chosen with the host window; for ``how="fixed"`` the variant's).
 
     Every tuning (the first call's with ``"auto"`` fields, ``report()``'s, ``retune()``'s)
@@ -149,7 +149,7 @@ def tune_variant(
             return tune_window(
                 graph.specs, costs, capacity_bytes=capacity,
                 tolerance=tolerance, policy=policy, rollback=rollback, features=candidate_passes(variant.train),
-                host_capacity_bytes=host_budget, host_bytes=host_bytes_of(variant, grad_accum_steps),
+                host_capacity_bytes=host_budget, host_terms=host_terms_of(variant, grad_accum_steps),
                 param_tier=tier, image_window=image_window, masters=tier and variant.train.ssd_masters,
             )  # fmt: skip
         except NoWindowFits as e:
@@ -181,20 +181,20 @@ def tune_variant(
     )  # fmt: skip
 
 
-def host_bytes_of(variant: Variant, grad_accum_steps: int = 1) -> Callable[[Any], int]:
-    """The host memory of a candidate train program over ``variant``'s stages: the ledger's
-    static host terms with the groups' real masters and working copies (what
+def host_terms_of(variant: Variant, grad_accum_steps: int = 1) -> Callable[[Any], dict[str, int]]:
+    """The host terms of a candidate train program over ``variant``'s stages: the ledger's static
+    host terms with the groups' real masters and working copies (whose sum
     :func:`shfx._capacity.check_host_budget` compares with ``Offload(host_budget=...)``)."""
     from shfx.passes.ledger import replay
 
     groups = variant.graph.groups
 
-    def host_bytes(program: Any) -> int:
+    def host_terms(program: Any) -> dict[str, int]:
         led = replay(program, group_bytes=[g.host_master_bytes for g in groups], working_bytes=[g.working_bytes for g in groups],
                      grad_accum_steps=grad_accum_steps, rollback=variant.journaled)  # fmt: skip
-        return sum(led.static("host").values())
+        return led.static("host")
 
-    return host_bytes
+    return host_terms
 
 
 def _pinned_line(backend: Backend) -> str:

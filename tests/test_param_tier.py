@@ -123,12 +123,16 @@ def _tier(path, **kw):
     return shfx.Offload(params="nvme", gradients="nvme", optimizer="nvme", path=str(path), host_window=2, **kw)
 
 
-def _train(model, batches, offload=None, precision="fp32", **kw):
+def _compile(model, offload=None, precision="fp32", **kw):
     kw.setdefault("optimizer", shfx.optim.AdamW(lr=1e-2, weight_decay=0.01))
-    cm = shfx.compile(
+    return shfx.compile(
         model, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
         offload=offload, precision=precision, **kw,
     )  # fmt: skip
+
+
+def _train(model, batches, offload=None, precision="fp32", **kw):
+    cm = _compile(model, offload, precision, **kw)
     return cm, seeded_steps(cm, cm, batches)
 
 
@@ -208,15 +212,10 @@ def test_gradient_accumulation_waits_on_the_ssd_and_trains_bitwise_as_eager(tmp_
             opt.zero_grad()
         return losses
 
-    def compiled(m, offload=None):
-        return shfx.compile(
-            m, device=shfx.EmulatedDevice(memory="64MiB", h2d=None, d2h=None), policy=shfx.Stronghold(window=2),
-            optimizer=shfx.optim.AdamW(lr=1e-2, weight_decay=0.01), offload=offload, grad_accum_steps=2, precision=precision,
-        )  # fmt: skip
-
-    cm = compiled(model, _tier(tmp_path))
+    cm = _compile(model, _tier(tmp_path), precision, grad_accum_steps=2)
     # (fp32: eager AdamW; bf16: the all-in-RAM run, whose mixed-precision recipe tests/test_mixed_precision.py checks)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True) if precision == "fp32" else compiled(ref)
+    ref_opt = (torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True) if precision == "fp32"
+               else _compile(ref, precision=precision, grad_accum_steps=2))  # fmt: skip
     try:
         losses = run(cm, cm)
         ref_losses = run(ref if precision == "fp32" else ref_opt, ref_opt)

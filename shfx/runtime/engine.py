@@ -277,15 +277,13 @@ class Engine:
             # (writing the gradient when accumulating), an image read only the update needed is
             # not made and its PW is dropped (ActionHandlers.run_tier_unupdated); every other
             # update is skipped
-            tier = meta.kind in (SR, PW, SW, PR) and meta.stage in paged
-            if tier and meta.kind == PR and all(KINDS[get_meta(u).kind].update for u in node.users):
+            tier = meta.stage in paged and meta.kind in (SR, PW, SW)
+            if meta.stage in paged and meta.kind == PR and all(KINDS[get_meta(u).kind].update for u in node.users):
                 continue  # (an image read for the update alone)
-            if tier and meta.kind == PR:
-                tier = False  # (a read a prefetch needs: as always)
             if KINDS[meta.kind].update and skip_updates and not tier:
                 continue
             deps = [ctx.env[d] for d in program.deps(node) if d in ctx.env]
-            if tier and meta.kind in (SW, PW):  # (what the skipped update waited for: the gradient's copy, the prefetches)
+            if tier and meta.kind != SR:  # (what the skipped update waited for: the gradient's copy, the prefetches)
                 upd = next((u for u in program.deps(node) if get_meta(u).kind == U), None)
                 deps += [ctx.env[d] for d in (program.deps(upd) if upd is not None else ()) if d in ctx.env]
             try:

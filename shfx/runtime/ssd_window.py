@@ -280,7 +280,7 @@ class SSDWindow:
             grp = self.store.groups[g]
             master = self.buffers[b]["master"][: grp.trainable_numel] if self.extra[g] else None
             valid = self._accumulated(g, b)  # (gradient accumulation: the earlier micro-steps' sum, the OG adds to it)
-            self.store.page_state(g, master, self.buffers[b]["grad"][: grp.trainable_numel], valid)
+            self.store.page_state(g, master, self._grad_view(g, b), valid)
         else:
             self._stage(g, b)
 
@@ -313,13 +313,17 @@ class SSDWindow:
         """Whether paged group ``g``'s gradient has an SSD extent (gradient accumulation)."""
         return ("grad", g) in self.ssd.extents
 
+    def _grad_view(self, g: int, b: int) -> torch.Tensor:
+        """Paged group ``g``'s gradient in host-window buffer ``b``."""
+        return self.buffers[b]["grad"][: self.store.groups[g].trainable_numel]
+
     def _accumulated(self, g: int, b: int) -> bool:
         """The gradient accumulated so far into buffer ``b``'s gradient (when there is one)."""
         from .host_store import GRAD_VALID
 
         if not (self.accumulates(g) and self.store.grad_state[g] == GRAD_VALID):
             return False
-        self.ssd.read_into(("grad", g), self.buffers[b]["grad"][: self.store.groups[g].trainable_numel]).wait()
+        self.ssd.read_into(("grad", g), self._grad_view(g, b)).wait()
         return True
 
     def stage_gradient(self, g: int, buffer: int | None, accumulated: bool) -> None:
@@ -334,7 +338,7 @@ class SSDWindow:
             self._free(g, keep_grad=True)  # (the sum so far stays on the SSD)
             raise
         self._snap = None
-        self.store.page_state(g, None, self.buffers[b]["grad"][: self.store.groups[g].trainable_numel], valid)
+        self.store.page_state(g, None, self._grad_view(g, b), valid)
 
     def write_gradient(self, g: int) -> None:
         """``SW g`` of a micro-step before the last: paged group ``g``'s gradient, accumulated so
@@ -342,7 +346,7 @@ class SSDWindow:
         b = self.where.get(g)
         if b is None:
             raise RuntimeError(f"group {g}'s gradient is not in a host-window buffer: SW{g} has nothing to write")
-        self.ssd.write_from(("grad", g), self.buffers[b]["grad"][: self.store.groups[g].trainable_numel]).wait()
+        self.ssd.write_from(("grad", g), self._grad_view(g, b)).wait()
         self._free(g, keep_grad=True)
 
     def _extra_views(self, g: int, b: int) -> list[torch.Tensor]:
